@@ -1,0 +1,653 @@
+"""The Llama 3 architecture in one file, free of distributed code.
+
+Read top to bottom:
+  1. ModelArgs and PRESETS        the hyperparameters of every Llama 3 size, from a CPU toy to 405B
+  2. RMSNorm, RoPE                normalization and rotary positions with the Llama 3.1 frequency scaling
+  3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP
+  4. Transformer                  embedding -> n_layers x Block -> norm -> output head; packed documents
+  5. generate                     sampling with a KV cache (temperature, top-k, top-p; 0 = greedy)
+  6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand)
+  7. count_params, flops_per_token, memory_estimate   the arithmetic bench.py and the README use
+
+Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
+outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the
+layers live in a ModuleDict keyed by their *global* index ("0", "1", ...), so parameter names do not depend
+on which layers a pipeline stage keeps, and attention infers its local head count from the tensors it sees.
+
+Parameter names follow Meta's reference (tok_embeddings, layers.N.attention.wq, feed_forward.w1, ...).
+RoPE uses the "rotate half" layout of Hugging Face: the first and second half of each head's dimensions
+form the rotated pairs. Meta checkpoints pair adjacent dimensions instead; load_meta permutes wq/wk rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import struct
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Hyperparameters
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None  # None: same as n_heads (plain multi-head attention)
+    vocab_size: int = 320
+    multiple_of: int = 64  # FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    ffn_hidden: Optional[int] = None  # explicit FFN hidden size (HF's intermediate_size); overrides the rule
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: Optional[dict] = None  # Llama 3.1: factor, low_freq_factor, high_freq_factor, original_max_seq_len
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden size: 2/3 of 4*dim (same parameter count as a 4*dim GELU MLP), scaled, rounded up."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+LLAMA32_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+           ffn_dim_multiplier=1.3)
+_70B = dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+            ffn_dim_multiplier=1.3)
+
+# The published models (Meta's params.json), then small presets for CPU work. The small ones use the
+# byte tokenizer's vocabulary (256 bytes + 12 specials, padded to 320); train.py resizes vocab_size to
+# the tokenizer it is given. Parameter counts are in the README (python model.py lists them).
+PRESETS: dict[str, ModelArgs] = {
+    "llama3-8b": ModelArgs(**_8B, max_seq_len=8192),
+    "llama3-70b": ModelArgs(**_70B, max_seq_len=8192),
+    "llama3.1-8b": ModelArgs(**_8B, max_seq_len=131072, rope_scaling=LLAMA31_ROPE),
+    "llama3.1-70b": ModelArgs(**_70B, max_seq_len=131072, rope_scaling=LLAMA31_ROPE),
+    "llama3.1-405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                               multiple_of=4096, ffn_dim_multiplier=1.2, max_seq_len=131072,
+                               rope_scaling=LLAMA31_ROPE),
+    "llama3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=256, ffn_dim_multiplier=1.5, max_seq_len=131072,
+                             rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
+    "llama3.2-3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=256, ffn_dim_multiplier=1.0, max_seq_len=131072,
+                             rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
+    # CPU-sized: same architecture (GQA, SwiGLU, RoPE), a byte-level vocabulary, short context.
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=256),
+    "mini": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=512,
+                      rope_theta=10000.0),
+    "small": ModelArgs(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=320, max_seq_len=1024),
+    "medium": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=320, max_seq_len=1024),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Normalization and rotary position embeddings
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich 2019). Computed in fp32 for stability, returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d) for i < head_dim/2, with Llama 3.1's long-context scaling:
+    wavelengths longer than the original context are slowed down by `factor`, short ones kept, and the band
+    in between interpolated smoothly. Always fp32 (recomputed per forward: a few tiny ops, and it can never
+    be cast to bf16 by model.to())."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    s = args.rope_scaling
+    if s:
+        old_len = s["original_max_seq_len"]
+        low_wavelen = old_len / s["low_freq_factor"]
+        high_wavelen = old_len / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        mid = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / s["factor"],
+                               torch.where(wavelen < high_wavelen, inv_freq, mid))
+    return inv_freq
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """positions (B, T) or (T,) -> cos, sin of shape (B or 1, T, 1, head_dim), broadcast over heads."""
+    angles = positions.float()[..., None] * inv_freq  # (.., T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: pair i with i + head_dim/2
+    if angles.dim() == 2:
+        angles = angles[None]
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each (x_i, x_{i+d/2}) pair of x (B, T, heads, head_dim) by its position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) non-decreasing document ids -> position of each token inside its own document."""
+    T = doc_ids.shape[1]
+    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_idx
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Attention and feed-forward
+
+
+class KVCache:
+    """Keys and values of one layer for generation: (B, n_kv_heads, max_len, head_dim), filled in order."""
+
+    def __init__(self, batch, n_kv_heads, max_len, head_dim, dtype, device):
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, start_pos: int, k, v):
+        T = k.shape[2]
+        self.k[:, :, start_pos:start_pos + T] = k
+        self.v[:, :, start_pos:start_pos + T] = v
+        return self.k[:, :, :start_pos + T], self.v[:, :, :start_pos + T]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (Ainslie et al. 2023)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        kv_dim = args.n_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, start_pos: int = 0):
+        B, T, _ = x.shape
+        # Head counts come from the tensors, not from args: under tensor parallelism wq/wk/wv hold only
+        # this rank's heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        if cache is not None:
+            k, v = cache.update(start_pos, k, v)  # (B, n_kv_heads, start_pos + T, head_dim)
+        # Causal by default (lets SDPA pick the flash kernel); an explicit mask for packed documents or a
+        # prefill on top of a cache. A single decoded token attends to everything cached: no mask.
+        is_causal = mask is None and k.shape[2] == T and T > 1
+        if k.shape[1] != q.shape[1]:  # GQA: each key/value head serves n_heads/n_kv_heads query heads
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + ffn(norm(.))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, start_pos=0):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, start_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. The model
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Keyed by global layer index so names survive pipeline stages dropping layers (parallel.py).
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.act_ckpt = False  # activation checkpointing: recompute each block in backward (train.py sets)
+        if self.tok_embeddings.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None):
+        """Initialization: every linear and the embedding ~ N(0, 0.02); the two projections that write into
+        the residual stream (wo, w2) ~ N(0, 0.02 / sqrt(2 * n_layers)) so the residual's variance does not grow
+        with depth (GPT-2); norms = 1. Seeded by the global RNG or `generator`, so one seed gives one model."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.args.n_layers), generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None, start_pos: int = 0) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab_size).
+
+        doc_ids (B, T), optional: non-decreasing document ids of packed sequences. Attention then never
+        crosses a document boundary and RoPE positions restart at 0 for each document.
+        caches / start_pos: generation with a KV cache; tokens sit at positions start_pos.. start_pos+T-1.
+        """
+        B, T = tokens.shape
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        mask = None
+        if doc_ids is not None:
+            positions = document_positions(doc_ids)  # (B, T)
+            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+            mask = (same_doc & causal)[:, None]  # (B, 1, T, T), broadcast over heads
+        else:
+            positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
+            if caches is not None and start_pos > 0 and T > 1:  # prefill after a prefix: query i sees keys <= start_pos+i
+                mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=tokens.device).tril(start_pos)
+        cos, sin = rope_cos_sin(positions, rope_frequencies(self.args, tokens.device))
+        for key, layer in self.layers.items():
+            cache = caches[int(key)] if caches is not None else None
+            if self.act_ckpt and self.training:
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask, cache, start_pos)
+        return self.output(self.norm(h))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. Generation with a KV cache
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, vocab) -> next token ids (B,). temperature 0 is greedy (argmax)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # Nucleus: keep the smallest set of tokens whose probability mass reaches top_p (the first is kept).
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+             generator: torch.Generator | None = None, n_vocab: int | None = None) -> torch.Tensor:
+    """Continue prompts (B, T) (or one list of ids) by up to max_new_tokens; returns the new tokens (B, n).
+
+    The prompt is run once (prefill) to fill each layer's KV cache; every later step feeds only the newest
+    token, attending to the cached keys and values, so a step costs O(T) instead of O(T^2). Stops early
+    once every row has produced eos_id. n_vocab: sample only ids below it (the embedding table may be
+    padded past the tokenizer's vocabulary; padded rows are never valid tokens).
+    """
+    was_training = model.training
+    model.eval()
+    device = model.tok_embeddings.weight.device
+    tokens = torch.as_tensor(prompt_tokens, dtype=torch.long, device=device)
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    B, T = tokens.shape
+    total = min(T + max_new_tokens, model.args.max_seq_len)
+    if T >= total:
+        raise ValueError(f"prompt of {T} tokens leaves no room under max_seq_len {model.args.max_seq_len}")
+    dtype = model.tok_embeddings.weight.dtype
+    caches = [KVCache(B, model.args.n_kv_heads, total, model.args.head_dim, dtype, device)
+              for _ in range(model.args.n_layers)]
+    out = []
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    logits = model(tokens, caches=caches, start_pos=0)[:, -1]
+    for pos in range(T, total):
+        if n_vocab is not None:
+            logits[:, n_vocab:] = float("-inf")
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        out.append(nxt)
+        if eos_id is not None:
+            done |= nxt == eos_id
+            if done.all():
+                break
+        if pos + 1 < total:
+            logits = model(nxt[:, None], caches=caches, start_pos=pos)[:, -1]
+    model.train(was_training)
+    return torch.stack(out, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. Weight interop: Hugging Face (config.json + safetensors) and Meta (params.json + consolidated.*.pth)
+
+# safetensors: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
+# then the raw little-endian tensor bytes. Simple enough to read and write without the package.
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def read_safetensors(path) -> dict[str, torch.Tensor]:
+    """Read a .safetensors file into CPU tensors (copied out of a memory map, so files can be large)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:  # copy-on-write: torch wants writable memory
+        (n,) = struct.unpack("<Q", m[:8])
+        header = json.loads(m[8:8 + n])
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            dtype = _ST_DTYPES[info["dtype"]]
+            count = (end - start) // torch.empty((), dtype=dtype).element_size()
+            t = torch.frombuffer(m, dtype=dtype, count=count, offset=8 + n + start) if count else \
+                torch.empty(0, dtype=dtype)
+            out[name] = t.reshape(info["shape"]).clone()
+        return out
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path):
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    header, offset, blobs = {}, 0, []
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        b = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)  # the format pads the header to 8-byte alignment
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+_HF_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.N / model.layers.N
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def _hf_name(ours: str) -> str:
+    if ours.startswith("layers."):
+        _, i, rest = ours.split(".", 2)
+        return f"model.layers.{i}.{_HF_LAYER_NAMES[rest]}"
+    return {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight"}[ours]
+
+
+def args_from_hf_config(cfg: dict) -> ModelArgs:
+    # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = None
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        scaling = dict(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                       high_freq_factor=rope["high_freq_factor"],
+                       original_max_seq_len=rope["original_max_position_embeddings"])
+    elif rope.get("rope_type", "default") not in ("default", None):
+        raise ValueError(f"unsupported rope type {rope.get('rope_type')!r}")
+    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                     n_kv_heads=cfg.get("num_key_value_heads"), vocab_size=cfg["vocab_size"],
+                     ffn_hidden=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                     rope_theta=theta, rope_scaling=scaling, max_seq_len=cfg.get("max_position_embeddings", 2048),
+                     tie_embeddings=cfg.get("tie_word_embeddings", False))
+
+
+def hf_config(args: ModelArgs) -> dict:
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "hidden_size": args.dim, "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
+           "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+           "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+           "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
+           "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+           "torch_dtype": "float32"}
+    if args.rope_scaling:
+        s = args.rope_scaling
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s["factor"], "low_freq_factor": s["low_freq_factor"],
+                               "high_freq_factor": s["high_freq_factor"],
+                               "original_max_position_embeddings": s["original_max_seq_len"]}
+    return cfg
+
+
+def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: str) -> Transformer:
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:
+        expected.pop("output.weight")
+        state.pop("output.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing {missing[:4]} unexpected {unexpected[:4]}")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != tuple(shape):
+            raise ValueError(f"{source}: {k} has shape {tuple(state[k].shape)}, the config says {tuple(shape)}")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def load_hf(path, dtype=torch.float32) -> Transformer:
+    """A Hugging Face Llama directory (config.json + *.safetensors) -> Transformer."""
+    path = Path(path)
+    args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+    theirs = {}
+    for f in sorted(path.glob("*.safetensors")):
+        theirs.update(read_safetensors(f))
+    if not theirs:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device="cpu").to(dtype)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # to_empty() unties; restore the tie
+    ours = {}
+    for name in model.state_dict():
+        if name == "output.weight" and args.tie_embeddings:
+            continue
+        ours[name] = theirs.pop(_hf_name(name), None)
+    ours = {k: v.to(dtype) for k, v in ours.items() if v is not None}
+    theirs.pop("lm_head.weight", None) if args.tie_embeddings else None
+    _load_state(model, ours, str(path))
+    return model
+
+
+def save_hf(model: Transformer, path):
+    """Write a Hugging Face Llama directory: config.json and model.safetensors (in the model's dtype)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {_hf_name(k): v for k, v in model.state_dict().items()
+             if not (k == "output.weight" and model.args.tie_embeddings)}
+    cfg = hf_config(model.args)
+    cfg["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    write_safetensors(state, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def meta_to_hf_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's wq/wk rows pair adjacent dims (0,1),(2,3)..; ours pair (i, i+head_dim/2). Reorder the rows."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def hf_to_meta_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+# In Meta's model-parallel checkpoints each consolidated.NN.pth holds one slice: column-parallel weights
+# (and the vocab-parallel embedding) are split along dim 0, row-parallel ones (wo, w2) along dim 1.
+_META_CAT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0, "wo": 1, "w2": 1}
+
+
+def load_meta(path, dtype=torch.float32) -> Transformer:
+    """A Meta Llama 3 checkpoint directory (params.json + consolidated.*.pth) -> Transformer."""
+    path = Path(path)
+    p = json.loads((path / "params.json").read_text())
+    args = ModelArgs(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"], n_kv_heads=p.get("n_kv_heads"),
+                     vocab_size=p["vocab_size"], multiple_of=p["multiple_of"],
+                     ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p["norm_eps"],
+                     rope_theta=p.get("rope_theta", 500000.0),
+                     rope_scaling=dict(LLAMA31_ROPE) if p.get("use_scaled_rope") else None,
+                     max_seq_len=p.get("max_seq_len", 8192))
+    if p.get("use_scaled_rope") and p.get("rope_scaling_factor"):
+        args.rope_scaling["factor"] = float(p["rope_scaling_factor"])
+    files = sorted(path.glob("consolidated.*.pth"))
+    if not files:
+        raise FileNotFoundError(f"no consolidated.*.pth files in {path}")
+    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
+    state = {}
+    for name in shards[0]:
+        if name.endswith("rope.freqs"):
+            continue  # some releases store RoPE frequencies; we recompute them
+        parts = [s[name] for s in shards]
+        kind = name.split(".")[-2]
+        t = torch.cat(parts, dim=_META_CAT_DIM[kind]) if len(parts) > 1 and kind in _META_CAT_DIM else parts[0]
+        if kind == "wq":
+            t = meta_to_hf_rope_permute(t, args.n_heads)
+        elif kind == "wk":
+            t = meta_to_hf_rope_permute(t, args.n_kv_heads)
+        state[name] = t.to(dtype)
+    if "output.weight" not in state:
+        args = replace(args, tie_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device="cpu").to(dtype)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return _load_state(model, state, str(path))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. Counting: parameters, FLOPs, memory
+
+
+def count_params(args: ModelArgs, embedding: bool = True) -> int:
+    """Exact parameter count of Transformer(args), from the shapes alone (no model is built)."""
+    d, hd, L, V = args.dim, args.head_dim, args.n_layers, args.vocab_size
+    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo + wk, wv
+    ffn = 3 * d * args.hidden_dim
+    n = L * (attn + ffn + 2 * d) + d  # + two norms per layer, the final norm
+    n += V * d if not args.tie_embeddings else 0  # output head
+    return n + (V * d if embedding else 0)
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward = 3x forward) under the two conventions in use:
+    'palm' (PaLM appendix B, nanoGPT, torchtitan): 6*N_matmul + 12*L*d*T, attention scores counted in full;
+    'megatron' (Megatron-LM, llm.c): the attention term halved, since causal masking skips half of it.
+    N_matmul counts every weight that takes part in a matmul: all but the embedding table, the output head
+    included (when tied, the shared matrix is still used once as the head)."""
+    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+    attn = 12 * args.n_layers * args.dim * seq_len
+    return {"palm": 6 * n_matmul + attn, "megatron": 6 * n_matmul + attn / 2}
+
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def memory_estimate(args: ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
+                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, zero_dp: int = 1) -> dict[str, float]:
+    """Bytes per device while training, split by kind.
+
+    weights: params in the training precision; grads: an fp32 gradient buffer; master: fp32 master copy
+    (only when training in bf16/fp16); optimizer: AdamW m and v in fp32 (master and Adam state divided by
+    zero_dp under ZeRO-1). Activations, per layer and token, count what backward keeps in the compute
+    precision with fused (flash) attention: the block input and the two norm outputs (3d), q, k, v and the
+    attention output (2d + 2*kv_dim), and three FFN hidden tensors (3*hidden) -- 5d + 2kv + 3h elements,
+    divided by tp. With activation checkpointing only the block inputs are kept, plus one block recomputed.
+    Logits (fp32, B*T*V/tp) and their gradient are added on the last stage. Model states divide by tp*pp.
+    """
+    n = count_params(args) / (tp * pp)
+    b = BYTES[precision]
+    weights = n * b
+    grads = n * 4
+    master = n * 4 / zero_dp if precision != "fp32" else 0.0
+    optimizer = n * 8 / zero_dp
+    tokens = micro_batch * seq_len
+    kv = args.n_kv_heads * args.head_dim
+    per_layer = tokens * (5 * args.dim + 2 * kv + 3 * args.hidden_dim) * b / tp
+    layers = math.ceil(args.n_layers / pp)
+    acts = layers * tokens * args.dim * b + per_layer if act_ckpt else layers * per_layer
+    acts += tokens * args.vocab_size * 4 * 2 / tp
+    out = {"weights": weights, "grads": grads, "master": master, "optimizer": optimizer, "activations": acts}
+    out["total"] = sum(out.values())
+    return out
+
+
+if __name__ == "__main__":  # python model.py: list the presets with their sizes
+    for name, a in PRESETS.items():
+        f = flops_per_token(a, a.max_seq_len if a.max_seq_len <= 8192 else 8192)
+        print(f"{name:14s} params {count_params(a):>16,d}  non-embedding {count_params(a, False):>16,d}  "
+              f"dim {a.dim:5d} layers {a.n_layers:3d} heads {a.n_heads:3d}/{a.n_kv_heads:<2d} ffn {a.hidden_dim:6d}  "
+              f"GFLOP/token {f['palm'] / 1e9:9.2f}")

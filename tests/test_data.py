@@ -1,0 +1,447 @@
+"""Tests for data.py: tokenizers, downloads (against a local HTTP server), the mirror, shards, prepare,
+the Loader's determinism / data-parallel split / exact resume, and the CLI. No test touches the network."""
+import hashlib
+import http.server
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import DataError, Loader, download, get_tokenizer, prepare, read_shard, write_shard
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Fail any test that opens a connection to anything but this machine."""
+    connect = socket.socket.connect
+
+    def local_only(sock, address):
+        if isinstance(address, tuple) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"a test tried to reach the network: {address}")
+        return connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", local_only)
+
+
+LLAMA3_GOLDEN = [128000, 2028, 374, 264, 1296, 11914, 13, 128001]
+SHAKESPEARE_CHARS = 1_115_394
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizers
+
+def test_llama3_golden(mirror):
+    enc = get_tokenizer("llama3")  # through the registry: copied from <mirror>/llama3/tokenizer.model
+    ids = [data.bos_id(enc)] + enc.encode_ordinary("This is a test sentence.") + [data.eos_id(enc)]
+    assert ids == LLAMA3_GOLDEN
+    assert enc.n_vocab == 128_256 and enc.name == "llama3"
+    assert (data.eot_id(enc), enc.encode_single_token("<|start_header_id|>"),
+            enc.encode_single_token("<|end_header_id|>")) == (128009, 128006, 128007)
+    assert enc.encode_single_token("<|reserved_special_token_245|>") == 128255
+    # special tokens written in raw text stay text
+    assert 128009 not in enc.encode_ordinary("hi <|eot_id|>")
+
+
+def test_llama3_from_path(mirror, tmp_path):
+    lines = (mirror / "llama3" / "tokenizer.model").read_bytes().splitlines()
+    shuffled = tmp_path / "reordered.model"  # another hash, same ranks: accepted by its rank count
+    shuffled.write_bytes(b"\n".join(reversed(lines)) + b"\n")
+    enc = get_tokenizer(str(shuffled))
+    assert [data.bos_id(enc)] + enc.encode("This is a test sentence.") + [data.eos_id(enc)] == LLAMA3_GOLDEN
+    short = tmp_path / "short.model"
+    short.write_bytes(b"\n".join(lines[:1000]))
+    with pytest.raises(DataError, match="holds 1,000 ranks.*128,000"):
+        get_tokenizer(str(short))
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"\x0a\x08\x00\xffsentencepiece\x12\x00 junk junk\n")
+    with pytest.raises(DataError, match=r"garbage.model:\d+: not a tiktoken rank file"):
+        get_tokenizer(str(garbage))
+    with pytest.raises(DataError, match="unknown tokenizer 'nope'"):
+        get_tokenizer("nope")
+
+
+def test_byte_tokenizer():
+    enc = get_tokenizer("byte")
+    text = "Héllo, wörld! ✓ 日本語 🙂\n"
+    ids = enc.encode_ordinary(text)
+    assert ids == list(text.encode("utf-8")) and enc.decode(ids) == text
+    assert enc.n_vocab == 268 and enc.name == "byte"
+    assert [enc.encode_single_token(t) for t in data.SPECIAL_TOKENS] == list(range(256, 268))
+    assert (data.bos_id(enc), data.eos_id(enc), data.eot_id(enc)) == (256, 257, 265)
+
+
+@pytest.mark.parametrize("name, base_vocab, hello", [
+    ("gpt2", 50_257, [31373, 995]), ("cl100k_base", 100_277, [15339, 1917]), ("o200k_base", 200_019, [24912, 2375])])
+def test_openai_tokenizers(name, base_vocab, hello, mirror):
+    enc = get_tokenizer(name)
+    assert enc.name == name and enc.encode_ordinary("hello world") == hello
+    assert enc.n_vocab == base_vocab + 12
+    assert [enc.encode_single_token(t) for t in data.SPECIAL_TOKENS] == list(range(base_vocab, base_vocab + 12))
+    assert "<|endoftext|>" in enc.special_tokens_set  # its own specials are kept
+
+
+def test_split_text_keeps_tokens_identical(mirror):
+    text = (mirror / "text" / "tinyshakespeare.txt").read_text()[:300_000]
+    text += (mirror / "text" / "wiki_demo.txt").read_text()[:300_000]
+    pieces = data.split_text(text, 5_000)
+    assert len(pieces) > 50 and "".join(pieces) == text
+    for name in ["byte", "gpt2", "cl100k_base", "o200k_base", "llama3"]:
+        enc = get_tokenizer(name)
+        assert sum((enc.encode_ordinary(p) for p in pieces), []) == enc.encode_ordinary(text), name
+
+
+# ---------------------------------------------------------------------------------------------------- download
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Serves server.files; honours "Range: bytes=N-"; paths in server.truncate promise all, send half."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body, wanted = self.server.files.get(self.path), self.headers.get("Range")
+        self.server.log.append((self.path, wanted))
+        if body is None:
+            return self.send_error(404)
+        if self.path in self.server.truncate:  # Content-Length lies: the connection closes early
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            return
+        start = int(wanted.removeprefix("bytes=").rstrip("-")) if wanted else 0
+        if start >= len(body):
+            self.send_response(416)
+            self.send_header("Content-Length", "0")
+            return self.end_headers()
+        self.send_response(206 if wanted else 200)
+        if wanted:
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        self.send_header("Content-Length", str(len(body) - start))
+        self.end_headers()
+        self.wfile.write(body[start:])
+
+
+@pytest.fixture
+def server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.files, srv.log, srv.truncate = {}, [], set()
+    thread = threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield srv, f"http://127.0.0.1:{srv.server_port}"
+    srv.shutdown()
+    srv.server_close()
+
+
+BLOB = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+BLOB_SHA = hashlib.sha256(BLOB).hexdigest()
+FAST = dict(retries=3, timeout=5, backoff=0.01, allow_http=True)  # http only for the local test server
+
+
+def test_download_and_cache_hit(server, tmp_path):
+    srv, base = server
+    srv.files["/blob"] = BLOB
+    dest = download(f"{base}/blob", BLOB_SHA, tmp_path / "cache" / "blob.bin", **FAST)
+    assert dest.read_bytes() == BLOB and srv.log == [("/blob", None)]
+    assert download(f"{base}/blob", BLOB_SHA, dest, **FAST) == dest and len(srv.log) == 1  # no second request
+    assert not (tmp_path / "cache" / "blob.bin.part").exists()
+
+
+def test_download_resumes_partial_file(server, tmp_path):
+    srv, base = server
+    srv.files["/blob"] = BLOB
+    dest = tmp_path / "blob.bin"
+    (tmp_path / "blob.bin.part").write_bytes(BLOB[:123_456])
+    download(f"{base}/blob", BLOB_SHA, dest, **FAST)
+    assert srv.log == [("/blob", "bytes=123456-")] and dest.read_bytes() == BLOB
+
+
+def test_download_wrong_checksum(server, tmp_path):
+    srv, base = server
+    srv.files["/blob"] = BLOB
+    with pytest.raises(DataError) as err:
+        download(f"{base}/blob", "0" * 64, tmp_path / "blob.bin", mirror_path="text/blob.bin", **FAST)
+    message = str(err.value)
+    assert "checksum mismatch" in message and f"{base}/blob" in message and BLOB_SHA in message
+    assert "DATA_MIRROR or --mirror" in message and "text/blob.bin" in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []  # neither the file nor a .part is kept
+
+
+def test_download_truncated_is_retried_then_fails(server, tmp_path):
+    srv, base = server
+    srv.files["/blob"], srv.truncate = BLOB, {"/blob"}
+    with pytest.raises(DataError, match=r"could not download .*/blob after 3 tries .*DATA_MIRROR or --mirror"):
+        download(f"{base}/blob", BLOB_SHA, tmp_path / "blob.bin", **FAST)
+    assert len(srv.log) == 3 and not (tmp_path / "blob.bin").exists()
+
+
+def test_download_unreachable_and_404(server, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.time()
+    with pytest.raises(DataError, match=rf"could not download http://127.0.0.1:{port}/x after 3 tries.*--mirror"):
+        download(f"http://127.0.0.1:{port}/x", BLOB_SHA, tmp_path / "x", **FAST)
+    assert time.time() - start < 5
+    srv, base = server
+    with pytest.raises(DataError, match="HTTP 404"):  # permanent: not retried
+        download(f"{base}/missing", BLOB_SHA, tmp_path / "y", **FAST)
+    assert len(srv.log) == 1
+
+
+def test_download_rules_and_mirror(tmp_path):
+    with pytest.raises(DataError, match="only https"):
+        download("http://example.com/x", BLOB_SHA, tmp_path / "x")
+    for bad in ["../evil", "a/b", "..", ""]:
+        with pytest.raises(DataError, match="path separators"):
+            data.fetch(bad)
+    with pytest.raises(DataError, match="unknown dataset 'nope'.*tinyshakespeare"):
+        data.fetch("nope")
+    mirror = tmp_path / "mirror"
+    (mirror / "sub").mkdir(parents=True)
+    (mirror / "sub" / "blob.bin").write_bytes(BLOB)  # the URL is never contacted when the mirror has the file
+    dest = download("https://unreachable.invalid/blob", BLOB_SHA, tmp_path / "c" / "blob", mirror=mirror,
+                    mirror_path="sub/blob.bin")
+    assert dest.read_bytes() == BLOB
+    with pytest.raises(DataError, match=r"checksum mismatch for https://unreachable.invalid/blob \(mirror copy"):
+        download("https://unreachable.invalid/blob", "1" * 64, tmp_path / "c" / "other", mirror=mirror,
+                 mirror_path="sub/blob.bin")
+
+
+# ---------------------------------------------------------------------------------------------------- prepare
+
+def test_prepare_tinyshakespeare_matches_nanogpt_split(mirror):
+    out = prepare("tinyshakespeare", "byte")
+    text = (mirror / "text" / "tinyshakespeare.txt").read_text()
+    assert len(text) == SHAKESPEARE_CHARS
+    n = len(text)
+    train_text, val_text = text[:int(n * 0.9)], text[int(n * 0.9):]  # nanoGPT's prepare.py
+    train, val = read_shard(out / "train_000000.bin", "byte"), read_shard(out / "val_000000.bin", "byte")
+    assert (len(train), len(val)) == (1_003_854 + 2, 111_540 + 2)
+    assert train.dtype == np.uint16 and train[0] == 256 and train[-1] == 257 and val[0] == 256 and val[-1] == 257
+    assert np.array_equal(train[1:-1], np.frombuffer(train_text.encode(), np.uint8))
+    assert np.array_equal(val[1:-1], np.frombuffer(val_text.encode(), np.uint8))
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["tokens"] == 1_003_856 and meta["splits"]["val"]["tokens"] == 111_542
+    assert list(meta["input_sha256"].values()) == [data.DATASETS["tinyshakespeare"]["sha256"]]
+    assert out == data.cache_dir() / "shards" / "tinyshakespeare-byte"
+
+    stamp = (out / "train_000000.bin").stat().st_mtime_ns
+    start = time.time()
+    assert prepare("tinyshakespeare", "byte") == out  # cached: nothing rewritten
+    assert time.time() - start < 1 and (out / "train_000000.bin").stat().st_mtime_ns == stamp
+
+    (out / "meta.json").unlink()  # an interrupted run (no completion marker, a half-written shard) is redone
+    with open(out / "train_000000.bin", "r+b") as f:
+        f.truncate(1000)
+    assert prepare("tinyshakespeare", "byte") == out and len(read_shard(out / "train_000000.bin")) == 1_003_856
+
+
+def test_prepare_parallel_pieces_and_shards(mirror, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "PIECE_CHARS", 50_000)  # many pieces, several threads, several shards
+    monkeypatch.setattr(data, "PARALLEL_BYTES", 0)
+    enc = get_tokenizer("gpt2")
+    out = prepare("tinyshakespeare", "gpt2", out_dir=tmp_path / "s", workers=2, shard_tokens=100_000)
+    text = (mirror / "text" / "tinyshakespeare.txt").read_text()
+    expected = [data.bos_id(enc)] + enc.encode_ordinary(text[:int(len(text) * 0.9)]) + [data.eos_id(enc)]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["shards"] == [f"train_{i:06d}.bin" for i in range(4)]
+    got = np.concatenate([read_shard(out / name, "gpt2") for name in meta["splits"]["train"]["shards"]])
+    assert got.tolist() == expected and meta["splits"]["train"]["tokens"] == len(expected)
+
+
+def test_prepare_lines_dataset(mirror):
+    out = prepare("wiki_demo", "byte")
+    articles = [line for line in (mirror / "text" / "wiki_demo.txt").read_text().split("\n") if line.strip()]
+    meta = json.loads((out / "meta.json").read_text())
+    assert len(articles) == 30
+    assert (meta["splits"]["train"]["documents"], meta["splits"]["val"]["documents"]) == (27, 3)
+    val = read_shard(out / "val_000000.bin")
+    assert len(val) == sum(len(a.encode()) + 2 for a in articles[27:]) and (val == 256).sum() == 3
+
+
+def test_prepare_gutenberg_cp1252(mirror):
+    out = prepare("frankenstein", "byte", val_fraction=0)
+    text = (mirror / "text" / "gutenberg" / "pg84.txt").read_bytes().decode("cp1252").replace("\r\n", "\n")
+    train = read_shard(out / "train_000000.bin", "byte")
+    assert "St. Petersburgh, Dec. 11th, 17\u2014." in text and not (out / "val_000000.bin").exists()
+    assert 13 not in train  # CRLF line ends were read as "\n"
+    assert np.array_equal(train[1:-1], np.frombuffer(text.encode("utf-8"), np.uint8))
+
+
+def test_prepare_jsonl(tmp_path, mirror):
+    docs = ["first doc", "second <|end_of_text|> doc", "third", "fourth one"]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)) + "\n")
+    out = prepare(str(path), "cl100k_base", val_fraction=0.25, text_field="body")
+    enc = get_tokenizer("cl100k_base")
+    train = read_shard(out / "train_000000.bin", "cl100k_base")
+    assert train.dtype == np.uint32  # vocab 100,289 does not fit uint16
+    expected = sum(([data.bos_id(enc)] + enc.encode_ordinary(d) + [data.eos_id(enc)] for d in docs[:3]), [])
+    assert train.tolist() == expected and data.eos_id(enc) not in enc.encode_ordinary(docs[1])
+    assert json.loads((out / "meta.json").read_text())["splits"]["val"]["documents"] == 1
+    with pytest.raises(DataError, match=r"corpus.jsonl:1: no string field 'text'.*--text-field"):
+        prepare(str(path), "byte")
+
+
+def test_malformed_jsonl_names_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": "broken\n{"text": "ok"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: malformed JSON"):
+        prepare(str(path), "byte")
+    with pytest.raises(DataError, match="no data found at"):
+        prepare(str(tmp_path / "nothing*.txt"), "byte")
+
+
+def test_resolve_data(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("some text " * 100)
+    out = data.resolve_data(str(path), "byte")
+    assert (out / "meta.json").is_file() and data.resolve_data(out, "byte") == out  # a shard folder as is
+    with pytest.raises(DataError, match=r"train_000000.bin was tokenized with 'byte', but 'gpt2' is expected"):
+        data.resolve_data(out, "gpt2")
+    (out / "meta.json").unlink()
+    with pytest.raises(DataError, match="no meta.json"):
+        data.resolve_data(out, "byte")
+
+
+# ---------------------------------------------------------------------------------------------------- shards
+
+def test_shard_dtype_and_round_trip(tmp_path):
+    small, big = np.array([0, 5, 65535]), np.array([0, 5, 65536, 128255])
+    for tokens, vocab, dtype in [(small, None, np.uint16), (big, None, np.uint32), (small, 128_256, np.uint32),
+                                 (small, 268, np.uint16)]:
+        path = write_shard(tmp_path / "s.bin", tokens, "llama3", vocab_size=vocab)
+        shard = read_shard(path, "llama3")
+        assert shard.dtype == dtype and shard.tolist() == tokens.tolist()
+        assert path.stat().st_size == data.HEADER_BYTES + len(tokens) * np.dtype(dtype).itemsize
+    assert data.shard_info(path) == {"tokenizer": "llama3", "tokens": 3, "dtype": np.dtype("<u2"), "version": 1}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_bad_shards_are_refused(tmp_path):
+    path = write_shard(tmp_path / "s.bin", np.arange(1000), "byte")
+    with pytest.raises(DataError, match=r"s.bin was tokenized with 'byte', but 'llama3' is expected"):
+        read_shard(path, "llama3")
+    with open(path, "r+b") as f:
+        f.truncate(data.HEADER_BYTES + 1998)
+    with pytest.raises(DataError, match=r"s.bin is truncated or corrupt: its header says 1,000 tokens"):
+        read_shard(path)
+    path.write_bytes(b"GPT2SHRD" + bytes(300))
+    with pytest.raises(DataError, match="s.bin is not a token shard"):
+        read_shard(path)
+    raw = bytearray(write_shard(path, np.arange(10), "byte").read_bytes())
+    raw[8] = 9  # format version 9
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="unsupported shard format version 9"):
+        read_shard(path)
+
+
+# ---------------------------------------------------------------------------------------------------- loader
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    # token values = positions, so every window shows where it came from; shard 2 is tiny (50 tokens)
+    for i, (lo, n) in enumerate([(0, 1000), (5000, 600), (9000, 50)]):
+        write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(lo, lo + n), "byte")
+    return tmp_path
+
+
+def take(loader, steps):
+    return [loader.next() for _ in range(steps)]
+
+
+def test_loader_windows_cover_an_epoch(shard_dir):
+    loader = Loader(shard_dir, "train", batch_size=9, seq_len=16, seed=1)
+    assert len(loader) == (1000 // 16 - 1) + (600 // 16 - 1) + (50 // 16 - 1) == 99 and loader.num_tokens == 1650
+    batches = take(loader, 11)  # 99 sequences: exactly one epoch
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    assert x.shape == (99, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y, x + 1)  # windows are contiguous: none crosses a shard end
+    starts = sorted(x[:, 0].tolist())
+    assert len(set(starts)) == 99 and all(b - a >= 16 for a, b in zip(starts, starts[1:]))
+    assert loader.epoch == 1 and loader.state_dict() == {"consumed": 99, "seed": 1, "seq_len": 16}
+    again = torch.cat([b[0] for b in take(loader, 11)])  # epoch 2: another order and other offsets
+    assert not torch.equal(again, x)
+
+
+def test_loader_deterministic(shard_dir):
+    a, b, c = (Loader(shard_dir, "train", 4, 16, seed=s) for s in (3, 3, 4))
+    for (xa, ya), (xb, yb), (xc, _) in zip(take(a, 40), take(b, 40), take(c, 40)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(a.next()[0], c.next()[0])
+
+
+def test_loader_data_parallel_split(shard_dir):
+    one = Loader(shard_dir, "train", 8, 16, seed=0)
+    ranks = [Loader(shard_dir, "train", 4, 16, dp_rank=r, dp_size=2, seed=0) for r in range(2)]
+    accum = Loader(shard_dir, "train", 4, 16, seed=0)  # dp 1, two micro-batches of 4
+    for _ in range(30):  # crosses epoch boundaries
+        x, y = one.next()
+        (x0, y0), (x1, y1) = ranks[0].next(), ranks[1].next()
+        assert not set(map(tuple, x0.tolist())) & set(map(tuple, x1.tolist()))
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+        assert torch.equal(torch.cat([accum.next()[0], accum.next()[0]]), x)
+    assert ranks[0].state_dict() == ranks[1].state_dict() == one.state_dict()
+
+
+def test_loader_resume_exact_and_across_dp(shard_dir):
+    straight = Loader(shard_dir, "train", 4, 16, seed=7)
+    take(straight, 13)
+    state = straight.state_dict()
+    expected = take(straight, 20)
+    fresh = Loader(shard_dir, "train", 4, 16, seed=7)
+    fresh.load_state_dict(state)
+    for (x, y), (ex, ey) in zip(take(fresh, 20), expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+    ranks = [Loader(shard_dir, "train", 2, 16, dp_rank=r, dp_size=2, seed=7) for r in range(2)]
+    for _ in range(13):
+        [r.next() for r in ranks]
+    single = Loader(shard_dir, "train", 4, 16, seed=7)  # resumed with dp 1 and the batch doubled
+    single.load_state_dict(ranks[0].state_dict())
+    for _ in range(20):
+        x, _ = single.next()
+        assert torch.equal(torch.cat([r.next()[0] for r in ranks]), x)
+    with pytest.raises(DataError, match="seed 7, seq_len 16.*seed 8"):
+        Loader(shard_dir, "train", 4, 16, seed=8).load_state_dict(state)
+
+
+def test_loader_errors(shard_dir):
+    with pytest.raises(DataError, match=r"1,650 tokens \(largest shard 1,000\), too few for one sequence of "
+                                        r"seq_len \+ 1 = 1,001 tokens"):
+        Loader(shard_dir, "train", 2, 1000)
+    assert len(Loader(shard_dir, "train", 2, 999)) == 1  # exactly seq_len + 1 tokens is enough
+    with pytest.raises(DataError, match="no val shards"):
+        Loader(shard_dir, "val", 2, 16)
+    with pytest.raises(DataError, match="tokenized with 'byte', but 'gpt2' is expected"):
+        Loader(shard_dir, "train", 2, 16, tokenizer="gpt2")
+
+
+def test_loader_is_fast(tmp_path):
+    write_shard(tmp_path / "train_000000.bin", np.random.default_rng(0).integers(0, 268, 1_000_000), "byte")
+    loader = Loader(tmp_path, "train", 64, 256, tokenizer=get_tokenizer("byte"))
+    loader.next()
+    start = time.perf_counter()
+    for _ in range(100):
+        loader.next()
+    assert (time.perf_counter() - start) / 100 < 0.01  # well under a CPU step of ~20 ms
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+def test_cli(mirror, capsys):
+    assert data.main(["prepare", "--source", "tinyshakespeare", "--tokenizer", "byte"]) == 0
+    out = capsys.readouterr().out
+    assert "1,003,856 tokens" in out and "111,542 tokens" in out and "tinyshakespeare-byte" in out
+    assert data.main(["info", str(data.cache_dir() / "shards" / "tinyshakespeare-byte")]) == 0
+    assert "train_000000.bin: 1,003,856 tokens, uint16, tokenizer byte" in capsys.readouterr().out
+    assert data.main(["download", "../escape"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: bad dataset name") and err.count("\n") == 1

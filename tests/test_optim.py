@@ -1,0 +1,129 @@
+"""optim.py against torch.optim.AdamW, plus the schedule, clipping, master weights and loss scaling."""
+
+import math
+
+import pytest
+import torch
+
+import model as M
+import optim as O
+
+
+def tiny_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    args = M.ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=32)
+    return M.Transformer(args).to(dtype)
+
+
+def test_matches_torch_adamw_over_10_steps_fp32():
+    ours_model, ref_model = tiny_model(), tiny_model()
+    opt = O.AdamW(ours_model.named_parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    decay = [p for n, p in ref_model.named_parameters() if O.decays(n, p)]
+    no_decay = [p for n, p in ref_model.named_parameters() if not O.decays(n, p)]
+    assert decay and no_decay
+    ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(1)
+    for step in range(10):
+        x = torch.randint(0, 50, (2, 16), generator=g)
+        lr = O.lr_at(step, 1e-2, warmup=3, max_steps=10)
+        for m in (ours_model, ref_model):
+            M_loss = torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            M_loss.backward()
+        opt.step(lr)
+        opt.zero_grad()
+        for group in ref.param_groups:
+            group["lr"] = lr
+        ref.step()
+        ref.zero_grad()
+    for (n, a), (_, b) in zip(ours_model.named_parameters(), ref_model.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=n)
+
+
+def test_no_decay_on_norms_and_embeddings():
+    m = tiny_model()
+    opt = O.AdamW(m.named_parameters(), lr=0.1, weight_decay=0.5)
+    decayed = {n for i, n in enumerate(opt.names) if opt.offsets[i] < opt.n_decay}
+    assert "tok_embeddings.weight" not in decayed
+    assert not any("norm" in n for n in decayed)
+    assert "layers.0.attention.wq.weight" in decayed and "output.weight" in decayed
+
+
+def test_grads_accumulate_into_fp32_buffer_and_params_are_views():
+    m = tiny_model()
+    opt = O.AdamW(m.named_parameters())
+    x = torch.randint(0, 50, (2, 8))
+    m(x).sum().backward()
+    first = opt.grad.clone()
+    m(x).sum().backward()
+    torch.testing.assert_close(opt.grad, 2 * first)
+    assert all(p.grad is None for p in m.parameters())
+    assert m.layers["0"].attention.wq.weight.data_ptr() == opt.master_view(opt.names.index(
+        "layers.0.attention.wq.weight")).data_ptr()
+
+
+def test_bf16_master_weights_keep_updates_below_bf16_resolution():
+    m = tiny_model(dtype=torch.bfloat16)
+    opt = O.AdamW(m.named_parameters(), lr=1e-5, weight_decay=0.0)
+    w = m.norm.weight  # exactly 1.0; bf16 spacing at 1.0 is 2^-7, far above lr
+    for _ in range(3):
+        opt.grad.fill_(1.0)
+        opt.step()
+    i = opt.names.index("norm.weight")
+    master = opt.master_view(i)
+    torch.testing.assert_close(master, torch.full_like(master, 1 - 3e-5), atol=1e-7, rtol=0)
+    assert w.dtype == torch.bfloat16 and torch.all(w == 1.0)  # the bf16 copy cannot show it yet
+
+
+def test_clip_grad_norm_uses_global_norm():
+    m = tiny_model()
+    opt = O.AdamW(m.named_parameters())
+    opt.grad.normal_()
+    norm = opt.grad.norm().item()
+    before = opt.clip_grad_norm(1.0)
+    assert before.item() == pytest.approx(norm)
+    assert opt.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+    opt.clip_grad_norm(10.0)  # below the threshold: unchanged
+    assert opt.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_lr_schedule():
+    assert O.lr_at(0, 1.0, 10, 100) == pytest.approx(0.1)
+    assert O.lr_at(9, 1.0, 10, 100) == pytest.approx(1.0)
+    assert O.lr_at(10, 1.0, 10, 100) == pytest.approx(1.0)
+    assert O.lr_at(55, 1.0, 10, 100) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert O.lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)
+    assert O.lr_at(500, 1.0, 10, 100, min_lr_ratio=0.0) == 0.0
+    lrs = [O.lr_at(s, 1.0, 10, 100) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_loss_scaler_skips_overflow_and_recovers():
+    m = tiny_model(dtype=torch.float16)
+    opt = O.AdamW(m.named_parameters())
+    scaler = O.LossScaler(init_scale=1024.0, growth_interval=2)
+    opt.grad.fill_(float("inf"))
+    assert not scaler.unscale_and_check(opt) and scaler.scale == 512.0
+    opt.grad.fill_(512.0)
+    assert scaler.unscale_and_check(opt) and torch.all(opt.grad == 1.0)
+    opt.grad.fill_(1.0)
+    assert scaler.unscale_and_check(opt) and scaler.scale == 1024.0
+
+
+def test_state_dict_round_trip_is_exact():
+    m = tiny_model()
+    opt = O.AdamW(m.named_parameters(), lr=1e-2)
+    x = torch.randint(0, 50, (2, 8))
+    for _ in range(2):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = {k: v for k, v in opt.state_dict().items()}
+    m2 = tiny_model(seed=5)
+    opt2 = O.AdamW(m2.named_parameters(), lr=1e-2)
+    opt2.load_state_dict(state)
+    assert opt2.step_count == 2
+    assert torch.equal(opt2.master, opt.master) and torch.equal(opt2.exp_avg_sq, opt.exp_avg_sq)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    assert math.isfinite(opt.grad_norm().item())

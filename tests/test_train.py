@@ -1,0 +1,166 @@
+"""train.py end to end on CPU: exact resume, crash-safe checkpoints, precisions, and clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+# A tiny model on TinyShakespeare (from the mirror) keeps each run to a second or two.
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--lr", "3e-3",
+        "--warmup", "2", "--eval-every", "0", "--eval-batches", "2", "--log-every", "1", "--sample-tokens", "0"]
+
+
+def run_cli(*args, check=False):
+    """train.py in a subprocess: returns (exit code, stdout, stderr)."""
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                       cwd=REPO, timeout=300, env=os.environ.copy())
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p.returncode, p.stdout, p.stderr
+
+
+def records(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_state(out_dir):
+    d = train.find_latest(Path(out_dir))
+    return torch.load(d / "state.pt", map_location="cpu", weights_only=True)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    a, b = tmp_path / "straight", tmp_path / "resumed"
+    train.main(TINY + ["--max-steps", "8", "--out-dir", str(a), "--ckpt-every", "100"])
+    train.main(TINY + ["--max-steps", "8", "--out-dir", str(b), "--ckpt-every", "4"])
+    # throw away the second half of the resumed run, then redo it from the step-4 checkpoint
+    for f in b.glob("step_000008"):
+        import shutil
+        shutil.rmtree(f)
+    (b / "latest").write_text("step_000004\n")
+    (b / "metrics.jsonl").write_text("".join(l + "\n" for l in (b / "metrics.jsonl").read_text().splitlines()
+                                             if json.loads(l)["step"] <= 4))
+    train.main(TINY + ["--max-steps", "8", "--out-dir", str(b), "--ckpt-every", "4", "--resume"])
+    la = [r["loss"] for r in records(a) if "loss" in r]
+    lb = [r["loss"] for r in records(b) if "loss" in r]
+    assert len(la) == 8 and la == lb  # bit for bit, every step
+    sa, sb = final_state(a), final_state(b)
+    for k in sa["model"]:
+        assert torch.equal(sa["model"][k], sb["model"][k]), k
+    for k, v in sa["optim"]["params"].items():
+        for kk in v:
+            assert torch.equal(v[kk], sb["optim"]["params"][k][kk]), (k, kk)
+
+
+def test_metrics_and_checkpoint_layout(tmp_path):
+    train.main(TINY + ["--max-steps", "6", "--out-dir", str(tmp_path), "--ckpt-every", "2", "--keep-ckpts", "2",
+                       "--eval-every", "3"])
+    recs = records(tmp_path)
+    steps = [r for r in recs if "loss" in r]
+    assert all({"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys() for r in steps)
+    assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
+    assert sorted(d.name for d in tmp_path.glob("step_*")) == ["step_000004", "step_000006"]  # keep last 2
+    assert (tmp_path / "latest").read_text().strip() == "step_000006"
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    """A process that dies (os._exit, no cleanup) in the middle of writing its second checkpoint leaves the
+    first one loadable, and --resume picks it."""
+    out = tmp_path / "run"
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import train
+        real_save, calls = torch.save, []
+        def dying_save(obj, f, *a, **k):
+            calls.append(f)
+            if len(calls) == 2:  # second checkpoint: write half a file, then die
+                with open(f, "wb") as fh:
+                    fh.write(b"partial")
+                os._exit(9)
+            return real_save(obj, f, *a, **k)
+        torch.save = dying_save
+        train.main({TINY + ["--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(out)]!r})
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 9, p.stderr[-2000:]
+    assert (out / "latest").read_text().strip() == "step_000002"
+    assert train.find_latest(out).name == "step_000002"
+    assert list(out.glob(".tmp-step_000004"))  # the torn write is there, but invisible to resume
+    torch.load(out / "step_000002" / "state.pt", weights_only=True)
+    code, stdout, stderr = run_cli(*TINY, "--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(out), "--resume")
+    assert code == 0, stderr[-2000:]
+    assert "resumed from" in stdout and "at step 2" in stdout
+    assert train.find_latest(out).name == "step_000006"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_paths_train(tmp_path, precision):
+    train.main(TINY + ["--max-steps", "12", "--out-dir", str(tmp_path), "--precision", precision, "--lr", "1e-2"])
+    losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
+    assert all(map(lambda x: x == x, losses))  # finite (no NaN)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
+    state = final_state(tmp_path)
+    assert state["model"]["norm.weight"].dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert state["optim"]["params"]["norm.weight"]["master"].dtype == torch.float32
+
+
+def test_activation_checkpointing_gives_the_same_training(tmp_path):
+    train.main(TINY + ["--max-steps", "3", "--out-dir", str(tmp_path / "a")])
+    train.main(TINY + ["--max-steps", "3", "--out-dir", str(tmp_path / "b"), "--act-ckpt"])
+    la = [r["loss"] for r in records(tmp_path / "a") if "loss" in r]
+    lb = [r["loss"] for r in records(tmp_path / "b") if "loss" in r]
+    assert la == pytest.approx(lb, rel=1e-6)
+
+
+def test_default_configuration_runs(tmp_path):
+    """No model/data flags: the embedded default (TinyShakespeare, byte tokenizer) for a few steps, with the
+    sample at the end."""
+    code, stdout, stderr = run_cli("--max-steps", "3", "--eval-batches", "1", "--out-dir", str(tmp_path),
+                                   "--sample-tokens", "20")
+    assert code == 0, stderr[-2000:]
+    assert "val loss" in stdout and "MFU" in stdout
+    assert (tmp_path / "latest").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model", "llama-nope"], "unknown model preset 'llama-nope'"),
+    (["--seq-len", "100000"], "exceeds the model's max_seq_len"),
+    (["--model", "llama3-8b", "--tokenizer", "o200k_base"], "has a vocabulary of 128256"),
+    (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    (["--micro-batch", "0"], "--micro-batch must be at least 1"),
+])
+def test_bad_input_fails_with_one_line(tmp_path, flags, message):
+    code, stdout, stderr = run_cli(*TINY, "--max-steps", "2", "--out-dir", str(tmp_path / "o"), *flags)
+    assert code == 1
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], stderr
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_unreadable_or_foreign_checkpoint_is_refused_and_kept(tmp_path):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    state = out / "step_000002" / "state.pt"
+    good = state.read_bytes()
+    # another model: refused, naming the mismatch
+    code, _, stderr = run_cli(*TINY, "--dim", "96", "--max-steps", "4", "--out-dir", str(out), "--resume")
+    assert code == 1 and "another model" in stderr and "dim" in stderr and len(stderr.strip().splitlines()) == 1
+    # without --resume an existing run is not silently overwritten
+    code, _, stderr = run_cli(*TINY, "--max-steps", "4", "--out-dir", str(out))
+    assert code == 1 and "--resume" in stderr
+    # a corrupt file: refused with the path, and left as it was
+    state.write_bytes(good[: len(good) // 2])
+    code, _, stderr = run_cli(*TINY, "--max-steps", "4", "--out-dir", str(out), "--resume")
+    assert code == 1 and "cannot read checkpoint" in stderr and len(stderr.strip().splitlines()) == 1
+    assert state.read_bytes() == good[: len(good) // 2]
+    assert (out / "latest").read_text().strip() == "step_000002"
