@@ -87,7 +87,7 @@ _70B = dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, 
 
 # The published models (Meta's params.json), then small presets for CPU work. The small ones use the
 # byte tokenizer's vocabulary (256 bytes + 12 specials, padded to 320); train.py resizes vocab_size to
-# the tokenizer it is given. Parameter counts are in the README (python model.py lists them).
+# the tokenizer it is given. `python model.py` lists every preset with its parameter count.
 PRESETS: dict[str, ModelArgs] = {
     "llama3-8b": ModelArgs(**_8B, max_seq_len=8192),
     "llama3-70b": ModelArgs(**_70B, max_seq_len=8192),
@@ -104,6 +104,7 @@ PRESETS: dict[str, ModelArgs] = {
                              rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
     # CPU-sized: same architecture (GQA, SwiGLU, RoPE), a byte-level vocabulary, short context.
     "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=256),
+    # mini is train.py's default: the best of a sweep for ~100 s of training on 2 CPU cores (README).
     "mini": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=512,
                       rope_theta=10000.0),
     "small": ModelArgs(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=320, max_seq_len=1024),

@@ -50,7 +50,7 @@ def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="shakespeare", help=f"preset: {', '.join(M.PRESETS)}")
+    g.add_argument("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
     for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
         g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
     g = p.add_argument_group("data")
@@ -58,14 +58,14 @@ def get_parser() -> argparse.ArgumentParser:
                    help="registry name, text/JSONL file or glob, or a folder of prepared shards")
     g.add_argument("--tokenizer", default="byte", help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path")
     g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
-    g.add_argument("--seq-len", type=int, default=256)
-    g.add_argument("--micro-batch", type=int, default=16, help="sequences per micro-batch")
+    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
     g.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    g.add_argument("--max-steps", type=int, default=1400)
+    g.add_argument("--max-steps", type=int, default=2400)
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--beta1", type=float, default=0.9)
     g.add_argument("--beta2", type=float, default=0.95)
@@ -78,27 +78,22 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--out-dir", default="out")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if --out-dir has checkpoints")
-    g.add_argument("--eval-every", type=int, default=200, help="validation every N steps (0: only at the end)")
-    g.add_argument("--eval-batches", type=int, default=20, help="micro-batches per validation")
-    g.add_argument("--ckpt-every", type=int, default=500, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--eval-every", type=int, default=600, help="validation every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
+    g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
     g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
-    g.add_argument("--log-every", type=int, default=20)
-    g.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end")
+    g.add_argument("--log-every", type=int, default=100)
+    g.add_argument("--sample-tokens", type=int, default=300,
+                   help="length of the sample printed at the end (at most --seq-len: RoPE was trained on no more)")
     g.add_argument("--seed", type=int, default=1337)
     g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     return p
 
 
-# The default model: tuned for TinyShakespeare on a 2-core CPU (README, "Measured"). A registered preset
-# would drag this one-dataset choice into model.py, so it lives here.
-TRAIN_PRESETS = {"shakespeare": M.ModelArgs(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, vocab_size=320,
-                                            multiple_of=64, max_seq_len=1024, rope_theta=10000.0)}
-
-
 def model_args_from(args, vocab_size: int) -> M.ModelArgs:
     """Preset + overrides. The small presets adapt their vocabulary to the tokenizer (rounded up to a multiple
     of 64 for efficient matmuls); the published Llama 3 presets keep theirs."""
-    presets = {**TRAIN_PRESETS, **M.PRESETS}
+    presets = M.PRESETS
     if args.model not in presets:
         raise ConfigError(f"unknown model preset {args.model!r}; choose from {', '.join(presets)}")
     margs = presets[args.model]
@@ -197,11 +192,16 @@ def evaluate(model, data_dir, args, device, tokenizer_name) -> float:
     model.eval()
     loader = data.Loader(data_dir, "val", args.micro_batch, args.seq_len, seed=0, tokenizer=tokenizer_name)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
-    for _ in range(args.eval_batches):
+    show = sys.stderr.isatty() and args.eval_batches >= 10
+    for i in range(args.eval_batches):
         x, y = (t.to(device) for t in loader.next())
         s, n = loss_sum(model, x, y)
         total += s
         count += n
+        if show:
+            print(f"\r  validation {i + 1}/{args.eval_batches}", end="", file=sys.stderr, flush=True)
+    if show:
+        print("\r" + " " * 30 + "\r", end="", file=sys.stderr, flush=True)
     model.train()
     return (total / count).item()
 
@@ -397,7 +397,7 @@ def main(argv=None):
     if args.sample_tokens > 0:
         prompt = [data.bos_id(tok)] + tok.encode_ordinary("\n")
         g = torch.Generator(device=device).manual_seed(args.seed)
-        new = M.generate(model, prompt, min(args.sample_tokens, margs.max_seq_len - len(prompt)),
+        new = M.generate(model, prompt, min(args.sample_tokens, args.seq_len - len(prompt)),
                          temperature=0.8, top_k=200, generator=g, n_vocab=tok.n_vocab)
         log("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60)
 
