@@ -177,12 +177,10 @@ def peak_memory_gb(device) -> float:
 # Loss and validation
 
 
-def loss_sum(model, inputs, targets):
-    """Sum of token cross-entropies (fp32 logits) and the number of target tokens that count."""
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+def loss_sum(logits, targets):
+    """Sum (not mean) of token cross-entropies, computed from fp32 logits; IGNORE_INDEX targets count 0."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (targets != IGNORE_INDEX).sum()
 
 
 @torch.no_grad()
@@ -195,9 +193,8 @@ def evaluate(model, data_dir, args, device, tokenizer_name) -> float:
     show = sys.stderr.isatty() and args.eval_batches >= 10
     for i in range(args.eval_batches):
         x, y = (t.to(device) for t in loader.next())
-        s, n = loss_sum(model, x, y)
-        total += s
-        count += n
+        total += loss_sum(model(x), y)
+        count += (y != IGNORE_INDEX).sum()
         if show:
             print(f"\r  validation {i + 1}/{args.eval_batches}", end="", file=sys.stderr, flush=True)
     if show:
@@ -346,12 +343,13 @@ def main(argv=None):
         t0 = time.perf_counter()
         # 1. data loading: every micro-batch of this step, so the global target count is known up front
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
-        n_targets = sum((y != IGNORE_INDEX).sum() for _, y in batches)  # 5'. parallel.py: sum over dp
+        n_targets = sum((y != IGNORE_INDEX).sum() for _, y in batches)  # parallel.py: summed over dp
         loss_total = torch.zeros((), device=device)
         for x, y in batches:
-            # 2. forward  3. loss: sum over tokens / global target count, so accumulation is exact
-            s, _ = loss_sum(fwd_model, x, y)
-            loss = s / n_targets
+            # 2. forward
+            logits = fwd_model(x)  # (B, T, vocab)
+            # 3. loss: summed over tokens, divided by the global target count, so accumulation is exact
+            loss = loss_sum(logits, y) / n_targets
             loss_total += loss.detach()
             # 4. backward (fp16: scaled so small gradients survive)
             (loss * scaler.scale if scaler else loss).backward()
