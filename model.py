@@ -296,27 +296,37 @@ class Transformer(nn.Module):
         doc_ids (B, T), optional: non-decreasing document ids of packed sequences. Attention then never
         crosses a document boundary and RoPE positions restart at 0 for each document.
         caches / start_pos: generation with a KV cache; tokens sit at positions start_pos.. start_pos+T-1.
+        A pipeline stage (parallel.py) runs the same three parts, skipping the ones it does not own.
         """
-        B, T = tokens.shape
         h = self.tok_embeddings(tokens)  # (B, T, dim)
+        cos, sin, mask = self.attention_inputs(tokens.shape[1], tokens.device, doc_ids, caches, start_pos)
+        h = self.run_layers(h, cos, sin, mask, caches, start_pos)
+        return self.output(self.norm(h))
+
+    def attention_inputs(self, T: int, device, doc_ids=None, caches=None, start_pos: int = 0):
+        """RoPE cos/sin for each position and the attention mask (None: plain causal) for T tokens."""
         mask = None
         if doc_ids is not None:
             positions = document_positions(doc_ids)  # (B, T)
             same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             mask = (same_doc & causal)[:, None]  # (B, 1, T, T), broadcast over heads
         else:
-            positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
+            positions = torch.arange(start_pos, start_pos + T, device=device)
             if caches is not None and start_pos > 0 and T > 1:  # prefill after a prefix: query i sees keys <= start_pos+i
-                mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=tokens.device).tril(start_pos)
-        cos, sin = rope_cos_sin(positions, rope_frequencies(self.args, tokens.device))
+                mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=device).tril(start_pos)
+        cos, sin = rope_cos_sin(positions, rope_frequencies(self.args, device))
+        return cos, sin, mask
+
+    def run_layers(self, h, cos, sin, mask=None, caches=None, start_pos: int = 0):
+        """The residual stream h (B, T, dim) through every block this module holds, in global order."""
         for key, layer in self.layers.items():
             cache = caches[int(key)] if caches is not None else None
             if self.act_ckpt and self.training:
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, mask, cache, start_pos)
-        return self.output(self.norm(h))
+        return h
 
 
 # ----------------------------------------------------------------------------------------------------

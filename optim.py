@@ -47,11 +47,14 @@ class AdamW:
     """AdamW over flat fp32 buffers; the model's parameters (any dtype) are views into a flat buffer.
 
     Build it after the model is on its device and in its training dtype: that is the storage it takes over.
+    `pad_to` rounds the flat length up (ZeRO-1 cuts buckets into dp equal pieces). `shard(ranges)` makes
+    this rank own, and keep optimizer state for, only those [lo, hi) ranges of the flat buffers (ZeRO-1);
+    by default it owns everything.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 no_decay: Callable[[str, torch.Tensor], bool] | None = None):
+                 no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         uniq, seen = [], set()
         for name, p in named_params:
@@ -67,17 +70,13 @@ class AdamW:
         for p in self.params:
             self.offsets.append(off)
             off += p.numel()
-        self.numel = off
+        self.numel = -(-off // pad_to) * pad_to  # padding at the end: zero gradients, never read back
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
-        # The flat buffers, each (numel,) fp32 on the parameters' device.
-        self.master = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        self.grad = torch.zeros_like(self.master)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
-        self.model_flat = self.master if self.dtype == torch.float32 else \
-            torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        # Full-length flat buffers: the gradient (fp32) and the model's own copy of the weights.
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self.model_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.on_grad_ready: Callable[[int], None] | None = None  # called with the param index (parallel.py)
         for i, p in enumerate(self.params):
             if p.dtype != self.dtype or p.device != self.device:
@@ -86,11 +85,40 @@ class AdamW:
             view = self.model_flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view  # the parameter now lives inside the flat buffer
-            self.master_view(i).copy_(p.detach().float())
             p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self.shard([(0, self.numel)])
 
-    def master_view(self, i: int) -> torch.Tensor:
-        return self.master[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
+    def shard(self, ranges: list[tuple[int, int]]):
+        """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
+        one after another ("compact" layout). Owning everything in fp32, the master *is* the model copy."""
+        self.ranges = ranges
+        size = sum(hi - lo for lo, hi in ranges)
+        if ranges == [(0, self.numel)] and self.dtype == torch.float32:
+            self.master = self.model_flat
+        else:
+            self.master = self.owned(self.model_flat).float().clone()
+        self.exp_avg = torch.zeros(size, dtype=torch.float32, device=self.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        # where weight decay applies, in the compact layout: the owned part of the decayed prefix
+        self.decay_segments, c = [], 0
+        for lo, hi in ranges:
+            if lo < self.n_decay:
+                self.decay_segments.append((c, c + min(hi, self.n_decay) - lo))
+            c += hi - lo
+
+    def owned(self, full: torch.Tensor) -> torch.Tensor:
+        """The owned ranges of a full-length flat tensor, packed (a view when there is a single range)."""
+        if len(self.ranges) == 1:
+            lo, hi = self.ranges[0]
+            return full[lo:hi]
+        return torch.cat([full[lo:hi] for lo, hi in self.ranges])
+
+    def unpack(self, compact: torch.Tensor, full: torch.Tensor):
+        """Write a compact tensor back into the owned ranges of a full-length one."""
+        c = 0
+        for lo, hi in self.ranges:
+            full[lo:hi].copy_(compact[c:c + hi - lo])
+            c += hi - lo
 
     def grad_view(self, i: int) -> torch.Tensor:
         return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
@@ -107,8 +135,8 @@ class AdamW:
         self.grad.zero_()
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradient buffer (fp32 scalar tensor; parallel.py sums it across ranks)."""
-        return self.grad.norm()
+        """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines it across ranks)."""
+        return self.owned(self.grad).norm()
 
     def clip_grad_norm(self, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
         """Scale all gradients by min(1, max_norm / norm); returns the norm before clipping. No host sync:
@@ -120,31 +148,37 @@ class AdamW:
 
     @torch.no_grad()
     def step(self, lr: float | None = None):
-        """One AdamW update of the master weights from the gradient buffer, then refresh the model copy."""
+        """One AdamW update of the owned master weights from the gradient buffer, then refresh the model copy."""
         lr = self.lr if lr is None else lr
         b1, b2 = self.betas
         self.step_count += 1
         bc1 = 1 - b1 ** self.step_count
         bc2 = 1 - b2 ** self.step_count
-        g = self.grad
+        g = self.owned(self.grad)
         self.exp_avg.lerp_(g, 1 - b1)  # m = b1*m + (1-b1)*g
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)  # v = b2*v + (1-b2)*g^2
         if self.weight_decay:
-            self.master[:self.n_decay].mul_(1 - lr * self.weight_decay)  # decoupled: not through m or v
+            for lo, hi in self.decay_segments:  # decoupled: not through m or v
+                self.master[lo:hi].mul_(1 - lr * self.weight_decay)
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
-        if self.model_flat is not self.master:
-            self.model_flat.copy_(self.master)  # round to bf16/fp16 once, for the next forward
+        if self.master is not self.model_flat:
+            self.unpack(self.master, self.model_flat)  # round to bf16/fp16 once, for the next forward
 
-    # Checkpoints keep state per parameter name, so they do not depend on the flat layout (or, later, on
-    # how tensor/pipeline parallelism cut the model).
-    def state_dict(self) -> dict:
+    # Checkpoints keep state per parameter name, so they do not depend on the flat layout (nor on how
+    # tensor/pipeline parallelism cut the model, nor on ZeRO: parallel.py gathers full buffers first).
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """master, exp_avg, exp_avg_sq as full-length flat tensors; only valid when owning everything."""
+        if self.ranges != [(0, self.numel)]:
+            raise RuntimeError("this optimizer owns a shard; gather the full state first (parallel.py)")
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def state_dict(self, full: dict[str, torch.Tensor] | None = None) -> dict:
+        full = full or self.full_state()
         per_param = {}
         for i, name in enumerate(self.names):
             sl = slice(self.offsets[i], self.offsets[i] + self.params[i].numel())
-            per_param[name] = {"master": self.master[sl].view(self.params[i].shape),
-                               "exp_avg": self.exp_avg[sl].view(self.params[i].shape),
-                               "exp_avg_sq": self.exp_avg_sq[sl].view(self.params[i].shape)}
+            per_param[name] = {k: v[sl].view(self.params[i].shape) for k, v in full.items()}
         return {"step": self.step_count, "params": per_param}
 
     @torch.no_grad()
@@ -153,16 +187,20 @@ class AdamW:
         if missing:
             raise ValueError(f"optimizer state lacks {sorted(missing)[:4]}")
         self.step_count = int(state["step"])
+        full = {k: torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+                for k in ("master", "exp_avg", "exp_avg_sq")}
         for i, name in enumerate(self.names):
             sl = slice(self.offsets[i], self.offsets[i] + self.params[i].numel())
-            s = state["params"][name]
-            for buf, key in ((self.master, "master"), (self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq")):
-                if s[key].numel() != self.params[i].numel():
-                    raise ValueError(f"optimizer state for {name} has shape {tuple(s[key].shape)}, "
+            for key, buf in full.items():
+                t = state["params"][name][key]
+                if t.numel() != self.params[i].numel():
+                    raise ValueError(f"optimizer state for {name} has shape {tuple(t.shape)}, "
                                      f"the model has {tuple(self.params[i].shape)}")
-                buf[sl].copy_(s[key].reshape(-1))
-        if self.model_flat is not self.master:
-            self.model_flat.copy_(self.master)
+                buf[sl].copy_(t.reshape(-1))
+        self.master.copy_(self.owned(full["master"]))
+        self.exp_avg.copy_(self.owned(full["exp_avg"]))
+        self.exp_avg_sq.copy_(self.owned(full["exp_avg_sq"]))
+        self.model_flat.copy_(full["master"])  # every rank's model copy, owned ranges or not
 
 
 class LossScaler:
@@ -173,10 +211,12 @@ class LossScaler:
     def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 1000):
         self.scale, self.growth_interval, self.good_steps = init_scale, growth_interval, 0
 
-    def unscale_and_check(self, opt: AdamW) -> bool:
-        """Divide the gradients by the scale; return True if they are all finite (the step may proceed)."""
+    def unscale_and_check(self, opt: AdamW, all_finite=None) -> bool:
+        """Divide the gradients by the scale; return True if they are all finite (the step may proceed).
+        all_finite(local_flag) -> global flag lets parallel ranks agree (one overflow anywhere skips all)."""
         opt.grad.mul_(1.0 / self.scale)
-        finite = bool(torch.isfinite(opt.grad).all())
+        finite = torch.isfinite(opt.owned(opt.grad)).all()
+        finite = bool(all_finite(finite) if all_finite else finite)
         if not finite:
             self.scale /= 2
             self.good_steps = 0

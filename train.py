@@ -29,13 +29,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 import data
 import model as M
 import optim as O
+import parallel as P
 
-IGNORE_INDEX = -100  # targets with this id carry no loss (used by SFT for prompt tokens)
+IGNORE_INDEX = P.IGNORE_INDEX  # targets with this id carry no loss (used by SFT for prompt tokens)
 
 
 class ConfigError(Exception):
@@ -74,6 +75,15 @@ def get_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 on CUDA, fp32 elsewhere")
     g.add_argument("--act-ckpt", action="store_true", help="recompute each block in backward to save memory")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g = p.add_argument_group("parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * pp))")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost: one NVLink domain)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
+    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: shard optimizer state over dp (ZeRO-1)")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
+    g.add_argument("--dist-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -127,6 +137,9 @@ def pick_device_and_precision(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but CUDA is not available")
+    if device.type == "cuda" and device.index is None:  # one GPU per process, chosen by torchrun
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     precision = args.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
@@ -153,16 +166,16 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(5):  # best of a few: the machine may be shared
-        sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         for _ in range(4):
             a @ b
-        sync(device)
+        sync_device(device)
         best = min(best, (time.perf_counter() - t0) / 4)
     return 2 * n ** 3 / best, f"{device.type} measured {n}x{n} {precision} matmul"
 
 
-def sync(device):
+def sync_device(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -174,64 +187,73 @@ def peak_memory_gb(device) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Loss and validation
-
-
-def loss_sum(logits, targets):
-    """Sum (not mean) of token cross-entropies, computed from fp32 logits; IGNORE_INDEX targets count 0."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+# Validation
 
 
 @torch.no_grad()
-def evaluate(model, data_dir, args, device, tokenizer_name) -> float:
-    """Mean token loss over the first --eval-batches micro-batches of the validation split (the same batches
-    every time, so successive values are comparable)."""
+def evaluate(model, data_dir, args, mesh, device, dtype, tokenizer_name) -> float:
+    """Mean token loss over the first --eval-batches validation micro-batches (the same ones every time,
+    so successive values are comparable), split over dp ranks and run through the pipeline."""
     model.eval()
-    loader = data.Loader(data_dir, "val", args.micro_batch, args.seq_len, seed=0, tokenizer=tokenizer_name)
-    total, count = torch.zeros((), device=device), torch.zeros((), device=device)
-    show = sys.stderr.isatty() and args.eval_batches >= 10
-    for i in range(args.eval_batches):
-        x, y = (t.to(device) for t in loader.next())
-        total += loss_sum(model(x), y)
-        count += (y != IGNORE_INDEX).sum()
-        if show:
-            print(f"\r  validation {i + 1}/{args.eval_batches}", end="", file=sys.stderr, flush=True)
-    if show:
-        print("\r" + " " * 30 + "\r", end="", file=sys.stderr, flush=True)
+    loader = data.Loader(data_dir, "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+                         dp_size=mesh.dp, seed=0, tokenizer=tokenizer_name)
+    n = max(1, args.eval_batches // mesh.dp)
+    batches = [tuple(t.to(device) for t in loader.next()) for _ in range(n)]
+    total = P.pipeline_forward(model, batches, mesh, args.seq_len, model.args.dim,
+                               lambda logits, y: P.loss_sum(logits, y, model.args.vocab_size, mesh), dtype)
+    count = torch.tensor(float(sum((y != IGNORE_INDEX).sum().item() for _, y in batches)), device=device)
+    for dim in ("pp", "dp"):  # the loss lives on the last stage; each dp rank saw its own batches
+        P.all_reduce(total, mesh, dim)
+    P.all_reduce(count, mesh, "dp")
     model.train()
     return (total / count).item()
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints: <out-dir>/step_000500/{state.pt, meta.json}, written as .tmp-step_000500 and renamed when
-# complete; <out-dir>/latest names the newest complete one and is replaced (atomically) only after it.
+# Checkpoints: <out-dir>/step_000500/{shard_ppXX_tpYY.pt..., meta.json}, written into .tmp-step_000500 and
+# renamed when every rank has finished; <out-dir>/latest names the newest complete one and is replaced
+# (atomically) only after it. Shards hold global parameter names (parallel.py, section 8), so a checkpoint
+# loads into any layout.
 
 
-def save_checkpoint(out_dir: Path, step: int, model, opt, scaler, loader, args, margs, keep: int):
+def barrier(mesh):
+    if mesh.world > 1:
+        dist.barrier()
+
+
+def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, args, margs, mesh):
     name = f"step_{step:06d}"
     tmp = out_dir / f".tmp-{name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(mesh)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "rng": rng,
-             "scaler": scaler.state_dict() if scaler else None}
-    torch.save(state, tmp / "state.pt")
-    meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs)}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    final = out_dir / name
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = out_dir / ".latest.tmp"
-    pointer.write_text(name + "\n")
-    os.replace(pointer, out_dir / "latest")
-    for old in sorted(out_dir.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    P.save_shards(tmp, model, opt, mesh, sync,
+                  {"rng": rng, "scaler": scaler.state_dict() if scaler else None})
+    barrier(mesh)
+    if mesh.rank == 0:
+        meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs),
+                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        final = out_dir / name
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = out_dir / ".latest.tmp"
+        pointer.write_text(name + "\n")
+        os.replace(pointer, out_dir / "latest")
+        for old in sorted(out_dir.glob("step_*"))[:-args.keep_ckpts]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(mesh)
+
+
+def _complete(d: Path) -> bool:
+    return (d / "meta.json").exists() and any(d.glob("shard_pp*_tp*.pt"))
 
 
 def find_latest(out_dir: Path) -> Path | None:
@@ -239,49 +261,59 @@ def find_latest(out_dir: Path) -> Path | None:
     pointer = out_dir / "latest"
     if pointer.exists():
         d = out_dir / pointer.read_text().strip()
-        if (d / "state.pt").exists() and (d / "meta.json").exists():
+        if _complete(d):
             return d
-    dirs = [d for d in sorted(out_dir.glob("step_*")) if (d / "state.pt").exists() and (d / "meta.json").exists()]
+    dirs = [d for d in sorted(out_dir.glob("step_*")) if _complete(d)]
     return dirs[-1] if dirs else None
 
 
-def load_checkpoint(ckpt: Path, margs: M.ModelArgs):
+def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
     try:
         meta = json.loads((ckpt / "meta.json").read_text())
-        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not ours: say which file, not a traceback
+        saved = M.ModelArgs(**meta["model_args"])
+    except Exception as e:
         raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    saved = M.ModelArgs(**meta["model_args"])
     if saved != margs:
         diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
         raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
-    return meta, state
+    return meta
+
+
+def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
+    try:
+        return P.load_shards(ckpt, model, opt, mesh)
+    except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
+        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Training
 
 
-def log(msg: str):
-    print(msg, flush=True)
-
-
 def main(argv=None):
     args = get_parser().parse_args(argv)
     validate(args)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("more than one process needs the parallel layouts of parallel.py (not yet available); "
-                          "run with --nproc_per_node=1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
     device, precision = pick_device_and_precision(args)
-    torch.manual_seed(args.seed)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    torch.manual_seed(args.seed)  # the same on every rank: every layout starts from the same full model
     random.seed(args.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    # Validate everything that can be wrong before touching --out-dir.
+    # Validate everything that can be wrong before any communication and before touching --out-dir.
     tok = data.get_tokenizer(args.tokenizer)
     margs = model_args_from(args, tok.n_vocab)
+    split = [int(s) for s in args.pp_layers.split(",")] if args.pp_layers else None
+    try:
+        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp)
+        if args.pp > 1:
+            P.stage_layers(margs.n_layers, args.pp, split)
+    except P.LayoutError as e:
+        raise ConfigError(f"invalid parallel layout: {e}") from None
     out_dir = Path(args.out_dir)
     ckpt = find_latest(out_dir) if out_dir.exists() else None
     if ckpt is not None and not args.resume and not args.overwrite:
@@ -290,122 +322,180 @@ def main(argv=None):
     resume = ckpt if args.resume else None
     if args.resume and ckpt is None:
         log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
-    meta, state = load_checkpoint(resume, margs) if resume else (None, None)
-    data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
-    loader = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, seed=args.seed, tokenizer=tok.name)
+    meta = read_meta(resume, margs) if resume else None
+
+    mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout)
+    if rank == 0:  # one process prepares (and caches) the data; the others then find it ready
+        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+    barrier(mesh)
+    if rank != 0:
+        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+    loader = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+                         dp_size=mesh.dp, seed=args.seed, tokenizer=tok.name)
     data.Loader(data_dir, "val", args.micro_batch, args.seq_len, seed=0, tokenizer=tok.name)  # fail now, not at eval
 
-    # Model and optimizer: build in fp32 from the seed, cast, then hand the storage to the optimizer.
+    # Model and optimizer: the full model from the seed, sharded (tp), cut (pp), cast, and its storage
+    # handed to the optimizer; then the data-parallel gradient reduction hooks into the optimizer.
     model = M.Transformer(margs).to(device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    P.apply_tensor_parallel(model, mesh)
+    P.apply_pipeline(model, mesh, split)
     model.to(dtype)
     model.act_ckpt = args.act_ckpt
     opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                  weight_decay=args.weight_decay)
+                  weight_decay=args.weight_decay, pad_to=mesh.dp)
+    sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
+    sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
     scaler = O.LossScaler() if precision == "fp16" else None
     start_step = 0
     if resume:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])  # restores the fp32 master weights and refreshes the model copy
-        if scaler and state["scaler"]:
-            scaler.load_state_dict(state["scaler"])
+        extra = load_checkpoint(resume, model, opt, mesh)
+        if scaler and extra.get("scaler"):
+            scaler.load_state_dict(extra["scaler"])
         loader.load_state_dict(meta["loader"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and device.type == "cuda":
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in extra["rng"]["python"]))
+        if "cuda" in extra["rng"] and device.type == "cuda":
+            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
         start_step = meta["step"]
-        log(f"resumed from {resume} at step {start_step}")
+        old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
+        log(f"resumed from {resume} at step {start_step} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
     fwd_model = torch.compile(model) if args.compile else model
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = open(out_dir / "metrics.jsonl", "a")
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    barrier(mesh)
+    metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None
     n_params = M.count_params(margs)
-    tokens_per_step = args.micro_batch * args.seq_len * args.grad_accum
+    tokens_per_step = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     flops_tok = M.flops_per_token(margs, args.seq_len)["palm"]
     peak, peak_src = peak_flops(device, precision)
     log(f"model {args.model}: {n_params:,} parameters ({M.count_params(margs, False):,} non-embedding), "
         f"dim {margs.dim}, layers {margs.n_layers}, heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+    log(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
+        + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
+        + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
     log(f"data {data_dir}: {loader.num_tokens:,} train tokens; {tokens_per_step:,} tokens/step "
-        f"({args.micro_batch} x {args.seq_len} x {args.grad_accum} accumulation)")
+        f"({args.micro_batch} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
     log(f"device {device}, {precision}; MFU uses the PaLM convention 6N+12LdT = {flops_tok / 1e6:.1f} MFLOP/token "
-        f"against {peak / 1e12:.2f} TFLOP/s ({peak_src})")
+        f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
     def write(record):
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+
+    def micro_loss(logits, y):  # 3. loss: summed over tokens, divided by the global target count
+        loss = P.loss_sum(logits, y, margs.vocab_size, mesh) / n_targets
+        return loss * scaler.scale if scaler else loss
 
     model.train()
     t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+    comm_at_log = dict(mesh.comm_bytes)
     train_time = 0.0
-    step = start_step
     for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
         # 1. data loading: every micro-batch of this step, so the global target count is known up front
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
-        n_targets = sum((y != IGNORE_INDEX).sum() for _, y in batches)  # parallel.py: summed over dp
-        loss_total = torch.zeros((), device=device)
-        for x, y in batches:
-            # 2. forward
-            logits = fwd_model(x)  # (B, T, vocab)
-            # 3. loss: summed over tokens, divided by the global target count, so accumulation is exact
-            loss = loss_sum(logits, y) / n_targets
-            loss_total += loss.detach()
-            # 4. backward (fp16: scaled so small gradients survive)
-            (loss * scaler.scale if scaler else loss).backward()
-        # 5. gradient synchronization: a single process has nothing to reduce; parallel.py hooks in here
+        n_targets = sum((y != IGNORE_INDEX).sum() for _, y in batches).float()
+        P.all_reduce(n_targets, mesh, "dp")
+        if mesh.pp > 1:
+            # 2-4. forward, loss, backward of every micro-batch, interleaved across stages by the schedule
+            loss_total = P.pipeline_step(fwd_model, batches, mesh, args.seq_len, margs.dim, micro_loss,
+                                         args.schedule, before_last_backward=sync.start, dtype=dtype)
+        else:
+            loss_total = torch.zeros((), device=device)
+            for i, (x, y) in enumerate(batches):
+                # 2. forward
+                logits = fwd_model(x)  # (B, T, vocab), or (B, T, vocab/tp) under tensor parallelism
+                # 3. loss (micro_loss: sum over tokens / global target count, so accumulation is exact)
+                loss = micro_loss(logits, y)
+                loss_total += loss.detach()
+                # 4. backward; the last micro-batch's gradients are reduced over dp as they are produced
+                if i == len(batches) - 1:
+                    sync.start()
+                loss.backward()
+        if scaler:
+            loss_total /= scaler.scale
+        # 5. gradient synchronization: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
+        sync.finish()
         # 6. optimizer step
         lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
-        if scaler and not scaler.unscale_and_check(opt):
+        if scaler and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh)):
             log(f"step {step + 1}: fp16 gradient overflow, step skipped, loss scale -> {scaler.scale:g}")
             grad_norm = torch.tensor(float("nan"))
         else:
-            grad_norm = opt.clip_grad_norm(args.grad_clip)
+            grad_norm = opt.clip_grad_norm(args.grad_clip, P.grad_norm(opt, mesh, model, bool(args.zero)))
             opt.step(lr)
+            sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
         opt.zero_grad()
-        sync(device)
+        sync_device(device)
         train_time += time.perf_counter() - t0
         loss_acc += loss_total
         tokens_since += tokens_per_step
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
+            for dim in ("pp", "dp"):  # the loss lives on the last stage; dp ranks hold parts of it
+                P.all_reduce(loss_acc, mesh, dim)
             dt = time.perf_counter() - t_log
             n_logged = (done - start_step - 1) % args.log_every + 1
             tps = tokens_since / dt
+            comm = {k: (mesh.comm_bytes[k] - comm_at_log[k]) / n_logged for k in mesh.comm_bytes}
             rec = {"step": done, "loss": loss_acc.item() / n_logged, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens_per_s": tps, "mfu": tps * flops_tok / peak, "peak_mem_gb": peak_memory_gb(device),
-                   "time_s": train_time}
+                   "tokens_per_s": tps, "mfu": tps * flops_tok / (peak * mesh.world),
+                   "peak_mem_gb": peak_memory_gb(device), "time_s": train_time,
+                   "comm_bytes_per_step": comm}
+            comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
+                f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
             log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {lr:.2e} | grad norm {rec['grad_norm']:.3f} | "
-                f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB")
+                f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}")
             write(rec)
             t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+            comm_at_log = dict(mesh.comm_bytes)
         if (args.eval_every and done % args.eval_every == 0) or done == args.max_steps:
             t_eval = time.perf_counter()
-            val = evaluate(fwd_model, data_dir, args, device, tok.name)
+            val = evaluate(fwd_model, data_dir, args, mesh, device, dtype, tok.name)
             log(f"step {done:6d} | val loss {val:.4f} | train time {train_time:.1f} s | eval {time.perf_counter() - t_eval:.1f} s")
             write({"step": done, "val_loss": val, "time_s": train_time})
             t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
+            comm_at_log = dict(mesh.comm_bytes)
         # 7. checkpoint
         if done % args.ckpt_every == 0 or done == args.max_steps:
             t_ck = time.perf_counter()
-            save_checkpoint(out_dir, done, model, opt, scaler, loader, args, margs, args.keep_ckpts)
+            save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
             t_log += time.perf_counter() - t_ck
-    metrics.close()
+            comm_at_log = dict(mesh.comm_bytes)
+    if metrics:
+        metrics.close()
 
-    if args.sample_tokens > 0:
+    if args.sample_tokens > 0 and mesh.tp == 1 and mesh.pp == 1 and rank == 0:
         prompt = [data.bos_id(tok)] + tok.encode_ordinary("\n")
         g = torch.Generator(device=device).manual_seed(args.seed)
         new = M.generate(model, prompt, min(args.sample_tokens, args.seq_len - len(prompt)),
                          temperature=0.8, top_k=200, generator=g, n_vocab=tok.n_vocab)
         log("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60)
+    elif args.sample_tokens > 0:
+        log(f"(no sample under tp/pp: `python parallel.py consolidate {out_dir}` merges the checkpoint)")
+    if mesh.world > 1:
+        dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run(argv=None):
+    """main() with user errors as one line on stderr (from rank 0, or from the rank whose own input is bad)
+    and a non-zero exit; torchrun then stops the other ranks."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        main()
-    except (ConfigError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        main(argv)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except data.DataError as e:
+        print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    run()

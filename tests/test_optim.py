@@ -58,8 +58,8 @@ def test_grads_accumulate_into_fp32_buffer_and_params_are_views():
     m(x).sum().backward()
     torch.testing.assert_close(opt.grad, 2 * first)
     assert all(p.grad is None for p in m.parameters())
-    assert m.layers["0"].attention.wq.weight.data_ptr() == opt.master_view(opt.names.index(
-        "layers.0.attention.wq.weight")).data_ptr()
+    i = opt.names.index("layers.0.attention.wq.weight")
+    assert m.layers["0"].attention.wq.weight.data_ptr() == opt.master[opt.offsets[i]:].data_ptr()
 
 
 def test_bf16_master_weights_keep_updates_below_bf16_resolution():
@@ -70,7 +70,7 @@ def test_bf16_master_weights_keep_updates_below_bf16_resolution():
         opt.grad.fill_(1.0)
         opt.step()
     i = opt.names.index("norm.weight")
-    master = opt.master_view(i)
+    master = opt.master[opt.offsets[i]:opt.offsets[i] + w.numel()]
     torch.testing.assert_close(master, torch.full_like(master, 1 - 3e-5), atol=1e-7, rtol=0)
     assert w.dtype == torch.bfloat16 and torch.all(w == 1.0)  # the bf16 copy cannot show it yet
 
@@ -127,3 +127,27 @@ def test_state_dict_round_trip_is_exact():
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
     assert math.isfinite(opt.grad_norm().item())
+
+
+def test_sharded_owner_updates_exactly_its_ranges():
+    """ZeRO-1's building block: two optimizers owning complementary ranges, each applying its update to the
+    flat model copy, together equal one optimizer owning everything."""
+    full_model, a_model, b_model = tiny_model(), tiny_model(), tiny_model()
+    full = O.AdamW(full_model.named_parameters(), lr=1e-2, pad_to=4)
+    a = O.AdamW(a_model.named_parameters(), lr=1e-2, pad_to=4)
+    b = O.AdamW(b_model.named_parameters(), lr=1e-2, pad_to=4)
+    n = full.numel
+    cuts = [0, n // 4, n // 2, 3 * n // 4, n]  # interleaved ownership, crossing the decay boundary
+    a.shard([(cuts[0], cuts[1]), (cuts[2], cuts[3])])
+    b.shard([(cuts[1], cuts[2]), (cuts[3], cuts[4])])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grad = torch.randn(n, generator=g)
+        for opt in (full, a, b):
+            opt.grad.copy_(grad)
+            opt.step()
+        merged = a.model_flat.clone()
+        b.unpack(b.master, merged)
+        torch.testing.assert_close(merged, full.model_flat, atol=0, rtol=0)
+        a.model_flat.copy_(merged)  # what the all-gather does
+        b.model_flat.copy_(merged)

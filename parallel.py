@@ -1,0 +1,867 @@
+"""Tensor, pipeline and data parallelism written by hand on raw torch.distributed collectives.
+
+No DDP, FSDP, DTensor or torch.distributed.pipelining: every byte that crosses a process boundary is sent
+by a function in this file, and counted. Contents, in reading order:
+
+  1. Mesh                  world = dp x pp x tp, TP innermost (one NVLink domain), then PP, then DP;
+                           every process group created once; layouts checked before any collective
+  2. Collectives           thin wrappers over all_reduce / all_gather / reduce_scatter / isend-irecv that
+                           count the bytes each rank sends, per dimension (ring algorithm accounting)
+  3. TP communication      Megatron's conjugate pair f (identity forward, all-reduce backward) and g (the
+                           reverse), and the sequence-parallel pair gather/scatter (Shoeybi et al. 2019,
+                           "Megatron-LM"; Korthikanti et al. 2022, "Reducing Activation Recomputation")
+  4. TP layers             column-parallel and row-parallel linears, vocab-parallel embedding, vocab-parallel
+                           cross-entropy (full-vocabulary logits never exist on one rank);
+                           apply_tensor_parallel() swaps them into a built Transformer
+  5. Pipeline              contiguous layer ranges per stage, the stage forward, point-to-point exchange,
+                           schedules AFAB (GPipe, Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan
+                           et al. 2021), with sent activations freed
+  6. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, all-reduced asynchronously
+                           from gradient hooks during the last backward; ZeRO-1 (Rajbhandari et al. 2020):
+                           reduce-scatter, update the local shard, all-gather the weights
+  7. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
+  8. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
+                           tensor; loadable into any layout; `python parallel.py consolidate` writes one file
+                           or a Hugging Face folder
+
+model.py knows nothing of this: apply_tensor_parallel and apply_pipeline change a model built whole from
+one seed, so every layout starts from bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model as M
+
+IGNORE_INDEX = -100
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; raised identically on every rank before any communication."""
+
+
+# ====================================================================================================
+# 1. Mesh
+
+
+@dataclass
+class Mesh:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    groups: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" -> ProcessGroup (absent when size 1)
+    pp_peers: list = field(default_factory=list)  # global ranks of my pipeline, stage order
+    sp: bool = False  # sequence parallelism inside the TP group
+    comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0})
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def size(self, dim: str) -> int:
+        return getattr(self, dim)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
+                 seq_len: int, sp: bool = False):
+    """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
+    reaches the same verdict without talking to the others."""
+    errors = []
+    if tp < 1 or pp < 1:
+        errors.append(f"--tp {tp} and --pp {pp} must be at least 1")
+    elif world % (tp * pp):
+        errors.append(f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+    if tp >= 1 and args.n_heads % tp:
+        errors.append(f"n_heads {args.n_heads} is not divisible by tp {tp}")
+    if tp >= 1 and args.n_kv_heads % tp:
+        errors.append(f"n_kv_heads {args.n_kv_heads} is not divisible by tp {tp}")
+    if pp > args.n_layers:
+        errors.append(f"pp {pp} stages need at least {pp} layers, the model has {args.n_layers}")
+    if pp > 1 and args.tie_embeddings:
+        errors.append("tied embeddings across pipeline stages are not supported (the embedding lives on the "
+                      "first stage, the head on the last); use pp 1 or an untied model")
+    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
+        errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages (pp {pp})")
+    if sp and tp > 1 and seq_len % tp:
+        errors.append(f"sequence parallelism needs --seq-len {seq_len} divisible by tp {tp}")
+    if errors:
+        raise LayoutError("; ".join(errors))
+
+
+def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
+              timeout_s: float = 300.0) -> Mesh:
+    """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
+    groups from one grid: ranks = arange(world).view(dp, pp, tp). NCCL on CUDA, gloo on CPU. Collectives
+    give up after timeout_s instead of hanging forever."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    dp = world // (tp * pp)
+    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1)
+    grid = torch.arange(world).view(dp, pp, tp)
+    mesh.dp_rank, mesh.pp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+    mesh.pp_peers = grid[mesh.dp_rank, :, mesh.tp_rank].tolist()
+    if world == 1:
+        return mesh
+    if not dist.is_initialized():
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # new_group is collective over the whole world: every rank creates every group, in the same order.
+    for dim, lines in (("tp", grid.reshape(-1, tp)),
+                       ("pp", grid.permute(0, 2, 1).reshape(-1, pp)),
+                       ("dp", grid.permute(1, 2, 0).reshape(-1, dp))):
+        for ranks in lines.tolist():
+            group = dist.new_group(ranks)
+            if rank in ranks and len(ranks) > 1:
+                mesh.groups[dim] = group
+    dist.barrier()
+    return mesh
+
+
+# ====================================================================================================
+# 2. Collectives, with the bytes each rank sends counted per dimension
+#    (ring algorithms: all-reduce sends 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n)
+
+
+def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, async_op=False):
+    n = mesh.size(dim)
+    if n == 1:
+        return None
+    mesh.comm_bytes[dim] += 2 * (n - 1) / n * t.numel() * t.element_size()
+    return dist.all_reduce(t, op=op, group=mesh.groups[dim], async_op=async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
+    """out (n * len(inp), ...) <- every rank's inp, concatenated along dim 0 in rank order."""
+    n = mesh.size(dim)
+    mesh.comm_bytes[dim] += (n - 1) / n * out.numel() * out.element_size()
+    return dist.all_gather_into_tensor(out, inp, group=mesh.groups[dim], async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
+    """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
+    n = mesh.size(dim)
+    mesh.comm_bytes[dim] += (n - 1) / n * inp.numel() * inp.element_size()
+    return dist.reduce_scatter_tensor(out, inp, group=mesh.groups[dim], async_op=async_op)
+
+
+# ====================================================================================================
+# 3. Tensor-parallel communication as autograd functions. Each is its own conjugate's transpose:
+#    f: forward identity, backward all-reduce   (enters a TP region: every rank needs the whole input)
+#    g: forward all-reduce, backward identity   (leaves it: partial sums from each rank are added)
+#    With sequence parallelism the activations between TP regions are split along the sequence, and the
+#    pair becomes gather (forward all-gather, backward reduce-scatter) / scatter (the reverse).
+
+
+class _CopyToTP(torch.autograd.Function):  # f
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        all_reduce(grad, ctx.mesh, "tp")
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):  # g
+    @staticmethod
+    def forward(ctx, x, mesh):
+        x = x.contiguous()
+        all_reduce(x, mesh, "tp")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_seq(x, mesh):
+    """(B, T/tp, ...) on each rank -> (B, T, ...), sequence chunks in rank order."""
+    xt = x.transpose(0, 1).contiguous()  # collectives concatenate along dim 0: put the sequence there
+    out = xt.new_empty((xt.shape[0] * mesh.tp, *xt.shape[1:]))
+    all_gather(out, xt, mesh, "tp")
+    return out.transpose(0, 1)
+
+
+def _scatter_seq(x, mesh):
+    """(B, T, ...) partial sums on each rank -> (B, T/tp, ...) fully summed chunk of this rank."""
+    xt = x.transpose(0, 1).contiguous()
+    out = xt.new_empty((xt.shape[0] // mesh.tp, *xt.shape[1:]))
+    reduce_scatter(out, xt, mesh, "tp")
+    return out.transpose(0, 1)
+
+
+class _GatherSeq(torch.autograd.Function):  # SP's f
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _gather_seq(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_seq(grad, ctx.mesh), None
+
+
+class _ScatterSeq(torch.autograd.Function):  # SP's g
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _scatter_seq(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.mesh), None
+
+
+def enter_tp(x, mesh):
+    return _GatherSeq.apply(x, mesh) if mesh.sp else _CopyToTP.apply(x, mesh)
+
+
+def leave_tp(x, mesh):
+    return _ScatterSeq.apply(x, mesh) if mesh.sp else _ReduceFromTP.apply(x, mesh)
+
+
+# ====================================================================================================
+# 4. Tensor-parallel layers
+
+
+class ParallelNorm(M.RMSNorm):
+    """RMSNorm (replicated on every TP rank) followed by f: the norm's output is what the column-parallel
+    linears after it consume. Megatron fuses q/k/v into one GEMM so it needs one f per attention; placing
+    f here gives the same single all-reduce for wq, wk and wv (and for w1, w3), so each layer does
+    2 all-reduces forward (wo, w2) and 2 backward (the two norms). Under SP the norm runs on this rank's
+    sequence chunk and f becomes an all-gather; the norm weight's gradient is then partial (sum over tp)."""
+
+    def __init__(self, norm: M.RMSNorm, mesh: Mesh):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight
+        self.mesh = mesh
+
+    def forward(self, x):
+        return enter_tp(super().forward(x), self.mesh)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y_r = x @ W_r^T with W split by rows (output features): rank r computes its slice of the outputs
+    (its attention heads, its share of the FFN hidden units). Its input must already be in the TP region:
+    the ParallelNorm before it applied f."""
+
+    def __init__(self, full: nn.Linear, mesh: Mesh):
+        out_features = full.out_features // mesh.tp
+        super().__init__(full.in_features, out_features, bias=False, device="meta")
+        self.weight = nn.Parameter(full.weight.detach().chunk(mesh.tp, dim=0)[mesh.tp_rank].clone())
+
+
+class RowParallelLinear(nn.Linear):
+    """y = sum_r x_r @ W_r^T with W split by columns (input features): each rank multiplies its slice of the
+    hidden units and g (all-reduce, or reduce-scatter under SP) adds the partial results."""
+
+    def __init__(self, full: nn.Linear, mesh: Mesh):
+        super().__init__(full.in_features // mesh.tp, full.out_features, bias=False, device="meta")
+        self.weight = nn.Parameter(full.weight.detach().chunk(mesh.tp, dim=1)[mesh.tp_rank].clone())
+        self.mesh = mesh
+
+    def forward(self, x):
+        return leave_tp(F.linear(x, self.weight), self.mesh)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp; padding rows are zero and masked out of the loss."""
+    return -(-vocab_size // tp) * tp
+
+
+def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    V = weight.shape[0]
+    padded = torch.cat([weight.detach(), weight.new_zeros(padded_vocab(V, mesh.tp) - V, weight.shape[1])])
+    return padded.chunk(mesh.tp, dim=0)[mesh.tp_rank].clone()
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r*V/tp, (r+1)*V/tp) of the table: it looks up the ids it owns, writes zeros for
+    the others, and g sums the ranks' partial embeddings (each id is owned by exactly one rank)."""
+
+    def __init__(self, full: nn.Embedding, mesh: Mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.weight = nn.Parameter(_vocab_shard(full.weight, mesh))
+        self.start = mesh.tp_rank * self.weight.shape[0]
+
+    def forward(self, ids):
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
+        h = h.masked_fill(outside[..., None], 0.0)
+        return leave_tp(h, self.mesh)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocab-sharded logits (N, V/tp). Three all-reduces of N numbers (max,
+    sum of exponentials, target logit) replace gathering N x V logits; backward is local:
+    d loss / d logits = softmax - onehot(target), restricted to this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, n_valid, mesh):
+        logits = logits.float()
+        if n_valid < logits.shape[-1]:  # the vocabulary padding on the last rank never wins
+            logits = logits.clone()
+            logits[:, n_valid:] = float("-inf")
+        logit_max = logits.max(dim=-1).values
+        all_reduce(logit_max, mesh, "tp", op=dist.ReduceOp.MAX)
+        shifted = logits - logit_max[:, None]
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, mesh, "tp")
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~mine, 0)
+        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
+        all_reduce(target_logit, mesh, "tp")
+        loss = sum_exp.log() - target_logit
+        ignore = targets == IGNORE_INDEX
+        loss = loss.masked_fill(ignore, 0.0)
+        ctx.save_for_backward(exp / sum_exp[:, None], local, mine & ~ignore, ignore)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, mine, ignore = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows[mine], local[mine]] -= 1.0
+        grad *= grad_loss.masked_fill(ignore, 0.0)[:, None]
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: Mesh):
+    """logits (..., V/tp) on each TP rank, targets (...) global ids -> per-token losses (...)."""
+    Vl = logits.shape[-1]
+    start = mesh.tp_rank * Vl
+    n_valid = max(0, min(Vl, vocab_size - start))
+    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1), start, n_valid, mesh)
+    return losses.view(targets.shape)
+
+
+def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
+    """Sum of token cross-entropies for any layout (IGNORE_INDEX targets count 0)."""
+    if mesh.tp == 1:
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh).sum()
+
+
+def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
+    """Swap a whole model's layers for their TP shards, in place. Records in model.tp_placement, for each
+    sharded parameter, (dim, full size along dim) so checkpoints can say where each shard belongs."""
+    model.tp_placement = {}
+    if mesh.tp == 1:
+        return model
+    V = model.args.vocab_size
+    for key, layer in model.layers.items():
+        att, ffn = layer.attention, layer.feed_forward
+        for name in ("wq", "wk", "wv"):
+            setattr(att, name, ColumnParallelLinear(getattr(att, name), mesh))
+        att.wo = RowParallelLinear(att.wo, mesh)
+        ffn.w1, ffn.w3 = ColumnParallelLinear(ffn.w1, mesh), ColumnParallelLinear(ffn.w3, mesh)
+        ffn.w2 = RowParallelLinear(ffn.w2, mesh)
+        layer.attention_norm = ParallelNorm(layer.attention_norm, mesh)
+        layer.ffn_norm = ParallelNorm(layer.ffn_norm, mesh)
+        p = f"layers.{key}."
+        a = model.args
+        model.tp_placement.update({
+            p + "attention.wq.weight": (0, a.n_heads * a.head_dim), p + "attention.wk.weight": (0, a.n_kv_heads * a.head_dim),
+            p + "attention.wv.weight": (0, a.n_kv_heads * a.head_dim), p + "attention.wo.weight": (1, a.n_heads * a.head_dim),
+            p + "feed_forward.w1.weight": (0, a.hidden_dim), p + "feed_forward.w3.weight": (0, a.hidden_dim),
+            p + "feed_forward.w2.weight": (1, a.hidden_dim)})
+    model.norm = ParallelNorm(model.norm, mesh)
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, mesh)
+    head = nn.Linear(model.args.dim, padded_vocab(V, mesh.tp) // mesh.tp, bias=False, device="meta")
+    if model.args.tie_embeddings:
+        head.weight = model.tok_embeddings.weight
+    else:
+        head.weight = nn.Parameter(_vocab_shard(model.output.weight, mesh))
+    model.output = head  # column-parallel over the vocabulary; its input is in the TP region (model.norm's f)
+    model.tp_placement.update({"tok_embeddings.weight": (0, V), "output.weight": (0, V)})
+    return model
+
+
+# ====================================================================================================
+# 5. Pipeline parallelism
+
+
+def stage_layers(n_layers: int, pp: int, split: list[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) layer range of each stage: balanced by count (earlier stages take the remainder), or
+    given as layer counts per stage (--pp-layers 3,3,2)."""
+    if split is None:
+        split = [n_layers // pp + (1 if s < n_layers % pp else 0) for s in range(pp)]
+    if len(split) != pp or sum(split) != n_layers or min(split) < 1:
+        raise LayoutError(f"--pp-layers {split} must give each of the {pp} stages at least one layer and "
+                          f"sum to n_layers {n_layers}")
+    bounds = [sum(split[:s]) for s in range(pp + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def apply_pipeline(model: M.Transformer, mesh: Mesh, split: list[int] | None = None) -> M.Transformer:
+    """Keep this stage's layers (names keep their global index); the embedding stays on the first stage,
+    the final norm and the head on the last."""
+    if mesh.pp == 1:
+        return model
+    start, end = stage_layers(model.args.n_layers, mesh.pp, split)[mesh.pp_rank]
+    for key in list(model.layers):
+        if not start <= int(key) < end:
+            del model.layers[key]
+    if not mesh.first_stage:
+        model.tok_embeddings = None
+    if not mesh.last_stage:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def stage_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None):
+    """This stage's part of Transformer.forward: token ids (first stage) or the previous stage's residual
+    stream (B, T or T/tp under SP, dim) in; logits (last stage, vocab-sharded under TP) or the residual
+    stream out. With pp = 1 it is exactly model.forward."""
+    h = model.tok_embeddings(inputs) if mesh.first_stage else inputs
+    cos, sin, mask = model.attention_inputs(seq_len, h.device, doc_ids)
+    h = model.run_layers(h, cos, sin, mask)
+    return model.output(model.norm(h)) if mesh.last_stage else h
+
+
+def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+    """One batch of point-to-point ops with the neighbouring stages; recv_* are empty buffers to fill.
+    Posting a stage's sends and receives together (batch_isend_irecv) is what keeps 1F1B from
+    deadlocking when two neighbours both send before they receive."""
+    ops = []
+    me = mesh.pp_rank
+    if send_next is not None:
+        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), mesh.pp_peers[me + 1]))
+        mesh.comm_bytes["pp"] += send_next.numel() * send_next.element_size()
+    if send_prev is not None:
+        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), mesh.pp_peers[me - 1]))
+        mesh.comm_bytes["pp"] += send_prev.numel() * send_prev.element_size()
+    if recv_prev is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_prev, mesh.pp_peers[me - 1]))
+    if recv_next is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_next, mesh.pp_peers[me + 1]))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def _free(t: torch.Tensor):
+    """Drop an activation's storage once it has been sent: backward needs its grad_fn, not its values
+    (Megatron's deallocate_output_tensor). _backward() then runs autograd without the shape check."""
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+def _backward(output: torch.Tensor, grad: torch.Tensor):
+    if output.numel() == grad.numel():
+        torch.autograd.backward(output, grad)
+    else:  # the output's storage was freed: call the engine directly, as torch.autograd.backward would
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+            allow_unreachable=True, accumulate_grad=True)
+
+
+def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, schedule: str = "1f1b",
+                  before_last_backward=None, dtype=torch.float32) -> torch.Tensor:
+    """Phases 2-4 of one step on this stage: forward and backward of every micro-batch, interleaved with
+    the other stages. batches: [(inputs, targets)] for all micro-batches (every stage loads them: the first
+    needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's loss as it enters
+    backward (already divided by the global target count, and scaled for fp16). Returns the summed loss on
+    the last stage, 0 elsewhere.
+
+    AFAB runs all m forwards, then all m backwards: up to m micro-batches of activations alive at once.
+    1F1B runs p-1-stage warm-up forwards, then alternates one forward with one backward, then drains: at
+    most p micro-batches alive on the first stage. Both have the same bubble, (p-1)/(m+p-1) of the time.
+    """
+    m = len(batches)
+    B = batches[0][0].shape[0]
+    T_local = seq_len // mesh.tp if mesh.sp else seq_len
+    shape = (B, T_local, dim)
+    device = batches[0][0].device
+    inputs, outputs = [None] * m, [None] * m
+    total = torch.zeros((), device=device)
+
+    def forward(i, x):
+        nonlocal total
+        if mesh.first_stage:
+            x = batches[i][0]
+        else:
+            x.requires_grad_()
+        inputs[i] = x
+        out = stage_forward(model, x, mesh, seq_len)
+        if mesh.last_stage:
+            out = loss_fn(out, batches[i][1])
+            total += out.detach()
+        outputs[i] = out
+        return out
+
+    def backward(i, grad):
+        if i == m - 1 and before_last_backward is not None:
+            before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
+        _backward(outputs[i], grad) if grad is not None else outputs[i].backward()
+        grad_in = None if mesh.first_stage else inputs[i].grad
+        inputs[i] = outputs[i] = None  # nothing of micro-batch i is needed any more
+        return grad_in
+
+    def recv_forward():
+        if mesh.first_stage:
+            return None
+        buf = torch.empty(shape, device=device, dtype=dtype)
+        _p2p(mesh, recv_prev=buf)
+        return buf
+
+    def send_forward(out):
+        if not mesh.last_stage:
+            _p2p(mesh, send_next=out)
+            _free(out)
+
+    def recv_backward():
+        if mesh.last_stage:
+            return None
+        buf = torch.empty(shape, device=device, dtype=dtype)
+        _p2p(mesh, recv_next=buf)
+        return buf
+
+    def send_backward(grad):
+        if not mesh.first_stage:
+            _p2p(mesh, send_prev=grad)
+
+    if schedule == "afab":
+        for i in range(m):
+            send_forward(forward(i, recv_forward()))
+        for i in range(m):
+            send_backward(backward(i, recv_backward()))
+        return total
+
+    # 1F1B
+    warmup = min(mesh.pp - mesh.pp_rank - 1, m)
+    for i in range(warmup):
+        send_forward(forward(i, recv_forward()))
+    steady = m - warmup
+    x = recv_forward() if steady else None
+    for j in range(steady):
+        out = forward(warmup + j, x)
+        grad = None
+        if not mesh.last_stage:  # send this output, receive the gradient of the oldest one, together
+            grad = torch.empty(shape, device=device, dtype=dtype)
+            _p2p(mesh, send_next=out, recv_next=grad)
+            _free(out)
+        grad_in = backward(j, grad)
+        if j == steady - 1:
+            send_backward(grad_in)
+        elif mesh.first_stage:
+            x = None
+        else:  # send this gradient back, receive the next micro-batch's input, together
+            x = torch.empty(shape, device=device, dtype=dtype)
+            _p2p(mesh, send_prev=grad_in, recv_prev=x)
+    for i in range(steady, m):
+        send_backward(backward(i, recv_backward()))
+    return total
+
+
+@torch.no_grad()
+def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, dtype=torch.float32):
+    """Forward only (validation): micro-batches flow through the stages one after another; returns the sum
+    of loss_fn over them on the last stage, 0 elsewhere."""
+    total = torch.zeros((), device=batches[0][0].device)
+    for x, y in batches:
+        if not mesh.first_stage:
+            T_local = seq_len // mesh.tp if mesh.sp else seq_len
+            x = torch.empty((x.shape[0], T_local, dim), device=x.device, dtype=dtype)
+            _p2p(mesh, recv_prev=x)
+        out = stage_forward(model, x, mesh, seq_len)
+        if mesh.last_stage:
+            total += loss_fn(out, y)
+        else:
+            _p2p(mesh, send_next=out)
+    return total
+
+
+def all_true(flag: torch.Tensor, mesh: Mesh) -> bool:
+    """True on every rank iff flag is true on every rank (e.g. 'all my gradients are finite')."""
+    t = flag.float().reshape(1)
+    for dim in ("tp", "pp", "dp"):
+        all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+# ====================================================================================================
+# 6. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1
+
+
+class GradSync:
+    """Phase 5 of the step. The optimizer's flat fp32 gradient buffer is cut into buckets of about
+    bucket_mb. During the last micro-batch's backward (enabled by start()), each parameter's
+    post-accumulate hook counts down the buckets it touches; a bucket whose gradients are all complete is
+    reduced at once, asynchronously, while backward goes on computing earlier layers. finish() waits.
+
+    Plain DP all-reduces each bucket (SUM: the loss is already divided by the global target count, so the
+    sum is the mean gradient). ZeRO-1 reduce-scatters it instead: dp rank r receives the summed r-th piece
+    of every bucket, keeps optimizer state for those pieces only, updates them, and all_gather_params()
+    brings every rank's updated pieces back into the model's flat weights. Bucket lengths are multiples of
+    dp, so every piece has the same size. Buckets are launched in the order their gradients complete, the
+    same order on every rank (collectives must match)."""
+
+    def __init__(self, opt, mesh: Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()):
+        self.opt, self.mesh, self.zero = opt, mesh, zero
+        self.partial_tp = list(partial_tp)  # params whose gradient is a partial sum over tp (SP norms)
+        dp = mesh.dp
+        step = max(dp, int(bucket_mb * 2 ** 20 / 4) // dp * dp)
+        if opt.numel % dp:
+            raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp {dp}")
+        self.buckets = [(lo, min(lo + step, opt.numel)) for lo in range(0, opt.numel, step)]
+        self.param_buckets = []  # for each param index, the buckets it overlaps
+        self.expected = [0] * len(self.buckets)
+        for i, p in enumerate(opt.params):
+            lo, hi = opt.offsets[i], opt.offsets[i] + p.numel()
+            bs = [b for b, (blo, bhi) in enumerate(self.buckets) if blo < hi and lo < bhi]
+            self.param_buckets.append(bs)
+            for b in bs:
+                self.expected[b] += 1
+        self.enabled, self.handles, self.pending = False, {}, []
+        if zero and dp > 1:
+            r = mesh.dp_rank
+            opt.shard([(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets])
+            self.pieces = [torch.empty((hi - lo) // dp, device=opt.grad.device) for lo, hi in self.buckets]
+        opt.on_grad_ready = self._on_grad_ready
+
+    def start(self):
+        """Call before the backward of the last micro-batch: only then are gradients complete."""
+        self.enabled = self.mesh.dp > 1
+        self.pending = list(self.expected)
+
+    def _on_grad_ready(self, i: int):
+        if not self.enabled:
+            return  # an accumulation micro-step: nothing is sent
+        for b in self.param_buckets[i]:
+            self.pending[b] -= 1
+            if self.pending[b] == 0:
+                self._launch(b)
+
+    def _launch(self, b: int):
+        lo, hi = self.buckets[b]
+        if self.zero:
+            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, "dp", async_op=True)
+        else:
+            self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, "dp", async_op=True)
+
+    def finish(self):
+        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient), then
+        make the SP-partial gradients whole by summing them over tp."""
+        if self.enabled:
+            for b in range(len(self.buckets)):
+                if b not in self.handles:
+                    self._launch(b)
+            for b in sorted(self.handles):
+                self.handles[b].wait()
+                if self.zero:
+                    lo, hi = self.buckets[b]
+                    piece = (hi - lo) // self.mesh.dp
+                    self.opt.grad[lo + self.mesh.dp_rank * piece:lo + (self.mesh.dp_rank + 1) * piece].copy_(self.pieces[b])
+            self.handles, self.enabled = {}, False
+        for i in self.partial_tp:
+            all_reduce(self.opt.grad_view(i), self.mesh, "tp")
+
+    def all_gather_params(self):
+        """ZeRO-1, after the optimizer step: every rank's updated pieces -> every rank's model weights."""
+        if not (self.zero and self.mesh.dp > 1):
+            return
+        flat, r = self.opt.model_flat, self.mesh.dp_rank
+        for lo, hi in self.buckets:
+            piece = (hi - lo) // self.mesh.dp
+            all_gather(flat[lo:hi], flat[lo + r * piece:lo + (r + 1) * piece].clone(), self.mesh, "dp")
+
+    def gather_optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Full-length master / moment buffers on every dp rank (for checkpoints): each rank contributes the
+        pieces it owns, zeros elsewhere, and a sum over dp assembles them."""
+        if not (self.zero and self.mesh.dp > 1):
+            return self.opt.full_state()
+        out = {}
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            full = torch.zeros(self.opt.numel, device=self.opt.grad.device)
+            self.opt.unpack(getattr(self.opt, key), full)
+            all_reduce(full, self.mesh, "dp")
+            out[key] = full
+        return out
+
+
+# ====================================================================================================
+# 7. The global gradient norm
+
+
+def grad_norm(opt, mesh: Mesh, model, zero: bool) -> torch.Tensor:
+    """sqrt of the sum of squares of every gradient element of the *whole* model, identical on all ranks.
+    Shards are summed over tp and pp; parameters replicated across tp (norm weights) are counted by tp
+    rank 0 only; under ZeRO-1 each dp rank holds a disjoint piece, so those are summed over dp as well."""
+    sq = opt.owned(opt.grad).pow(2).sum()
+    if mesh.tp > 1 and mesh.tp_rank > 0:
+        placement = getattr(model, "tp_placement", {})
+        for i, name in enumerate(opt.names):
+            if name in placement:
+                continue
+            lo, hi = opt.offsets[i], opt.offsets[i] + opt.params[i].numel()
+            for rlo, rhi in opt.ranges:  # the replicated parameter's part in what this rank owns
+                a, b = max(lo, rlo), min(hi, rhi)
+                if a < b:
+                    sq = sq - opt.grad[a:b].pow(2).sum()
+    all_reduce(sq, mesh, "tp")
+    all_reduce(sq, mesh, "pp")
+    if zero:
+        all_reduce(sq, mesh, "dp")
+    return sq.sqrt()
+
+
+# ====================================================================================================
+# 8. Checkpoints: one file per (pp, tp) rank, written by dp rank 0, each parameter under its global name
+#    with its place in the full tensor. Model weights are not stored apart from the fp32 master weights:
+#    the model copy is always the master rounded to the training dtype.
+
+
+def shard_file(mesh: Mesh) -> str:
+    return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
+
+
+def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, extra: dict):
+    """Collective over dp (ZeRO gathers its state); dp rank 0 of each (pp, tp) writes one file."""
+    full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
+    if mesh.dp_rank != 0:
+        return
+    placement = getattr(model, "tp_placement", {})
+    entries = {}
+    for i, name in enumerate(opt.names):
+        sl = slice(opt.offsets[i], opt.offsets[i] + opt.params[i].numel())
+        shape = opt.params[i].shape
+        state = {k: v[sl].view(shape) for k, v in full.items()}
+        dim, size = placement.get(name, (None, None))
+        start = 0
+        if dim is not None:
+            local = shape[dim]
+            start = mesh.tp_rank * local
+            length = max(0, min(local, size - start))  # the vocabulary padding is not saved
+            state = {k: v.narrow(dim, 0, length) for k, v in state.items()}
+        entries[name] = {"dim": dim, "start": start, "full_size": size, **state}
+    torch.save({"params": entries, "step": opt.step_count, **extra}, folder / shard_file(mesh))
+
+
+def read_full_state(folder: Path, names=None) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """Every shard file of a checkpoint -> {name: {"master", "exp_avg", "exp_avg_sq"}} as full tensors, plus
+    the first file's extra fields. Works for any layout the checkpoint was written in."""
+    files = sorted(Path(folder).glob("shard_pp*_tp*.pt"))
+    if not files:
+        raise FileNotFoundError(f"no shard_pp*_tp*.pt files in {folder}")
+    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
+    pieces: dict[str, list] = {}
+    for s in shards:
+        for name, e in s["params"].items():
+            if names is None or name in names:
+                pieces.setdefault(name, []).append(e)
+    full = {}
+    for name, parts in pieces.items():
+        first = parts[0]
+        if first["dim"] is None:
+            full[name] = {k: first[k] for k in ("master", "exp_avg", "exp_avg_sq")}
+            continue
+        d = first["dim"]
+        out = {}
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            shape = list(first[k].shape)
+            shape[d] = first["full_size"]
+            t = torch.zeros(shape, dtype=first[k].dtype)
+            for e in parts:
+                t.narrow(d, e["start"], e[k].shape[d]).copy_(e[k])
+            out[k] = t
+        full[name] = out
+    extra = {k: v for k, v in shards[0].items() if k != "params"}
+    return full, extra
+
+
+def load_shards(folder: Path, model, opt, mesh: Mesh):
+    """Load a checkpoint written under any layout into this rank's shards (optimizer state and weights)."""
+    full, extra = read_full_state(folder, set(opt.names))
+    placement = getattr(model, "tp_placement", {})
+    state = {}
+    for i, name in enumerate(opt.names):
+        if name not in full:
+            raise ValueError(f"checkpoint {folder} has no parameter {name}")
+        shape = opt.params[i].shape
+        mine = {}
+        for k, t in full[name].items():
+            dim = placement.get(name, (None,))[0]
+            if dim is not None:
+                local = shape[dim]
+                start = mesh.tp_rank * local
+                length = max(0, min(local, t.shape[dim] - start))
+                piece = torch.zeros(shape, dtype=t.dtype)
+                piece.narrow(dim, 0, length).copy_(t.narrow(dim, start, length))
+                t = piece
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(t.shape)}, this model "
+                                 f"needs {tuple(shape)}")
+            mine[k] = t
+        state[name] = mine
+    opt.load_state_dict({"step": extra["step"], "params": state})
+    return extra
+
+
+def consolidate(folder: Path, out: Path | None = None, hf: Path | None = None):
+    """A sharded checkpoint -> one torch file {model_args, state_dict} and/or a Hugging Face folder."""
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    args = M.ModelArgs(**meta["model_args"])
+    full, _ = read_full_state(folder)
+    with torch.device("meta"):
+        model = M.Transformer(args)
+    model = model.to_empty(device="cpu")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    state = {name: e["master"] for name, e in full.items()}
+    if args.tie_embeddings:
+        state.setdefault("output.weight", state["tok_embeddings.weight"])
+    model.load_state_dict(state)
+    if out is not None:
+        torch.save({"model_args": meta["model_args"], "state_dict": model.state_dict()}, out)
+    if hf is not None:
+        M.save_hf(model, hf)
+    return model
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="Tools for sharded checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into one file and/or a HF folder")
+    c.add_argument("checkpoint", help="a step directory, or an --out-dir (its latest checkpoint)")
+    c.add_argument("--out", help="write {model_args, state_dict} here (torch.save)")
+    c.add_argument("--hf", help="write a Hugging Face Llama folder here")
+    a = p.parse_args()
+    ckpt = Path(a.checkpoint)
+    if (ckpt / "latest").exists():
+        ckpt = ckpt / (ckpt / "latest").read_text().strip()
+    consolidate(ckpt, Path(a.out) if a.out else None, Path(a.hf) if a.hf else None)
+    print(f"consolidated {ckpt}" + (f" -> {a.out}" if a.out else "") + (f" -> {a.hf}" if a.hf else ""))
