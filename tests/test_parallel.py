@@ -1,0 +1,358 @@
+"""parallel.py on CPU with gloo: each parallel layer against its unsharded self, then whole training runs
+under every layout against the single-process run (GUIDE section 3), resharded resume, communication
+accounting, and failures that must end the job instead of hanging it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import model as M
+import parallel as P
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world, *args):
+    port = free_port()
+    mp.spawn(_entry, args=(world, port, fn, args), nprocs=world, join=True)
+
+
+def _entry(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        fn(*args)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layer tests: forward outputs and input/weight gradients equal the unsharded layer's
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _layers(tp, sp):
+    mesh = P.init_mesh(tp=tp, sp=sp)
+    r, B, T, d = mesh.tp_rank, 2, 8, 16
+    torch.manual_seed(0)
+    chunk = lambda t, dim: t.chunk(tp, dim=dim)[r]  # this rank's slice
+    seq = (lambda t: chunk(t, 1)) if sp else (lambda t: t)  # SP: activations split along the sequence
+
+    # ParallelNorm (f or the SP all-gather) + ColumnParallelLinear: y_r = norm(x) @ W_r^T
+    norm, lin = M.RMSNorm(d), torch.nn.Linear(d, 12, bias=False)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(B, T, d, requires_grad=True)
+    y = lin(norm(x))
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    pnorm, plin = P.ParallelNorm(M.RMSNorm(d), mesh), P.ColumnParallelLinear(lin, mesh)
+    with torch.no_grad():
+        pnorm.weight.copy_(norm.weight)
+    xp = seq(x.detach()).clone().requires_grad_()
+    yp = plin(pnorm(xp))
+    assert torch.allclose(yp, chunk(y, 2), atol=1e-6)
+    yp.backward(chunk(gy, 2))
+    torch.testing.assert_close(xp.grad, seq(x.grad), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(plin.weight.grad, chunk(lin.weight.grad, 0), atol=1e-6, rtol=1e-5)
+    ng = pnorm.weight.grad.clone()
+    if sp:  # each rank saw its part of the sequence: the norm's gradient is a partial sum over tp
+        P.all_reduce(ng, mesh, "tp")
+    torch.testing.assert_close(ng, norm.weight.grad, atol=1e-6, rtol=1e-5)
+
+    # RowParallelLinear: y = sum_r x_r @ W_r^T (all-reduce, or reduce-scatter under SP)
+    lin = torch.nn.Linear(12, d, bias=False)
+    h = torch.randn(B, T, 12, requires_grad=True)
+    y = lin(h)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    prow = P.RowParallelLinear(lin, mesh)
+    hp = chunk(h.detach(), 2).clone().requires_grad_()
+    yp = prow(hp)
+    torch.testing.assert_close(yp, seq(y), atol=1e-6, rtol=1e-5)
+    yp.backward(seq(gy))
+    torch.testing.assert_close(hp.grad, chunk(h.grad, 2), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(prow.weight.grad, chunk(lin.weight.grad, 1), atol=1e-6, rtol=1e-5)
+
+    # VocabParallelEmbedding, a vocabulary (37) not divisible by tp: padded rows are zero and never read
+    emb = torch.nn.Embedding(37, d)
+    ids = torch.randint(0, 37, (B, T))
+    out = emb(ids)
+    go = torch.randn_like(out)
+    out.backward(go)
+    pemb = P.VocabParallelEmbedding(emb, mesh)
+    outp = pemb(ids)
+    torch.testing.assert_close(outp, seq(out), atol=1e-6, rtol=1e-5)
+    outp.backward(seq(go))
+    padded = torch.cat([emb.weight.grad, torch.zeros(P.padded_vocab(37, tp) - 37, d)])
+    torch.testing.assert_close(pemb.weight.grad, chunk(padded, 0), atol=1e-6, rtol=1e-5)
+
+    # Vocab-parallel cross-entropy, with ignored targets: per-token losses and logits gradients
+    logits = torch.randn(B, T, 37, requires_grad=True)
+    targets = torch.randint(0, 37, (B, T))
+    targets[0, :3] = P.IGNORE_INDEX
+    loss = F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=P.IGNORE_INDEX, reduction="none")
+    w = torch.rand_like(loss)
+    (loss * w).sum().backward()
+    local = torch.cat([logits.detach(), torch.full((B, T, P.padded_vocab(37, tp) - 37), 3.0)], dim=-1)
+    local = chunk(local, 2).clone().requires_grad_()  # padding filled with large logits: must be masked
+    lossp = P.vocab_parallel_cross_entropy(local, targets, 37, mesh)
+    torch.testing.assert_close(lossp.view(-1), loss, atol=1e-5, rtol=1e-5)
+    (lossp.view(-1) * w).sum().backward()
+    full_grad = torch.cat([logits.grad, torch.zeros(B, T, P.padded_vocab(37, tp) - 37)], dim=-1)
+    torch.testing.assert_close(local.grad, chunk(full_grad, 2), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False)])
+def test_parallel_layers_match_unsharded(tp, sp):
+    spawn(_layers, tp, tp, sp)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole runs: every layout gives the single-process losses and weights
+
+
+TINY = ["--model", "tiny", "--n-layers", "4", "--vocab-size", "301", "--seq-len", "32", "--lr", "3e-3",
+        "--warmup", "1", "--log-every", "1", "--eval-batches", "4", "--eval-every", "0", "--sample-tokens", "0",
+        "--ckpt-every", "1000"]
+GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
+
+
+def torchrun(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env=None):
+    dp = n // (int(_flag(flags, "--tp", 1)) * int(_flag(flags, "--pp", 1)))
+    accum = GLOBAL_BATCH // (micro * dp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(REPO / "train.py"), *TINY, "--micro-batch", str(micro), "--grad-accum", str(accum),
+           "--max-steps", str(steps), "--out-dir", str(out_dir), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    if check:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def _flag(flags, name, default):
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def losses(out_dir):
+    recs = [json.loads(l) for l in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "loss" in r], [r["val_loss"] for r in recs if "val_loss" in r]
+
+
+def masters(out_dir):
+    d = Path(out_dir) / (Path(out_dir) / "latest").read_text().strip()
+    return {k: v["master"] for k, v in P.read_full_state(d)[0].items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    torchrun(1, out)
+    return out
+
+
+def assert_same_training(out, ref, tol=1e-5):
+    la, va = losses(out)
+    lb, vb = losses(ref)
+    assert len(la) == len(lb) == 3
+    for a, b in zip(la + va, lb + vb):
+        assert abs(a - b) <= tol * abs(b), (la, lb, va, vb)
+    wa, wb = masters(out), masters(ref)
+    assert wa.keys() == wb.keys()
+    for k in wb:
+        assert wa[k].shape == wb[k].shape, k
+        assert rel(wa[k], wb[k]) <= tol, (k, rel(wa[k], wb[k]))
+
+
+LAYOUTS = [  # (processes, flags)
+    (2, ["--tp", "2"]),
+    (2, ["--tp", "2", "--sp"]),
+    (2, ["--pp", "2", "--schedule", "1f1b"]),
+    (2, ["--pp", "2", "--schedule", "afab"]),
+    (2, []),  # dp 2
+    (4, ["--tp", "2", "--pp", "2", "--sp"]),
+    (4, ["--tp", "2", "--pp", "2", "--schedule", "afab"]),
+    (4, ["--tp", "2", "--zero", "1"]),
+    (4, ["--tp", "2", "--sp"]),
+    (4, ["--pp", "2", "--schedule", "1f1b"]),
+    (4, ["--pp", "2", "--schedule", "afab", "--zero", "1"]),
+    (8, ["--tp", "2", "--pp", "2", "--zero", "1", "--sp"]),
+    (8, ["--tp", "2", "--pp", "2", "--schedule", "afab"]),
+]
+
+
+@pytest.mark.parametrize("n,flags", LAYOUTS, ids=[f"{n}:{' '.join(f)}" for n, f in LAYOUTS])
+def test_layout_matches_single_process(tmp_path, reference, n, flags):
+    torchrun(n, tmp_path, *flags)
+    assert_same_training(tmp_path, reference)
+
+
+def test_zero1_is_identical_to_plain_dp(tmp_path):
+    torchrun(2, tmp_path / "dp", "--bucket-mb", "0.05")  # small buckets: several launched during backward
+    torchrun(2, tmp_path / "zero", "--zero", "1", "--bucket-mb", "0.05")
+    assert losses(tmp_path / "dp") == losses(tmp_path / "zero")
+    wa, wb = masters(tmp_path / "dp"), masters(tmp_path / "zero")
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints: bit-exact resume in the same layout; resume under another layout; consolidation
+
+
+def test_resume_same_layout_is_bit_exact_and_other_layouts_continue(tmp_path):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    layout = ["--tp", "2", "--pp", "2", "--zero", "1"]
+    torchrun(8, straight, *layout, "--ckpt-every", "2", steps=4)
+    torchrun(8, cut, *layout, "--ckpt-every", "2", steps=2)
+    torchrun(8, cut, *layout, "--ckpt-every", "2", "--resume", steps=4)
+    assert losses(straight)[0] == losses(cut)[0]
+    wa, wb = masters(straight), masters(cut)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the step-2 checkpoint of the (2,2,2) run, continued at (1,1,1) and at (1,2,4)
+    for n, flags, micro in ((1, [], 4), (8, ["--pp", "2"], 2)):
+        other = tmp_path / f"other{n}"
+        other.mkdir()
+        (other / "step_000002").symlink_to(cut / "step_000002")
+        (other / "latest").write_text("step_000002\n")
+        p = torchrun(n, other, *flags, "--resume", steps=4, micro=micro)
+        assert "written at tp 2, pp 2, dp 2" in p.stdout
+        la, lb = losses(other)[0], losses(straight)[0][2:]
+        assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (la, lb)
+
+
+def test_consolidate_to_one_file_and_hugging_face(tmp_path, reference):
+    torchrun(4, tmp_path, "--tp", "2", "--pp", "2")
+    ckpt = tmp_path / (tmp_path / "latest").read_text().strip()
+    subprocess.run([sys.executable, str(REPO / "parallel.py"), "consolidate", str(tmp_path),
+                    "--out", str(tmp_path / "model.pt"), "--hf", str(tmp_path / "hf")], check=True, cwd=REPO)
+    merged = torch.load(tmp_path / "model.pt", weights_only=True)
+    ref = masters(reference)
+    for k, v in ref.items():
+        assert rel(merged["state_dict"][k], v) <= 1e-5, k
+    hf = M.load_hf(tmp_path / "hf")
+    assert rel(hf.layers["3"].feed_forward.w2.weight, ref["layers.3.feed_forward.w2.weight"]) <= 1e-5
+    assert hf.args.vocab_size == 301 and ckpt.name == "step_000003"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Communication accounting against GUIDE section 2
+
+
+def _comm(out_file, tp, pp, dp, sp):
+    """One training step's collectives, per rank, for a model with known shapes."""
+    import optim as O
+    mesh = P.init_mesh(tp=tp, pp=pp, sp=sp)
+    torch.manual_seed(0)
+    args = M.ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=64)
+    model = M.Transformer(args)
+    P.apply_tensor_parallel(model, mesh)
+    P.apply_pipeline(model, mesh)
+    opt = O.AdamW(model.named_parameters(), pad_to=dp)
+    sync = P.GradSync(opt, mesh, bucket_mb=0.01)
+    B, T, m = 2, 16, 4
+    batches = [(torch.randint(0, 64, (B, T)), torch.randint(0, 64, (B, T))) for _ in range(m)]
+    loss_fn = lambda logits, y: P.loss_sum(logits, y, 64, mesh) / (m * B * T * dp)
+    before = dict(mesh.comm_bytes)
+    if pp > 1:
+        P.pipeline_step(model, batches, mesh, T, args.dim, loss_fn, before_last_backward=sync.start)
+    else:
+        for i, (x, y) in enumerate(batches):
+            if i == m - 1:
+                sync.start()
+            loss_fn(model(x), y).backward()
+    sync.finish()
+    grad_bytes = opt.numel * 4
+    after = {k: mesh.comm_bytes[k] - before[k] for k in before}
+    Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(
+        {"comm": after, "grad_bytes": grad_bytes, "pp_rank": mesh.pp_rank, "B": B, "T": T, "m": m, "d": args.dim,
+         "L_stage": len(model.layers), "first": mesh.first_stage, "last": mesh.last_stage}))
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)])
+def test_communication_bytes_match_formulas(tmp_path, tp, pp, dp):
+    spawn(_comm, tp * pp * dp, str(tmp_path / "r{rank}.json"), tp, pp, dp, False)
+    for f in tmp_path.glob("r*.json"):
+        r = json.loads(f.read_text())
+        c, B, T, m, d = r["comm"], r["B"], r["T"], r["m"], r["d"]
+        act = B * T * d * 4  # one fp32 activation of the residual stream, per micro-batch
+        # DP (ring all-reduce): each rank sends 2(dp-1)/dp of its gradient bytes, once per step
+        assert c["dp"] == pytest.approx(2 * (dp - 1) / dp * r["grad_bytes"])
+        # PP: B*T*d per micro-batch per stage boundary, forward to the next stage and back to the previous
+        sends = (0 if r["last"] else 1) + (0 if r["first"] else 1)
+        assert c["pp"] == pytest.approx(sends * m * act)
+        # TP: per layer per micro-batch 2 all-reduces of B*T*d forward and 2 backward; plus the embedding's
+        # forward all-reduce and the final norm's backward one (first / last stage), and the vocab-parallel
+        # cross-entropy's three all-reduces of B*T numbers (last stage)
+        ring = 2 * (tp - 1) / tp
+        expected = m * ring * (4 * r["L_stage"] * act + (act if r["first"] else 0)
+                               + (act + 3 * B * T * 4 if r["last"] else 0))
+        assert c["tp"] == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad layouts and failing ranks end the job with one message, never a hang
+
+
+@pytest.mark.parametrize("n,flags,message", [
+    (3, ["--tp", "2"], "world size 3 is not divisible by tp*pp = 2*1 = 2"),
+    (2, ["--tp", "2", "--n-kv-heads", "1"], "n_kv_heads 1 is not divisible by tp 2"),
+    (4, ["--pp", "4", "--n-layers", "3"], "pp 4 stages need at least 4 layers, the model has 3"),
+    (2, ["--pp", "2", "--schedule", "1f1b"], "1F1B needs at least as many micro-batches"),
+])
+def test_invalid_layouts_are_refused_before_any_collective(tmp_path, n, flags, message):
+    micro = 16 if "1F1B" in message else 4  # 16 x 1 micro-batch: fewer micro-batches than stages
+    t0 = time.time()
+    p = torchrun(n, tmp_path / "o", *flags, micro=micro, check=False, timeout=120)
+    assert p.returncode != 0 and time.time() - t0 < 90
+    errors = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], p.stderr[-3000:]
+    assert not (tmp_path / "o").exists()
+
+
+def test_one_failing_rank_ends_the_job(tmp_path):
+    """An exception in one pipeline stage of a 4-process job: torchrun stops every rank within seconds and
+    the failing rank's message is in the output."""
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import parallel, train
+        real = parallel.stage_forward
+        def broken(model, x, mesh, *a, **k):
+            if mesh.rank == 3:
+                raise RuntimeError("stage 1 exploded on rank 3")
+            return real(model, x, mesh, *a, **k)
+        parallel.stage_forward = broken
+        train.run(sys.argv[1:])
+    """))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script),
+           *TINY, "--pp", "2", "--micro-batch", "4", "--grad-accum", "2", "--max-steps", "3",
+           "--out-dir", str(tmp_path / "o"), "--dist-timeout", "30"]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert time.time() - t0 < 60
+    assert "stage 1 exploded on rank 3" in p.stderr
