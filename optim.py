@@ -8,13 +8,13 @@ How the pieces connect:
     refreshed after every step with one `copy_`. Flat buffers make the update a handful of vectorized ops,
     make gradient buckets for data parallelism plain slices (parallel.py), and let ZeRO-1 shard the
     optimizer state by cutting ranges.
-  - Gradients: a post-accumulate hook on each parameter adds its fresh `.grad` (any dtype) into the fp32
-    buffer and frees `.grad`, so micro-batch accumulation happens in fp32 even when compute is bf16.
+  - Gradients: fp32 parameters' `.grad` are views into the fp32 gradient buffer, so autograd accumulates
+    there in place; for bf16/fp16 parameters a post-accumulate hook adds each fresh `.grad` into the fp32
+    buffer and frees it, so micro-batch accumulation happens in fp32 even when compute is bf16.
     `on_grad_ready` is the seam where data parallelism launches its bucketed all-reduce.
   - Weight decay is decoupled (Loshchilov & Hutter 2019) and applied to matrices only: never to norm
     weights (a scale that should stay near 1) nor to the embedding table (rows of rare tokens would be
-    pulled to zero between their rare updates). Decayed parameters come first in the flat buffers, so the
-    decayed region is one contiguous prefix.
+    pulled to zero between their rare updates).
   - `lr_at` is linear warmup then cosine decay to a floor; `clip_grad_norm` scales all gradients by one
     factor computed from the true global norm; `LossScaler` keeps fp16 gradients inside fp16's range.
 """
@@ -62,13 +62,20 @@ class AdamW:
                 seen.add(id(p))
                 uniq.append((name, p))
         decide = (lambda n, p: not no_decay(n, p)) if no_decay else decays
-        uniq.sort(key=lambda np_: not decide(*np_))  # stable: decayed first, model order kept inside each
+        # Reverse model order: backward produces gradients roughly from the output back to the embedding,
+        # so data-parallel buckets (slices of the flat buffer) fill front to back and can be sent early.
+        uniq.reverse()
         self.names = [n for n, _ in uniq]
         self.params = [p for _, p in uniq]
-        self.n_decay = sum(p.numel() for n, p in uniq if decide(n, p))
         self.offsets, off = [], 0
-        for p in self.params:
+        self.decay_ranges = []  # [lo, hi) flat ranges of decayed parameters, neighbours merged
+        for n, p in uniq:
             self.offsets.append(off)
+            if decide(n, p):
+                if self.decay_ranges and self.decay_ranges[-1][1] == off:
+                    self.decay_ranges[-1] = (self.decay_ranges[-1][0], off + p.numel())
+                else:
+                    self.decay_ranges.append((off, off + p.numel()))
             off += p.numel()
         self.numel = -(-off // pad_to) * pad_to  # padding at the end: zero gradients, never read back
         p0 = self.params[0]
@@ -85,6 +92,8 @@ class AdamW:
             view = self.model_flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view  # the parameter now lives inside the flat buffer
+            if p.dtype == torch.float32:
+                p.grad = self.grad_view(i)  # ... and so does its gradient (no copy after each backward)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
         self.shard([(0, self.numel)])
 
@@ -99,11 +108,14 @@ class AdamW:
             self.master = self.owned(self.model_flat).float().clone()
         self.exp_avg = torch.zeros(size, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        # where weight decay applies, in the compact layout: the owned part of the decayed prefix
+        self._denom = torch.empty_like(self.exp_avg)
+        # where weight decay applies, in the compact layout: owned parts of the decayed ranges
         self.decay_segments, c = [], 0
         for lo, hi in ranges:
-            if lo < self.n_decay:
-                self.decay_segments.append((c, c + min(hi, self.n_decay) - lo))
+            for dlo, dhi in self.decay_ranges:
+                a, b = max(lo, dlo), min(hi, dhi)
+                if a < b:
+                    self.decay_segments.append((c + a - lo, c + b - lo))
             c += hi - lo
 
     def owned(self, full: torch.Tensor) -> torch.Tensor:
@@ -124,9 +136,14 @@ class AdamW:
         return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
 
     def _make_hook(self, i: int):
+        view = self.grad_view(i)
+
         def hook(p):
-            self.grad_view(i).add_(p.grad)  # fp32 accumulation across micro-batches
-            p.grad = None
+            # fp32 parameters: .grad *is* the flat buffer's view and autograd accumulated into it in place.
+            # Otherwise (bf16/fp16, or someone replaced .grad): add it into the fp32 buffer.
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.add_(p.grad)
+                p.grad = view if p.dtype == torch.float32 else None
             if self.on_grad_ready is not None:
                 self.on_grad_ready(i)
         return hook
@@ -136,7 +153,7 @@ class AdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines it across ranks)."""
-        return self.owned(self.grad).norm()
+        return torch.linalg.vector_norm(self.owned(self.grad))
 
     def clip_grad_norm(self, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
         """Scale all gradients by min(1, max_norm / norm); returns the norm before clipping. No host sync:
@@ -160,7 +177,9 @@ class AdamW:
         if self.weight_decay:
             for lo, hi in self.decay_segments:  # decoupled: not through m or v
                 self.master[lo:hi].mul_(1 - lr * self.weight_decay)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(self.eps)
+        # sqrt(v_hat) + eps into a persistent buffer: a fresh model-sized temporary every step would be a
+        # new allocation (and, on CPU, fresh page faults) each time
+        denom = torch.sqrt(self.exp_avg_sq, out=self._denom).div_(math.sqrt(bc2)).add_(self.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
         if self.master is not self.model_flat:
             self.unpack(self.master, self.model_flat)  # round to bf16/fp16 once, for the next forward

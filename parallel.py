@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -489,7 +490,7 @@ def _backward(output: torch.Tensor, grad: torch.Tensor):
 
 
 def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, schedule: str = "1f1b",
-                  before_last_backward=None, dtype=torch.float32) -> torch.Tensor:
+                  before_last_backward=None, dtype=torch.float32, stats: dict | None = None) -> torch.Tensor:
     """Phases 2-4 of one step on this stage: forward and backward of every micro-batch, interleaved with
     the other stages. batches: [(inputs, targets)] for all micro-batches (every stage loads them: the first
     needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's loss as it enters
@@ -499,6 +500,8 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
     AFAB runs all m forwards, then all m backwards: up to m micro-batches of activations alive at once.
     1F1B runs p-1-stage warm-up forwards, then alternates one forward with one backward, then drains: at
     most p micro-batches alive on the first stage. Both have the same bubble, (p-1)/(m+p-1) of the time.
+    stats, if given, accumulates "busy_s": the seconds this stage computed rather than waited (bench.py
+    measures the bubble with it).
     """
     m = len(batches)
     B = batches[0][0].shape[0]
@@ -508,6 +511,19 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
     inputs, outputs = [None] * m, [None] * m
     total = torch.zeros((), device=device)
 
+    def timed(fn):
+        def run(*a):
+            if stats is None:
+                return fn(*a)
+            t0 = time.perf_counter()
+            out = fn(*a)
+            if device.type == "cuda":  # kernels run asynchronously: wait for them to count their time
+                torch.cuda.synchronize(device)
+            stats["busy_s"] = stats.get("busy_s", 0.0) + time.perf_counter() - t0
+            return out
+        return run
+
+    @timed
     def forward(i, x):
         nonlocal total
         if mesh.first_stage:
@@ -522,6 +538,7 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
         outputs[i] = out
         return out
 
+    @timed
     def backward(i, grad):
         if i == m - 1 and before_last_backward is not None:
             before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
@@ -633,10 +650,16 @@ class GradSync:
         self.opt, self.mesh, self.zero = opt, mesh, zero
         self.partial_tp = list(partial_tp)  # params whose gradient is a partial sum over tp (SP norms)
         dp = mesh.dp
-        step = max(dp, int(bucket_mb * 2 ** 20 / 4) // dp * dp)
         if opt.numel % dp:
             raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp {dp}")
-        self.buckets = [(lo, min(lo + step, opt.numel)) for lo in range(0, opt.numel, step)]
+        # The flat buffer holds parameters in reverse model order, so it fills front to back during
+        # backward. A small first bucket (1 MB, as DDP does) starts communication as early as possible.
+        size = lambda mb: max(dp, int(mb * 2 ** 20 / 4) // dp * dp)
+        self.buckets, lo = [], 0
+        while lo < opt.numel:
+            hi = min(lo + size(min(1.0, bucket_mb) if not self.buckets else bucket_mb), opt.numel)
+            self.buckets.append((lo, hi))
+            lo = hi
         self.param_buckets = []  # for each param index, the buckets it overlaps
         self.expected = [0] * len(self.buckets)
         for i, p in enumerate(opt.params):
@@ -646,9 +669,12 @@ class GradSync:
             for b in bs:
                 self.expected[b] += 1
         self.enabled, self.handles, self.pending = False, {}, []
+        # this dp rank's piece of every bucket: its shard under ZeRO-1, its share of the gradient norm always
+        r = mesh.dp_rank
+        self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
+            [(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets]
         if zero and dp > 1:
-            r = mesh.dp_rank
-            opt.shard([(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets])
+            opt.shard(self.norm_ranges)
             self.pieces = [torch.empty((hi - lo) // dp, device=opt.grad.device) for lo, hi in self.buckets]
         opt.on_grad_ready = self._on_grad_ready
 
@@ -716,25 +742,26 @@ class GradSync:
 # 7. The global gradient norm
 
 
-def grad_norm(opt, mesh: Mesh, model, zero: bool) -> torch.Tensor:
+def grad_norm(sync: GradSync, model) -> torch.Tensor:
     """sqrt of the sum of squares of every gradient element of the *whole* model, identical on all ranks.
-    Shards are summed over tp and pp; parameters replicated across tp (norm weights) are counted by tp
-    rank 0 only; under ZeRO-1 each dp rank holds a disjoint piece, so those are summed over dp as well."""
-    sq = opt.owned(opt.grad).pow(2).sum()
+    Each dp rank sums the squares of its own pieces of the buckets (the pieces it owns under ZeRO-1, or
+    would own), so the work is split over dp and plain DP and ZeRO-1 add the same numbers in the same
+    order: their updates are bitwise identical. Shards are summed over tp and pp; parameters replicated
+    across tp (norm weights) are counted by tp rank 0 only."""
+    opt, mesh = sync.opt, sync.mesh
+    sq = torch.stack([torch.linalg.vector_norm(opt.grad[lo:hi]) for lo, hi in sync.norm_ranges]).square().sum()
     if mesh.tp > 1 and mesh.tp_rank > 0:
         placement = getattr(model, "tp_placement", {})
         for i, name in enumerate(opt.names):
             if name in placement:
                 continue
             lo, hi = opt.offsets[i], opt.offsets[i] + opt.params[i].numel()
-            for rlo, rhi in opt.ranges:  # the replicated parameter's part in what this rank owns
+            for rlo, rhi in sync.norm_ranges:  # the replicated parameter's part in this rank's pieces
                 a, b = max(lo, rlo), min(hi, rhi)
                 if a < b:
-                    sq = sq - opt.grad[a:b].pow(2).sum()
-    all_reduce(sq, mesh, "tp")
-    all_reduce(sq, mesh, "pp")
-    if zero:
-        all_reduce(sq, mesh, "dp")
+                    sq = sq - torch.linalg.vector_norm(opt.grad[a:b]).square()
+    for dim in ("tp", "pp", "dp"):
+        all_reduce(sq, mesh, dim)
     return sq.sqrt()
 
 

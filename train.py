@@ -424,7 +424,7 @@ def main(argv=None):
             log(f"step {step + 1}: fp16 gradient overflow, step skipped, loss scale -> {scaler.scale:g}")
             grad_norm = torch.tensor(float("nan"))
         else:
-            grad_norm = opt.clip_grad_norm(args.grad_clip, P.grad_norm(opt, mesh, model, bool(args.zero)))
+            grad_norm = opt.clip_grad_norm(args.grad_clip, P.grad_norm(sync, model))
             opt.step(lr)
             sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
         opt.zero_grad()

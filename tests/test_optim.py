@@ -43,7 +43,7 @@ def test_matches_torch_adamw_over_10_steps_fp32():
 def test_no_decay_on_norms_and_embeddings():
     m = tiny_model()
     opt = O.AdamW(m.named_parameters(), lr=0.1, weight_decay=0.5)
-    decayed = {n for i, n in enumerate(opt.names) if opt.offsets[i] < opt.n_decay}
+    decayed = {n for i, n in enumerate(opt.names) if any(lo <= opt.offsets[i] < hi for lo, hi in opt.decay_ranges)}
     assert "tok_embeddings.weight" not in decayed
     assert not any("norm" in n for n in decayed)
     assert "layers.0.attention.wq.weight" in decayed and "output.weight" in decayed
@@ -57,9 +57,20 @@ def test_grads_accumulate_into_fp32_buffer_and_params_are_views():
     first = opt.grad.clone()
     m(x).sum().backward()
     torch.testing.assert_close(opt.grad, 2 * first)
-    assert all(p.grad is None for p in m.parameters())
+    assert all(opt.grad_view(i).data_ptr() == p.grad.data_ptr() for i, p in enumerate(opt.params))  # in place
     i = opt.names.index("layers.0.attention.wq.weight")
     assert m.layers["0"].attention.wq.weight.data_ptr() == opt.master[opt.offsets[i]:].data_ptr()
+
+
+def test_bf16_grads_accumulate_in_fp32():
+    m = tiny_model(dtype=torch.bfloat16)
+    opt = O.AdamW(m.named_parameters())
+    x = torch.randint(0, 50, (2, 8))
+    m(x).float().sum().backward()
+    first = opt.grad.clone()
+    m(x).float().sum().backward()
+    torch.testing.assert_close(opt.grad, 2 * first)
+    assert opt.grad.dtype == torch.float32 and all(p.grad is None for p in m.parameters())
 
 
 def test_bf16_master_weights_keep_updates_below_bf16_resolution():
