@@ -190,7 +190,7 @@ LAYOUTS = [  # (processes, flags)
     (2, ["--tp", "2"]),
     (2, ["--tp", "2", "--sp"]),
     (2, ["--pp", "2", "--schedule", "1f1b"]),
-    (2, ["--pp", "2", "--schedule", "afab"]),
+    (2, ["--pp", "2", "--schedule", "afab", "--pp-layers", "3,1"]),  # an unbalanced split, by hand
     (2, []),  # dp 2
     (4, ["--tp", "2", "--pp", "2", "--sp"]),
     (4, ["--tp", "2", "--pp", "2", "--schedule", "afab"]),
