@@ -367,6 +367,14 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: Mesh):
     return losses.view(targets.shape)
 
 
+def token_losses(logits, targets, vocab_size: int, mesh: Mesh):
+    """Per-token cross-entropy (= -log p(target)) for any layout, shaped like targets; IGNORE_INDEX -> 0."""
+    if mesh.tp == 1:
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
+    return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh)
+
+
 def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
     """Sum of token cross-entropies for any layout (IGNORE_INDEX targets count 0)."""
     if mesh.tp == 1:
@@ -531,7 +539,7 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
         else:
             x.requires_grad_()
         inputs[i] = x
-        out = stage_forward(model, x, mesh, seq_len)
+        out = stage_forward(model, x, mesh, seq_len, _doc_ids(batches[i]))
         if mesh.last_stage:
             out = loss_fn(out, batches[i][1])
             total += out.detach()
@@ -603,22 +611,28 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
     return total
 
 
+def _doc_ids(batch):
+    """A batch is (inputs, targets) or (inputs, targets, doc_ids) for packed sequences."""
+    return batch[2] if len(batch) > 2 else None
+
+
 @torch.no_grad()
-def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, dtype=torch.float32):
-    """Forward only (validation): micro-batches flow through the stages one after another; returns the sum
-    of loss_fn over them on the last stage, 0 elsewhere."""
-    total = torch.zeros((), device=batches[0][0].device)
-    for x, y in batches:
+def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dtype=torch.float32) -> list:
+    """Forward only (validation, reference log-probs): micro-batches flow through the stages one after
+    another; returns [fn(logits, targets) for each micro-batch] on the last stage, [] elsewhere."""
+    results = []
+    for batch in batches:
+        x = batch[0]
         if not mesh.first_stage:
             T_local = seq_len // mesh.tp if mesh.sp else seq_len
             x = torch.empty((x.shape[0], T_local, dim), device=x.device, dtype=dtype)
             _p2p(mesh, recv_prev=x)
-        out = stage_forward(model, x, mesh, seq_len)
+        out = stage_forward(model, x, mesh, seq_len, _doc_ids(batch))
         if mesh.last_stage:
-            total += loss_fn(out, y)
+            results.append(fn(out, batch[1]))
         else:
             _p2p(mesh, send_next=out)
-    return total
+    return results
 
 
 def all_true(flag: torch.Tensor, mesh: Mesh) -> bool:

@@ -120,8 +120,6 @@ def model_args_from(args, vocab_size: int) -> M.ModelArgs:
     if vocab_size > margs.vocab_size:
         raise ConfigError(f"tokenizer {args.tokenizer!r} has {vocab_size} ids but model {args.model!r} has a "
                           f"vocabulary of {margs.vocab_size}")
-    if args.seq_len > margs.max_seq_len:
-        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
     return margs
 
 
@@ -184,29 +182,6 @@ def peak_memory_gb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB: process peak RSS
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation
-
-
-@torch.no_grad()
-def evaluate(model, data_dir, args, mesh, device, dtype, tokenizer_name) -> float:
-    """Mean token loss over the first --eval-batches validation micro-batches (the same ones every time,
-    so successive values are comparable), split over dp ranks and run through the pipeline."""
-    model.eval()
-    loader = data.Loader(data_dir, "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                         dp_size=mesh.dp, seed=0, tokenizer=tokenizer_name)
-    n = max(1, args.eval_batches // mesh.dp)
-    batches = [tuple(t.to(device) for t in loader.next()) for _ in range(n)]
-    total = P.pipeline_forward(model, batches, mesh, args.seq_len, model.args.dim,
-                               lambda logits, y: P.loss_sum(logits, y, model.args.vocab_size, mesh), dtype)
-    count = torch.tensor(float(sum((y != IGNORE_INDEX).sum().item() for _, y in batches)), device=device)
-    for dim in ("pp", "dp"):  # the loss lives on the last stage; each dp rank saw its own batches
-        P.all_reduce(total, mesh, dim)
-    P.all_reduce(count, mesh, "dp")
-    model.train()
-    return (total / count).item()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -287,11 +262,106 @@ def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The task: what a micro-batch's loss is. Language modelling here (pretraining and SFT); dpo.py brings
+# another. The loop below knows only these four methods.
+
+
+class LMTask:
+    """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
+    whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
+    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing."""
+
+    metric_names: tuple = ()
+
+    def __init__(self, margs: M.ModelArgs, mesh):
+        self.vocab_size, self.mesh = margs.vocab_size, mesh
+        self.total = None  # the global normalizer, set by the loop before each step
+
+    def prepare(self, batches):
+        return batches
+
+    def count(self, batch) -> torch.Tensor:
+        return (batch[1] != IGNORE_INDEX).sum()
+
+    def loss(self, logits, targets) -> torch.Tensor:
+        return P.loss_sum(logits, targets, self.vocab_size, self.mesh) / self.total
+
+    def metrics(self) -> torch.Tensor:
+        return torch.zeros(0)
+
+
+def global_total(task, batches, mesh, device) -> torch.Tensor:
+    total = sum(task.count(b) for b in batches).float().to(device)
+    P.all_reduce(total, mesh, "dp")
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation
+
+
+@torch.no_grad()
+def evaluate(model, val_loader, task, args, mesh, device, dtype) -> tuple[float, torch.Tensor]:
+    """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
+    successive values are comparable), split over dp ranks and run through the pipeline."""
+    model.eval()
+    n = max(1, args.eval_batches // mesh.dp)
+    batches = task.prepare([tuple(t.to(device) for t in val_loader.next()) for _ in range(n)])
+    task.total = global_total(task, batches, mesh, device)
+    task.metrics()  # start the metric sums afresh
+    losses = P.pipeline_forward(model, batches, mesh, args.seq_len, model.args.dim, task.loss, dtype)
+    loss = sum(losses, torch.zeros((), device=device))
+    metrics = task.metrics().to(device)
+    for dim in ("pp", "dp"):  # the loss lives on the last stage; each dp rank saw its own batches
+        P.all_reduce(loss, mesh, dim)
+        P.all_reduce(metrics, mesh, dim)
+    model.train()
+    return loss.item(), metrics
+
+
+# ----------------------------------------------------------------------------------------------------
 # Training
 
 
-def main(argv=None):
-    args = get_parser().parse_args(argv)
+def pretraining_model(args, tok):
+    """Pretraining starts from the preset (or dims) and a seeded random initialization."""
+    return model_args_from(args, tok.n_vocab), None
+
+
+def pretraining_data(args, tok, mesh):
+    """Token shards: rank 0 prepares (and caches) them, the others then find them ready."""
+    if mesh.rank == 0:
+        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+    barrier(mesh)
+    if mesh.rank != 0:
+        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+    train = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+                        dp_size=mesh.dp, seed=args.seed, tokenizer=tok.name)
+    make_val = lambda: data.Loader(data_dir, "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+                                   dp_size=mesh.dp, seed=0, tokenizer=tok.name)
+    make_val()  # fail now, not at the first evaluation
+    return train, make_val, f"{data_dir}: {train.num_tokens:,} train tokens"
+
+
+def build_model(margs, state, args, mesh, device, dtype):
+    """The full model from the seed (or from `state`, a full state dict), then sharded (tp), cut (pp) and
+    cast: every layout starts from bit-identical weights."""
+    torch.manual_seed(args.seed)
+    model = M.Transformer(margs).to(device)
+    if state is not None:
+        model.load_state_dict(state)
+    P.apply_tensor_parallel(model, mesh)
+    P.apply_pipeline(model, mesh, args.pp_split)
+    model.to(dtype)
+    model.act_ckpt = args.act_ckpt
+    return model
+
+
+def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LMTask, what="train"):
+    """The one training loop. Pretraining (main below), sft.py and dpo.py differ only in the three
+    functions they pass: model_fn(args, tok) -> (model args, initial full state dict or None),
+    data_fn(args, tok, mesh) -> (train loader, make_val_loader, description), and
+    task_fn(margs, mesh[, ...]) -> the task (LMTask's four methods)."""
     validate(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -306,12 +376,14 @@ def main(argv=None):
 
     # Validate everything that can be wrong before any communication and before touching --out-dir.
     tok = data.get_tokenizer(args.tokenizer)
-    margs = model_args_from(args, tok.n_vocab)
-    split = [int(s) for s in args.pp_layers.split(",")] if args.pp_layers else None
+    margs, init_state = model_fn(args, tok)
+    if args.seq_len > margs.max_seq_len:
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
+    args.pp_split = [int(s) for s in args.pp_layers.split(",")] if args.pp_layers else None
     try:
         P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp)
         if args.pp > 1:
-            P.stage_layers(margs.n_layers, args.pp, split)
+            P.stage_layers(margs.n_layers, args.pp, args.pp_split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout: {e}") from None
     out_dir = Path(args.out_dir)
@@ -325,27 +397,17 @@ def main(argv=None):
     meta = read_meta(resume, margs) if resume else None
 
     mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout)
-    if rank == 0:  # one process prepares (and caches) the data; the others then find it ready
-        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
-    barrier(mesh)
-    if rank != 0:
-        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
-    loader = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                         dp_size=mesh.dp, seed=args.seed, tokenizer=tok.name)
-    data.Loader(data_dir, "val", args.micro_batch, args.seq_len, seed=0, tokenizer=tok.name)  # fail now, not at eval
+    loader, make_val, data_desc = data_fn(args, tok, mesh)
 
-    # Model and optimizer: the full model from the seed, sharded (tp), cut (pp), cast, and its storage
-    # handed to the optimizer; then the data-parallel gradient reduction hooks into the optimizer.
-    model = M.Transformer(margs).to(device)
-    P.apply_tensor_parallel(model, mesh)
-    P.apply_pipeline(model, mesh, split)
-    model.to(dtype)
-    model.act_ckpt = args.act_ckpt
+    # Model and optimizer: the model's storage is handed to the optimizer; then the data-parallel
+    # gradient reduction hooks into the optimizer.
+    model = build_model(margs, init_state, args, mesh, device, dtype)
     opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                   weight_decay=args.weight_decay, pad_to=mesh.dp)
     sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
     sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
     scaler = O.LossScaler() if precision == "fp16" else None
+    task = task_fn(margs, mesh)
     start_step = 0
     if resume:
         extra = load_checkpoint(resume, model, opt, mesh)
@@ -369,12 +431,13 @@ def main(argv=None):
     tokens_per_step = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     flops_tok = M.flops_per_token(margs, args.seq_len)["palm"]
     peak, peak_src = peak_flops(device, precision)
-    log(f"model {args.model}: {n_params:,} parameters ({M.count_params(margs, False):,} non-embedding), "
-        f"dim {margs.dim}, layers {margs.n_layers}, heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+    log(f"model {getattr(args, 'init', None) or args.model}: {n_params:,} parameters "
+        f"({M.count_params(margs, False):,} non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
+        f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
     log(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
         + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
         + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
-    log(f"data {data_dir}: {loader.num_tokens:,} train tokens; {tokens_per_step:,} tokens/step "
+    log(f"data {data_desc}; {tokens_per_step:,} tokens/step "
         f"({args.micro_batch} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
     log(f"device {device}, {precision}; MFU uses the PaLM convention 6N+12LdT = {flops_tok / 1e6:.1f} MFLOP/token "
         f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
@@ -384,31 +447,35 @@ def main(argv=None):
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
 
-    def micro_loss(logits, y):  # 3. loss: summed over tokens, divided by the global target count
-        loss = P.loss_sum(logits, y, margs.vocab_size, mesh) / n_targets
+    def named(values: torch.Tensor, prefix="") -> dict:
+        return {prefix + k: v for k, v in zip(task.metric_names, values.tolist())}
+
+    def micro_loss(logits, targets):  # 3. loss (the task's), scaled for fp16 so small gradients survive
+        loss = task.loss(logits, targets)
         return loss * scaler.scale if scaler else loss
 
     model.train()
     t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+    metric_acc = torch.zeros(len(task.metric_names), device=device)
     comm_at_log = dict(mesh.comm_bytes)
     train_time = 0.0
     for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
-        # 1. data loading: every micro-batch of this step, so the global target count is known up front
+        # 1. data loading: every micro-batch of this step, so the global normalizer is known up front
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
-        n_targets = sum((y != IGNORE_INDEX).sum() for _, y in batches).float()
-        P.all_reduce(n_targets, mesh, "dp")
+        batches = task.prepare(batches)
+        task.total = global_total(task, batches, mesh, device)
         if mesh.pp > 1:
             # 2-4. forward, loss, backward of every micro-batch, interleaved across stages by the schedule
             loss_total = P.pipeline_step(fwd_model, batches, mesh, args.seq_len, margs.dim, micro_loss,
                                          args.schedule, before_last_backward=sync.start, dtype=dtype)
         else:
             loss_total = torch.zeros((), device=device)
-            for i, (x, y) in enumerate(batches):
+            for i, batch in enumerate(batches):
                 # 2. forward
-                logits = fwd_model(x)  # (B, T, vocab), or (B, T, vocab/tp) under tensor parallelism
-                # 3. loss (micro_loss: sum over tokens / global target count, so accumulation is exact)
-                loss = micro_loss(logits, y)
+                logits = fwd_model(batch[0], doc_ids=P._doc_ids(batch))  # (B, T, vocab[/tp])
+                # 3. loss: summed over the micro-batch, divided by the global normalizer (exact accumulation)
+                loss = micro_loss(logits, batch[1])
                 loss_total += loss.detach()
                 # 4. backward; the last micro-batch's gradients are reduced over dp as they are produced
                 if i == len(batches) - 1:
@@ -431,11 +498,13 @@ def main(argv=None):
         sync_device(device)
         train_time += time.perf_counter() - t0
         loss_acc += loss_total
+        metric_acc += task.metrics().to(device)
         tokens_since += tokens_per_step
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             for dim in ("pp", "dp"):  # the loss lives on the last stage; dp ranks hold parts of it
                 P.all_reduce(loss_acc, mesh, dim)
+                P.all_reduce(metric_acc, mesh, dim)
             dt = time.perf_counter() - t_log
             n_logged = (done - start_step - 1) % args.log_every + 1
             tps = tokens_since / dt
@@ -443,19 +512,23 @@ def main(argv=None):
             rec = {"step": done, "loss": loss_acc.item() / n_logged, "lr": lr, "grad_norm": grad_norm.item(),
                    "tokens_per_s": tps, "mfu": tps * flops_tok / (peak * mesh.world),
                    "peak_mem_gb": peak_memory_gb(device), "time_s": train_time,
-                   "comm_bytes_per_step": comm}
+                   "comm_bytes_per_step": comm, **named(metric_acc / n_logged)}
             comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
                 f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
+            extra_txt = "".join(f" | {k} {v:.3f}" for k, v in named(metric_acc / n_logged).items())
             log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {lr:.2e} | grad norm {rec['grad_norm']:.3f} | "
-                f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}")
+                f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
             write(rec)
             t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+            metric_acc = torch.zeros(len(task.metric_names), device=device)
             comm_at_log = dict(mesh.comm_bytes)
         if (args.eval_every and done % args.eval_every == 0) or done == args.max_steps:
             t_eval = time.perf_counter()
-            val = evaluate(fwd_model, data_dir, args, mesh, device, dtype, tok.name)
-            log(f"step {done:6d} | val loss {val:.4f} | train time {train_time:.1f} s | eval {time.perf_counter() - t_eval:.1f} s")
-            write({"step": done, "val_loss": val, "time_s": train_time})
+            val, val_metrics = evaluate(fwd_model, make_val(), task, args, mesh, device, dtype)
+            extra = named(val_metrics, "val_")
+            log(f"step {done:6d} | val loss {val:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
+                + f" | train time {train_time:.1f} s | eval {time.perf_counter() - t_eval:.1f} s")
+            write({"step": done, "val_loss": val, **extra, "time_s": train_time})
             t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
             comm_at_log = dict(mesh.comm_bytes)
         # 7. checkpoint
@@ -466,25 +539,30 @@ def main(argv=None):
             comm_at_log = dict(mesh.comm_bytes)
     if metrics:
         metrics.close()
+    return model, tok, mesh, device
 
-    if args.sample_tokens > 0 and mesh.tp == 1 and mesh.pp == 1 and rank == 0:
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    model, tok, mesh, device = train(args)
+    if args.sample_tokens > 0 and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
         prompt = [data.bos_id(tok)] + tok.encode_ordinary("\n")
         g = torch.Generator(device=device).manual_seed(args.seed)
         new = M.generate(model, prompt, min(args.sample_tokens, args.seq_len - len(prompt)),
                          temperature=0.8, top_k=200, generator=g, n_vocab=tok.n_vocab)
-        log("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60)
-    elif args.sample_tokens > 0:
-        log(f"(no sample under tp/pp: `python parallel.py consolidate {out_dir}` merges the checkpoint)")
+        print("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60, flush=True)
+    elif args.sample_tokens > 0 and mesh.rank == 0:
+        print(f"(no sample under tp/pp: `python parallel.py consolidate {args.out_dir}` merges the checkpoint)")
     if mesh.world > 1:
         dist.destroy_process_group()
 
 
-def run(argv=None):
-    """main() with user errors as one line on stderr (from rank 0, or from the rank whose own input is bad)
-    and a non-zero exit; torchrun then stops the other ranks."""
+def run(main_fn=main, argv=None):
+    """main_fn() with user errors as one line on stderr (from rank 0, or from the rank whose own input is
+    bad) and a non-zero exit; torchrun then stops the other ranks."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        main(argv)
+        main_fn(argv)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -346,7 +346,7 @@ def test_one_failing_rank_ends_the_job(tmp_path):
                 raise RuntimeError("stage 1 exploded on rank 3")
             return real(model, x, mesh, *a, **k)
         parallel.stage_forward = broken
-        train.run(sys.argv[1:])
+        train.run(argv=sys.argv[1:])
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script),
            *TINY, "--pp", "2", "--micro-batch", "4", "--grad-accum", "2", "--max-steps", "3",
