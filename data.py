@@ -13,7 +13,11 @@ The data path of the project, in the order the bytes travel through this file:
                  as the completion marker. resolve_data() is what train.py calls with its --data value.
   6. Loader      shards -> one deterministic sequence of windows -> (inputs, targets) for each data-parallel
                  rank. Its whole position is one global counter, so a run resumes exactly under any dp.
-  7. CLI         python data.py prepare | download | info
+  7. Chat        encode_chat(): the Llama 3 chat format, with a mask of the tokens the model learns to say.
+                 read_sft() / read_preferences(): conversations and chosen/rejected pairs from JSON(L) files.
+                 SFTLoader (packed rows with document ids) and PreferenceLoader: the Loader's position scheme
+                 over a fixed list of rows, for sft.py and dpo.py.
+  8. CLI         python data.py prepare | download | info
 
 Every failure a user can cause ends in DataError, whose message is one line saying what to do.
 """
@@ -22,6 +26,7 @@ import base64
 import binascii
 import functools
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -87,6 +92,25 @@ DATASETS.update({  # Project Gutenberg books from a repository snapshot: Windows
         ("moby_dick", "pg2701", "eb1a1ca16369a025021459cf71bf5c4de1e05852bc1d83160c08484adffab73f"),
         ("frankenstein", "pg84", "4eaa0bd8cf407530e42d99ed95b61b9a4bb8492a3a9c0c9a41cd017bfed7bcd7")]})
 
+# Chat data for section 7: read with read_sft / read_preferences, not prepare (they are not plain text).
+SFT_DATASETS = {
+    "alpaca_5000": dict(  # a random 5,000 of Alpaca's 52k, from a pull request of the Alpaca repository
+        url=f"{_GH}/tatsu-lab/stanford_alpaca/5e69c50054c48cd3b919c46d13bb2d92a62f4498/data/alpaca_5000.json",
+        sha256="fc1add24c93c9fbbe585a64a6c9bf6165eb110225f4470efbff382a913558ec0",
+        license="CC BY-NC 4.0 (non-commercial; outputs of text-davinci-003)", mirror="sft/alpaca_5000.json"),
+    "self_instruct_seed": dict(  # the 175 human-written Self-Instruct seed tasks
+        url=f"{_GH}/yizhongw/self-instruct/0b26ccaa415992100fa32df62d41b994cf928e23/data/seed_tasks.jsonl",
+        sha256="7779004fa198fdf27cf70a159363879d8a26c53329e11b436af17b3941875f48",
+        license="Apache-2.0", mirror="sft/self_instruct_seed_tasks.jsonl"),
+}
+PREFERENCE_DATASETS = {
+    "hh_rlhf_harmless_test": dict(  # red-teaming dialogues: offensive requests by design, paired replies
+        url=f"{_GH}/anthropics/hh-rlhf/354e5c3cb8960630860dd5774a6ac2a58313bf4d/harmless-base/test.jsonl.gz",
+        gzip_sha256="ebfaaed21162a4de120ae85366075b34425e2a6303fac59b99555002f7016f03",  # what the URL serves
+        sha256="14d765196c9f18d84f9bb3a78bac608c8f2915110ebcbd74ec95db7b7198b008",  # unpacked, as in the mirror
+        license="MIT (Anthropic)", mirror="dpo/hh_rlhf_harmless_base_test.jsonl"),
+}
+
 LLAMA3_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 TOKENIZER_FILES = {  # files a tokenizer needs; fetched through the same machinery as the datasets
     "llama3": dict(
@@ -95,16 +119,30 @@ TOKENIZER_FILES = {  # files a tokenizer needs; fetched through the same machine
 }
 
 
+def registry() -> dict:
+    """Every name fetch() knows: pretraining text, chat data and tokenizer files."""
+    return {**DATASETS, **SFT_DATASETS, **PREFERENCE_DATASETS, **TOKENIZER_FILES}
+
+
 def fetch(name: str, mirror=None) -> Path:
     """A registry name (dataset or tokenizer file) -> the verified file in <cache>/downloads."""
     if "/" in name or "\\" in name or ".." in name or not name:
         raise DataError(f"bad dataset name {name!r}: registry names may not contain path separators or '..'")
-    entry = DATASETS.get(name) or TOKENIZER_FILES.get(name)
+    entry = registry().get(name)
     if entry is None:
-        raise DataError(f"unknown dataset {name!r}; known names: {', '.join([*DATASETS, *TOKENIZER_FILES])}")
+        raise DataError(f"unknown dataset {name!r}; known names: {', '.join(registry())}")
     if Path(entry["mirror"]).is_absolute() or ".." in Path(entry["mirror"]).parts:
         raise DataError(f"registry entry {name!r} has a mirror path outside the mirror: {entry['mirror']}")
     dest = cache_dir() / "downloads" / (name + Path(entry["mirror"]).suffix)
+    root = _mirror_root(mirror)
+    if "gzip_sha256" in entry and not dest.exists() and not (root and (root / entry["mirror"]).is_file()):
+        # the URL serves a .gz; the cache (like the mirror) keeps the unpacked file, checked against sha256
+        packed = download(entry["url"], entry["gzip_sha256"], dest.with_name(dest.name + ".gz"))
+        part = dest.with_name(dest.name + ".part")
+        with gzip.open(packed, "rb") as src, open(part, "wb") as out:
+            shutil.copyfileobj(src, out)
+        packed.unlink()
+        return _verify_and_place(part, dest, entry["sha256"], f"{entry['url']} (unpacked)", "fetch it again")
     return download(entry["url"], entry["sha256"], dest, mirror=mirror, mirror_path=entry["mirror"])
 
 
@@ -278,6 +316,10 @@ def eos_id(enc) -> int:  # ends a document
 
 def eot_id(enc) -> int:  # ends a chat turn
     return enc.encode_single_token("<|eot_id|>")
+
+
+def pad_id(enc) -> int:  # fills the tail of an SFT or DPO row; never a target
+    return enc.encode_single_token("<|finetune_right_pad_id|>")
 
 
 # ======== 3. Documents ============================================================================
@@ -671,7 +713,403 @@ class Loader:
         self.consumed = int(state["consumed"])
 
 
-# ======== 7. Command line =========================================================================
+# ======== 7. Chat format, SFT and preference data =================================================
+# A conversation is a list of {"role": "system" | "user" | "assistant", "content": str}. Llama 3 writes it as
+#   <|begin_of_text|> then, per message, <|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>
+# and the model learns only what the assistant says: its content and the <|eot_id|> that ends its turn (so
+# it learns to stop). Everything else is context. A row of seq_len + 1 tokens gives seq_len (input, target)
+# pairs, as in the Loader; a target that is not learned is IGNORE_INDEX, which cross_entropy skips.
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _check_messages(messages):
+    if not isinstance(messages, list):
+        raise DataError(f"a conversation must be a list of messages, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            raise DataError(f"message {i} has role {role!r}; the roles are {', '.join(CHAT_ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise DataError(f"message {i} ({role}) has content of type {type(message.get('content')).__name__}, "
+                            f"not a string")
+
+
+def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:
+    """Messages -> (token ids, mask): mask[t] is True where token t is learned (assistant content + eot).
+
+    BOS is written here, once; do not add another. Content goes through encode_ordinary, so text such as
+    "<|eot_id|>" inside a message stays text. Header and content are encoded separately, as Meta's reference
+    does, so the tokens of one message never depend on its neighbours.
+    """
+    _check_messages(messages)
+    start, end = enc.encode_single_token("<|start_header_id|>"), enc.encode_single_token("<|end_header_id|>")
+    ids, mask = [bos_id(enc)], [False]
+    for message in messages + ([{"role": "assistant"}] if add_generation_prompt else []):
+        header = [start, *enc.encode_ordinary(message["role"]), end, *enc.encode_ordinary("\n\n")]
+        ids += header
+        mask += [False] * len(header)
+        if "content" in message:  # the generation prompt is a header with nothing after it
+            body = enc.encode_ordinary(message["content"]) + [eot_id(enc)]
+            ids += body
+            mask += [message["role"] == "assistant"] * len(body)
+    return ids, mask
+
+
+def _chat_file(path_or_name, registered, mirror) -> Path:
+    name = str(path_or_name)
+    if name in registered:
+        return fetch(name, mirror)
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise DataError(f"no file {name!r}, and it is not a registered name ({', '.join(registered)})")
+    return path
+
+
+def _json_records(path) -> list:
+    """A JSON array or a JSONL file -> [(where, record)], where = "file:line" or "file: record i" (from 0)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not utf-8 text ({e.reason} at byte {e.start:,})") from None
+    if text.lstrip().startswith("["):  # one JSON array, as Alpaca ships
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        return [(f"{path}: record {i}", record) for i, record in enumerate(records)]
+    records = []
+    for lineno, line in enumerate(text.split("\n"), 1):  # split("\n"): see read_documents
+        if line.strip():
+            try:
+                records.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    return records
+
+
+def _strings(record, *keys):
+    values = [(record.get(key) or "") if key == "input" else record.get(key) for key in keys]  # input: optional
+    bad = [key for key, value in zip(keys, values) if not isinstance(value, str)]
+    if bad:
+        raise DataError(f"field(s) {', '.join(bad)} must be strings")
+    return values
+
+
+def _conversation(record) -> list:
+    """One SFT record, in any of the layouts read_sft accepts -> a list of messages."""
+    if isinstance(record, dict) and "messages" in record:
+        messages = record["messages"]
+    elif isinstance(record, dict) and "instances" in record and "instruction" in record:
+        # a Self-Instruct seed task: the instruction with its first instance's input, answered by its output
+        instances = record["instances"]
+        if not (isinstance(instances, list) and instances and isinstance(instances[0], dict)):
+            raise DataError("'instances' must be a non-empty list of {input, output}")
+        [instruction], [task_input, output] = _strings(record, "instruction"), _strings(instances[0], "input", "output")
+        messages = [{"role": "user", "content": instruction + (f"\n\n{task_input}" if task_input else "")},
+                    {"role": "assistant", "content": output}]
+    elif isinstance(record, dict) and "instruction" in record and "output" in record:  # Alpaca
+        instruction, task_input, output = _strings(record, "instruction", "input", "output")
+        messages = [{"role": "user", "content": instruction + (f"\n\n{task_input}" if task_input else "")},
+                    {"role": "assistant", "content": output}]
+    elif isinstance(record, dict) and "prompt" in record and "response" in record:
+        prompt, response = _strings(record, "prompt", "response")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    else:
+        fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"unknown SFT record {fields}: expected {{messages}}, {{instruction, input, output}}, "
+                        f"{{prompt, response}} or a Self-Instruct task {{instruction, instances}}")
+    _check_messages(messages)
+    return messages
+
+
+def read_sft(path_or_name, mirror=None) -> list:
+    """A registered name (SFT_DATASETS) or a JSON array / JSONL file -> a list of conversations."""
+    path = _chat_file(path_or_name, SFT_DATASETS, mirror)
+    conversations = []
+    for where, record in _json_records(path):
+        try:
+            conversations.append(_conversation(record))
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
+    if not conversations:
+        raise DataError(f"{path}: no conversations")
+    return conversations
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def _parse_hh(text) -> tuple:
+    """An HH-RLHF dialogue "\\n\\nHuman: ...\\n\\nAssistant: ..." -> (messages before the last reply, last reply)."""
+    cut = text.rfind("\n\nAssistant:")
+    if cut < 0:
+        raise DataError('an HH-RLHF dialogue without "\\n\\nAssistant:"')
+    pieces = _HH_TURN.split(text[:cut])  # ["", "Human", " text", "Assistant", " text", ...]
+    if pieces[0].strip():
+        raise DataError('an HH-RLHF dialogue must start with "\\n\\nHuman:"')
+    messages = []
+    for speaker, content in zip(pieces[1::2], pieces[2::2]):
+        role = "user" if speaker == "Human" else "assistant"
+        if messages and messages[-1]["role"] == role:  # a few dialogues hold two turns in a row: join them
+            messages[-1]["content"] += "\n\n" + content.strip()
+        else:
+            messages.append({"role": role, "content": content.strip()})
+    return messages, text[cut + len("\n\nAssistant:"):].strip()
+
+
+def _preference_side(value, prompt) -> tuple:
+    """One of "chosen" / "rejected" -> (the conversation before the reply, the reply)."""
+    if isinstance(value, str):
+        return (prompt, value) if prompt is not None else _parse_hh(value)
+    _check_messages(value)
+    if not value or value[-1]["role"] != "assistant":
+        raise DataError("a chosen/rejected message list must end with an assistant message")
+    prefix, prompt = value[:-1], prompt or []
+    # the list may repeat the prompt (chosen = [user, assistant]) or continue it (chosen = [assistant])
+    return (prefix if prefix[:len(prompt)] == prompt else prompt + prefix), value[-1]["content"]
+
+
+def read_preferences(path_or_name, mirror=None) -> list:
+    """A registered name (PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen", "rejected"}].
+
+    Records: {"prompt", "chosen", "rejected"}, each a string (a prompt string is one user message) or a message
+    list, or HH-RLHF's {"chosen", "rejected"} full dialogues. Pairs whose two prompts differ, with an empty
+    reply or with identical replies are skipped, and the counts printed (stderr).
+    """
+    path = _chat_file(path_or_name, PREFERENCE_DATASETS, mirror)
+    pairs, skipped = [], {"different prompts": 0, "an empty reply": 0, "identical replies": 0}
+    for where, record in _json_records(path):
+        try:
+            if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
+                fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"unknown preference record {fields}: expected {{prompt, chosen, rejected}} "
+                                f"or HH-RLHF {{chosen, rejected}}")
+            prompt = record.get("prompt")
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            elif prompt is not None:
+                _check_messages(prompt)
+            (prompt, chosen), (other, rejected) = (_preference_side(record[k], prompt) for k in ("chosen", "rejected"))
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
+        if prompt != other:
+            skipped["different prompts"] += 1
+        elif not (chosen.strip() and rejected.strip()):
+            skipped["an empty reply"] += 1
+        elif chosen == rejected:  # no preference to learn from
+            skipped["identical replies"] += 1
+        else:
+            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    print(f"{path}: {len(pairs):,} preference pairs; skipped " +
+          ", ".join(f"{n:,} with {reason}" for reason, n in skipped.items()), file=sys.stderr)
+    if not pairs:
+        raise DataError(f"{path}: no usable preference pairs")
+    return pairs
+
+
+def _fit(ids, mask, seq_len):
+    """The length rule: keep the first seq_len + 1 tokens if a learned token is among them, else drop (None)."""
+    ids, mask = np.asarray(ids, dtype=np.int32)[:seq_len + 1], np.asarray(mask, dtype=bool)[:seq_len + 1]
+    return (ids, mask) if mask.any() else None
+
+
+def _counts(kept, truncated, dropped) -> dict:
+    return {"examples": len(kept), "truncated": truncated, "dropped": dropped,
+            "tokens": sum(len(ids) for ids, _ in kept), "target_tokens": sum(int(mask.sum()) for _, mask in kept)}
+
+
+def sft_examples(enc, conversations, seq_len) -> tuple:
+    """Conversations -> ([(ids int32, mask bool)], counts). An example longer than seq_len + 1 tokens keeps
+    its first seq_len + 1 if a learned token survives; it is dropped if none does, or if it has no assistant
+    message at all. counts: {"examples", "truncated", "dropped", "tokens", "target_tokens"}."""
+    examples, truncated, dropped = [], 0, 0
+    for conversation in conversations:
+        ids, mask = encode_chat(enc, conversation)
+        example = _fit(ids, mask, seq_len)
+        if example is None:
+            dropped += 1
+            continue
+        truncated += len(ids) > seq_len + 1
+        examples.append(example)
+    return examples, _counts(examples, truncated, dropped)
+
+
+def preference_examples(enc, pairs, seq_len) -> tuple:
+    """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side encoded as
+    prompt + [assistant reply] with the mask on the reply (and its eot) only. The SFT length rule applies
+    to each side; a pair is dropped if either side is. counts as in sft_examples, tokens over both sides."""
+    examples, truncated, dropped = [], 0, 0
+    for pair in pairs:
+        prompt_len = len(encode_chat(enc, pair["prompt"])[0])
+        sides = {}
+        for key in ("chosen", "rejected"):
+            ids, mask = encode_chat(enc, pair["prompt"] + [{"role": "assistant", "content": pair[key]}])
+            mask[:prompt_len] = [False] * prompt_len  # earlier assistant turns of the prompt are context here
+            sides[key] = (_fit(ids, mask, seq_len), len(ids) > seq_len + 1)
+        if any(example is None for example, _ in sides.values()):
+            dropped += 1
+            continue
+        truncated += any(cut for _, cut in sides.values())
+        examples.append({key: example for key, (example, _) in sides.items()})
+    both = [side for example in examples for side in example.values()]
+    return examples, {**_counts(both, truncated, dropped), "examples": len(examples)}
+
+
+def split_examples(examples, val_fraction, seed) -> tuple:
+    """-> (train, val): a seeded random val_fraction of the examples validates (at least one if > 0)."""
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = max(1, int(len(examples) * val_fraction)) if val_fraction else 0
+    if not examples or n_val >= len(examples):
+        raise DataError(f"{len(examples)} example(s) are too few to split off a validation fraction of {val_fraction}")
+    is_val = np.zeros(len(examples), dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(len(examples))[:n_val]] = True
+    return [e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v]
+
+
+def _rows(examples, seq_len, pad_id, pack) -> tuple:
+    """(ids, mask) examples -> inputs, targets, doc_ids arrays of shape (rows, seq_len), int32.
+
+    Each row holds seq_len + 1 tokens: whole examples one after another (all of them that fit, in the order
+    given, when packing; one otherwise), then padding. doc_ids number the examples of a row 0, 1, ... and give
+    the padding the next number. A target is the next token where that token is learned, else IGNORE_INDEX;
+    BOS is never learned, so no target crosses from one example into the next.
+    """
+    rows, row, used = [], [], 0
+    for ids, mask in examples:
+        if len(ids) > seq_len + 1:
+            raise DataError(f"an example of {len(ids):,} tokens does not fit seq_len + 1 = {seq_len + 1:,}; "
+                            f"make the examples with sft_examples / preference_examples and the same seq_len")
+        if row and (not pack or used + len(ids) > seq_len + 1):
+            rows.append(row)
+            row, used = [], 0
+        row.append((ids, mask))
+        used += len(ids)
+    rows += [row] if row else []
+    ids = np.full((len(rows), seq_len + 1), pad_id, dtype=np.int32)
+    mask = np.zeros((len(rows), seq_len + 1), dtype=bool)
+    doc = np.empty((len(rows), seq_len + 1), dtype=np.int32)
+    for r, row in enumerate(rows):
+        start = 0
+        for k, (example_ids, example_mask) in enumerate(row):
+            end = start + len(example_ids)
+            ids[r, start:end], mask[r, start:end], doc[r, start:end] = example_ids, example_mask, k
+            start = end
+        doc[r, start:] = len(row)  # the padding: a document of its own
+    targets = np.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX).astype(np.int32)
+    targets[doc[:, 1:] != doc[:, :-1]] = IGNORE_INDEX  # true already; kept for examples made elsewhere
+    return ids[:, :-1], targets, doc[:, :-1]
+
+
+class _RowLoader:
+    """The Loader's position scheme (section 6) over a list of rows fixed at construction.
+
+    Global sequence i is row perm_e[i % len(self)], e = i // len(self), perm_e seeded by (seed, e); rank r reads
+    consumed + r*batch_size + arange(batch_size), and every next() adds batch_size * dp_size to consumed.
+    """
+
+    def __init__(self, num_rows, batch_size, seq_len, dp_rank, dp_size, seed):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+        if num_rows == 0:
+            raise DataError("no examples to load (all dropped? see the counts of sft_examples / preference_examples)")
+        self.num_rows, self.batch_size, self.seq_len, self.seed = num_rows, batch_size, seq_len, seed
+        self.dp_rank, self.dp_size, self.consumed = dp_rank, dp_size, 0
+        self._orders = {}  # epoch -> row order; a batch usually touches at most two epochs
+
+    def __len__(self):
+        return self.num_rows
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.num_rows
+
+    def _order(self, epoch):
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        return self._orders[epoch]
+
+    def _next_rows(self) -> np.ndarray:
+        seqs = self.consumed + self.dp_rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        self.consumed += self.batch_size * self.dp_size
+        epochs, within = np.divmod(seqs, self.num_rows)
+        rows = np.empty_like(seqs)
+        for e in np.unique(epochs):
+            rows[epochs == e] = self._order(int(e))[within[epochs == e]]
+        return rows
+
+    def _settings(self) -> dict:
+        return {"seed": self.seed, "seq_len": self.seq_len}
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, **self._settings()}
+
+    def load_state_dict(self, state):
+        saved = {key: state.get(key) for key in self._settings()}
+        if saved != self._settings():
+            raise DataError(f"loader state is for {saved}, but this loader has {self._settings()}; "
+                            f"resume with the same values")
+        self.consumed = int(state["consumed"])
+
+
+def _tensor(array):
+    return torch.from_numpy(array.astype(np.int64))
+
+
+class SFTLoader(_RowLoader):
+    """(inputs, targets, doc_ids) int64 batches of shape (batch_size, seq_len) for one data-parallel rank.
+
+    pack=True: the examples, in an order drawn once from the seed, fill rows of seq_len + 1 tokens greedily;
+    an example that does not fit the current row starts the next, so none is ever split. pack=False: one
+    example per row. doc_ids tell the model where each example begins (attend within it, restart positions).
+    The list of rows is then fixed, and batches follow the Loader's scheme; state: consumed, seed, seq_len, pack.
+    pad_id only fills the tails of rows (never a target, its own document): pass pad_id(enc).
+    """
+
+    def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pack=True, pad_id=0):
+        order = np.random.default_rng(seed).permutation(len(examples)) if pack else range(len(examples))
+        self.pack = pack
+        self.inputs, self.targets, self.doc_ids = _rows([examples[i] for i in order], seq_len, pad_id, pack)
+        super().__init__(len(self.inputs), batch_size, seq_len, dp_rank, dp_size, seed)
+
+    def next(self):
+        rows = self._next_rows()
+        return _tensor(self.inputs[rows]), _tensor(self.targets[rows]), _tensor(self.doc_ids[rows])
+
+    def _settings(self) -> dict:
+        return {**super()._settings(), "pack": self.pack}
+
+
+class PreferenceLoader(_RowLoader):
+    """(inputs, targets) int64 batches of shape (2 * batch_size, seq_len): rows 0..B-1 the chosen sequences,
+    rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are IGNORE_INDEX
+    outside the reply tokens. One global sequence is one pair; positions and state as in SFTLoader."""
+
+    def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pad_id=0,
+                 with_index=False, index_offset=0):
+        self.chosen = _rows([e["chosen"] for e in examples], seq_len, pad_id, pack=False)[:2]
+        self.rejected = _rows([e["rejected"] for e in examples], seq_len, pad_id, pack=False)[:2]
+        self.with_index, self.index_offset = with_index, index_offset
+        super().__init__(len(examples), batch_size, seq_len, dp_rank, dp_size, seed)
+
+    def pairs(self, rows):
+        """The (2B, T) inputs and targets of the given pairs (rows), chosen first."""
+        inputs, targets = (np.concatenate([c[rows], r[rows]]) for c, r in zip(self.chosen, self.rejected))
+        return _tensor(inputs), _tensor(targets)
+
+    def next(self):
+        """(inputs, targets), plus (B,) pair indices + index_offset with with_index (dpo.py's cached
+        reference log-probs are looked up by them)."""
+        rows = self._next_rows()
+        batch = self.pairs(rows)
+        return (*batch, torch.from_numpy(rows + self.index_offset)) if self.with_index else batch
+
+
+# ======== 8. Command line =========================================================================
 
 def _print_info(path):
     path = Path(path)
@@ -694,7 +1132,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     d = commands.add_parser("download", help="fetch a registry file into the cache")
-    d.add_argument("name", help=" | ".join([*DATASETS, *TOKENIZER_FILES]))
+    d.add_argument("name", help=" | ".join(registry()))
     d.add_argument("--mirror")
     i = commands.add_parser("info", help="print the header of a shard, or of every shard in a folder")
     i.add_argument("path")

@@ -33,5 +33,5 @@ def data_env(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mirror() -> Path:
     if not MIRROR.is_dir():
-        pytest.skip(f"no data mirror at {MIRROR} (set DATA_MIRROR)")
+        pytest.fail(f"no data mirror at {MIRROR}: set DATA_MIRROR to a folder laid out like shared/data")
     return MIRROR

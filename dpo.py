@@ -1,0 +1,190 @@
+"""Direct preference optimization (Rafailov et al. 2023): learn from pairs of a preferred and a rejected
+reply, without a reward model.
+
+    python dpo.py --init out-sft --data hh_rlhf_harmless_test
+
+The policy starts from an SFT checkpoint (--init); a frozen reference with the same weights, sharded like
+the policy, scores the same sequences. A sequence's log-probability is the sum over its response tokens;
+with the policy/reference log-ratios r_c (chosen) and r_r (rejected) and margin m = beta * (r_c - r_r):
+    sigmoid (default)  -(1 - eps) * log sigmoid(m) - eps * log sigmoid(-m)   (eps: --label-smoothing, cDPO)
+    ipo                (r_c - r_r - 1 / (2 beta))^2                          (Azar et al. 2023)
+    hinge              max(0, 1 - m)                                         (SLiC, Zhao et al. 2023)
+averaged over the pairs of the global batch. Logged with TRL's names: rewards/chosen = beta * r_c,
+rewards/rejected = beta * r_r, rewards/accuracies (share with r_c > r_r), rewards/margins,
+logps/chosen, logps/rejected.
+
+It is train.py's loop with another task: each micro-batch holds B pairs as 2B rows (chosen rows first), and
+the task's prepare() adds the reference log-probs to it, either computed alongside by the reference model
+(default) or, with --precompute-ref, computed once for the whole dataset before training, cached in
+<out-dir>/ref_logps.pt, and the reference freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import data
+import model as M
+import parallel as P
+import sft
+import train as T
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = T.get_parser()
+    p.description = "Direct preference optimization from an SFT checkpoint."
+    g = p.add_argument_group("preference optimization")
+    g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
+    g.add_argument("--beta", type=float, default=0.1, help="strength of the pull towards the reference")
+    g.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge"])
+    g.add_argument("--label-smoothing", type=float, default=0.0, help="conservative DPO: assumed label noise")
+    g.add_argument("--precompute-ref", action="store_true",
+                   help="score the whole dataset with the reference once, cache it, and free the reference")
+    g.add_argument("--val-fraction", type=float, default=0.05)
+    p.set_defaults(data="hh_rlhf_harmless_test", out_dir="out-dpo", lr=1e-5, warmup=10, max_steps=200,
+                   eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256, micro_batch=4,
+                   weight_decay=0.0)
+    return p
+
+
+def dpo_loss(pc, pr, rc, rr, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0):
+    """Per-pair losses from policy (pc, pr) and reference (rc, rr) sequence log-probs, chosen / rejected."""
+    logits = (pc - rc) - (pr - rr)  # difference of the two log-ratios
+    if kind == "sigmoid":
+        return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
+    if kind == "ipo":
+        return (logits - 1 / (2 * beta)) ** 2
+    if kind == "hinge":
+        return torch.relu(1 - beta * logits)
+    raise ValueError(f"unknown DPO loss {kind!r}")
+
+
+def sequence_logps(logits, targets, vocab_size, mesh):
+    """Sum of log p(target) over each row's response tokens (IGNORE_INDEX elsewhere): (rows, T) -> (rows,)."""
+    return -P.token_losses(logits, targets, vocab_size, mesh).sum(dim=-1)
+
+
+def reference_logps(reference, batches, mesh, args) -> list:
+    """Sequence log-probs of every micro-batch under the frozen reference (pipelined like the policy); only
+    the last stage computes them, the others get None."""
+    scored = P.pipeline_forward(reference, batches, mesh, args.seq_len, reference.args.dim,
+                                lambda logits, y: sequence_logps(logits, y, reference.args.vocab_size, mesh),
+                                next(reference.parameters()).dtype)
+    return scored if mesh.last_stage else [None] * len(batches)
+
+
+def precompute_reference(reference, loaders, mesh, args, device) -> torch.Tensor:
+    """Score every pair of every loader once: a (pairs, 2) tensor of (chosen, rejected) log-probs, indexed
+    by the loaders' pair indices (their index_offset keeps them apart). Every replica scores everything:
+    simple, and a one-off cost next to training."""
+    out = []
+    for loader in loaders:
+        for lo in range(0, len(loader), args.micro_batch):
+            rows = list(range(lo, min(lo + args.micro_batch, len(loader))))
+            x, y = (t.to(device) for t in loader.pairs(rows))
+            (logps,) = reference_logps(reference, [(x, y)], mesh, args)
+            out.append(torch.zeros(len(rows), 2) if logps is None else logps.view(2, -1).T.float().cpu())
+    return torch.cat(out)
+
+
+class DPOTask:
+    """The loss of train.py's loop for preference pairs; see the module docstring."""
+
+    metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                    "logps/chosen", "logps/rejected")
+
+    def __init__(self, margs, mesh, args, reference=None, cached=None):
+        self.vocab_size, self.mesh, self.args = margs.vocab_size, mesh, args
+        self.reference, self.cached = reference, cached  # a model, or {pair index: (ref_c, ref_r)}
+        self.total = None
+        self._sums = torch.zeros(len(self.metric_names))
+
+    def prepare(self, batches):
+        """Attach the reference log-probs (chosen then rejected rows) to each micro-batch's targets."""
+        if self.cached is not None:  # (B,) pair indices -> (2B,) cached log-probs, chosen then rejected
+            return [(b[0], (b[1], self.cached[b[2].cpu()].T.reshape(-1).to(b[0].device))) for b in batches]
+        ref = reference_logps(self.reference, [b[:2] for b in batches], self.mesh, self.args)
+        return [(b[0], (b[1], r)) for b, r in zip(batches, ref)]
+
+    def count(self, batch) -> torch.Tensor:
+        return torch.tensor(batch[0].shape[0] // 2)  # pairs
+
+    def loss(self, logits, targets):
+        y, ref = targets
+        logps = sequence_logps(logits, y, self.vocab_size, self.mesh)  # (2B,)
+        B = logps.shape[0] // 2
+        pc, pr, rc, rr = logps[:B], logps[B:], ref[:B], ref[B:]
+        losses = dpo_loss(pc, pr, rc, rr, self.args.beta, self.args.loss, self.args.label_smoothing)
+        with torch.no_grad():
+            reward_c, reward_r = self.args.beta * (pc - rc), self.args.beta * (pr - rr)
+            stats = torch.stack([reward_c.sum(), reward_r.sum(), (reward_c > reward_r).float().sum(),
+                                 (reward_c - reward_r).sum(), pc.sum(), pr.sum()])
+            self._sums = self._sums + (stats / self.total).cpu()
+        return losses.sum() / self.total
+
+    def metrics(self) -> torch.Tensor:
+        """Metric sums since the last call (each divided by the global pair count: means when summed)."""
+        out, self._sums = self._sums, torch.zeros(len(self.metric_names))
+        return out
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    if not 0 <= args.label_smoothing < 0.5 or args.beta <= 0:
+        raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+    start = {}
+
+    def model_fn(a, tok):
+        start["margs"], start["state"] = sft.model_fn(a, tok)
+        return start["margs"], start["state"]
+
+    def data_fn(a, tok, mesh):
+        pairs = data.read_preferences(a.data, mirror=a.mirror)
+        examples, counts = data.preference_examples(tok, pairs, a.seq_len)
+        if not examples:
+            raise data.DataError(f"{a.data}: no usable preference pair ({counts})")
+        train_ex, val_ex = data.split_examples(examples, a.val_fraction, a.seed)
+        if mesh.rank == 0:
+            print(f"preference data {a.data}: {len(pairs):,} pairs -> {counts}; "
+                  f"{len(train_ex):,} train / {len(val_ex):,} val", flush=True)
+        make = lambda ex, seed, offset: data.PreferenceLoader(
+            ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
+            pad_id=data.pad_id(tok), with_index=a.precompute_ref, index_offset=offset)
+        start["loaders"] = make(train_ex, a.seed, 0), make(val_ex, 0, len(train_ex))
+        return start["loaders"][0], lambda: make(val_ex, 0, len(train_ex)), f"{len(train_ex):,} train pairs"
+
+    def task_fn(margs, mesh):
+        device, precision = T.pick_device_and_precision(args)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        reference = T.build_model(margs, start["state"], args, mesh, device, dtype).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+        if not args.precompute_ref:
+            return DPOTask(margs, mesh, args, reference=reference)
+        cache = Path(args.out_dir) / "ref_logps.pt"
+        key = {"init": str(args.init), "data": str(args.data), "seq_len": args.seq_len,
+               "pairs": sum(len(l) for l in start["loaders"])}
+        if cache.exists() and (saved := torch.load(cache, weights_only=True))["key"] == key:
+            cached = saved["logps"]
+        else:
+            cached = precompute_reference(reference, start["loaders"], mesh, args, device)
+            if mesh.last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"key": key, "logps": cached}, cache)
+        del reference  # the point of precomputing: no second model in memory while training
+        return DPOTask(margs, mesh, args, cached=cached)
+
+    model, tok, mesh, device = T.train(args, model_fn=model_fn, data_fn=data_fn, task_fn=task_fn)
+    if mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
+        prompt = "How do I make a cup of tea?"
+        print(f"user: {prompt}\nassistant: {sft.chat(model, tok, [{'role': 'user', 'content': prompt}])}")
+    if mesh.world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    T.run(main)

@@ -1,0 +1,157 @@
+"""Supervised fine-tuning (SFT): turn a pretrained next-token predictor into an assistant.
+
+    python sft.py --init out --data alpaca_5000                        # from a train.py checkpoint
+    torchrun --nproc_per_node=8 sft.py --init Llama-3.2-1B --tokenizer llama3 --tp 2   # from HF weights
+
+The same training loop as train.py (its seven phases, flags, parallel layouts, checkpoints and --resume);
+only three things differ, passed to train.train():
+  - the model: loaded from --init (a train.py/sft.py checkpoint folder, a Hugging Face folder, or a Meta
+    folder); a tokenizer with more ids than the model grows its embedding and output rows;
+  - the data: conversations in the Llama 3 chat format (data.py), whose targets are the assistant's tokens
+    and their <|eot_id|> only (everything else is IGNORE_INDEX), packed several to a sequence with
+    attention and positions that never cross from one example into another (--no-pack: one per row);
+  - nothing else: the loss is the same sum of token cross-entropies over the global count of target tokens,
+    so train and validation losses are the mean loss on response tokens.
+At the end it answers --sample-prompt in chat mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import data
+import model as M
+import parallel as P
+import train as T
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = T.get_parser()
+    p.description = "Supervised fine-tuning on conversations (targets: the assistant's tokens)."
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument("--init", default=None,
+                   help="start from: a train.py/sft.py --out-dir or step folder, a Hugging Face folder "
+                        "(config.json + *.safetensors) or a Meta folder (params.json + consolidated.*.pth)")
+    g.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                   help="pack several examples per sequence (attention never crosses examples)")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="share of conversations held out")
+    g.add_argument("--sample-prompt", default="Give three tips for staying healthy.",
+                   help="a user message answered in chat mode at the end ('' to skip)")
+    p.set_defaults(data="alpaca_5000", out_dir="out-sft", lr=3e-4, warmup=20, max_steps=300, eval_every=100,
+                   eval_batches=20, ckpt_every=300, log_every=20, seq_len=256, micro_batch=8)
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model to start from
+
+
+def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
+    """--init -> (model args, full state dict), from any of the three formats."""
+    path = Path(path)
+    if (path / "latest").exists():
+        path = path / (path / "latest").read_text().strip()
+    try:
+        if (path / "meta.json").exists() and any(path.glob("shard_pp*_tp*.pt")):
+            margs = M.ModelArgs(**json.loads((path / "meta.json").read_text())["model_args"])
+            full, _ = P.read_full_state(path)
+            state = {k: v["master"] for k, v in full.items()}
+            if margs.tie_embeddings:
+                state["output.weight"] = state["tok_embeddings.weight"]
+        elif (path / "config.json").exists():
+            model = M.load_hf(path)
+            margs, state = model.args, model.state_dict()
+        elif (path / "params.json").exists():
+            model = M.load_meta(path)
+            margs, state = model.args, model.state_dict()
+        else:
+            raise T.ConfigError(f"--init {path}: not a checkpoint folder, a Hugging Face folder (config.json) "
+                                f"or a Meta folder (params.json)")
+    except T.ConfigError:
+        raise
+    except Exception as e:
+        raise T.ConfigError(f"cannot read --init {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if tok.n_vocab > margs.vocab_size:
+        margs, state = grow_vocab(margs, state, tok.n_vocab)
+    return margs, state
+
+
+def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelArgs, dict]:
+    """Add embedding and output rows for ids the model has never seen (e.g. chat tokens appended to a base
+    vocabulary). New rows start at the mean of the existing rows (Hewitt 2021): a new token begins as an
+    'average' token, and its logit as the mean logit, rather than as noise of an unrelated scale."""
+    new = 64 * ((n_vocab + 63) // 64)
+    state = dict(state)
+    for name in ("tok_embeddings.weight", "output.weight"):
+        if name in state:
+            w = state[name]
+            state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(new - w.shape[0], -1)])
+    print(f"vocabulary grown from {margs.vocab_size} to {new} rows (new rows = mean of the old)", flush=True)
+    return M.ModelArgs(**{**margs.__dict__, "vocab_size": new}), state
+
+
+def model_fn(args, tok):
+    if args.init is None:
+        print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
+        return T.pretraining_model(args, tok)
+    return load_init(args.init, tok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The data
+
+
+def data_fn(args, tok, mesh):
+    conversations = data.read_sft(args.data, mirror=args.mirror)
+    examples, counts = data.sft_examples(tok, conversations, args.seq_len)
+    if not examples:
+        raise data.DataError(f"{args.data}: no usable conversation (all dropped: {counts})")
+    train_ex, val_ex = data.split_examples(examples, args.val_fraction, args.seed)
+    if mesh.rank == 0:
+        print(f"sft data {args.data}: {len(conversations):,} conversations -> {counts['examples']:,} examples "
+              f"({counts['truncated']:,} truncated to {args.seq_len + 1} tokens keeping their first targets, "
+              f"{counts['dropped']:,} dropped with no target left), {counts['target_tokens']:,} target tokens; "
+              f"{len(train_ex):,} train / {len(val_ex):,} val", flush=True)
+    make = lambda ex, seed: data.SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+                                           dp_size=mesh.dp, seed=seed, pack=args.pack, pad_id=data.pad_id(tok))
+    train = make(train_ex, args.seed)
+    make(val_ex, 0)  # fail now, not at the first evaluation
+    return train, lambda: make(val_ex, 0), f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chatting with the result
+
+
+@torch.no_grad()
+def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperature: float = 0.7,
+         top_p: float | None = 0.9, seed: int = 0) -> str:
+    """The assistant's reply to a conversation: the chat template with the generation prompt, then
+    sampling until <|eot_id|>."""
+    ids, _ = data.encode_chat(tok, messages, add_generation_prompt=True)
+    room = model.args.max_seq_len - len(ids)
+    device = model.tok_embeddings.weight.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    new = M.generate(model, ids, min(max_new_tokens, room), temperature=temperature, top_p=top_p,
+                     eos_id=data.eot_id(tok), generator=g, n_vocab=tok.n_vocab)[0].tolist()
+    if data.eot_id(tok) in new:
+        new = new[:new.index(data.eot_id(tok))]
+    return tok.decode(new)
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    model, tok, mesh, device = T.train(args, model_fn=model_fn, data_fn=data_fn)
+    if args.sample_prompt and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
+        reply = chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
+        print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
+    if mesh.world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    T.run(main)

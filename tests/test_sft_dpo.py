@@ -1,0 +1,197 @@
+"""sft.py and dpo.py: response-only gradients, packing equals one-by-one, fitting a few conversations, the DPO
+loss against its closed form and at its start (log 2), learning preferences, parallel parity, and the whole
+pretrain -> SFT -> DPO -> chat pipeline in miniature."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import dpo
+import model as M
+import parallel as P
+import sft
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "tiny", "--seq-len", "64", "--warmup", "2", "--log-every", "1", "--eval-every", "0",
+        "--eval-batches", "1", "--val-fraction", "0.2", "--ckpt-every", "1000"]
+
+CONVERSATIONS = [
+    {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4"}]},
+    {"instruction": "Say hello", "input": "", "output": "Hello!"},
+    {"prompt": "Opposite of up?", "response": "Down."},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, friend."},
+                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]},
+]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def records(out_dir):
+    return [json.loads(l) for l in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_model(vocab=320):
+    torch.manual_seed(0)
+    return M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab,
+                                     max_seq_len=512))
+
+
+def sft_rows(tmp_path, pack, batch_size=1, seq_len=256):
+    tok = data.get_tokenizer("byte")
+    convs = data.read_sft(write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS))
+    examples, _ = data.sft_examples(tok, convs, seq_len)
+    return data.SFTLoader(examples, batch_size, seq_len, seed=0, pack=pack, pad_id=data.pad_id(tok))
+
+
+def test_prompt_positions_get_exactly_zero_gradient(tmp_path):
+    model = tiny_model()
+    x, y, doc = sft_rows(tmp_path, pack=True, batch_size=2).next()
+    logits = model(x, doc_ids=doc)
+    logits.retain_grad()
+    P.loss_sum(logits, y, 320, P.Mesh()).backward()
+    prompt = y == data.IGNORE_INDEX
+    assert prompt.any() and (~prompt).any()
+    assert torch.all(logits.grad[prompt] == 0)  # exactly zero, not small
+    assert torch.all(logits.grad[~prompt].abs().sum(-1) > 0)
+
+
+def test_packed_batch_equals_examples_one_by_one(tmp_path):
+    model = tiny_model().eval()
+    packed, single = sft_rows(tmp_path, pack=True), sft_rows(tmp_path, pack=False)
+    assert len(packed) < len(single) == len(CONVERSATIONS)  # several examples share a packed row
+
+    def total(loader):
+        s, n = 0.0, 0
+        for _ in range(len(loader)):
+            x, y, doc = loader.next()
+            s += P.loss_sum(model(x, doc_ids=doc), y, 320, P.Mesh()).item()
+            n += (y != data.IGNORE_INDEX).sum().item()
+        return s, n
+
+    (sp, np_), (ss, ns) = total(packed), total(single)
+    assert np_ == ns and sp == pytest.approx(ss, rel=1e-5)
+
+
+def test_sft_fits_a_handful_of_conversations(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    sft.main(TINY + ["--data", str(path), "--max-steps", "120", "--lr", "1e-2", "--micro-batch", "4",
+                     "--out-dir", str(tmp_path / "o"), "--sample-prompt", "Name a colour.", "--val-fraction", "0.1"])
+    losses = [r["loss"] for r in records(tmp_path / "o") if "loss" in r]
+    assert losses[0] > 3 and losses[-1] < 0.1, losses[::10]
+
+
+# ---------------------------------------------------------------------------------------------------
+# DPO
+
+
+def test_dpo_loss_closed_form():
+    pc, pr, rc, rr = (torch.tensor([v]) for v in (-1.0, -2.0, -1.5, -1.5))
+    z = 0.1 * ((-1.0 + 1.5) - (-2.0 + 1.5))  # beta * (log-ratio chosen - log-ratio rejected) = 0.1
+    sig = lambda t: 1 / (1 + math.exp(-t))
+    assert dpo.dpo_loss(pc, pr, rc, rr, 0.1).item() == pytest.approx(-math.log(sig(z)), rel=1e-6)
+    assert dpo.dpo_loss(pc, pr, rc, rr, 0.1, label_smoothing=0.2).item() == pytest.approx(
+        -0.8 * math.log(sig(z)) - 0.2 * math.log(sig(-z)), rel=1e-6)
+    assert dpo.dpo_loss(pc, pr, rc, rr, 0.1, "ipo").item() == pytest.approx((1.0 - 1 / 0.2) ** 2, rel=1e-6)
+    assert dpo.dpo_loss(pc, pr, rc, rr, 0.1, "hinge").item() == pytest.approx(1 - z, rel=1e-6)
+
+
+PAIRS = [{"prompt": f"Question {i}: is {i} a number?", "chosen": f"Yes, {i} is a number.",
+          "rejected": f"No idea about {i}."} for i in range(16)]
+
+
+def test_dpo_starts_at_log2_and_learns_its_pairs(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    dpo.main(TINY + ["--data", str(path), "--max-steps", "60", "--lr", "3e-3", "--micro-batch", "4",
+                     "--beta", "0.5", "--out-dir", str(tmp_path / "o"), "--val-fraction", "0.1"])
+    recs = [r for r in records(tmp_path / "o") if "loss" in r]
+    assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at the start
+    assert recs[0]["rewards/margins"] == 0.0
+    assert all(k in recs[0] for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+                                       "logps/rejected"))
+    last = recs[-5:]
+    assert sum(r["rewards/accuracies"] for r in last) / len(last) > 0.9
+    assert last[-1]["loss"] < 0.3
+
+
+def test_precomputed_reference_gives_the_same_training(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    common = TINY + ["--data", str(path), "--max-steps", "4", "--lr", "3e-3", "--micro-batch", "4", "--eval-every", "2"]
+    dpo.main(common + ["--out-dir", str(tmp_path / "a")])
+    dpo.main(common + ["--out-dir", str(tmp_path / "b"), "--precompute-ref"])
+    assert (tmp_path / "b" / "ref_logps.pt").exists()
+    ra, rb = records(tmp_path / "a"), records(tmp_path / "b")
+    assert len(ra) == len(rb) == 6
+    for a, b in zip(ra, rb):
+        for k in ("loss", "val_loss", "rewards/margins", "val_rewards/accuracies"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (k, a, b)
+
+
+def _torchrun(script, n, out, *flags):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(REPO / script), *flags, "--out-dir", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return [r for r in records(out) if "loss" in r]
+
+
+@pytest.mark.parametrize("flags,micro", [(["--tp", "2"], 4), ([], 2)])  # tp 2; dp 2 (same global batch)
+def test_dpo_parallel_matches_single_process(tmp_path, flags, micro):
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    common = TINY + ["--data", str(path), "--max-steps", "3", "--lr", "3e-3", "--beta", "0.5"]
+    ref = _torchrun("dpo.py", 1, tmp_path / "one", *common, "--micro-batch", "4")
+    par = _torchrun("dpo.py", 2, tmp_path / "two", *common, "--micro-batch", str(micro), *flags)
+    for a, b in zip(par, ref):
+        for k in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (k, a, b)
+
+
+def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
+    """The README's pipeline in miniature: each stage's checkpoint loads into the next."""
+    pre, sft_out, dpo_out = tmp_path / "pre", tmp_path / "sft", tmp_path / "dpo"
+    train.main(["--model", "tiny", "--seq-len", "64", "--max-steps", "20", "--eval-batches", "2",
+                "--sample-tokens", "0", "--out-dir", str(pre)])
+    convs = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
+    sft.main(["--init", str(pre), "--data", str(convs), "--seq-len", "64", "--max-steps", "20",
+              "--micro-batch", "4", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir", str(sft_out)])
+    pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    dpo.main(["--init", str(sft_out), "--data", str(pairs), "--seq-len", "64", "--max-steps", "5",
+              "--micro-batch", "2", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir", str(dpo_out)])
+    tok = data.get_tokenizer("byte")
+    margs, state = sft.load_init(dpo_out, tok)
+    chat_model = M.Transformer(margs)
+    chat_model.load_state_dict(state)
+    reply = sft.chat(chat_model, tok, [{"role": "user", "content": "Name a colour."}], max_new_tokens=20)
+    assert isinstance(reply, str)
+    assert [r["step"] for r in records(dpo_out) if "loss" in r][-1] == 5
+
+
+def test_init_from_hf_grows_a_smaller_vocabulary(tmp_path):
+    """A Hugging Face folder whose vocabulary (200) lacks the chat tokens of the byte tokenizer (268 ids):
+    the embedding and output gain rows, initialized to the mean of the existing ones; old rows unchanged."""
+    torch.manual_seed(0)
+    small = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=200, multiple_of=16,
+                                      max_seq_len=128))
+    M.save_hf(small, tmp_path / "hf")
+    margs, state = sft.load_init(tmp_path / "hf", data.get_tokenizer("byte"))
+    assert margs.vocab_size == 320
+    for name in ("tok_embeddings.weight", "output.weight"):
+        old = small.state_dict()[name]
+        assert torch.equal(state[name][:200], old)
+        assert torch.allclose(state[name][200:], old.mean(0).expand(120, -1))
+    grown = M.Transformer(margs)
+    grown.load_state_dict(state)  # loads: the shapes agree with the grown arguments
