@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 import data
-import model as M
 import parallel as P
 import sft
 import train as T
@@ -145,12 +144,7 @@ def main(argv=None):
     def data_fn(a, tok, mesh):
         pairs = data.read_preferences(a.data, mirror=a.mirror)
         examples, counts = data.preference_examples(tok, pairs, a.seq_len)
-        if not examples:
-            raise data.DataError(f"{a.data}: no usable preference pair ({counts})")
-        train_ex, val_ex = data.split_examples(examples, a.val_fraction, a.seed)
-        if mesh.rank == 0:
-            print(f"preference data {a.data}: {len(pairs):,} pairs -> {counts}; "
-                  f"{len(train_ex):,} train / {len(val_ex):,} val", flush=True)
+        train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
         make = lambda ex, seed, offset: data.PreferenceLoader(
             ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
             pad_id=data.pad_id(tok), with_index=a.precompute_ref, index_offset=offset)

@@ -25,7 +25,7 @@ import json
 import math
 import mmap
 import struct
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 

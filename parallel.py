@@ -1,6 +1,6 @@
 """Tensor, pipeline and data parallelism written by hand on raw torch.distributed collectives.
 
-No DDP, FSDP, DTensor or torch.distributed.pipelining: every byte that crosses a process boundary is sent
+No DDP, FSDP, DTensor or torch's pipelining package: every byte that crosses a process boundary is sent
 by a function in this file, and counted. Contents, in reading order:
 
   1. Mesh                  world = dp x pp x tp, TP innermost (one NVLink domain), then PP, then DP;

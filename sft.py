@@ -105,17 +105,23 @@ def model_fn(args, tok):
 # The data
 
 
+def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
+    """Train/val split of tokenized examples, with the length rule's counts printed once."""
+    if not examples:
+        raise data.DataError(f"{args.data}: no usable {what} (all dropped: {counts})")
+    train_ex, val_ex = data.split_examples(examples, args.val_fraction, args.seed)
+    if mesh.rank == 0:
+        print(f"{args.data}: {n_read:,} {what}s -> {counts['examples']:,} examples ({counts['truncated']:,} "
+              f"truncated to {args.seq_len + 1} tokens keeping their first targets, {counts['dropped']:,} dropped "
+              f"with no target left), {counts['target_tokens']:,} target tokens; {len(train_ex):,} train / "
+              f"{len(val_ex):,} val", flush=True)
+    return train_ex, val_ex
+
+
 def data_fn(args, tok, mesh):
     conversations = data.read_sft(args.data, mirror=args.mirror)
     examples, counts = data.sft_examples(tok, conversations, args.seq_len)
-    if not examples:
-        raise data.DataError(f"{args.data}: no usable conversation (all dropped: {counts})")
-    train_ex, val_ex = data.split_examples(examples, args.val_fraction, args.seed)
-    if mesh.rank == 0:
-        print(f"sft data {args.data}: {len(conversations):,} conversations -> {counts['examples']:,} examples "
-              f"({counts['truncated']:,} truncated to {args.seq_len + 1} tokens keeping their first targets, "
-              f"{counts['dropped']:,} dropped with no target left), {counts['target_tokens']:,} target tokens; "
-              f"{len(train_ex):,} train / {len(val_ex):,} val", flush=True)
+    train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)
     make = lambda ex, seed: data.SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
                                            dp_size=mesh.dp, seed=seed, pack=args.pack, pad_id=data.pad_id(tok))
     train = make(train_ex, args.seed)
