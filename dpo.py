@@ -172,7 +172,8 @@ def main(argv=None):
         del reference  # the point of precomputing: no second model in memory while training
         return DPOTask(margs, mesh, args, cached=cached)
 
-    model, tok, mesh, device = T.train(args, model_fn=model_fn, data_fn=data_fn, task_fn=task_fn)
+    run = T.train(args, model_fn=model_fn, data_fn=data_fn, task_fn=task_fn)
+    model, tok, mesh = run.model, run.tok, run.mesh
     if mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
         prompt = "How do I make a cup of tea?"
         print(f"user: {prompt}\nassistant: {sft.chat(model, tok, [{'role': 'user', 'content': prompt}])}")

@@ -151,7 +151,8 @@ def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperatur
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    model, tok, mesh, device = T.train(args, model_fn=model_fn, data_fn=data_fn)
+    run = T.train(args, model_fn=model_fn, data_fn=data_fn)
+    model, tok, mesh = run.model, run.tok, run.mesh
     if args.sample_prompt and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
         reply = chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
         print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)

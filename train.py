@@ -25,7 +25,7 @@ import resource
 import shutil
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -88,9 +88,10 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--out-dir", default="out")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if --out-dir has checkpoints")
-    g.add_argument("--eval-every", type=int, default=600, help="validation every N steps (0: only at the end)")
+    g.add_argument("--eval-every", type=int, default=600,
+                   help="validation every N steps (0: only at the end, -1: never)")
     g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
-    g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps and at the end (0: never)")
     g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
     g.add_argument("--log-every", type=int, default=100)
     g.add_argument("--sample-tokens", type=int, default=300,
@@ -259,6 +260,41 @@ def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
         return P.load_shards(ckpt, model, opt, mesh)
     except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
         raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Phase timing (bench.py): seconds per phase of every step, measured between device synchronizations.
+# Off by default: synchronizing after each phase costs throughput.
+
+
+class PhaseTimer:
+    def __init__(self, device, enabled: bool):
+        self.device, self.enabled, self.steps = device, enabled, []
+
+    def start(self):
+        if self.enabled:
+            sync_device(self.device)
+            self.steps.append({})
+            self.t = time.perf_counter()
+
+    def mark(self, phase: str):
+        if self.enabled:
+            sync_device(self.device)
+            now = time.perf_counter()
+            self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self.t
+            self.t = now
+
+
+@dataclass
+class Run:
+    """What train() returns to its callers (main, sft.py, dpo.py, bench.py)."""
+    model: M.Transformer
+    tok: object  # the tiktoken Encoding
+    mesh: P.Mesh
+    device: torch.device
+    margs: M.ModelArgs
+    precision: str
+    phases: list  # per step {phase: seconds} when args.time_phases, else []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -459,32 +495,40 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     metric_acc = torch.zeros(len(task.metric_names), device=device)
     comm_at_log = dict(mesh.comm_bytes)
     train_time = 0.0
+    timer = PhaseTimer(device, getattr(args, "time_phases", False))
     for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
+        timer.start()
         # 1. data loading: every micro-batch of this step, so the global normalizer is known up front
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
         batches = task.prepare(batches)
         task.total = global_total(task, batches, mesh, device)
+        timer.mark("1 data")
         if mesh.pp > 1:
             # 2-4. forward, loss, backward of every micro-batch, interleaved across stages by the schedule
             loss_total = P.pipeline_step(fwd_model, batches, mesh, args.seq_len, margs.dim, micro_loss,
                                          args.schedule, before_last_backward=sync.start, dtype=dtype)
+            timer.mark("2-4 pipeline")
         else:
             loss_total = torch.zeros((), device=device)
             for i, batch in enumerate(batches):
                 # 2. forward
                 logits = fwd_model(batch[0], doc_ids=P._doc_ids(batch))  # (B, T, vocab[/tp])
+                timer.mark("2 forward")
                 # 3. loss: summed over the micro-batch, divided by the global normalizer (exact accumulation)
                 loss = micro_loss(logits, batch[1])
                 loss_total += loss.detach()
+                timer.mark("3 loss")
                 # 4. backward; the last micro-batch's gradients are reduced over dp as they are produced
                 if i == len(batches) - 1:
                     sync.start()
                 loss.backward()
+                timer.mark("4 backward")
         if scaler:
             loss_total /= scaler.scale
         # 5. gradient synchronization: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
         sync.finish()
+        timer.mark("5 grad sync")
         # 6. optimizer step
         lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
         if scaler and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh)):
@@ -495,6 +539,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             opt.step(lr)
             sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
         opt.zero_grad()
+        timer.mark("6 optimizer")
         sync_device(device)
         train_time += time.perf_counter() - t0
         loss_acc += loss_total
@@ -522,7 +567,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
             metric_acc = torch.zeros(len(task.metric_names), device=device)
             comm_at_log = dict(mesh.comm_bytes)
-        if (args.eval_every and done % args.eval_every == 0) or done == args.max_steps:
+        if args.eval_every >= 0 and ((args.eval_every and done % args.eval_every == 0) or done == args.max_steps):
             t_eval = time.perf_counter()
             val, val_metrics = evaluate(fwd_model, make_val(), task, args, mesh, device, dtype)
             extra = named(val_metrics, "val_")
@@ -532,19 +577,22 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
             comm_at_log = dict(mesh.comm_bytes)
         # 7. checkpoint
-        if done % args.ckpt_every == 0 or done == args.max_steps:
+        if args.ckpt_every > 0 and (done % args.ckpt_every == 0 or done == args.max_steps):
             t_ck = time.perf_counter()
             save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
             t_log += time.perf_counter() - t_ck
+            timer.start()  # the checkpoint is timed as a step of its own, apart from the training step
+            timer.mark("7 checkpoint")
             comm_at_log = dict(mesh.comm_bytes)
     if metrics:
         metrics.close()
-    return model, tok, mesh, device
+    return Run(model, tok, mesh, device, margs, precision, timer.steps)
 
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    model, tok, mesh, device = train(args)
+    run = train(args)
+    model, tok, mesh, device = run.model, run.tok, run.mesh, run.device
     if args.sample_tokens > 0 and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
         prompt = [data.bos_id(tok)] + tok.encode_ordinary("\n")
         g = torch.Generator(device=device).manual_seed(args.seed)
