@@ -1,24 +1,34 @@
-"""Benchmarks that measure, in one run, what the README reports (never timed unit tests).
+"""Measure speed, memory and communication on the machine at hand, and plan runs on machines we don't have.
+Numbers come from runs, never from timed unit tests; the README reports them with these commands.
 
-  torchrun --standalone --nproc_per_node=2 bench.py --dp-vs-ddp
-      step time of parallel.py's data parallelism (flat fp32 buffer, buckets all-reduced from gradient
-      hooks during backward, our AdamW) against torch's DistributedDataParallel + torch.optim.AdamW on the
-      same model and batch; the two alternate in blocks so both see the same machine load.
-  torchrun --standalone --nproc_per_node=2 bench.py --bubble
-      the pipeline bubble measured (1 - compute time / step time on each stage) for several micro-batch
-      counts m, against the formula (p-1)/(m+p-1).
+  python bench.py [--model mini --micro-batch 8 --seq-len 128 ...]      (or under torchrun with --tp/--pp)
+      train.py's own loop, timed: tokens/s (total and per device), step time split into the seven phases
+      (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against the device's
+      peak, peak memory beside model.memory_estimate, and bytes sent per step for tp, pp and dp.
+  python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1"
+      several layouts / micro-batch sizes / activation checkpointing in one run, one table.
+  python bench.py --compare-hf
+      the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
+      alternating with ours, and the throughput ratio.
+  python bench.py --plan --model llama3-70b --gpus 16384 --tp 8 --pp 4 ...
+      no hardware: parameters, training FLOPs, per-GPU memory by kind, communication per step, bubble, step
+      time and days at a stated MFU, and whether it fits.
+  torchrun --standalone --nproc_per_node=2 bench.py --dp-vs-ddp | --bubble
+      our data parallelism against torch's DistributedDataParallel; the pipeline bubble against its formula.
 
-Both print a table and, with --json, one JSON object with the settings and versions. torch's DDP is used
-here, and only here, as the baseline to beat.
+Every mode prints a table, and with --json one JSON object (settings and versions included). torch's DDP
+and Hugging Face's model are used here, and only here, as baselines.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -28,6 +38,200 @@ import torch.nn.functional as F
 import model as M
 import optim as O
 import parallel as P
+import train as T
+
+GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H200": 141, "B200": 192, "GB200": 186}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan: arithmetic only (GUIDE section 2)
+
+
+def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
+         grad_accum: int, mfu: float, zero: bool = True, act_ckpt: bool = False, precision: str = "bf16",
+         sp: bool = True) -> dict:
+    margs = M.PRESETS[model]
+    if gpus % (tp * pp):
+        raise ValueError(f"--gpus {gpus} is not divisible by tp*pp = {tp * pp}")
+    dp = gpus // (tp * pp)
+    n = M.count_params(margs)
+    tokens_micro = micro_batch * seq_len
+    tokens_step = tokens_micro * grad_accum * dp
+    steps = math.ceil(tokens / tokens_step)
+    flops_tok = M.flops_per_token(margs, seq_len)
+    bubble = (pp - 1) / (grad_accum + pp - 1)
+
+    def memory(z, ck):
+        """The busiest stage: under 1F1B the first holds min(pp, m) micro-batches of activations, the last
+        one micro-batch plus the logits; with pp = 1 the one stage holds both."""
+        m = M.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp if z else 1, sp)
+        first = min(pp, grad_accum) * m["activations"]
+        if pp > 1 and first > m["activations"] + m["logits"]:  # the first stage is the busiest
+            m["activations"], m["logits"] = first, 0.0
+        m["total"] = sum(v for k, v in m.items() if k != "total")
+        return m
+
+    variants = {f"zero{int(z)}_ckpt{int(c)}": memory(z, c) for z in (False, True) for c in (False, True)}
+    chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
+    b = M.BYTES[precision]
+    act = micro_batch * seq_len * margs.dim * b  # one micro-batch of the residual stream
+    layers_per_stage = math.ceil(margs.n_layers / pp)
+    comm = {  # bytes each GPU sends per optimizer step (ring algorithms)
+        "tp": grad_accum * layers_per_stage * 4 * 2 * (tp - 1) / tp * act,  # 2 fwd + 2 bwd all-reduces per layer
+        "pp": grad_accum * act * (2 if pp > 2 else 1) if pp > 1 else 0.0,  # forward to next, gradients back
+        "dp": 2 * (dp - 1) / dp * n / (tp * pp) * 4,  # fp32 gradients: all-reduce (ZeRO-1: same volume)
+    }
+    peak = T.GPU_PEAK_TFLOPS[gpu] * 1e12
+    step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
+    capacity = GPU_MEMORY_GB[gpu] * 1e9
+    return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "pp": pp, "dp": dp,
+            "gpus_per_replica": tp * pp, "micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+            "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
+            "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok,
+            "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
+            "comm_bytes_per_step": comm, "bubble": bubble, "mfu": mfu, "step_time_s": step_s,
+            "days": steps * step_s / 86400, "gpu_memory_bytes": capacity, "fits": chosen["total"] <= capacity,
+            "zero": zero, "act_ckpt": act_ckpt, "sp": sp}
+
+
+def print_plan(r: dict):
+    gb = lambda x: f"{x / 1e9:,.2f} GB"
+    print(f"{r['model']}: {r['params']:,} parameters on {r['gpus']:,} {r['gpu']} = {r['dp']} replicas x "
+          f"{r['gpus_per_replica']} GPUs (tp {r['tp']} x pp {r['pp']})")
+    print(f"  batch: {r['micro_batch']} x {r['seq_len']:,} = {r['tokens_per_micro_batch']:,} tokens per micro-batch, "
+          f"x {r['grad_accum']} accumulation x {r['dp']} dp = {r['tokens_per_global_batch']:,} tokens per step")
+    print(f"  {r['tokens']:.3g} tokens: {r['steps']:,} steps, 6ND = {r['flops']:.3g} FLOPs "
+          f"({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, {r['flops_per_token']['megatron'] / 1e9:.1f} Megatron)")
+    print(f"  at {100 * r['mfu']:.0f}% MFU: {r['step_time_s']:.2f} s per step, {r['days']:.1f} days; "
+          f"pipeline bubble {r['bubble']:.3f}")
+    print(f"  memory per GPU ({'ZeRO-1' if r['zero'] else 'no ZeRO'}, {'' if r['act_ckpt'] else 'no '}activation "
+          f"checkpointing, {'' if r['sp'] else 'no '}sequence parallelism): " + ", ".join(f"{k} {gb(v)}" for k, v in r["memory_per_gpu"].items())
+          + f" -> {'fits in' if r['fits'] else 'does NOT fit in'} {gb(r['gpu_memory_bytes'])}")
+    for name, m in r["memory_variants"].items():
+        print(f"    {name:12s} total {gb(m['total'])}")
+    print("  bytes sent per GPU per step: " + ", ".join(f"{k} {gb(v)}" for k, v in r["comm_bytes_per_step"].items()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring train.py's loop
+
+
+def train_args(a, **over) -> argparse.Namespace:
+    """train.py's arguments for a timed run: no validation, no checkpoints, a throwaway --out-dir."""
+    argv = ["--model", a.model, "--seq-len", str(over.get("seq_len", a.seq_len)),
+            "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum", a.grad_accum)),
+            "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)), "--zero", str(over.get("zero", a.zero)),
+            "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1", "--ckpt-every", "0",
+            "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", tempfile.mkdtemp(prefix="bench-"),
+            "--precision", a.precision, "--data", a.data]
+    argv += ["--act-ckpt"] if over.get("act_ckpt", a.act_ckpt) else []
+    argv += ["--sp"] if over.get("sp", a.sp) else []
+    argv += ["--compile"] if a.compile else []
+    args = T.get_parser().parse_args(argv)
+    args.time_phases = True
+    return args
+
+
+def measure(a, **over) -> dict:
+    """One timed train.py run; phases and step time are medians over the steps after the warm-up."""
+    args = train_args(a, **over)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
+    with contextlib.redirect_stdout(io.StringIO()):
+        run = T.train(args)
+    mesh, margs = run.mesh, run.margs
+    steps = run.phases[a.warmup_steps:]
+    phases = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
+    step_s = statistics.median(sum(s.values()) for s in steps)
+    tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
+    peak, peak_src = T.peak_flops(run.device, run.precision)
+    flops = M.flops_per_token(margs, args.seq_len)
+    est = M.memory_estimate(margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp,
+                            mesh.dp if args.zero else 1, mesh.sp)
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+            "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
+            "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
+            "tokens_per_s_per_device": tokens / step_s / mesh.world,
+            "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
+            "peak_flops": peak, "peak_flops_source": peak_src, "peak_memory_gb": T.peak_memory_gb(run.device),
+            "memory_estimate_gb": {k: v / 1e9 for k, v in est.items()},
+            "comm_bytes_per_step": {k: v / (a.warmup_steps + a.steps) for k, v in mesh.comm_bytes.items()}}
+
+
+def print_measurement(rows: list[dict], a):
+    r0 = rows[0]
+    print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
+          f"{r0['peak_flops'] / 1e12:.2f} TFLOP/s per device ({r0['peak_flops_source']}); medians of {a.steps} steps "
+          f"after {a.warmup_steps} warm-up")
+    head = f"  {'tp pp dp':>8s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "            f"{'MFU palm':>8s} {'megatron':>8s} {'mem GB':>7s} {'est GB':>7s}  phases (ms)"
+    print(head)
+    for r in rows:
+        ph = " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items())
+        print(f"  {r['tp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} {int(r['act_ckpt']):4d} "
+              f"{1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} {r['tokens_per_s_per_device']:9,.0f} "
+              f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.2f} "
+              f"{r['memory_estimate_gb']['total']:7.2f}  {ph}")
+        comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v}
+        if comm:
+            print("       bytes sent per step: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in comm.items()))
+    if r0["peak_flops_source"].startswith("cpu"):
+        print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts tensors)")
+
+
+def parse_sweep(text: str) -> list[dict]:
+    """'tp=2,mb=8;act_ckpt=1' -> [{'tp': 2, 'mb': 8}, {'act_ckpt': 1}]"""
+    out = []
+    for item in text.split(";"):
+        out.append({k.strip(): int(v) for k, v in (kv.split("=") for kv in item.split(",") if kv.strip())})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Against Hugging Face transformers: the same model and batch, alternating in the same run
+
+
+def compare_hf(a) -> dict:
+    import transformers
+    margs = M.PRESETS[a.model]
+    ours = [measure(a)["tokens_per_s"]]
+    cfg = transformers.LlamaConfig(hidden_size=margs.dim, intermediate_size=margs.hidden_dim,
+                                   num_hidden_layers=margs.n_layers, num_attention_heads=margs.n_heads,
+                                   num_key_value_heads=margs.n_kv_heads, vocab_size=margs.vocab_size,
+                                   rms_norm_eps=margs.norm_eps, rope_theta=margs.rope_theta,
+                                   max_position_embeddings=margs.max_seq_len, tie_word_embeddings=margs.tie_embeddings)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if a.precision == "bf16" or (a.precision == "auto" and device.type == "cuda") else torch.float32
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    x = torch.randint(0, margs.vocab_size, (a.micro_batch, a.seq_len), device=device)
+
+    def hf_step():
+        for _ in range(a.grad_accum):
+            out = hf(input_ids=x, labels=x)
+            (out.loss / a.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    theirs = []
+    for round_ in range(2):  # ours, theirs, ours, theirs: both see the same machine load
+        for _ in range(a.warmup_steps):
+            hf_step()
+        times = []
+        for _ in range(a.steps):
+            T.sync_device(device)
+            t0 = time.perf_counter()
+            hf_step()
+            T.sync_device(device)
+            times.append(time.perf_counter() - t0)
+        theirs.append(a.micro_batch * a.seq_len * a.grad_accum / statistics.median(times))
+        if round_ == 0:
+            ours.append(measure(a)["tokens_per_s"])
+    return {"ours_tokens_per_s": ours, "hf_tokens_per_s": theirs,
+            "ratio_ours_over_hf": statistics.median(ours) / statistics.median(theirs),
+            "transformers": transformers.__version__}
 
 
 def timed_steps(step, n: int, warmup: int = 2) -> list[float]:
@@ -119,51 +323,102 @@ def bubble(args, mesh, margs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dp-vs-ddp", action="store_true")
-    p.add_argument("--bubble", action="store_true")
-    p.add_argument("--model", default="small")
-    p.add_argument("--micro-batch", type=int, default=4)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", default=None, help="';'-separated settings, e.g. 'tp=2,mb=8;act_ckpt=1'")
+    mode.add_argument("--compare-hf", action="store_true")
+    mode.add_argument("--plan", action="store_true")
+    mode.add_argument("--dp-vs-ddp", action="store_true")
+    mode.add_argument("--bubble", action="store_true")
+    p.add_argument("--model", default="mini")
+    p.add_argument("--data", default="tinyshakespeare")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1])
+    p.add_argument("--act-ckpt", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
+    p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per block")
-    p.add_argument("--blocks", type=int, default=4, help="alternating blocks (dp-vs-ddp)")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
     p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"])
+    g = p.add_argument_group("--plan")
+    g.add_argument("--tokens", type=float, default=15e12)
+    g.add_argument("--gpu", default="H100", choices=sorted(T.GPU_PEAK_TFLOPS))
+    g.add_argument("--gpus", type=int, default=8)
+    g.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilization")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    if not (args.dp_vs_ddp or args.bubble):
-        p.error("choose --dp-vs-ddp or --bubble (run under torchrun with 2 or more processes)")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+    a = p.parse_args()
+    versions = {"torch": torch.__version__, "python": platform.python_version(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{os.cpu_count()}"}
+
+    if a.plan:
+        r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
+                 bool(a.zero), a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1)
+        print(json.dumps(r)) if a.json else print_plan(r)
+        return
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    margs = M.PRESETS[args.model]
-    mesh = P.init_mesh(pp=world if args.bubble else 1)
-    if world < 2:
-        raise SystemExit("run under torchrun with --nproc_per_node=2 or more")
-    result = {"torch": torch.__version__, "python": platform.python_version(), "device": "cpu (gloo)",
-              "threads_per_process": torch.get_num_threads(), "processes": world, "model": args.model,
-              "params": M.count_params(margs), "micro_batch": args.micro_batch, "seq_len": args.seq_len}
-    if args.dp_vs_ddp:
-        result["dp_vs_ddp"] = dp_vs_ddp(args, mesh, margs)
-    else:
-        result["bubble"] = bubble(args, mesh, margs)
-        result["schedule"] = args.schedule
-    if mesh.rank == 0:
-        if args.json:
-            print(json.dumps(result))
-        elif args.dp_vs_ddp:
-            r = result["dp_vs_ddp"]
-            print(f"{args.model} ({result['params']:,} params, {r['grad_mb']:.1f} MB of fp32 gradients), "
-                  f"batch {args.micro_batch}x{args.seq_len} per rank, dp {world}, {r['steps_each']} steps each")
-            for k, v in r["median_step_s"].items():
-                print(f"  {k:12s} median step {1000 * v:8.1f} ms")
-            print(f"  DDP / parallel.py step time: {r['ratio_ddp_over_ours']:.3f} (> 1: ours is faster)")
+    rank = int(os.environ.get("RANK", "0"))
+    if a.dp_vs_ddp or a.bubble:
+        if world < 2:
+            raise SystemExit("run under torchrun with --nproc_per_node=2 or more")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        margs = M.PRESETS[a.model]
+        mesh = P.init_mesh(pp=world if a.bubble else 1)
+        result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world, "model": a.model,
+                  "params": M.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len}
+        if a.dp_vs_ddp:
+            result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs)
         else:
-            print(f"pipeline bubble, {args.schedule}, pp {world}, {args.model}, micro-batch {args.micro_batch}x{args.seq_len}")
-            print(f"  {'m':>3s} {'step ms':>9s} {'measured':>9s} {'(p-1)/(m+p-1)':>14s}   per stage")
-            for r in result["bubble"]:
-                print(f"  {r['m']:3d} {1000 * r['step_s']:9.1f} {r['bubble_measured']:9.3f} {r['bubble_formula']:14.3f}   "
-                      + " ".join(f"{b:.3f}" for b in r["bubble_measured_per_stage"]))
-    dist.destroy_process_group()
+            result["bubble"] = bubble(a, mesh, margs)
+            result["schedule"] = a.schedule
+        if rank == 0:
+            print_comparison(result, a, world)
+        dist.destroy_process_group()
+        return
+
+    if a.compare_hf:
+        result = {**versions, "model": a.model, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
+                  "compare_hf": compare_hf(a)}
+        r = result["compare_hf"]
+        if a.json:
+            print(json.dumps(result))
+        else:
+            print(f"{a.model}, batch {a.micro_batch}x{a.seq_len} x {a.grad_accum}: ours "
+                  + " / ".join(f"{t:,.0f}" for t in r["ours_tokens_per_s"]) + " tok/s, transformers "
+                  + " / ".join(f"{t:,.0f}" for t in r["hf_tokens_per_s"])
+                  + f" tok/s -> ours / transformers = {r['ratio_ours_over_hf']:.2f}")
+        return
+
+    rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep else [{}])]
+    if rank == 0:
+        print(json.dumps({**versions, "model": a.model, "rows": rows})) if a.json else print_measurement(rows, a)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print_comparison(result, a, world):
+    if a.json:
+        print(json.dumps(result))
+    elif a.dp_vs_ddp:
+        r = result["dp_vs_ddp"]
+        print(f"{a.model} ({result['params']:,} params, {r['grad_mb']:.1f} MB of fp32 gradients), "
+              f"batch {a.micro_batch}x{a.seq_len} per rank, dp {world}, {r['steps_each']} steps each")
+        for k, v in r["median_step_s"].items():
+            print(f"  {k:12s} median step {1000 * v:8.1f} ms")
+        print(f"  DDP / parallel.py step time: {r['ratio_ddp_over_ours']:.3f} (> 1: ours is faster)")
+    else:
+        print(f"pipeline bubble, {a.schedule}, pp {world}, {a.model}, micro-batch {a.micro_batch}x{a.seq_len}")
+        print(f"  {'m':>3s} {'step ms':>9s} {'measured':>9s} {'(p-1)/(m+p-1)':>14s}   per stage")
+        for r in result["bubble"]:
+            print(f"  {r['m']:3d} {1000 * r['step_s']:9.1f} {r['bubble_measured']:9.3f} {r['bubble_formula']:14.3f}   "
+                  + " ".join(f"{b:.3f}" for b in r["bubble_measured_per_stage"]))
 
 
 if __name__ == "__main__":

@@ -628,16 +628,19 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def memory_estimate(args: ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
-                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, zero_dp: int = 1) -> dict[str, float]:
-    """Bytes per device while training, split by kind.
+                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, zero_dp: int = 1,
+                    sp: bool = False) -> dict[str, float]:
+    """Bytes per device while training one micro-batch on one pipeline stage, split by kind.
 
     weights: params in the training precision; grads: an fp32 gradient buffer; master: fp32 master copy
     (only when training in bf16/fp16); optimizer: AdamW m and v in fp32 (master and Adam state divided by
-    zero_dp under ZeRO-1). Activations, per layer and token, count what backward keeps in the compute
-    precision with fused (flash) attention: the block input and the two norm outputs (3d), q, k, v and the
-    attention output (2d + 2*kv_dim), and three FFN hidden tensors (3*hidden) -- 5d + 2kv + 3h elements,
-    divided by tp. With activation checkpointing only the block inputs are kept, plus one block recomputed.
-    Logits (fp32, B*T*V/tp) and their gradient are added on the last stage. Model states divide by tp*pp.
+    zero_dp under ZeRO-1). Model states divide by tp*pp.
+    activations: what backward keeps, per layer and token, in the compute precision with fused (flash)
+    attention: the block input and the two norm outputs (3d, replicated over tp unless sequence-parallel),
+    q, k, v and the attention output (2d + 2*kv_dim) and three FFN hidden tensors (3*hidden), split over tp.
+    With activation checkpointing only each block's input is kept, plus one block being recomputed.
+    logits: fp32 logits and their gradient, B*T*V/tp, on the last stage only.
+    A pipeline schedule multiplies activations by the micro-batches in flight (bench.py's plan does).
     """
     n = count_params(args) / (tp * pp)
     b = BYTES[precision]
@@ -647,11 +650,17 @@ def memory_estimate(args: ModelArgs, precision: str = "bf16", micro_batch: int =
     optimizer = n * 8 / zero_dp
     tokens = micro_batch * seq_len
     kv = args.n_kv_heads * args.head_dim
-    per_layer = tokens * (5 * args.dim + 2 * kv + 3 * args.hidden_dim) * b / tp
+    replicated = 3 * args.dim / (tp if sp else 1)
+    sharded = (2 * args.dim + 2 * kv + 3 * args.hidden_dim) / tp
+    per_layer = tokens * (replicated + sharded) * b
     layers = math.ceil(args.n_layers / pp)
-    acts = layers * tokens * args.dim * b + per_layer if act_ckpt else layers * per_layer
-    acts += tokens * args.vocab_size * 4 * 2 / tp
-    out = {"weights": weights, "grads": grads, "master": master, "optimizer": optimizer, "activations": acts}
+    if act_ckpt:
+        acts = layers * tokens * args.dim / (tp if sp else 1) * b + per_layer
+    else:
+        acts = layers * per_layer
+    logits = tokens * args.vocab_size * 4 * 2 / tp
+    out = {"weights": weights, "grads": grads, "master": master, "optimizer": optimizer, "activations": acts,
+           "logits": logits}
     out["total"] = sum(out.values())
     return out
 
