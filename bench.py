@@ -23,6 +23,7 @@ and Hugging Face's model are used here, and only here, as baselines.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -132,6 +133,12 @@ def train_args(a, **over) -> argparse.Namespace:
     return args
 
 
+@functools.lru_cache(maxsize=None)
+def peak_flops(device, precision):
+    """The device's peak, measured (on a CPU) once per run, so the rows of a sweep share one denominator."""
+    return T.peak_flops(device, precision)
+
+
 def measure(a, **over) -> dict:
     """One timed train.py run; phases and step time are medians over the steps after the warm-up."""
     args = train_args(a, **over)
@@ -145,7 +152,7 @@ def measure(a, **over) -> dict:
     phases = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
     step_s = statistics.median(sum(s.values()) for s in steps)
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
-    peak, peak_src = T.peak_flops(run.device, run.precision)
+    peak, peak_src = peak_flops(run.device, run.precision)
     flops = M.flops_per_token(margs, args.seq_len)
     est = M.memory_estimate(margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp,
                             mesh.dp if args.zero else 1, mesh.sp)
