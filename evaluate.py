@@ -1,0 +1,578 @@
+"""Evaluate a model: perplexity, multiple-choice benchmarks, generation, and benchmark contamination.
+
+    python evaluate.py --init out --task tinyshakespeare             # val loss, perplexity, bits per byte
+    python evaluate.py --init out --task hellaswag --task piqa --limit 500 --json
+    torchrun --standalone --nproc_per_node=8 evaluate.py --init Llama-3.2-1B --tokenizer llama3 --task hellaswag
+    python evaluate.py --init out-sft --chat --prompt "How do I make tea?" --temperature 0
+    python evaluate.py --contamination piqa --train ~/.cache/llama3-train/shards/c4_demo-gpt2
+
+Read top to bottom:
+  1. Model           --init (a train/sft/dpo checkpoint, a Hugging Face or a Meta folder) -> eval-mode Transformer
+  2. Log-likelihood  token_logprobs: log p(each token | the tokens before it), the primitive of 3 and 5
+  3. Perplexity      token shards or raw text -> loss, perplexity, bits per byte
+  4. Benchmarks      a small registry (URL, sha256, mirror path, as in data.py) and readers that turn a
+                     generic JSONL, HellaSwag, PIQA and ARC into items {"context", "choices", "label"}
+  5. Multiple choice every choice scored by its log-likelihood after the context: acc, acc_norm, acc_token
+  6. Generation      prompts from the command line or a file, plain or in the chat template
+  7. Contamination   which benchmark items share an n-gram with the training data: hashed and streamed
+  8. Command line    every task prints a summary; --json prints one JSON object per task instead
+
+Sections 3 and 5 split their work over data-parallel ranks (torchrun): rank r takes the windows or items
+i with i % world == r and the sums are all-reduced, so any number of processes gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import data
+import model as M
+import parallel as P
+import sft
+import train as T
+
+# ----------------------------------------------------------------------------------------------------
+# 1. The model
+
+
+def init_defaults(path) -> dict:
+    """Defaults for --tokenizer and --seq-len from --init: what a train.py / sft.py / dpo.py checkpoint was
+    trained with; for a Hugging Face or Meta folder with the Llama 3 vocabulary, the Llama 3 tokenizer."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    for name in ("meta.json", "config.json", "params.json"):
+        try:
+            found = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(found, dict):
+            return {}
+        if name == "meta.json":
+            return found.get("args", {})
+        return {"tokenizer": "llama3"} if found.get("vocab_size", 0) >= data.LLAMA3_RANKS else {}
+    return {}
+
+
+def load_model(path, tok, device, dtype) -> M.Transformer:
+    """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off."""
+    with contextlib.redirect_stdout(sys.stderr):  # load_init may report a grown vocabulary; stdout is for results
+        margs, state = sft.load_init(path, tok)
+    with torch.device("meta"):
+        model = M.Transformer(margs)  # no random initialization: every weight comes from the state dict
+    model.load_state_dict(state, assign=True)
+    if margs.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Log-likelihood
+
+
+@torch.no_grad()
+def token_logprobs(model, seqs) -> list[np.ndarray]:
+    """Token sequences -> for each, log p(seq[t] | seq[:t]) for t = 1 .. len - 1, as float64 arrays.
+
+    The sequences are right-padded to the longest: a causal model's output at a position never depends on
+    later positions, so the padding changes nothing that is read back."""
+    width = max(len(s) for s in seqs)
+    batch = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        batch[i, :len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
+    batch = batch.to(model.tok_embeddings.weight.device)
+    logits = model(batch[:, :-1])  # (B, T, vocab)
+    logp = -P.token_losses(logits, batch[:, 1:], model.args.vocab_size, P.Mesh())  # (B, T), fp32
+    logp = logp.double().cpu().numpy()
+    return [logp[i, :len(s) - 1] for i, s in enumerate(seqs)]
+
+
+def _all_reduce(values: list[float], mesh, device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    P.all_reduce(t, mesh, "dp")  # every rank scored its own share; no-op for one process
+    return t.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Perplexity and bits per byte
+#
+# Windows of seq_len + 1 tokens at stride seq_len (the last one shorter), so every token but each array's
+# first is predicted exactly once, from the tokens before it in its window, as in training.
+# Loss and perplexity average over every target token, as train.py's validation loss does.
+# Bits per byte is the tokenizer-independent measure: the loss in nats of the targets that stand for text,
+# divided by ln 2 and by the number of UTF-8 bytes those targets decode to. Special tokens (BOS, EOS, ...)
+# are markup, not text: they add no bytes, and the losses of predicting them are left out as well.
+
+
+@functools.lru_cache(maxsize=4)
+def token_bytes(tok) -> tuple:
+    """The UTF-8 bytes each id stands for; b"" for special tokens and ids the tokenizer leaves unused."""
+    specials = {tok.encode_single_token(s) for s in tok.special_tokens_set}
+    out = []
+    for i in range(tok.n_vocab):
+        try:
+            out.append(b"" if i in specials else tok.decode_single_token_bytes(i))
+        except KeyError:  # a gap in the ranks (cl100k_base, o200k_base)
+            out.append(b"")
+    return tuple(out)
+
+
+def shard_paths(source) -> list[Path]:
+    """A folder of token shards or one .bin file -> the shard paths; [] for anything else."""
+    path = Path(str(source)).expanduser()
+    return sorted(path.glob("*.bin")) if path.is_dir() else [path] if path.suffix == ".bin" else []
+
+
+def text_tokens(docs, tok) -> np.ndarray:
+    """Documents -> one token array laid out like a shard: BOS tokens EOS per document."""
+    bos, eos = data.bos_id(tok), data.eos_id(tok)
+    return np.concatenate([np.array([bos, *tok.encode_ordinary(doc), eos], dtype=np.int64) for doc in docs])
+
+
+def perplexity(model, tok, arrays, seq_len, batch_size, mesh, limit=None) -> dict:
+    """Token arrays (shards or text_tokens) -> {"loss", "perplexity", "bits_per_byte", counts}."""
+    spans = [(a, s) for a, tokens in enumerate(arrays) for s in range(0, len(tokens) - 1, seq_len)][:limit]
+    if not spans:
+        raise data.DataError("nothing to evaluate: the data has fewer than two tokens")
+    nbytes = np.zeros(model.args.vocab_size, dtype=np.int64)
+    nbytes[:tok.n_vocab] = [len(b) for b in token_bytes(tok)]
+    sums = np.zeros(4)  # loss of all targets, their number, loss of the text targets, their bytes
+    mine = spans[mesh.dp_rank::mesh.dp]
+    for i in range(0, len(mine), batch_size):
+        seqs = [np.asarray(arrays[a][s:s + seq_len + 1], dtype=np.int64) for a, s in mine[i:i + batch_size]]
+        for seq, logp in zip(seqs, token_logprobs(model, seqs)):
+            b = nbytes[seq[1:]]
+            sums += [-logp.sum(), len(logp), -logp[b > 0].sum(), b.sum()]
+    loss_all, n, loss_text, n_bytes = _all_reduce(sums.tolist(), mesh, model.tok_embeddings.weight.device)
+    return {"loss": loss_all / n, "perplexity": math.exp(loss_all / n),
+            "bits_per_byte": loss_text / (n_bytes * math.log(2)) if n_bytes else float("nan"),
+            "tokens": int(n), "bytes": int(n_bytes), "windows": len(spans), "seq_len": seq_len}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Benchmarks: where the files come from, and readers that turn each format into items
+#    {"context": str, "choices": [str, ...], "label": index of the right choice}
+
+_GH = "https://raw.githubusercontent.com"
+_PIQA = f"{_GH}/ybisk/ybisk.github.io/21edab439af693b961be2f069e8690a88d3b4e37/piqa/data"
+BENCHMARKS = {  # pinned URLs, sha256, and the path in a mirror laid out like shared/data (MANIFEST.md)
+    "hellaswag": dict(  # validation, 10,042 items: klosax's 6-line text form of rowanz/hellaswag, markup removed
+        url=f"{_GH}/klosax/hellaswag_text_data/1105d370f8340eac3c63a91fd1fa58e8999f9505/hellaswag_val_full.txt.bz2",
+        sha256="50b637899e4263c2bc456c2dc726c95d2c8cd8e2a552ea5bd7719ce3cb03fe5b",
+        mirror="eval/hellaswag_val_full.txt.bz2", license="MIT"),
+    "piqa": dict(  # validation, 1,838 items; the gold labels are a separate file
+        url=f"{_PIQA}/valid.jsonl", sha256="93503cc97c679e459b065c3d13e848282e44b2a25213985bed3e5d458abef72d",
+        mirror="eval/piqa_valid.jsonl", license="AFL-3.0",
+        labels=dict(url=f"{_PIQA}/valid-labels.lst", mirror="eval/piqa_valid-labels.lst",
+                    sha256="b4192dc3a2a0363d9d60ccf79800cbbe2f32ebb17726efdde6970e0b8131bceb")),
+    "arc_easy": dict(  # ARC-Easy dev, 570 items
+        url=f"{_GH}/allyouneed-code/llm-eval/5774277dd88e5bdb43d8cb345999e3b1a0a0a551/ARC-Easy-Dev.jsonl",
+        sha256="f4364b808a68df6bf500ce1070fb0105d40cacd2391c210deb00ff83ba75d1f4",
+        mirror="eval/arc_easy_dev.jsonl", license="CC BY-SA 4.0"),
+}
+
+
+def fetch_benchmark(entry, mirror=None) -> Path:
+    """data.download's cache, mirror and checksum, into <cache>/eval."""
+    dest = data.cache_dir() / "eval" / Path(entry["mirror"]).name
+    return data.download(entry["url"], entry["sha256"], dest, mirror=mirror, mirror_path=entry["mirror"])
+
+
+def _arc(r):  # {question: {stem, choices: [{text, label}]}, answerKey}; the keys are A-E or 1-5
+    keys = [c["label"] for c in r["question"]["choices"]]
+    return (f"Question: {r['question']['stem']}\nAnswer:", [c["text"] for c in r["question"]["choices"]],
+            keys.index(r["answerKey"]) if r["answerKey"] in keys else None)
+
+
+# The fields that identify a format -> (context, choices, label) of one record. Prompts are written as
+# lm-evaluation-harness writes them; the choice follows the context after a space (section 5).
+FORMATS = {
+    ("context", "choices", "label"): lambda r: (r["context"], r["choices"], r["label"]),
+    ("ctx", "endings", "label"): lambda r: (r["ctx"], r["endings"], r["label"]),  # HellaSwag: "activity: ctx"
+    ("goal", "sol1", "sol2"):  # PIQA: the labels are in a separate file
+        lambda r: (f"Question: {r['goal']}\nAnswer:", [r["sol1"], r["sol2"]], r.get("label")),
+    ("question", "answerKey"): _arc,
+}
+
+
+def _item(context, choices, label, where) -> dict:
+    label = int(label) if isinstance(label, str) and label.isdigit() else label
+    if not (isinstance(context, str) and isinstance(choices, list) and len(choices) >= 2
+            and all(isinstance(c, str) for c in choices)):
+        raise data.DataError(f"{where}: needs a string context and a list of at least two string choices")
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
+        raise data.DataError(f"{where}: label {label!r} is not the index of one of {len(choices)} choices")
+    return {"context": context, "choices": choices, "label": label}
+
+
+def read_items(task, mirror=None) -> list[dict]:
+    """A benchmark name, or a JSON(L) file in one of FORMATS (or HellaSwag's .bz2 text form) -> items."""
+    if task in BENCHMARKS:
+        entry = BENCHMARKS[task]
+        path = fetch_benchmark(entry, mirror)
+        labels = fetch_benchmark(entry["labels"], mirror) if "labels" in entry else None
+    else:
+        path = Path(task).expanduser()
+        if not path.is_file():
+            raise T.ConfigError(f"{task!r} is neither a benchmark ({', '.join(BENCHMARKS)}) nor a file")
+        labels = path.with_name(path.stem + "-labels.lst")  # where PIQA keeps them: valid.jsonl, valid-labels.lst
+    if path.suffix == ".bz2":  # 6 lines per item: context, gold label, 4 endings
+        with bz2.open(path, "rt", encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        return [_item(lines[i], lines[i + 2:i + 6], lines[i + 1], f"{path}:{i + 1}") for i in range(0, len(lines) - 5, 6)]
+    records = data._json_records(path)
+    first = records[0][1] if records else {}
+    keys = next((k for k in FORMATS if isinstance(first, dict) and set(k) <= set(first)), None)
+    if keys is None:
+        raise data.DataError(f"{path}: unknown benchmark record, expected the fields of one of {list(FORMATS)}")
+    gold = [None] * len(records)
+    if keys == ("goal", "sol1", "sol2") and "label" not in first:
+        if not (labels and labels.is_file()):
+            raise data.DataError(f"{path}: PIQA records carry no labels, and there is no {labels}")
+        gold = labels.read_text().split()  # "0" / "1"; _item makes them numbers
+        if len(gold) != len(records):
+            raise data.DataError(f"{labels}: {len(gold)} labels for {len(records)} items")
+    items = []
+    for (where, record), label in zip(records, gold):
+        try:
+            context, choices, own = FORMATS[keys](record)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise data.DataError(f"{where}: a record unlike the first ({type(e).__name__}: {e})") from None
+        items.append(_item(context, choices, own if label is None else label, where))
+    return items
+
+
+def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
+    """--task -> ("multiple_choice", items) or ("perplexity", token arrays).
+
+    A benchmark name or a benchmark file gives items. A dataset name (data.DATASETS) gives the validation
+    shards that training on it used (prepared on first use); a folder of shards its val_*.bin (every *.bin
+    if it has none); a .bin shard, a .txt file (one document) or a .jsonl of {"text"} records their tokens."""
+    path = Path(task).expanduser()
+    if task in BENCHMARKS or (path.is_file() and path.suffix == ".bz2"):
+        return "multiple_choice", read_items(task, mirror)
+    if task in data.DATASETS or path.is_dir() or (path.is_file() and path.suffix == ".bin"):
+        shards = shard_paths(data.resolve_data(task, tok, mirror=mirror) if task in data.DATASETS else path)
+        shards = [p for p in shards if p.name.startswith("val_")] or shards
+        if not shards:
+            raise data.DataError(f"no token shards (*.bin) at {path}")
+        return "perplexity", [data.read_shard(p, tok.name) for p in shards]
+    if path.is_file() and path.suffix == ".txt":
+        return "perplexity", [text_tokens(data.read_documents(path), tok)]
+    if path.is_file() and path.suffix in (".jsonl", ".json"):
+        records = data._json_records(path)
+        if path.suffix == ".jsonl" and records and isinstance(records[0][1], dict) and "text" in records[0][1]:
+            return "perplexity", [text_tokens(data.read_documents(path, "jsonl"), tok)]
+        return "multiple_choice", read_items(path)
+    raise T.ConfigError(f"unknown --task {task!r}: not a benchmark ({', '.join(BENCHMARKS)}), a dataset "
+                        f"({', '.join(data.DATASETS)}), a folder of shards or a .bin/.txt/.jsonl/.bz2 file")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. Multiple choice by log-likelihood
+#
+# The context is BOS + encode_ordinary(context); a choice is encode_ordinary(" " + choice), scored after it.
+# Encoding the two apart keeps the choice's tokens the same whatever the context (and with a space in
+# front, a choice's first word is tokenized the way it is inside running text). A sequence longer than
+# seq_len + 1 tokens loses tokens from the left (the context's first). Scores, as lm-evaluation-harness:
+#   acc        argmax of the summed log-probability of the choice's tokens
+#   acc_norm   the same divided by the number of characters of the choice (not counting the space)
+#   acc_token  the same divided by the number of its tokens (the mean log-probability per token)
+
+
+def multiple_choice(model, tok, items, seq_len, batch_size, mesh) -> dict:
+    mine = list(range(mesh.dp_rank, len(items), mesh.dp))
+    requests = []  # (tokens, number of choice tokens at the end)
+    for i in mine:
+        context = [data.bos_id(tok)] + tok.encode_ordinary(items[i]["context"])
+        for choice in items[i]["choices"]:
+            cont = tok.encode_ordinary(" " + choice)
+            seq = (context + cont)[-(seq_len + 1):]
+            requests.append((seq, min(len(cont), len(seq) - 1)))
+    scores = []
+    for k in range(0, len(requests), batch_size):
+        batch = requests[k:k + batch_size]
+        scores += [logp[-n:].sum() for (_, n), logp in zip(batch, token_logprobs(model, [s for s, _ in batch]))]
+    sums, k = np.zeros(4), 0  # right by acc, acc_norm, acc_token; items
+    for i in mine:
+        choices, label = items[i]["choices"], items[i]["label"]
+        logp = np.array(scores[k:k + len(choices)])
+        n_tokens = np.array([n for _, n in requests[k:k + len(choices)]])
+        n_chars = np.array([max(len(c), 1) for c in choices])
+        k += len(choices)
+        sums += [logp.argmax() == label, (logp / n_chars).argmax() == label, (logp / n_tokens).argmax() == label, 1]
+    right, right_norm, right_token, n = _all_reduce(sums.tolist(), mesh, model.tok_embeddings.weight.device)
+    return {"acc": right / n, "acc_norm": right_norm / n, "acc_token": right_token / n, "items": int(n),
+            "seq_len": seq_len}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. Generation
+
+
+def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, **sampling) -> dict:
+    """A prompt's continuation. Plain: BOS + the prompt, until <|end_of_text|>. Chat: the prompt as a user
+    message in the chat template with the assistant's header after it, until <|eot_id|>."""
+    if chat:
+        ids, _ = data.encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        ids = [data.bos_id(tok)] + tok.encode_ordinary(prompt)
+    stop = data.eot_id(tok) if chat else data.eos_id(tok)
+    limit = seq_len or model.args.max_seq_len
+    if len(ids) >= limit:
+        raise T.ConfigError(f"a prompt of {len(ids)} tokens leaves no room to generate under --seq-len {limit}")
+    new = M.generate(model, ids, min(max_new_tokens, limit - len(ids)), eos_id=stop, n_vocab=tok.n_vocab, **sampling)
+    new = new[0].tolist()
+    stopped = stop in new
+    new = new[:new.index(stop)] if stopped else new
+    return {"prompt": prompt, "completion": tok.decode(new), "tokens": new, "stopped": stopped, "chat": chat}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. Contamination: which benchmark items share an n-gram with the training data
+#
+# An item's text is its context and its right answer. Each n-gram of words (lowercased \w+ runs) and of
+# tokens is hashed to 64 bits: ids are mixed (splitmix64), then combined by a polynomial rolling hash mod
+# 2^64 (uint64 arithmetic wraps). The benchmark's hashes are a small sorted array; the training data
+# streams past in pieces, each piece's hashes are looked up in it (searchsorted) and dropped, so gigabytes
+# of training data never hold their n-grams in memory. An item is contaminated if any of its n-grams occurs.
+
+CHUNK = 1 << 20  # tokens (shards) or characters (text) per piece of training data: bounds the memory used
+_BASE = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def ngram_hashes(ids, n) -> np.ndarray:
+    """(L,) ids -> (L - n + 1,) uint64 hashes of every window of n ids."""
+    x = _mix(np.asarray(ids, dtype=np.uint64))
+    h = np.zeros(max(len(x) - n + 1, 0), dtype=np.uint64)
+    for k in range(n):
+        h = h * _BASE + x[k:k + len(h)]
+    return h
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _word_hash(word: str) -> int:
+    return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
+
+
+def word_ids(text: str) -> np.ndarray:
+    return np.fromiter((_word_hash(w) for w in re.findall(r"\w+", text.lower())), dtype=np.uint64)
+
+
+class NgramIndex:
+    """The n-gram hashes of every benchmark item, and which of them the training stream has shown."""
+
+    def __init__(self, sequences, n):
+        grams = [np.unique(ngram_hashes(s, n)) for s in sequences]
+        self.table = np.unique(np.concatenate(grams))  # sorted; the only n-grams held in memory
+        self.of_item = [np.searchsorted(self.table, g) for g in grams]  # each item's n-grams, as table indices
+        self.found = np.zeros(len(self.table), dtype=bool)
+        self.n, self.carry = n, np.zeros(0, dtype=np.uint64)
+
+    def feed(self, ids):
+        """The next piece of the stream; the last n - 1 ids are kept so n-grams across pieces count too."""
+        ids = np.concatenate([self.carry, np.asarray(ids, dtype=np.uint64)])
+        self.carry = ids[max(len(ids) - self.n + 1, 0):]
+        if len(self.table):
+            h = ngram_hashes(ids, self.n)
+            idx = np.minimum(np.searchsorted(self.table, h), len(self.table) - 1)
+            self.found[idx[self.table[idx] == h]] = True
+
+    def report(self, texts, examples) -> dict:
+        hit = [i for i, g in enumerate(self.of_item) if self.found[g].any()]
+        return {"n": self.n, "contaminated": len(hit), "share": len(hit) / len(texts),
+                "checkable": sum(len(g) > 0 for g in self.of_item), "indices": hit,
+                "examples": [{"index": i, "overlap": float(self.found[self.of_item[i]].mean()),
+                              "text": texts[i][:300]} for i in hit[:examples]]}
+
+
+def training_pieces(source, tok, mirror=None):
+    """Training data -> (token ids, text) pieces of about CHUNK tokens or characters, in order.
+
+    Shards are cut just before a token that starts with whitespace (or is special), so no word is split
+    between pieces; specials become newlines in the text. Text files are cut at line ends."""
+    shards = shard_paths(source)
+    if shards:
+        table = token_bytes(tok)
+        breaks = np.array([not b or b[:1].isspace() for b in table])
+        text_id = np.array([i if table[i] else tok.encode_ordinary("\n")[0] for i in range(len(table))])
+        for shard in shards:
+            tokens, start = data.read_shard(shard, tok.name), 0
+            while start < len(tokens):
+                end = min(start + CHUNK, len(tokens))
+                cut = np.flatnonzero(breaks[tokens[start + 1:end]]) if end < len(tokens) else []
+                end = start + 1 + int(cut[-1]) if len(cut) else end
+                ids = np.asarray(tokens[start:end], dtype=np.int64)
+                yield ids, tok.decode(text_id[ids].tolist())
+                start = end
+        return
+    for file, fmt, encoding in data.resolve_source(source, mirror):
+        with open(file, encoding=encoding) as f:
+            while lines := f.readlines(CHUNK):  # whole lines, about CHUNK characters
+                try:
+                    text = "".join(json.loads(line)["text"] + "\n" if fmt == "jsonl" and line.strip() else line
+                                   for line in lines)
+                except (ValueError, KeyError, TypeError):
+                    raise data.DataError(f"{file}: a line is not a JSON record with a \"text\" field") from None
+                yield np.array(tok.encode_ordinary(text), dtype=np.int64), text
+
+
+def contamination(items, source, tok, n_words=13, n_tokens=8, examples=3, mirror=None) -> dict:
+    texts = [f"{it['context']} {it['choices'][it['label']]}" for it in items]
+    index = {"words": NgramIndex([word_ids(t) for t in texts], n_words),
+             "tokens": NgramIndex([tok.encode_ordinary(t) for t in texts], n_tokens)}
+    train_tokens = train_words = 0
+    for ids, text in training_pieces(source, tok, mirror):
+        words = word_ids(text)
+        index["words"].feed(words)
+        index["tokens"].feed(ids)
+        train_tokens, train_words = train_tokens + len(ids), train_words + len(words)
+    return {"train": str(source), "items": len(items), "train_tokens": train_tokens, "train_words": train_words,
+            "tokenizer": tok.name, **{kind: ix.report(texts, examples) for kind, ix in index.items()}}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. Command line
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--init", help="a train.py/sft.py/dpo.py --out-dir or step folder, a Hugging Face or a Meta folder")
+    p.add_argument("--task", action="append", default=[],
+                   help=f"repeatable: a benchmark ({', '.join(BENCHMARKS)}) or a {{context, choices, label}} "
+                        f"JSONL; a dataset ({', '.join(data.DATASETS)}: its val split), a folder of shards, "
+                        f"a .bin, .txt or {{text}} .jsonl file (loss, perplexity, bits per byte)")
+    p.add_argument("--tokenizer", help="default: the one the checkpoint was trained with, else byte")
+    p.add_argument("--seq-len", type=int, help="longest sequence; default: the training --seq-len, else max_seq_len")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--limit", type=int, help="only the first N items (benchmarks) or windows (text)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per task (summaries go to stderr)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", default=[], help="repeatable")
+    g.add_argument("--prompts-file", help="one prompt per line")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template; stop at <|eot_id|>")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="per prompt (fewer if --seq-len ends first)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
+    g.add_argument("--top-p", type=float, help="sample among the likeliest tokens holding this probability")
+    g.add_argument("--seed", type=int, default=1337, help="of the sampling")
+    g = p.add_argument_group("contamination")
+    g.add_argument("--contamination", help="a benchmark name or file to look for in --train")
+    g.add_argument("--train", help="training data: a dataset name, .txt/.jsonl files (glob, folder) or shards")
+    g.add_argument("--ngram-words", type=int, default=13, help="n of the word n-grams (lowercased \\w+ runs)")
+    g.add_argument("--ngram-tokens", type=int, default=8, help="in --tokenizer's tokens (the shards' own for shards)")
+    g.add_argument("--examples", type=int, default=3, help="contaminated items shown per kind")
+    g = p.add_argument_group("system")
+    g.add_argument("--mirror", help="local mirror folder for downloads (default: $DATA_MIRROR)")
+    g.add_argument("--device", help="cuda, cpu, ... (default: cuda if available)")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    return p
+
+
+def describe(r) -> str:
+    """The one-paragraph summary of a task's result."""
+    if r["kind"] == "perplexity":
+        return (f"{r['task']}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | bits per byte "
+                f"{r['bits_per_byte']:.4f} | {r['tokens']:,} tokens, {r['bytes']:,} bytes, {r['windows']:,} windows")
+    if r["kind"] == "multiple_choice":
+        return (f"{r['task']}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | acc_token {r['acc_token']:.4f} "
+                f"| {r['items']:,} items")
+    if r["kind"] == "generate":
+        return f"prompt: {r['prompt']}\n{r['completion']}" + ("" if r["stopped"] else " [...]")
+    lines = [f"contamination of {r['task']} ({r['items']:,} items) in {r['train']} "
+             f"({r['train_words']:,} words, {r['train_tokens']:,} {r['tokenizer']} tokens):"]
+    for kind in ("words", "tokens"):
+        c = r[kind]
+        lines.append(f"  {c['n']}-{kind[:-1]} n-grams: {c['contaminated']:,} items ({100 * c['share']:.2f}%) "
+                     f"contaminated; {c['checkable']:,} items long enough to check")
+        lines += [f"    #{e['index']} ({100 * e['overlap']:.0f}% of its n-grams): {e['text'][:100]!r}" for e in c["examples"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            prompts += [line for line in Path(args.prompts_file).read_text().split("\n") if line.strip()]
+        except OSError as e:
+            raise T.ConfigError(f"--prompts-file: {e}") from None
+    if not (args.task or prompts or args.contamination):
+        raise T.ConfigError("nothing to do: give --task, --prompt / --prompts-file or --contamination")
+    if (args.task or prompts) and not args.init:
+        raise T.ConfigError("--init (a checkpoint, Hugging Face or Meta folder) is needed for --task and --prompt")
+    if args.contamination and not args.train:
+        raise T.ConfigError("--contamination needs --train: the training data to search")
+    for flag in ("batch_size", "limit", "seq_len", "max_new_tokens", "ngram_words", "ngram_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise T.ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    recorded = init_defaults(args.init) if args.init else {}
+    tok = data.get_tokenizer(args.tokenizer or recorded.get("tokenizer", "byte"), args.mirror)
+    mesh = P.Mesh(rank=int(os.environ.get("RANK", "0")))
+
+    def emit(result):
+        if mesh.rank == 0:
+            print(json.dumps(result) if args.json else describe(result), flush=True)
+            if args.json:
+                print(describe(result), file=sys.stderr, flush=True)
+
+    if args.task or prompts:
+        device, precision = T.pick_device_and_precision(args)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        mesh = P.init_mesh(device=device)
+        resolve = lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task}
+        tasks = resolve() if mesh.rank == 0 else None  # rank 0 first: it prepares (and caches) the shards,
+        T.barrier(mesh)                                 # which the other ranks then find ready
+        tasks = tasks or resolve()
+        model = load_model(args.init, tok, device, dtype)
+        seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len, model.args.max_seq_len)
+        if seq_len > model.args.max_seq_len:
+            raise T.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.args.max_seq_len}")
+        for task, (kind, payload) in tasks.items():
+            if kind == "perplexity":
+                result = perplexity(model, tok, payload, seq_len, args.batch_size, mesh, args.limit)
+            else:
+                result = multiple_choice(model, tok, payload[:args.limit], seq_len, args.batch_size, mesh)
+            emit({"task": task, "kind": kind, **result})
+        if mesh.rank == 0:
+            g = torch.Generator(device=device).manual_seed(args.seed)
+            for prompt in prompts:
+                emit({"task": "generate", "kind": "generate",
+                      **complete(model, tok, prompt, args.chat, args.max_new_tokens, seq_len,
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=g)})
+    if args.contamination and mesh.rank == 0:
+        items = read_items(args.contamination, args.mirror)[:args.limit]
+        shards = shard_paths(args.train)  # token n-grams must be in the shards' own tokenizer
+        train_tok = data.get_tokenizer(data.shard_info(shards[0])["tokenizer"], args.mirror) if shards else tok
+        emit({"task": args.contamination, "kind": "contamination",
+              **contamination(items, args.train, train_tok, args.ngram_words, args.ngram_tokens, args.examples,
+                              args.mirror)})
+    if mesh.world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    T.run(main)

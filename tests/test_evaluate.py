@@ -1,0 +1,278 @@
+"""evaluate.py: multiple choice scores 1.0 / 0.0 with models rigged for the right / a wrong answer, bits per byte
+against an independent computation, contamination finds exactly the planted items, the benchmark readers on
+the mirror's files, generation (greedy equals model.generate, chat stops at <|eot_id|>), the CLI on a
+train.py checkpoint, two processes give the numbers of one, and bad input ends in one error line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import evaluate as E
+import model as M
+import parallel as P
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rigged_model(favourite, then=None, vocab=320):
+    """A model that always predicts `favourite` (log-prob ~0, every other token ~-32), whatever the input; with
+    `then`, the token after `favourite` is `then`. Its blocks add nothing to the residual stream (wo = w2 = 0),
+    so the logits are output(norm(embedding of the last token)): every token embeds as u, `favourite` as v
+    (u, v orthogonal, rms 1), and the output rows of `favourite` and `then` are 0.5 u and 0.5 v."""
+    torch.manual_seed(0)
+    m = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab, max_seq_len=256))
+    u, v = torch.ones(64), torch.tensor([1.0, -1.0] * 32)
+    with torch.no_grad():
+        for layer in m.layers.values():
+            layer.attention.wo.weight.zero_()
+            layer.feed_forward.w2.weight.zero_()
+        m.tok_embeddings.weight[:] = u
+        m.output.weight.zero_()
+        m.output.weight[favourite] = 0.5 * u
+        if then is not None:
+            m.tok_embeddings.weight[favourite] = v
+            m.output.weight[then] = 0.5 * v
+    return m.eval()
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def cli(capsys, *argv) -> list[dict]:
+    """evaluate.py's main in this process with --json: the JSON objects it printed."""
+    E.main([*argv, "--json"])
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+# Every correct choice is made of "z"s, every wrong one of other letters (or only of "y"s); lengths vary so
+# that acc_norm and acc_token are tested, and the last context is longer than the sequence (left truncation).
+ITEMS = [{"context": "Pick one:", "choices": ["zz", "abc"], "label": 0},
+         {"context": "Which?", "choices": ["yyyyyyyy", "y", "zzzzzzzzzzzz"], "label": 2},
+         {"context": "Again", "choices": ["ab", "zzzzz", "cdefgh", "q"], "label": 1},
+         {"context": "Long " * 40, "choices": ["zzz", "yy", "yyyyyy"], "label": 0}]
+
+
+def test_multiple_choice_right_and_wrong_models(tmp_path, capsys):
+    tok = data.get_tokenizer("byte")
+    z, y = tok.encode_ordinary("z")[0], tok.encode_ordinary("y")[0]
+    right = E.multiple_choice(rigged_model(z), tok, ITEMS, 64, 3, P.Mesh())
+    assert right == {"acc": 1.0, "acc_norm": 1.0, "acc_token": 1.0, "items": 4, "seq_len": 64}
+    wrong_items = [{**it, "choices": ["y" * len(c) if k != it["label"] else c for k, c in enumerate(it["choices"])]}
+                   for it in ITEMS]  # every wrong choice all "y"s
+    wrong = E.multiple_choice(rigged_model(y), tok, wrong_items, 64, 3, P.Mesh())
+    assert wrong == {"acc": 0.0, "acc_norm": 0.0, "acc_token": 0.0, "items": 4, "seq_len": 64}
+    # the same through the CLI, from a Hugging Face folder
+    M.save_hf(rigged_model(z), tmp_path / "hf")
+    [out] = cli(capsys, "--init", str(tmp_path / "hf"), "--task", str(write_jsonl(tmp_path / "mc.jsonl", ITEMS)))
+    assert (out["kind"], out["acc"], out["acc_norm"], out["acc_token"], out["items"]) == ("multiple_choice", 1, 1, 1, 4)
+
+
+def test_multiple_choice_scores_follow_their_definitions(mirror):
+    """A random model on real items, the sequence shorter than most: each score computed here from scratch."""
+    tok, seq_len = data.get_tokenizer("byte"), 48
+    items = E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl"))[:24]
+    torch.manual_seed(3)
+    model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=320, max_seq_len=64)).eval()
+    picks = []  # per item: the choice each rule picks
+    for item in items:
+        scores = []
+        for choice in item["choices"]:
+            context, cont = [data.bos_id(tok), *item["context"].encode()], list((" " + choice).encode())
+            seq = torch.tensor((context + cont)[-(seq_len + 1):])  # truncated from the left
+            with torch.no_grad():
+                logp = torch.log_softmax(model(seq[None, :-1])[0].double(), -1)[torch.arange(len(seq) - 1), seq[1:]]
+            n = min(len(cont), len(seq) - 1)
+            scores.append([logp[-n:].sum().item(), len(choice), n])
+        s = np.array(scores)
+        picks.append([s[:, 0].argmax(), (s[:, 0] / s[:, 1]).argmax(), (s[:, 0] / s[:, 2]).argmax()])
+    picks, labels = np.array(picks), np.array([item["label"] for item in items])
+    got = E.multiple_choice(model, tok, items, seq_len, 5, P.Mesh())
+    expected = (picks == labels[:, None]).mean(0)
+    assert [got["acc"], got["acc_norm"], got["acc_token"]] == pytest.approx(list(expected))
+    assert len(set(expected)) == 3  # three different scores here: none of the rules can stand in for another
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
+def test_bits_per_byte_matches_an_independent_computation(tokenizer):
+    tok = data.get_tokenizer(tokenizer)
+    text = "Naïve café owners — «très bien» — sell crème brûlée.\nThe end of 日本語 text.\n" * 3
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=64 * math.ceil(tok.n_vocab / 64),
+                                      max_seq_len=64)).eval()
+    seq_len = 16
+    got = E.perplexity(model, tok, [E.text_tokens([text], tok)], seq_len, 3, P.Mesh())
+    # independently: BOS text EOS, windows of seq_len + 1 at stride seq_len; bits per byte leaves out EOS
+    ids = [data.bos_id(tok), *tok.encode_ordinary(text), data.eos_id(tok)]
+    losses = []
+    for start in range(0, len(ids) - 1, seq_len):
+        w = torch.tensor(ids[start:start + seq_len + 1])
+        with torch.no_grad():
+            losses.append(F.cross_entropy(model(w[None, :-1])[0], w[1:], reduction="none"))
+    losses = torch.cat(losses).double()
+    n_bytes = len(text.encode("utf-8"))
+    assert got["tokens"] == len(ids) - 1 and got["bytes"] == n_bytes
+    assert got["loss"] == pytest.approx(losses.mean().item(), rel=1e-6)
+    assert got["perplexity"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-6)
+    text_loss, text_tokens = losses[:-1].mean().item(), len(losses) - 1  # the EOS target is the last
+    assert got["bits_per_byte"] == pytest.approx(text_loss * text_tokens / (n_bytes * math.log(2)), rel=1e-6)
+    if tokenizer == "gpt2":
+        assert text_tokens < n_bytes  # several bytes per token: bits per byte is not loss / ln 2
+
+
+def random_items(n, seed=0):
+    """Items of made-up words, so no n-gram of one can occur in another or in Shakespeare."""
+    rng = np.random.default_rng(seed)
+    word = lambda: "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(3, 8)))
+    sentence = lambda k: " ".join(word() for _ in range(k))
+    return [{"context": sentence(18).capitalize() + "?", "choices": [sentence(6), sentence(6)], "label": i % 2}
+            for i in range(n)]
+
+
+def test_contamination_finds_exactly_the_planted_items(tmp_path, capsys, mirror, monkeypatch):
+    items, planted = random_items(20), [2, 9, 15]
+    bench = write_jsonl(tmp_path / "bench.jsonl", items)
+    lines = (mirror / "text" / "tinyshakespeare.txt").read_text()[:60_000].split("\n")
+    for k, i in enumerate(planted):  # verbatim: the context, a space (the last one: a newline), the right answer
+        gap = " " if k < 2 else "\n"
+        lines.insert(500 + 700 * k, f"{items[i]['context']}{gap}{items[i]['choices'][items[i]['label']]}")
+    train_txt = tmp_path / "train.txt"
+    train_txt.write_text("\n".join(lines))
+    shards = data.prepare(train_txt, "gpt2", out_dir=tmp_path / "shards", val_fraction=0)
+    monkeypatch.setattr(E, "CHUNK", 100)  # pieces shorter than an item: n-grams across pieces must be found
+    for source in (train_txt, shards):
+        [out] = cli(capsys, "--contamination", str(bench), "--train", str(source), "--tokenizer", "gpt2")
+        assert out["items"] == 20 and out["tokenizer"] == "gpt2" and out["train_words"] > 10_000
+        for kind, n in (("words", 13), ("tokens", 8)):
+            report = out[kind]
+            assert report["n"] == n and report["indices"] == planted and report["contaminated"] == 3
+            assert report["share"] == pytest.approx(3 / 20)
+            assert [e["index"] for e in report["examples"]] == planted
+            # every n-gram of a planted item is found, but for the token n-grams across the third one's newline
+            overlap = [e["overlap"] for e in report["examples"]]
+            assert overlap[:2] == [1.0, 1.0] and (overlap[2] == 1.0) == (kind == "words")
+    [clean] = cli(capsys, "--contamination", str(bench), "--train", "tinyshakespeare", "--ngram-words", "5")
+    assert clean["words"]["contaminated"] == 0 and clean["words"]["n"] == 5
+
+
+def test_readers_parse_the_mirror_benchmarks(mirror):
+    hellaswag = E.read_items("hellaswag")  # the registry's .bz2 text form, through the mirror
+    assert len(hellaswag) == 10_042 and all(len(it["choices"]) == 4 for it in hellaswag)
+    assert E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl")) == hellaswag  # the JSONL form agrees
+    assert hellaswag[0]["context"] == "Roof shingle removal: A man is sitting on a roof. he"
+    assert hellaswag[0]["label"] == 3 and sorted({it["label"] for it in hellaswag}) == [0, 1, 2, 3]
+    piqa = E.read_items("piqa")
+    assert len(piqa) == 1_838 and {it["label"] for it in piqa} == {0, 1}
+    assert piqa[0]["context"].startswith("Question: How do I ready a guinea pig cage") and piqa[0]["label"] == 0
+    assert E.read_items(str(mirror / "eval" / "piqa_valid.jsonl")) == piqa  # labels found next to the file
+
+
+def test_arc_reader(tmp_path, mirror):
+    records = [{"id": "a", "question": {"stem": "Which is a metal?", "choices": [
+        {"text": "iron", "label": "A"}, {"text": "wood", "label": "B"}, {"text": "glass", "label": "C"}]},
+        "answerKey": "A"},
+        {"id": "b", "question": {"stem": "2 + 2?", "choices": [
+            {"text": "3", "label": "1"}, {"text": "4", "label": "2"}, {"text": "5", "label": "3"},
+            {"text": "6", "label": "4"}]}, "answerKey": "2"}]
+    items = E.read_items(str(write_jsonl(tmp_path / "arc.jsonl", records)))
+    assert items == [{"context": "Question: Which is a metal?\nAnswer:", "choices": ["iron", "wood", "glass"], "label": 0},
+                     {"context": "Question: 2 + 2?\nAnswer:", "choices": ["3", "4", "5", "6"], "label": 1}]
+    # (the mirror's MANIFEST.md lists eval/arc_easy_dev.jsonl, but the file is absent from ../shared/data, so
+    # the 570-item count cannot be checked offline; the reader is pinned by the records above)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    train.main(["--model", "tiny", "--seq-len", "64", "--max-steps", "5", "--eval-batches", "1",
+                "--sample-tokens", "0", "--out-dir", str(out)])
+    return out
+
+
+def test_defaults_come_from_the_checkpoint(checkpoint, tmp_path):
+    assert {k: E.init_defaults(checkpoint)[k] for k in ("tokenizer", "seq_len")} == {"tokenizer": "byte", "seq_len": 64}
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 128_256}))  # a Llama 3 HF folder
+    assert E.init_defaults(tmp_path) == {"tokenizer": "llama3"}
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 320}))
+    assert E.init_defaults(tmp_path) == {}
+
+
+def test_greedy_generation_equals_model_generate(checkpoint, capsys):
+    tok = data.get_tokenizer("byte")
+    [out] = cli(capsys, "--init", str(checkpoint), "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "20")
+    model = E.load_model(checkpoint, tok, torch.device("cpu"), torch.float32)
+    prompt = [data.bos_id(tok)] + tok.encode_ordinary("ROMEO:")
+    expected = M.generate(model, prompt, 20, temperature=0, eos_id=data.eos_id(tok), n_vocab=tok.n_vocab)[0].tolist()
+    assert out["tokens"] == expected and len(expected) == 20 and not out["stopped"]
+    assert out["completion"] == tok.decode(expected)
+
+
+def test_chat_generation_stops_at_eot(tmp_path, capsys):
+    tok = data.get_tokenizer("byte")
+    x, eot = tok.encode_ordinary("x")[0], data.eot_id(tok)
+    M.save_hf(rigged_model(x, then=eot), tmp_path / "hf")  # says "x", then <|eot_id|>, then "x" again ...
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\nHow are you?\n")
+    chat = cli(capsys, "--init", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--chat", "--temperature", "0")
+    assert [(r["prompt"], r["completion"], r["tokens"], r["stopped"]) for r in chat] == \
+        [("Hello", "x", [x], True), ("How are you?", "x", [x], True)]
+    [plain] = cli(capsys, "--init", str(tmp_path / "hf"), "--prompt", "Hello", "--temperature", "0",
+                  "--max-new-tokens", "6")
+    assert plain["tokens"] == [x, eot] * 3 and not plain["stopped"]  # without --chat only <|end_of_text|> stops
+
+
+def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsys, mirror):
+    [ts] = cli(capsys, "--init", str(checkpoint), "--task", "tinyshakespeare")
+    assert ts["task"] == "tinyshakespeare" and ts["seq_len"] == 64  # the checkpoint's training --seq-len
+    assert ts["perplexity"] == pytest.approx(math.exp(ts["loss"]))
+    assert 3 < ts["loss"] < 6 and ts["tokens"] > 100_000  # the whole val split; byte vocab: 5.6 = ln 268
+    assert ts["bits_per_byte"] == pytest.approx(ts["loss"] / math.log(2), rel=1e-3)  # byte tokens: 1 byte each
+    hellaswag = E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl"))[:9]  # odd: the ranks get 5 and 4
+    mc = write_jsonl(tmp_path / "mc.jsonl", hellaswag)
+    argv = ["--init", str(checkpoint), "--task", str(mc), "--task", "tinyshakespeare", "--limit", "7", "--json"]
+    one = cli(capsys, *argv[:-1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "evaluate.py"), *argv]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    two = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(two) == 2 and two[0]["items"] == 7 and two[1]["windows"] == 7
+    assert {k: two[0][k] for k in ("acc", "acc_norm", "acc_token", "items")} == \
+        {k: one[0][k] for k in ("acc", "acc_norm", "acc_token", "items")}
+    for k in ("loss", "bits_per_byte"):
+        assert two[1][k] == pytest.approx(one[1][k], rel=1e-6)
+    assert (two[1]["tokens"], two[1]["bytes"]) == (one[1]["tokens"], one[1]["bytes"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "piqa"], "--init"),
+    (["--init", "{hf}", "--task", "no_such_task"], "unknown --task 'no_such_task'"),
+    (["--init", "{hf}", "--task", "{bad_json}"], "bad.jsonl:2: malformed JSON"),
+    (["--init", "{hf}", "--task", "{bad_label}"], "label 5 is not the index of one of 2 choices"),
+    (["--init", "{tmp}", "--task", "piqa"], "not a checkpoint folder"),
+    (["--contamination", "piqa"], "--contamination needs --train"),
+    ([], "nothing to do"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
+    M.save_hf(rigged_model(0), tmp_path / "hf")
+    (tmp_path / "bad.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n{oops\n')
+    write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 5}])
+    names = {"{hf}": str(tmp_path / "hf"), "{bad_json}": str(tmp_path / "bad.jsonl"),
+             "{bad_label}": str(tmp_path / "label.jsonl"), "{tmp}": str(tmp_path)}
+    with pytest.raises(SystemExit) as exit_info:
+        train.run(E.main, [names.get(a, a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 1 and err[-1].startswith("error: ") and message in err[-1]
+    assert not any(line.startswith("Traceback") for line in err)
