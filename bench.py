@@ -118,11 +118,12 @@ def print_plan(r: dict):
 
 
 def train_args(a, **over) -> argparse.Namespace:
-    """train.py's arguments for a timed run: no validation, no checkpoints, a throwaway --out-dir."""
+    """train.py's arguments for a timed run: no validation, one final checkpoint, a throwaway --out-dir."""
     argv = ["--model", a.model, "--seq-len", str(over.get("seq_len", a.seq_len)),
             "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum", a.grad_accum)),
             "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)), "--zero", str(over.get("zero", a.zero)),
-            "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1", "--ckpt-every", "0",
+            "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
+            "--ckpt-every", str(a.warmup_steps + a.steps),  # one checkpoint, at the end: phase 7, timed apart
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", tempfile.mkdtemp(prefix="bench-"),
             "--precision", a.precision, "--data", a.data]
     argv += ["--act-ckpt"] if over.get("act_ckpt", a.act_ckpt) else []
@@ -148,9 +149,11 @@ def measure(a, **over) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         run = T.train(args)
     mesh, margs = run.mesh, run.margs
-    steps = run.phases[a.warmup_steps:]
+    ckpt = [s["7 checkpoint"] for s in run.phases if "7 checkpoint" in s]
+    steps = [s for s in run.phases if "7 checkpoint" not in s][a.warmup_steps:]
     phases = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
     step_s = statistics.median(sum(s.values()) for s in steps)
+    phases["7 checkpoint"] = ckpt[0]  # one save of model + optimizer state (not part of step_s)
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     peak, peak_src = peak_flops(run.device, run.precision)
     flops = M.flops_per_token(margs, args.seq_len)

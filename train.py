@@ -579,10 +579,10 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
         # 7. checkpoint
         if args.ckpt_every > 0 and (done % args.ckpt_every == 0 or done == args.max_steps):
             t_ck = time.perf_counter()
+            timer.start()  # the checkpoint is timed as an entry of its own, apart from the training step
             save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
-            t_log += time.perf_counter() - t_ck
-            timer.start()  # the checkpoint is timed as a step of its own, apart from the training step
             timer.mark("7 checkpoint")
+            t_log += time.perf_counter() - t_ck
             comm_at_log = dict(mesh.comm_bytes)
     if metrics:
         metrics.close()

@@ -58,7 +58,8 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
                                      check=True, env=env).stdout.splitlines()[-1])["rows"]
     assert len(rows) == 2 and rows[1]["act_ckpt"]
     for r in rows:
-        assert set(r["phases_s"]) == {"1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer"}
+        assert set(r["phases_s"]) == {"1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer",
+                                      "7 checkpoint"}
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"]["megatron"] < r["mfu"]["palm"]
         assert r["memory_estimate_gb"]["total"] > 0
     hf = json.loads(subprocess.run(cmd + ["--compare-hf"], capture_output=True, text=True, check=True,
