@@ -18,11 +18,13 @@ validation loss, logging to the console and to <out-dir>/metrics.jsonl, checkpoi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +43,10 @@ IGNORE_INDEX = P.IGNORE_INDEX  # targets with this id carry no loss (used by SFT
 
 class ConfigError(Exception):
     """A user-facing error: printed as one line, exit code 1."""
+
+
+class TrainingError(ConfigError):
+    """Training cannot go on (too many bad steps, a checkpoint that cannot be written): one line, exit 1."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,6 +103,12 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-tokens", type=int, default=300,
                    help="length of the sample printed at the end (at most --seq-len: RoPE was trained on no more)")
     g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--deterministic", action="store_true",
+                   help="bit-identical reruns: deterministic kernels on CUDA (slower); CPU runs already are")
+    g.add_argument("--max-skips", type=int, default=5,
+                   help="stop after this many consecutive skipped steps (non-finite loss or gradient, spikes)")
+    g.add_argument("--skip-spikes", type=float, default=0.0,
+                   help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
     g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     return p
 
@@ -200,47 +212,86 @@ def barrier(mesh):
 def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, args, margs, mesh):
     name = f"step_{step:06d}"
     tmp = out_dir / f".tmp-{name}"
-    if mesh.rank == 0:
+    try:
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(mesh)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        P.save_shards(tmp, model, opt, mesh, sync,
+                      {"rng": rng, "scaler": scaler.state_dict() if scaler else None})
+        barrier(mesh)
+        if mesh.rank == 0:
+            # the manifest: every shard's size and sha256, so a truncated or damaged file is caught at resume
+            files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.glob("*.pt"))}
+            meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs),
+                    "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "files": files}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            final = out_dir / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer = out_dir / ".latest.tmp"
+            pointer.write_text(name + "\n")
+            os.replace(pointer, out_dir / "latest")
+            for old in sorted(out_dir.glob("step_*"))[:-args.keep_ckpts]:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # disk full, quota, a vanished mount: the previous checkpoint was never touched
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(mesh)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    P.save_shards(tmp, model, opt, mesh, sync,
-                  {"rng": rng, "scaler": scaler.state_dict() if scaler else None})
-    barrier(mesh)
-    if mesh.rank == 0:
-        meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs),
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        final = out_dir / name
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = out_dir / ".latest.tmp"
-        pointer.write_text(name + "\n")
-        os.replace(pointer, out_dir / "latest")
-        for old in sorted(out_dir.glob("step_*"))[:-args.keep_ckpts]:
-            shutil.rmtree(old, ignore_errors=True)
+        previous = (out_dir / "latest").read_text().strip() if (out_dir / "latest").exists() else "none"
+        raise TrainingError(f"could not write checkpoint {out_dir / name}: {e.strerror or e}; the previous "
+                            f"checkpoint ({previous}) is intact and --resume will use it") from None
     barrier(mesh)
 
 
-def _complete(d: Path) -> bool:
-    return (d / "meta.json").exists() and any(d.glob("shard_pp*_tp*.pt"))
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
-def find_latest(out_dir: Path) -> Path | None:
-    """The checkpoint `latest` names; if that pointer is missing or stale, the newest complete step dir."""
-    pointer = out_dir / "latest"
-    if pointer.exists():
-        d = out_dir / pointer.read_text().strip()
-        if _complete(d):
-            return d
-    dirs = [d for d in sorted(out_dir.glob("step_*")) if _complete(d)]
-    return dirs[-1] if dirs else None
+def damage(d: Path) -> str | None:
+    """Why a step directory cannot be resumed from (None: it is intact): meta.json unreadable, or a shard
+    missing, truncated or altered according to the manifest of sizes and checksums written with it."""
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable: {type(e).__name__}"
+    files = meta.get("files")
+    if not files:
+        return "no manifest in meta.json"
+    for name, info in files.items():
+        f = d / name
+        if not f.exists():
+            return f"{name} is missing"
+        if f.stat().st_size != info["bytes"]:
+            return f"{name} has {f.stat().st_size:,} bytes, the manifest says {info['bytes']:,}"
+        if sha256_file(f) != info["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def find_latest(out_dir: Path) -> tuple[Path | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint -- the one `latest` names, else the newest step directory that passes
+    its manifest -- and the (name, reason) of every newer one that was damaged and skipped."""
+    candidates = [out_dir / p.read_text().strip() for p in [out_dir / "latest"] if p.exists()]
+    candidates += sorted(out_dir.glob("step_*"), reverse=True)
+    damaged, seen = [], set()
+    for d in candidates:
+        if d.name in seen or not d.is_dir():
+            continue
+        seen.add(d.name)
+        why = damage(d)
+        if why is None:
+            return d, damaged
+        damaged.append((d.name, why))
+    return None, damaged
 
 
 def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
@@ -260,6 +311,41 @@ def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
         return P.load_shards(ckpt, model, opt, mesh)
     except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
         raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Preemption: SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raise a flag; the
+# loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough), a checkpoint
+# is written, and the process exits normally.
+
+
+def watch_signals() -> dict:
+    stop = {"signal": None}
+
+    def handler(signum, frame):
+        stop["signal"] = signal.Signals(signum).name
+
+    if threading_main():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+    return stop
+
+
+def threading_main() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def stop_requested(stop: dict, mesh) -> bool:
+    flag = torch.tensor([1.0 if stop["signal"] else 0.0])
+    if mesh.world > 1:
+        if dist.get_backend() == "nccl":  # NCCL moves device tensors only
+            flag = flag.cuda()
+        for dim in ("tp", "pp", "dp"):
+            P.all_reduce(flag, mesh, dim, op=dist.ReduceOp.MAX)
+        if flag.item() and not stop["signal"]:
+            stop["signal"] = "(on another rank)"
+    return bool(flag.item())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -406,6 +492,10 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     torch.manual_seed(args.seed)  # the same on every rank: every layout starts from the same full model
     random.seed(args.seed)
+    if args.deterministic:  # CUDA: deterministic kernels (cuBLAS needs a fixed workspace), no autotuning
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -423,13 +513,19 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout: {e}") from None
     out_dir = Path(args.out_dir)
-    ckpt = find_latest(out_dir) if out_dir.exists() else None
-    if ckpt is not None and not args.resume and not args.overwrite:
-        raise ConfigError(f"{out_dir} already holds checkpoint {ckpt.name}; pass --resume to continue it, "
-                          f"--overwrite to start afresh, or another --out-dir")
+    ckpt, damaged = find_latest(out_dir) if out_dir.exists() else (None, [])
+    if (ckpt is not None or damaged) and not args.resume and not args.overwrite:
+        raise ConfigError(f"{out_dir} already holds checkpoint {(ckpt.name if ckpt else damaged[0][0])}; pass "
+                          f"--resume to continue it, --overwrite to start afresh, or another --out-dir")
     resume = ckpt if args.resume else None
-    if args.resume and ckpt is None:
-        log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+    if args.resume:
+        for name, why in damaged:
+            log(f"checkpoint {name} is damaged ({why}); falling back to an older one")
+        if ckpt is None and damaged and not args.overwrite:
+            raise ConfigError(f"no intact checkpoint in {out_dir}: {damaged[0][0]} is damaged ({damaged[0][1]}); "
+                              f"nothing was overwritten")
+        if ckpt is None and not damaged:
+            log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
     meta = read_meta(resume, margs) if resume else None
 
     mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout)
@@ -496,9 +592,13 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     comm_at_log = dict(mesh.comm_bytes)
     train_time = 0.0
     timer = PhaseTimer(device, getattr(args, "time_phases", False))
-    for step in range(start_step, args.max_steps):
+    stop = watch_signals()
+    recent, skipped, consecutive, saved_at = [], 0, 0, start_step
+    step = start_step
+    while step < args.max_steps:
         t0 = time.perf_counter()
         timer.start()
+        before = loader.state_dict()  # a skipped step rewinds to here
         # 1. data loading: every micro-batch of this step, so the global normalizer is known up front
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
         batches = task.prepare(batches)
@@ -529,15 +629,41 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
         # 5. gradient synchronization: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
         sync.finish()
         timer.mark("5 grad sync")
-        # 6. optimizer step
+        # 6. optimizer step, unless the step is bad: then weights, optimizer state and loader position stay
+        #    as they were (every rank reaches the same verdict: the norm and the loss are global)
         lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
+        bad = None
         if scaler and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh)):
-            log(f"step {step + 1}: fp16 gradient overflow, step skipped, loss scale -> {scaler.scale:g}")
-            grad_norm = torch.tensor(float("nan"))
+            bad = f"fp16 gradient overflow, loss scale -> {scaler.scale:g}"
         else:
-            grad_norm = opt.clip_grad_norm(args.grad_clip, P.grad_norm(sync, model))
-            opt.step(lr)
-            sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
+            grad_norm = P.grad_norm(sync, model)
+            # the global norm sums each rank's piece; the local check also catches a rank whose own copy of
+            # the reduced gradients went bad (replicas must never apply different updates)
+            if not (torch.isfinite(grad_norm) and P.all_true(torch.isfinite(opt.grad_norm()), mesh)):
+                bad = f"non-finite gradient norm ({grad_norm.item()})"
+            elif args.skip_spikes > 0:
+                global_loss = loss_total.clone()
+                for dim in ("pp", "dp"):
+                    P.all_reduce(global_loss, mesh, dim)
+                mean = sum(recent) / len(recent) if len(recent) >= 10 else None
+                if mean is not None and global_loss.item() > args.skip_spikes * mean:
+                    bad = f"loss spike: {global_loss.item():.4f} > {args.skip_spikes} x recent mean {mean:.4f}"
+                else:
+                    recent = (recent + [global_loss.item()])[-50:]
+        if bad is not None:
+            opt.zero_grad()
+            loader.load_state_dict(before)
+            skipped, consecutive = skipped + 1, consecutive + 1
+            log(f"step {step + 1}: skipped ({bad}); {consecutive} in a row, {skipped} in all")
+            write({"step": step + 1, "skipped": bad, "skipped_total": skipped})
+            if consecutive >= args.max_skips:
+                raise TrainingError(f"stopped: {consecutive} consecutive steps skipped, the last for {bad}; "
+                                    f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
+            continue
+        consecutive = 0
+        grad_norm = opt.clip_grad_norm(args.grad_clip, grad_norm)
+        opt.step(lr)
+        sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
         opt.zero_grad()
         timer.mark("6 optimizer")
         sync_device(device)
@@ -545,7 +671,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
         loss_acc += loss_total
         metric_acc += task.metrics().to(device)
         tokens_since += tokens_per_step
-        done = step + 1
+        step = done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             for dim in ("pp", "dp"):  # the loss lives on the last stage; dp ranks hold parts of it
                 P.all_reduce(loss_acc, mesh, dim)
@@ -581,9 +707,16 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             t_ck = time.perf_counter()
             timer.start()  # the checkpoint is timed as an entry of its own, apart from the training step
             save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
+            saved_at = done
             timer.mark("7 checkpoint")
             t_log += time.perf_counter() - t_ck
             comm_at_log = dict(mesh.comm_bytes)
+        if stop_requested(stop, mesh):  # preemption: finish this step, save, leave
+            if saved_at != done:
+                save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
+            log(f"stopped by signal {stop['signal']} after step {done}; checkpoint step_{done:06d} written, "
+                f"--resume continues from it")
+            break
     if metrics:
         metrics.close()
     return Run(model, tok, mesh, device, margs, precision, timer.steps)

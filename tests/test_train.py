@@ -40,7 +40,7 @@ def records(out_dir):
 
 def final_state(out_dir):
     """{name: {master, exp_avg, exp_avg_sq}} of the latest checkpoint, as full tensors."""
-    return parallel.read_full_state(train.find_latest(Path(out_dir)))[0]
+    return parallel.read_full_state(train.find_latest(Path(out_dir))[0])[0]
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -100,13 +100,13 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert p.returncode == 9, p.stderr[-2000:]
     assert (out / "latest").read_text().strip() == "step_000002"
-    assert train.find_latest(out).name == "step_000002"
+    assert train.find_latest(out)[0].name == "step_000002"
     assert list(out.glob(".tmp-step_000004"))  # the torn write is there, but invisible to resume
     torch.load(out / "step_000002" / "shard_pp00_tp00.pt", weights_only=True)
     code, stdout, stderr = run_cli(*TINY, "--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(out), "--resume")
     assert code == 0, stderr[-2000:]
     assert "resumed from" in stdout and "at step 2" in stdout
-    assert train.find_latest(out).name == "step_000006"
+    assert train.find_latest(out)[0].name == "step_000006"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -167,6 +167,7 @@ def test_unreadable_or_foreign_checkpoint_is_refused_and_kept(tmp_path):
     # a corrupt file: refused with the path, and left as it was
     state.write_bytes(good[: len(good) // 2])
     code, _, stderr = run_cli(*TINY, "--max-steps", "4", "--out-dir", str(out), "--resume")
-    assert code == 1 and len(error_lines(stderr)) == 1 and "cannot read checkpoint" in error_lines(stderr)[0]
+    assert code == 1 and len(error_lines(stderr)) == 1 and "no intact checkpoint" in error_lines(stderr)[0]
+    assert "damaged" in error_lines(stderr)[0] and "shard_pp00_tp00.pt has" in error_lines(stderr)[0]
     assert state.read_bytes() == good[: len(good) // 2]
     assert (out / "latest").read_text().strip() == "step_000002"

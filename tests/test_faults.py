@@ -1,0 +1,183 @@
+"""Fault tolerance: preemption, numerical faults, storage faults, malicious checkpoints, determinism. Each
+test breaks something on purpose and checks that the run keeps (or refuses to touch) the last good state."""
+
+import errno
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--lr", "3e-3", "--warmup", "2",
+        "--eval-every", "-1", "--log-every", "1", "--sample-tokens", "0"]
+
+
+def records(out):
+    return [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def masters(out):
+    d, _ = train.find_latest(Path(out))
+    return {k: v["master"] for k, v in parallel.read_full_state(d)[0].items()}
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "100000",
+                          "--ckpt-every", "100000", "--out-dir", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(records(out)) >= 3):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr[-2000:]
+    assert "stopped by signal SIGTERM" in stdout
+    last = records(out)[-1]["step"]
+    assert (out / "latest").read_text().strip() == f"step_{last:06d}"
+    code = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", str(last + 2),
+                           "--out-dir", str(out), "--resume"], cwd=REPO, capture_output=True, text=True)
+    assert code.returncode == 0, code.stderr[-2000:]
+    assert [r["step"] for r in records(out)][-2:] == [last + 1, last + 2]
+
+
+def inject_nan(monkeypatch, calls: set):
+    """Make the micro-batch losses numbered in `calls` (1-based) NaN."""
+    real, n = train.LMTask.loss, [0]
+
+    def loss(self, logits, targets):
+        n[0] += 1
+        out = real(self, logits, targets)
+        return out * float("nan") if n[0] in calls else out
+    monkeypatch.setattr(train.LMTask, "loss", loss)
+
+
+def test_nan_loss_skips_the_step_and_leaves_nothing_changed(tmp_path, monkeypatch):
+    train.main(TINY + ["--max-steps", "6", "--out-dir", str(tmp_path / "clean")])
+    inject_nan(monkeypatch, {3})
+    train.main(TINY + ["--max-steps", "6", "--out-dir", str(tmp_path / "nan")])
+    recs = records(tmp_path / "nan")
+    assert [r["step"] for r in recs if "skipped" in r] == [3]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # weights, optimizer state and loader position were untouched by the bad step, and the same batch was
+    # retried: the run ends exactly where the clean one does
+    assert [r["loss"] for r in recs if "loss" in r] == [r["loss"] for r in records(tmp_path / "clean")]
+    wa, wb = masters(tmp_path / "clean"), masters(tmp_path / "nan")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
+    inject_nan(monkeypatch, set(range(3, 100)))
+    with pytest.raises(train.TrainingError, match="3 consecutive steps skipped"):
+        train.main(TINY + ["--max-steps", "10", "--max-skips", "3", "--ckpt-every", "2", "--out-dir", str(tmp_path)])
+    assert train.find_latest(tmp_path)[0].name == "step_000002"  # the last good checkpoint
+
+
+def test_loss_spike_guard_skips_outliers(tmp_path, monkeypatch):
+    real, n = train.LMTask.loss, [0]
+
+    def loss(self, logits, targets):
+        n[0] += 1
+        return real(self, logits, targets) * (50.0 if n[0] == 15 else 1.0)
+    monkeypatch.setattr(train.LMTask, "loss", loss)
+    train.main(TINY + ["--max-steps", "16", "--skip-spikes", "3", "--out-dir", str(tmp_path)])
+    skipped = [r for r in records(tmp_path) if "skipped" in r]
+    assert [r["step"] for r in skipped] == [15] and "loss spike" in skipped[0]["skipped"]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_nan_gradient_on_one_rank_makes_every_rank_skip(tmp_path, when):
+    script = tmp_path / "nan_rank.py"
+    # "before": rank 1's local gradients go bad before the all-reduce (it spreads the NaN to every rank);
+    # "after": only rank 1's copy of the reduced gradients goes bad (a fault after communication)
+    method = "start" if when == "before" else "finish"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import parallel, train
+        real, calls = parallel.GradSync.{method}, [0]
+        def patched(self):
+            real(self)
+            calls[0] += 1
+            if self.mesh.rank == 1 and calls[0] == 2:  # step 2
+                self.opt.grad[0] = float("nan")
+        parallel.GradSync.{method} = patched
+        train.run(argv=sys.argv[1:])
+    """))
+    common = [*TINY, "--max-steps", "4", "--grad-accum", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, cmd in (("nan", [str(script)]), ("clean", [str(REPO / "train.py")])):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            *cmd, *common, "--out-dir", str(tmp_path / name)], capture_output=True, text=True,
+                           env=env, timeout=240)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path / "nan") if "skipped" in r] == [2]
+    wa, wb = masters(tmp_path / "nan"), masters(tmp_path / "clean")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # both ranks skipped the same step, then went on alike
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    real, n = torch.save, [0]
+
+    def full_disk(obj, f, *a, **k):
+        n[0] += 1
+        if n[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(train.TrainingError, match="No space left on device.*step_000002.*intact"):
+        train.main(TINY + ["--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(tmp_path)])
+    assert train.find_latest(tmp_path) == (tmp_path / "step_000002", [])
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_truncated_shard_is_detected_and_resume_falls_back(tmp_path):
+    train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(tmp_path)])
+    shard = tmp_path / "step_000004" / "shard_pp00_tp00.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "6", "--out-dir",
+                        str(tmp_path), "--resume"], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt has 1,000 bytes" in p.stdout
+    assert "resumed from" in p.stdout and "at step 2" in p.stdout
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(tmp_path)])
+    d = tmp_path / "step_000002"
+    marker = tmp_path / "pwned"
+    shard = d / "shard_pp00_tp00.pt"
+    shard.write_bytes(pickle.dumps({"params": Exploit(marker)}))
+    meta = json.loads((d / "meta.json").read_text())  # an attacker can rewrite the manifest too
+    meta["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": train.sha256_file(shard)}
+    (d / "meta.json").write_text(json.dumps(meta))
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "4", "--out-dir",
+                        str(tmp_path), "--resume"], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 1 and "cannot read checkpoint" in p.stderr
+    assert not marker.exists()  # weights_only=True refused the pickle before anything ran
+
+
+def test_deterministic_flag_gives_identical_runs(tmp_path):
+    for name in ("a", "b"):
+        train.main(TINY + ["--max-steps", "5", "--deterministic", "--out-dir", str(tmp_path / name)])
+    assert [r["loss"] for r in records(tmp_path / "a")] == [r["loss"] for r in records(tmp_path / "b")]
+    torch.use_deterministic_algorithms(False)
