@@ -128,7 +128,18 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
         return mesh
     if not dist.is_initialized():
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
+            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
+            agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=not agent_hosts and rank == 0, timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
+                                    world_size=world, timeout=timeout)
     # new_group is collective over the whole world: every rank creates every group, in the same order.
     for dim, lines in (("tp", grid.reshape(-1, tp)),
                        ("pp", grid.permute(0, 2, 1).reshape(-1, pp)),

@@ -1,0 +1,84 @@
+"""Chaos: a 2-process data-parallel run under `torchrun --max-restarts` is killed (SIGKILL, no cleanup)
+three times -- at a training step, in the middle of a checkpoint write, and at another step, on different
+ranks -- and brought back each time by torchrun alone from its latest complete checkpoint. Its final
+weights equal an uninterrupted run's, bit for bit."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+import parallel
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGS = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--lr", "3e-3",
+         "--warmup", "2", "--eval-every", "-1", "--log-every", "1", "--sample-tokens", "0", "--max-steps", "12",
+         "--ckpt-every", "2", "--resume"]
+
+# attempt (torchrun's restart count) -> (rank to kill, where): "step N" = at the N-th optimizer step of that
+# attempt, "save N" = inside the N-th torch.save of that attempt (a checkpoint half written)
+CHAOS = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    import torch, parallel, train
+    # which kill comes next: one marker file per kill done, so the plan does not depend on how torchrun
+    # counts restarts
+    done = len([f for f in os.listdir({markers!r}) if f.startswith("killed")])
+    plan = {{0: (1, "step", 5), 1: (0, "save", 2), 2: (1, "step", 3)}}.get(done)
+    rank = int(os.environ["RANK"])
+
+    def die():
+        open(os.path.join({markers!r}, f"killed{{done}}"), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if plan and plan[0] == rank:
+        _, where, n = plan
+        count = [0]
+        if where == "step":
+            real_finish = parallel.GradSync.finish
+            def finish(self):
+                count[0] += 1
+                if count[0] == n:
+                    die()
+                real_finish(self)
+            parallel.GradSync.finish = finish
+        else:
+            real_save = torch.save
+            def save(obj, f, *a, **k):
+                count[0] += 1
+                if count[0] == n:
+                    with open(f, "wb") as fh:
+                        fh.write(b"half a checkpoint")
+                    die()
+                return real_save(obj, f, *a, **k)
+            torch.save = save
+    train.run(argv=sys.argv[1:])
+""")
+
+
+def test_killed_three_times_ends_bit_identical(tmp_path):
+    script = tmp_path / "chaos.py"
+    (tmp_path / "markers").mkdir()
+    script.write_text(CHAOS.format(repo=str(REPO), markers=str(tmp_path / "markers")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, program, restarts in (("chaos", script, 3), ("clean", REPO / "train.py", 0)):
+        out = tmp_path / name
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            f"--max-restarts={restarts}", str(program), *FLAGS, "--out-dir", str(out)],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        runs[name] = out
+    log = (runs["chaos"] / "metrics.jsonl").read_text()
+    # step 1 once (never back to scratch), steps 7 and 8 twice (redone after the torn checkpoint), 12 once
+    assert [log.count(f'"step": {s},') for s in (1, 7, 8, 12)] == [1, 2, 2, 1]
+    assert len(list((tmp_path / "markers").iterdir())) == 3
+    final = {name: train.find_latest(out)[0] for name, out in runs.items()}
+    assert final["chaos"].name == final["clean"].name == "step_000012"
+    a, b = (parallel.read_full_state(d)[0] for d in final.values())
+    for k in a:
+        for kk in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[k][kk], b[k][kk]), (k, kk)
