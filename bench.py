@@ -6,7 +6,8 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against the device's
       peak, peak memory beside model.memory_estimate, and bytes sent per step for tp, pp and dp.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1"
-      several layouts / micro-batch sizes / activation checkpointing in one run, one table.
+      several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, pp, mb,
+      accum, seq_len, zero, sp, act_ckpt, deterministic).
   python bench.py --compare-hf
       the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
       alternating with ours, and the throughput ratio.
@@ -129,6 +130,7 @@ def train_args(a, **over) -> argparse.Namespace:
     argv += ["--act-ckpt"] if over.get("act_ckpt", a.act_ckpt) else []
     argv += ["--sp"] if over.get("sp", a.sp) else []
     argv += ["--compile"] if a.compile else []
+    argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
     args = T.get_parser().parse_args(argv)
     args.time_phases = True
     return args
@@ -161,6 +163,7 @@ def measure(a, **over) -> dict:
                             mesh.dp if args.zero else 1, mesh.sp)
     return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
+            "deterministic": args.deterministic,
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
@@ -181,7 +184,8 @@ def print_measurement(rows: list[dict], a):
         print(f"  {r['tp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} {int(r['act_ckpt']):4d} "
               f"{1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} {r['tokens_per_s_per_device']:9,.0f} "
               f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.2f} "
-              f"{r['memory_estimate_gb']['total']:7.2f}  {ph}")
+              f"{r['memory_estimate_gb']['total']:7.2f}  {ph}"
+              + "".join(f"  {k}" for k in ("sp", "zero", "deterministic") if r[k]))
         comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v}
         if comm:
             print("       bytes sent per step: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in comm.items()))
@@ -189,11 +193,21 @@ def print_measurement(rows: list[dict], a):
         print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts tensors)")
 
 
+SWEEP_KEYS = ("tp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "deterministic")
+
+
 def parse_sweep(text: str) -> list[dict]:
     """'tp=2,mb=8;act_ckpt=1' -> [{'tp': 2, 'mb': 8}, {'act_ckpt': 1}]"""
     out = []
     for item in text.split(";"):
-        out.append({k.strip(): int(v) for k, v in (kv.split("=") for kv in item.split(",") if kv.strip())})
+        try:
+            row = {k.strip(): int(v) for k, v in (kv.split("=") for kv in item.split(",") if kv.strip())}
+        except ValueError:
+            raise SystemExit(f"error: bad --sweep item {item!r}: expected key=integer pairs, e.g. 'tp=2,mb=8'")
+        unknown = sorted(set(row) - set(SWEEP_KEYS))
+        if unknown:
+            raise SystemExit(f"error: unknown --sweep key(s) {', '.join(unknown)}; known: {', '.join(SWEEP_KEYS)}")
+        out.append(row)
     return out
 
 
@@ -351,6 +365,7 @@ def main():
     p.add_argument("--zero", type=int, default=0, choices=[0, 1])
     p.add_argument("--act-ckpt", action="store_true")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--deterministic", action="store_true", help="train.py --deterministic (sweep key: deterministic)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0)

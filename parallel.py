@@ -6,7 +6,8 @@ by a function in this file, and counted. Contents, in reading order:
   1. Mesh                  world = dp x pp x tp, TP innermost (one NVLink domain), then PP, then DP;
                            every process group created once; layouts checked before any collective
   2. Collectives           thin wrappers over all_reduce / all_gather / reduce_scatter / isend-irecv that
-                           count the bytes each rank sends, per dimension (ring algorithm accounting)
+                           count the bytes each rank sends, per dimension (ring algorithm accounting), and
+                           turn a timeout or a lost peer into one CommError naming the op and the group
   3. TP communication      Megatron's conjugate pair f (identity forward, all-reduce backward) and g (the
                            reverse), and the sequence-parallel pair gather/scatter (Shoeybi et al. 2019,
                            "Megatron-LM"; Korthikanti et al. 2022, "Reducing Activation Recomputation")
@@ -34,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +70,8 @@ class Mesh:
     groups: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" -> ProcessGroup (absent when size 1)
     pp_peers: list = field(default_factory=list)  # global ranks of my pipeline, stage order
     sp: bool = False  # sequence parallelism inside the TP group
+    group_ranks: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" / "world" -> global ranks, for messages
+    timeout_s: float = 300.0  # how long any collective may wait for its peers
     comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0})
 
     @property
@@ -120,7 +124,7 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dp = world // (tp * pp)
-    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1)
+    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s)
     grid = torch.arange(world).view(dp, pp, tp)
     mesh.dp_rank, mesh.pp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
     mesh.pp_peers = grid[mesh.dp_rank, :, mesh.tp_rank].tolist()
@@ -141,14 +145,17 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
             dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
                                     world_size=world, timeout=timeout)
     # new_group is collective over the whole world: every rank creates every group, in the same order.
+    # Each group needs the timeout itself (a new group does not inherit the world's), and its name shows up
+    # in NCCL's watchdog messages.
+    mesh.group_ranks["world"] = list(range(world))
     for dim, lines in (("tp", grid.reshape(-1, tp)),
                        ("pp", grid.permute(0, 2, 1).reshape(-1, pp)),
                        ("dp", grid.permute(1, 2, 0).reshape(-1, dp))):
         for ranks in lines.tolist():
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), group_desc=dim)
             if rank in ranks and len(ranks) > 1:
-                mesh.groups[dim] = group
-    dist.barrier()
+                mesh.groups[dim], mesh.group_ranks[dim] = group, ranks
+    barrier(mesh)
     return mesh
 
 
@@ -157,26 +164,73 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
 #    (ring algorithms: all-reduce sends 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n)
 
 
+class CommError(RuntimeError):
+    """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
+    group and its ranks, so the log says where the job stopped instead of only that it did."""
+
+
+def _comm_error(e: Exception, what: str, mesh: Mesh, dim: str, t0: float) -> CommError:
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])  # drop gloo's "[file.cc:78] "
+    cause = cause.split(". This is typically")[0][:300]
+    waited = time.monotonic() - t0
+    hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
+            if waited >= 0.9 * mesh.timeout_s or "timed out" in cause.lower() else
+            "a rank in this group died or failed; its own log says why")
+    return CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
+                     f"{mesh.rank} after {waited:.1f} s (--dist-timeout {mesh.timeout_s:g} s): {cause}; {hint}")
+
+
+class _Work:
+    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops."""
+
+    def __init__(self, work, what: str, mesh: Mesh, dim: str, t0: float):
+        self.work, self.what, self.mesh, self.dim, self.t0 = work, what, mesh, dim, t0
+
+    def wait(self):
+        try:
+            return self.work.wait()
+        except RuntimeError as e:
+            raise _comm_error(e, self.what, self.mesh, self.dim, self.t0) from None
+
+
+def _launch(what: str, mesh: Mesh, dim: str, fn, async_op: bool = False):
+    t0 = time.monotonic()
+    try:
+        work = fn()
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+        raise _comm_error(e, what, mesh, dim, t0) from None
+    return _Work(work, what, mesh, dim, t0) if async_op else None
+
+
 def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, async_op=False):
     n = mesh.size(dim)
     if n == 1:
         return None
     mesh.comm_bytes[dim] += 2 * (n - 1) / n * t.numel() * t.element_size()
-    return dist.all_reduce(t, op=op, group=mesh.groups[dim], async_op=async_op)
+    return _launch(f"all_reduce of {tuple(t.shape)}", mesh, dim,
+                   lambda: dist.all_reduce(t, op=op, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out (n * len(inp), ...) <- every rank's inp, concatenated along dim 0 in rank order."""
     n = mesh.size(dim)
     mesh.comm_bytes[dim] += (n - 1) / n * out.numel() * out.element_size()
-    return dist.all_gather_into_tensor(out, inp, group=mesh.groups[dim], async_op=async_op)
+    return _launch(f"all_gather of {tuple(out.shape)}", mesh, dim, lambda: dist.all_gather_into_tensor(
+        out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
     n = mesh.size(dim)
     mesh.comm_bytes[dim] += (n - 1) / n * inp.numel() * inp.element_size()
-    return dist.reduce_scatter_tensor(out, inp, group=mesh.groups[dim], async_op=async_op)
+    return _launch(f"reduce_scatter of {tuple(inp.shape)}", mesh, dim, lambda: dist.reduce_scatter_tensor(
+        out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
+
+
+def barrier(mesh: Mesh):
+    """Every rank of the job waits here for all the others (checkpoint commits, start-up)."""
+    if mesh.world > 1:
+        _launch("barrier", mesh, "world", dist.barrier)
 
 
 # ====================================================================================================
@@ -489,8 +543,15 @@ def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=N
     if recv_next is not None:
         ops.append(dist.P2POp(dist.irecv, recv_next, mesh.pp_peers[me + 1]))
     if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        what = "pipeline " + ", ".join(
+            f"{'send to' if op.op is dist.isend else 'recv from'} stage {mesh.pp_peers.index(op.peer)}"
+            for op in ops)
+        t0 = time.monotonic()
+        try:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        except RuntimeError as e:
+            raise _comm_error(e, what, mesh, "pp", t0) from None
 
 
 def _free(t: torch.Tensor):

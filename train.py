@@ -204,11 +204,6 @@ def peak_memory_gb(device) -> float:
 # loads into any layout.
 
 
-def barrier(mesh):
-    if mesh.world > 1:
-        dist.barrier()
-
-
 def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, args, margs, mesh):
     name = f"step_{step:06d}"
     tmp = out_dir / f".tmp-{name}"
@@ -216,13 +211,13 @@ def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, 
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        barrier(mesh)
+        P.barrier(mesh)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         P.save_shards(tmp, model, opt, mesh, sync,
                       {"rng": rng, "scaler": scaler.state_dict() if scaler else None})
-        barrier(mesh)
+        P.barrier(mesh)
         if mesh.rank == 0:
             # the manifest: every shard's size and sha256, so a truncated or damaged file is caught at resume
             files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.glob("*.pt"))}
@@ -245,7 +240,7 @@ def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, 
         previous = (out_dir / "latest").read_text().strip() if (out_dir / "latest").exists() else "none"
         raise TrainingError(f"could not write checkpoint {out_dir / name}: {e.strerror or e}; the previous "
                             f"checkpoint ({previous}) is intact and --resume will use it") from None
-    barrier(mesh)
+    P.barrier(mesh)
 
 
 def sha256_file(path: Path) -> str:
@@ -316,14 +311,17 @@ def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # Preemption: SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raise a flag; the
 # loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough), a checkpoint
-# is written, and the process exits normally.
+# is written, and the process exits normally. A second signal to the same process means "now": it raises
+# KeyboardInterrupt wherever the process is (the last complete checkpoint stays the good one).
 
 
 def watch_signals() -> dict:
     stop = {"signal": None}
 
     def handler(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
+        if stop.get("received"):
+            raise KeyboardInterrupt
+        stop["signal"] = stop["received"] = signal.Signals(signum).name
 
     if threading_main():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -454,7 +452,7 @@ def pretraining_data(args, tok, mesh):
     """Token shards: rank 0 prepares (and caches) them, the others then find them ready."""
     if mesh.rank == 0:
         data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
-    barrier(mesh)
+    P.barrier(mesh)
     if mesh.rank != 0:
         data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
     train = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
@@ -492,10 +490,16 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     torch.manual_seed(args.seed)  # the same on every rank: every layout starts from the same full model
     random.seed(args.seed)
-    if args.deterministic:  # CUDA: deterministic kernels (cuBLAS needs a fixed workspace), no autotuning
+    # --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
+    # with a fixed workspace, no cuDNN autotuning. CPU runs are bit-reproducible without it. Set (or unset)
+    # for every run: bench.py times runs with and without it in one process.
+    torch.use_deterministic_algorithms(args.deterministic)
+    if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+        if device.type == "cuda":
+            log("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this costs "
+                "throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -530,6 +534,11 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
 
     mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout)
     loader, make_val, data_desc = data_fn(args, tok, mesh)
+    per_step = loader.batch_size * args.grad_accum * mesh.dp
+    if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
+        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len {args.seq_len}, "
+                             f"fewer than one global batch of {per_step:,} (--micro-batch {loader.batch_size} x "
+                             f"--grad-accum {args.grad_accum} x dp {mesh.dp}); use more data or a smaller batch")
 
     # Model and optimizer: the model's storage is handed to the optimizer; then the data-parallel
     # gradient reduction hooks into the optimizer.
@@ -557,7 +566,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
 
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    barrier(mesh)
+    P.barrier(mesh)
     metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None
     n_params = M.count_params(margs)
     tokens_per_step = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
@@ -637,9 +646,13 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             bad = f"fp16 gradient overflow, loss scale -> {scaler.scale:g}"
         else:
             grad_norm = P.grad_norm(sync, model)
-            # the global norm sums each rank's piece; the local check also catches a rank whose own copy of
-            # the reduced gradients went bad (replicas must never apply different updates)
-            if not (torch.isfinite(grad_norm) and P.all_true(torch.isfinite(opt.grad_norm()), mesh)):
+            # The global norm sums each dp rank's own piece of the gradients. Under plain DP every rank
+            # also applies the pieces it did not sum: a second, local check catches a rank whose copy of
+            # the reduced gradients went bad (replicas must never apply different updates). ZeRO-1 ranks
+            # apply only their own piece, and one replica has no other pieces: the global norm suffices.
+            replicas_apply_all = mesh.dp > 1 and not args.zero
+            if not (torch.isfinite(grad_norm) and
+                    (not replicas_apply_all or P.all_true(torch.isfinite(opt.grad_norm()), mesh))):
                 bad = f"non-finite gradient norm ({grad_norm.item()})"
             elif args.skip_spikes > 0:
                 global_loss = loss_total.clone()
@@ -740,7 +753,7 @@ def main(argv=None):
 
 def run(main_fn=main, argv=None):
     """main_fn() with user errors as one line on stderr (from rank 0, or from the rank whose own input is
-    bad) and a non-zero exit; torchrun then stops the other ranks."""
+    bad, or from each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         main_fn(argv)
@@ -750,6 +763,9 @@ def run(main_fn=main, argv=None):
         sys.exit(1)
     except data.DataError as e:
         print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
+        sys.exit(1)
+    except P.CommError as e:  # every rank that saw it says so: the ranks named are the ones to look at
+        print(f"error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

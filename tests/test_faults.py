@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -181,3 +182,77 @@ def test_deterministic_flag_gives_identical_runs(tmp_path):
         train.main(TINY + ["--max-steps", "5", "--deterministic", "--out-dir", str(tmp_path / name)])
     assert [r["loss"] for r in records(tmp_path / "a")] == [r["loss"] for r in records(tmp_path / "b")]
     torch.use_deterministic_algorithms(False)
+
+
+SHAPE = r"\(\d+(, \d+)*,?\)"
+
+
+@pytest.mark.parametrize("layout,failure", [
+    (["--grad-accum", "1"], rf"all_reduce of {SHAPE} on the dp group \(global ranks \[0, 1\]\)"),
+    (["--tp", "2"], rf"all_reduce of {SHAPE} on the tp group \(global ranks \[0, 1\]\)"),
+    (["--pp", "2", "--grad-accum", "2"],  # 1F1B's steady state posts a send and a receive together
+     r"pipeline (send to stage 1, )?recv from stage 1 on the pp group \(global ranks \[0, 1\]\)"),
+])
+def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layout, failure):
+    """Rank 1 sleeps inside its third loss computation. Rank 0 blocks in the next collective that needs
+    rank 1 and, --dist-timeout 5 s later, fails with one line naming the op and the group; the job ends."""
+    script = tmp_path / "stall.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        import train
+        real, n = train.LMTask.loss, [0]
+        def loss(self, logits, targets):
+            n[0] += 1
+            if self.mesh.rank == 1 and n[0] == 3:
+                # A rank stuck in native code runs no Python signal handler, so torchrun's SIGTERM reaches
+                # it only as its SIGKILL 30 s later; the default action stands in for that wait here.
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                time.sleep(600)
+            return real(self, logits, targets)
+        train.LMTask.loss = loss
+        train.run(argv=sys.argv[1:])
+    """))
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), *TINY, *layout, "--max-steps", "20", "--dist-timeout", "5",
+                        "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0 and time.time() - t0 < 120
+    errors = [l for l in p.stderr.splitlines() if l.startswith("error (rank 0): ")]
+    assert len(errors) == 1, p.stderr[-3000:]
+    assert re.search(failure, errors[0]), errors[0]
+    seconds = float(errors[0].split("failed on rank 0 after ")[1].split(" s")[0])
+    assert 4.5 <= seconds < 15 and "--dist-timeout 5 s" in errors[0] and "stalled" in errors[0]
+
+
+def test_a_second_signal_interrupts_at_once():
+    """The first SIGTERM/SIGINT asks for a clean stop at the end of the step; a second one will not wait."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = train.watch_signals()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert stop["signal"] == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here, at once
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+@pytest.mark.parametrize("script,good", [
+    ("train.py", {"text": "To be, or not to be."}),
+    ("sft.py", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}),
+    ("dpo.py", {"prompt": "hi", "chosen": "hello", "rejected": "go away"}),
+])
+def test_malformed_jsonl_names_its_line_in_every_training_script(tmp_path, script, good):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good) + "\n" + json.dumps(good)[:20] + "\n")
+    p = subprocess.run([sys.executable, str(REPO / script), "--model", "tiny", "--data", str(bad), "--max-steps",
+                        "2", "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO)
+    errors = [l for l in p.stderr.splitlines() if l.startswith("error")]
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(errors) == 1 and f"{bad}:2: malformed JSON" in errors[0], p.stderr[-2000:]
+    assert not (tmp_path / "o").exists()

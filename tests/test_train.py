@@ -153,6 +153,21 @@ def test_bad_input_fails_with_one_line(tmp_path, flags, message):
     assert not (tmp_path / "o").exists()  # nothing written
 
 
+@pytest.mark.parametrize("text,flags,message", [
+    ("", [], "no documents"),
+    ("To be, or not to be. " * 4, [], "the val split"),  # ~80 bytes: no 33-token sequence once split
+    ("To be, or not to be. " * 20, ["--micro-batch", "16"], "fewer than one global batch of 32 (--micro-batch 16 x"),
+])
+def test_empty_or_too_small_dataset_fails_with_one_line(tmp_path, text, flags, message):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    code, _, stderr = run_cli(*TINY, "--max-steps", "2", "--data", str(corpus), "--out-dir", str(tmp_path / "o"),
+                              *flags)
+    errors = error_lines(stderr)  # (preparing the shards reports its progress on stderr too)
+    assert code == 1 and len(errors) == 1 and message in errors[0], stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_unreadable_or_foreign_checkpoint_is_refused_and_kept(tmp_path):
     out = tmp_path / "o"
     train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
@@ -161,6 +176,9 @@ def test_unreadable_or_foreign_checkpoint_is_refused_and_kept(tmp_path):
     # another model: refused, naming the mismatch
     code, _, stderr = run_cli(*TINY, "--dim", "96", "--max-steps", "4", "--out-dir", str(out), "--resume")
     assert code == 1 and len(error_lines(stderr)) == 1 and "another model" in stderr and "dim" in stderr
+    # another vocabulary (another tokenizer): refused, naming both sizes
+    code, _, stderr = run_cli(*TINY, "--tokenizer", "gpt2", "--max-steps", "4", "--out-dir", str(out), "--resume")
+    assert code == 1 and len(error_lines(stderr)) == 1 and "'vocab_size': (320, 50304)" in stderr
     # without --resume an existing run is not silently overwritten
     code, _, stderr = run_cli(*TINY, "--max-steps", "4", "--out-dir", str(out))
     assert code == 1 and "--resume" in stderr
