@@ -21,6 +21,7 @@ form the rotated pairs. Meta checkpoints pair adjacent dimensions instead; load_
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
@@ -260,6 +261,21 @@ class Block(nn.Module):
 # 4. The model
 
 
+def init_tensor(args: ModelArgs, name: str, shape, seed: int, device="cpu") -> torch.Tensor:
+    """The initial value of parameter `name` (its full, unsharded shape), fp32. Every linear and the
+    embedding ~ N(0, 0.02); the two projections that write into the residual stream (wo, w2) ~
+    N(0, 0.02 / sqrt(2 * n_layers)) so the residual's variance does not grow with depth (GPT-2); norms = 1.
+    Each parameter draws from its own generator, seeded by (seed, name): a process can make any one
+    parameter without making the others, so a tensor- or pipeline-parallel rank builds only its own pieces
+    and still holds exactly the weights the whole model would have (parallel.materialize)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device)
+    std = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    g = torch.Generator(device=device)  # seeded by a digest: the same in every process (unlike hash())
+    g.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1)
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=g)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -272,22 +288,17 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.act_ckpt = False  # activation checkpointing: recompute each block in backward (train.py sets)
-        if self.tok_embeddings.weight.device.type != "meta":
+        if self.tok_embeddings.weight.device.type != "meta":  # on meta: no storage, initialized later
             self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None):
-        """Initialization: every linear and the embedding ~ N(0, 0.02); the two projections that write into
-        the residual stream (wo, w2) ~ N(0, 0.02 / sqrt(2 * n_layers)) so the residual's variance does not grow
-        with depth (GPT-2); norms = 1. Seeded by the global RNG or `generator`, so one seed gives one model."""
-        std = 0.02
+    def init_weights(self, seed: int | None = None):
+        """Every parameter from init_tensor(seed); seed None draws one from the global RNG, so
+        torch.manual_seed(s) before Transformer(args) gives one model per s."""
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, (1,)).item())
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                p.normal_(0.0, std / math.sqrt(2 * self.args.n_layers), generator=generator)
-            else:
-                p.normal_(0.0, std, generator=generator)
+            p.copy_(init_tensor(self.args, name, p.shape, seed, p.device))
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, start_pos: int = 0) -> torch.Tensor:

@@ -14,7 +14,9 @@ by a function in this file, and counted. Contents, in reading order:
   4. TP layers             column-parallel and row-parallel linears, vocab-parallel embedding, vocab-parallel
                            cross-entropy (full-vocabulary logits never exist on one rank);
                            apply_tensor_parallel() swaps them into a built Transformer
-  5. Pipeline              contiguous layer ranges per stage, the stage forward, point-to-point exchange,
+  5. Pipeline              contiguous layer ranges per stage; materialize(): a model built on the meta
+                           device, sharded and cut, gets storage for this rank's pieces only; the stage
+                           forward, point-to-point exchange,
                            schedules AFAB (GPipe, Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan
                            et al. 2021), with sent activations freed
   6. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, all-reduced asynchronously
@@ -25,8 +27,9 @@ by a function in this file, and counted. Contents, in reading order:
                            tensor; loadable into any layout; `python parallel.py consolidate` writes one file
                            or a Hugging Face folder
 
-model.py knows nothing of this: apply_tensor_parallel and apply_pipeline change a model built whole from
-one seed, so every layout starts from bit-identical weights.
+model.py knows nothing of this: apply_tensor_parallel and apply_pipeline change a model built on the meta
+device, and materialize() fills each rank's pieces from one seed (each parameter from its own generator),
+so every layout starts from bit-identical weights and no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -516,6 +519,38 @@ def apply_pipeline(model: M.Transformer, mesh: Mesh, split: list[int] | None = N
     return model
 
 
+def local_piece(full: torch.Tensor, shape, dim: int | None, mesh: Mesh) -> torch.Tensor:
+    """This TP rank's piece, of `shape`, of a full tensor split along `dim` (None: replicated). Rows past
+    the end of the full tensor (a vocabulary padded to a multiple of tp) are zeros."""
+    if dim is None:
+        return full
+    start = mesh.tp_rank * shape[dim]
+    length = max(0, min(shape[dim], full.shape[dim] - start))
+    piece = full.new_zeros(shape)
+    piece.narrow(dim, 0, length).copy_(full.narrow(dim, start, length))
+    return piece
+
+
+@torch.no_grad()
+def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Transformer:
+    """Give a model built on the meta device, and already sharded and cut by the two functions above, real
+    storage for this rank's parameters only: each is this rank's piece of full_value(name, full shape)
+    (model.init_tensor from a seed, or a tensor of a full state dict). One full parameter exists at a time,
+    so a rank of a 405B model never holds more than its shards plus the largest single weight."""
+    placement = getattr(model, "tp_placement", {})
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        dim, size = placement.get(name, (None, None))
+        shape = list(p.shape)
+        if dim is not None:
+            shape[dim] = size
+        full = full_value(name, tuple(shape))
+        if tuple(full.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {tuple(full.shape)}, this model needs {tuple(shape)}")
+        p.copy_(local_piece(full, p.shape, dim, mesh))
+    return model
+
+
 def stage_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None):
     """This stage's part of Transformer.forward: token ids (first stage) or the previous stage's residual
     stream (B, T or T/tp under SP, dim) in; logits (last stage, vocab-sharded under TP) or the residual
@@ -926,14 +961,7 @@ def load_shards(folder: Path, model, opt, mesh: Mesh):
         shape = opt.params[i].shape
         mine = {}
         for k, t in full[name].items():
-            dim = placement.get(name, (None,))[0]
-            if dim is not None:
-                local = shape[dim]
-                start = mesh.tp_rank * local
-                length = max(0, min(local, t.shape[dim] - start))
-                piece = torch.zeros(shape, dtype=t.dtype)
-                piece.narrow(dim, 0, length).copy_(t.narrow(dim, start, length))
-                t = piece
+            t = local_piece(t, shape, placement.get(name, (None,))[0], mesh)
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(t.shape)}, this model "
                                  f"needs {tuple(shape)}")

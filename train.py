@@ -464,14 +464,21 @@ def pretraining_data(args, tok, mesh):
 
 
 def build_model(margs, state, args, mesh, device, dtype):
-    """The full model from the seed (or from `state`, a full state dict), then sharded (tp), cut (pp) and
-    cast: every layout starts from bit-identical weights."""
-    torch.manual_seed(args.seed)
-    model = M.Transformer(margs).to(device)
-    if state is not None:
-        model.load_state_dict(state)
+    """The model on the meta device (shapes, no storage), sharded (tp) and cut (pp) there; then this rank's
+    pieces get storage and values, from the seed or from `state` (a full state dict), and are cast. Every
+    layout starts from bit-identical weights, and a rank holds only its own."""
+    with torch.device("meta"):
+        model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_pipeline(model, mesh, args.pp_split)
+    if state is None:
+        full_value = lambda name, shape: M.init_tensor(margs, name, shape, args.seed, device)
+    else:
+        missing = sorted({n for n, _ in model.named_parameters()} - set(state))
+        if missing:
+            raise ValueError(f"the initial state has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        full_value = lambda name, shape: state[name]
+    P.materialize(model, mesh, device, full_value)
     model.to(dtype)
     model.act_ckpt = args.act_ckpt
     return model

@@ -49,6 +49,17 @@ def test_forward_shape_and_seeded_init():
     out = a(tokens)
     assert out.shape == (2, 17, 300)
     assert torch.equal(out, b(tokens))
+    # another seed, another model: in every weight matrix (the generator of each parameter is seeded from
+    # the run's seed and the parameter's name, and a CPU generator keeps only 32 bits of its seed)
+    c = M.Transformer(tiny_args())
+    c.init_weights(seed=1)
+    a.init_weights(seed=2)
+    mats = [(n, p, q) for (n, p), (_, q) in zip(a.named_parameters(), c.named_parameters()) if p.dim() == 2]
+    assert mats and not any(torch.equal(p, q) for _, p, q in mats)
+    # and no two weights of the same shape are copies of each other
+    wk, wv = a.layers["0"].attention.wk.weight, a.layers["0"].attention.wv.weight
+    assert wk.shape == wv.shape and not torch.equal(wk, wv)
+    assert a.layers["0"].attention.wo.weight.std() < 0.8 * a.layers["0"].attention.wq.weight.std()  # 1/sqrt(2L)
 
 
 def test_packed_documents_equal_separate_runs():

@@ -130,6 +130,57 @@ def test_parallel_layers_match_unsharded(tp, sp):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Building a rank's part of the model: meta device, then only its own pieces
+
+
+def test_each_rank_materializes_exactly_its_slice_of_the_whole_model():
+    """For every rank of tp 2 x pp 2 (vocabulary 301, not divisible by tp), the pieces built on the meta
+    device and materialized are the slices of the model built whole from the same seed, bit for bit."""
+    args = M.ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=301, multiple_of=32)
+    whole = M.Transformer(args)
+    whole.init_weights(seed=7)
+    full = dict(whole.named_parameters())
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            mesh = P.Mesh(tp=2, pp=2, tp_rank=tp_rank, pp_rank=pp_rank, rank=pp_rank * 2 + tp_rank)
+            with torch.device("meta"):
+                part = M.Transformer(args)
+            P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
+            P.materialize(part, mesh, "cpu", lambda name, shape: M.init_tensor(args, name, shape, 7))
+            names = [n for n, _ in part.named_parameters()]
+            # 2 layers of 9 weights each, plus the embedding (first stage) or the final norm and head (last)
+            assert len(names) == 2 * 9 + (1 if pp_rank == 0 else 2)
+            for name, p in part.named_parameters():
+                dim = part.tp_placement.get(name, (None,))[0]
+                if dim is None:
+                    expected = full[name]
+                else:
+                    padded = full[name]
+                    if name in ("tok_embeddings.weight", "output.weight"):  # 301 rows -> 302, zero padded
+                        padded = torch.cat([padded, torch.zeros(1, args.dim)])
+                    expected = padded.chunk(2, dim=dim)[tp_rank]
+                assert torch.equal(p, expected), (pp_rank, tp_rank, name)
+
+
+def test_a_rank_of_llama3_8b_holds_only_its_own_pieces():
+    """tp 8 x pp 4, stage 1 (layers 8-15): the 8B model is never built whole; the rank's parameters are its
+    1/8 of eight layers (norms replicated), 218M x 8 / 8 numbers, not 8B. (Uninitialized full values keep the
+    test fast; the values are test_each_rank_materializes_exactly_its_slice_of_the_whole_model's subject.)"""
+    args = M.PRESETS["llama3-8b"]
+    mesh = P.Mesh(tp=8, pp=4, tp_rank=3, pp_rank=1, rank=11)
+    with torch.device("meta"):
+        part = M.Transformer(args)
+    P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
+    P.materialize(part, mesh, "cpu", lambda name, shape: torch.empty(shape))
+    d, kv, h = args.dim, args.n_kv_heads * args.head_dim, args.hidden_dim
+    per_layer = (2 * d * d + 2 * kv * d + 3 * d * h) // 8 + 2 * d
+    assert sorted(int(i) for i in part.layers) == list(range(8, 16))
+    assert part.tok_embeddings is None and part.output is None
+    assert sum(p.numel() for p in part.parameters()) == 8 * per_layer
+    assert all(p.device.type == "cpu" for p in part.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------
 # Whole runs: every layout gives the single-process losses and weights
 
 
