@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import random
 import resource
 import shutil
@@ -498,13 +499,21 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     torch.manual_seed(args.seed)  # the same on every rank: every layout starts from the same full model
     random.seed(args.seed)
     # --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
-    # with a fixed workspace, no cuDNN autotuning. CPU runs are bit-reproducible without it. Set (or unset)
-    # for every run: bench.py times runs with and without it in one process.
+    # with a fixed workspace, no cuDNN autotuning. On an x86 CPU, runs repeat bit for bit without it on one
+    # kind of CPU, but MKL and ATen choose kernels by the host's vector unit (AVX-512, AVX2), and other
+    # kernels sum in another order: the flag pins both to AVX2. (Both read these variables at their first
+    # use: effective in a fresh process, as the CLI is, not after other work in the same process.)
+    # Set (or unset) for every run: bench.py times runs with and without it in one process.
     torch.use_deterministic_algorithms(args.deterministic)
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
-        if device.type == "cuda":
+        if device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
+            os.environ.setdefault("MKL_CBWR", "AVX2")
+            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+            log("--deterministic: CPU kernels pinned to AVX2 (MKL_CBWR, ATEN_CPU_CAPABILITY); this costs "
+                "throughput: `python bench.py --deterministic` against `python bench.py` measures it")
+        elif device.type == "cuda":
             log("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this costs "
                 "throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
     if device.type == "cuda":
