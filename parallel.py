@@ -845,17 +845,25 @@ class GradSync:
             piece = (hi - lo) // self.mesh.dp
             all_gather(flat[lo:hi], flat[lo + r * piece:lo + (r + 1) * piece].clone(), self.mesh, "dp")
 
-    def gather_optimizer_state(self) -> dict[str, torch.Tensor]:
-        """Full-length master / moment buffers on every dp rank (for checkpoints): each rank contributes the
-        pieces it owns, zeros elsewhere, and a sum over dp assembles them."""
+    def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
+        """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None on the others). Under
+        ZeRO-1 they are assembled one bucket at a time in host memory: the dp ranks all-gather their pieces
+        of a bucket into a bucket-sized device buffer, which dp rank 0 copies out, so no device ever holds
+        the unsharded state that ZeRO-1 exists to avoid."""
         if not (self.zero and self.mesh.dp > 1):
             return self.opt.full_state()
-        out = {}
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            full = torch.zeros(self.opt.numel, device=self.opt.grad.device)
-            self.opt.unpack(getattr(self.opt, key), full)
-            all_reduce(full, self.mesh, "dp")
-            out[key] = full
+        dp, keep = self.mesh.dp, self.mesh.dp_rank == 0
+        keys = ("master", "exp_avg", "exp_avg_sq")
+        out = {key: torch.empty(self.opt.numel) for key in keys} if keep else None
+        buf = torch.empty(max(hi - lo for lo, hi in self.buckets), device=self.opt.grad.device)
+        c = 0  # where this bucket's piece starts in the compact (owned-only) buffers
+        for lo, hi in self.buckets:
+            piece = (hi - lo) // dp
+            for key in keys:
+                all_gather(buf[:hi - lo], getattr(self.opt, key)[c:c + piece], self.mesh, "dp")
+                if keep:
+                    out[key][lo:hi].copy_(buf[:hi - lo])
+            c += piece
         return out
 
 
@@ -897,7 +905,7 @@ def shard_file(mesh: Mesh) -> str:
 
 
 def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, extra: dict):
-    """Collective over dp (ZeRO gathers its state); dp rank 0 of each (pp, tp) writes one file."""
+    """Collective over dp (ZeRO-1 gathers its state to dp rank 0); dp rank 0 of each (pp, tp) writes one file."""
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
     if mesh.dp_rank != 0:
         return
