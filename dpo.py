@@ -15,13 +15,14 @@ logps/chosen, logps/rejected.
 
 It is train.py's loop with another task: each micro-batch holds B pairs as 2B rows (chosen rows first), and
 the task's prepare() adds the reference log-probs to it, either computed alongside by the reference model
-(default) or, with --precompute-ref, computed once for the whole dataset before training, cached in
-<out-dir>/ref_logps.pt, and the reference freed.
+(default) or, with --precompute-ref, computed once for the whole dataset before training (split over the
+dp replicas), cached in <out-dir>/ref_logps.pt, and the reference freed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -78,16 +79,33 @@ def reference_logps(reference, batches, mesh, args) -> list:
 
 def precompute_reference(reference, loaders, mesh, args, device) -> torch.Tensor:
     """Score every pair of every loader once: a (pairs, 2) tensor of (chosen, rejected) log-probs, indexed
-    by the loaders' pair indices (their index_offset keeps them apart). Every replica scores everything:
-    simple, and a one-off cost next to training."""
-    out = []
-    for loader in loaders:
-        for lo in range(0, len(loader), args.micro_batch):
-            rows = list(range(lo, min(lo + args.micro_batch, len(loader))))
-            x, y = (t.to(device) for t in loader.pairs(rows))
-            (logps,) = reference_logps(reference, [(x, y)], mesh, args)
-            out.append(torch.zeros(len(rows), 2) if logps is None else logps.view(2, -1).T.float().cpu())
-    return torch.cat(out)
+    by the loaders' pair indices (their index_offset keeps them apart). The micro-batches are dealt out
+    over the dp replicas; each pair is scored by one replica, zeros stand elsewhere, and a sum over dp
+    (x + 0 is exact) gives every replica the whole table. Stages other than the last hold zeros: only the
+    last one computes the loss."""
+    chunks = [(loader, lo) for loader in loaders for lo in range(0, len(loader), args.micro_batch)]
+    out = torch.zeros(sum(len(loader) for loader in loaders), 2, device=device)
+    for j, (loader, lo) in enumerate(chunks):
+        if j % mesh.dp != mesh.dp_rank:
+            continue
+        rows = list(range(lo, min(lo + args.micro_batch, len(loader))))
+        x, y = (t.to(device) for t in loader.pairs(rows))
+        (logps,) = reference_logps(reference, [(x, y)], mesh, args)
+        if logps is not None:
+            start = loader.index_offset + lo
+            out[start:start + len(rows)] = logps.view(2, -1).T.float()
+    P.all_reduce(out, mesh, "dp")
+    return out.cpu()
+
+
+def read_cache(path: Path, key: dict) -> torch.Tensor | None:
+    """The cached reference log-probs if `path` holds them for this `key`; None if absent, unreadable (a
+    crash while writing) or made for other settings."""
+    try:
+        saved = torch.load(path, weights_only=True)
+        return saved["logps"] if saved.get("key") == key else None
+    except Exception:
+        return None
 
 
 class DPOTask:
@@ -162,13 +180,16 @@ def main(argv=None):
         cache = Path(args.out_dir) / "ref_logps.pt"
         key = {"init": str(args.init), "data": str(args.data), "seq_len": args.seq_len,
                "pairs": sum(len(l) for l in start["loaders"])}
-        if cache.exists() and (saved := torch.load(cache, weights_only=True))["key"] == key:
-            cached = saved["logps"]
-        else:
+        cached = read_cache(cache, key)
+        # every rank must take the same branch (precomputing is collective): use the cache only if all can
+        if mesh.world > 1 and not P.all_true(torch.tensor(cached is not None, device=device), mesh):
+            cached = None
+        if cached is None:
             cached = precompute_reference(reference, start["loaders"], mesh, args, device)
-            if mesh.last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+            if mesh.last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0:  # written whole, then renamed
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"key": key, "logps": cached}, cache)
+                torch.save({"key": key, "logps": cached}, cache.with_suffix(".tmp"))
+                os.replace(cache.with_suffix(".tmp"), cache)
         del reference  # the point of precomputing: no second model in memory while training
         return DPOTask(margs, mesh, args, cached=cached)
 

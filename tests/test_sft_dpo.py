@@ -149,7 +149,8 @@ def _torchrun(script, n, out, *flags):
     return [r for r in records(out) if "loss" in r]
 
 
-@pytest.mark.parametrize("flags,micro", [(["--tp", "2"], 4), ([], 2)])  # tp 2; dp 2 (same global batch)
+# tp 2; dp 2 (same global batch); dp 2 with the reference precomputed, split over the two replicas
+@pytest.mark.parametrize("flags,micro", [(["--tp", "2"], 4), ([], 2), (["--precompute-ref"], 2)])
 def test_dpo_parallel_matches_single_process(tmp_path, flags, micro):
     path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     common = TINY + ["--data", str(path), "--max-steps", "3", "--lr", "3e-3", "--beta", "0.5"]
