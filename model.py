@@ -6,7 +6,8 @@ Read top to bottom:
   3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP
   4. Transformer                  embedding -> n_layers x Block -> norm -> output head; packed documents
   5. generate                     sampling with a KV cache (temperature, top-k, top-p; 0 = greedy)
-  6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand)
+  6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
+                                 hf_state reads a Hugging Face folder lazily, tensor by tensor
   7. count_params, flops_per_token, memory_estimate   the arithmetic bench.py and the README use
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
@@ -26,6 +27,7 @@ import json
 import math
 import mmap
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -416,22 +418,31 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
               "BOOL": torch.bool}
 
 
-def read_safetensors(path) -> dict[str, torch.Tensor]:
-    """Read a .safetensors file into CPU tensors (copied out of a memory map, so files can be large)."""
+def _safetensors_header(path) -> tuple[int, dict]:
+    """(where the data starts, {name: {dtype, shape, data_offsets}}) without reading any tensor."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def read_safetensors(path, names=None) -> dict[str, torch.Tensor]:
+    """Read a .safetensors file, or only `names` from it, into CPU tensors (copied out of a memory map, so
+    files can be large)."""
+    base, header = _safetensors_header(path)
+    out = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:  # copy-on-write: torch wants writable memory
-        (n,) = struct.unpack("<Q", m[:8])
-        header = json.loads(m[8:8 + n])
-        out = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
+        for name in header if names is None else names:
+            info = header[name]
             start, end = info["data_offsets"]
             dtype = _ST_DTYPES[info["dtype"]]
             count = (end - start) // torch.empty((), dtype=dtype).element_size()
-            t = torch.frombuffer(m, dtype=dtype, count=count, offset=8 + n + start) if count else \
+            t = torch.frombuffer(m, dtype=dtype, count=count, offset=base + start) if count else \
                 torch.empty(0, dtype=dtype)
             out[name] = t.reshape(info["shape"]).clone()
-        return out
+            del t  # no view of the map may outlive it
+    return out
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path):
@@ -519,29 +530,60 @@ def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: str)
     return model
 
 
-def load_hf(path, dtype=torch.float32) -> Transformer:
-    """A Hugging Face Llama directory (config.json + *.safetensors) -> Transformer."""
+class LazyState(Mapping):
+    """A state dict whose tensors are read from disk when looked up, and not kept: a rank that builds only
+    its own shards (parallel.materialize) reads the weights it needs, one at a time, never the whole model."""
+
+    def __init__(self, readers: dict):
+        self._readers = readers  # name -> () -> tensor
+
+    def __getitem__(self, name):
+        return self._readers[name]()
+
+    def __iter__(self):
+        return iter(self._readers)
+
+    def __len__(self):
+        return len(self._readers)
+
+
+def hf_state(path) -> tuple[ModelArgs, LazyState]:
+    """A Hugging Face Llama directory (config.json + *.safetensors) -> (model args, a LazyState under our
+    parameter names). Names and shapes are checked against the config from the files' headers, before any
+    weight is read."""
     path = Path(path)
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
-    theirs = {}
+    where = {}  # Hugging Face name -> (file, shape)
     for f in sorted(path.glob("*.safetensors")):
-        theirs.update(read_safetensors(f))
-    if not theirs:
+        where.update({name: (f, info["shape"]) for name, info in _safetensors_header(f)[1].items()})
+    if not where:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    if args.tie_embeddings:
+        expected.pop("output.weight")  # the head is the embedding
+    missing = [_hf_name(k) for k in expected if _hf_name(k) not in where]
+    if missing:
+        raise ValueError(f"{path}: missing {missing[:4]}")
+    for k, shape in expected.items():
+        if tuple(where[_hf_name(k)][1]) != shape:
+            raise ValueError(f"{path}: {k} has shape {tuple(where[_hf_name(k)][1])}, the config says {shape}")
+    read = lambda hf: (lambda: read_safetensors(where[hf][0], [hf])[hf])
+    readers = {k: read(_hf_name(k)) for k in expected}
+    if args.tie_embeddings:
+        readers["output.weight"] = readers["tok_embeddings.weight"]
+    return args, LazyState(readers)
+
+
+def load_hf(path, dtype=torch.float32) -> Transformer:
+    """A Hugging Face Llama directory (config.json + *.safetensors) -> Transformer."""
+    args, state = hf_state(path)
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to_empty(device="cpu").to(dtype)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # to_empty() unties; restore the tie
-    ours = {}
-    for name in model.state_dict():
-        if name == "output.weight" and args.tie_embeddings:
-            continue
-        ours[name] = theirs.pop(_hf_name(name), None)
-    ours = {k: v.to(dtype) for k, v in ours.items() if v is not None}
-    theirs.pop("lm_head.weight", None) if args.tie_embeddings else None
-    _load_state(model, ours, str(path))
-    return model
+    return _load_state(model, {k: state[k].to(dtype) for k in state}, str(path))
 
 
 def save_hf(model: Transformer, path):

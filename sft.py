@@ -18,6 +18,7 @@ At the end it answers --sample-prompt in chat mode.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 from pathlib import Path
 
@@ -62,9 +63,8 @@ def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
             state = {k: v["master"] for k, v in full.items()}
             if margs.tie_embeddings:
                 state["output.weight"] = state["tok_embeddings.weight"]
-        elif (path / "config.json").exists():
-            model = M.load_hf(path)
-            margs, state = model.args, model.state_dict()
+        elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
+            margs, state = M.hf_state(path)
         elif (path / "params.json").exists():
             model = M.load_meta(path)
             margs, state = model.args, model.state_dict()
@@ -85,7 +85,7 @@ def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelAr
     vocabulary). New rows start at the mean of the existing rows (Hewitt 2021): a new token begins as an
     'average' token, and its logit as the mean logit, rather than as noise of an unrelated scale."""
     new = 64 * ((n_vocab + 63) // 64)
-    state = dict(state)
+    state = collections.ChainMap({}, state)  # the grown tensors over the rest (a lazy state stays lazy)
     for name in ("tok_embeddings.weight", "output.weight"):
         if name in state:
             w = state[name]

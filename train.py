@@ -558,7 +558,10 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
 
     # Model and optimizer: the model's storage is handed to the optimizer; then the data-parallel
     # gradient reduction hooks into the optimizer.
-    model = build_model(margs, init_state, args, mesh, device, dtype)
+    try:
+        model = build_model(margs, init_state, args, mesh, device, dtype)
+    except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
+        raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
     opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                   weight_decay=args.weight_decay, pad_to=mesh.dp)
     sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]

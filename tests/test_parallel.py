@@ -162,6 +162,31 @@ def test_each_rank_materializes_exactly_its_slice_of_the_whole_model():
                 assert torch.equal(p, expected), (pp_rank, tp_rank, name)
 
 
+def test_a_rank_reads_only_its_own_weights_from_a_hugging_face_folder(tmp_path, monkeypatch):
+    """sft.py/dpo.py --init from a Hugging Face folder: the state is read lazily, so pipeline stage 1 of 2
+    reads the files for its own two layers, the final norm and the head, and nothing else."""
+    args = M.ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=301, multiple_of=32)
+    torch.manual_seed(0)
+    whole = M.Transformer(args)
+    M.save_hf(whole, tmp_path / "hf")
+    reads, real = [], M.read_safetensors
+    monkeypatch.setattr(M, "read_safetensors", lambda path, names=None: reads.extend(names or ["*"]) or
+                        real(path, names))
+    margs, state = M.hf_state(tmp_path / "hf")
+    assert reads == []  # checked against the config from the headers alone
+    mesh = P.Mesh(tp=2, pp=2, tp_rank=1, pp_rank=1, rank=3)
+    with torch.device("meta"):
+        part = M.Transformer(margs)
+    P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
+    P.materialize(part, mesh, "cpu", lambda name, shape: state[name])
+    assert sorted(reads) == sorted(M._hf_name(n) for n, _ in part.named_parameters())
+    assert all(".layers.2." in r or ".layers.3." in r or r in ("model.norm.weight", "lm_head.weight") for r in reads)
+    full = dict(whole.named_parameters())
+    for name, p in part.named_parameters():
+        dim = part.tp_placement.get(name, (None,))[0]
+        assert torch.equal(p, P.local_piece(full[name].detach(), p.shape, dim, mesh)), name
+
+
 def test_a_rank_of_llama3_8b_holds_only_its_own_pieces():
     """tp 8 x pp 4, stage 1 (layers 8-15): the 8B model is never built whole; the rank's parameters are its
     1/8 of eight layers (norms replicated), 218M x 8 / 8 numbers, not 8B. (Uninitialized full values keep the
