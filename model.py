@@ -540,6 +540,9 @@ class LazyState(Mapping):
     def __getitem__(self, name):
         return self._readers[name]()
 
+    def __contains__(self, name):  # without reading (Mapping's default would look the tensor up)
+        return name in self._readers
+
     def __iter__(self):
         return iter(self._readers)
 

@@ -926,9 +926,25 @@ def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, ext
     torch.save({"params": entries, "step": opt.step_count, **extra}, folder / shard_file(mesh))
 
 
-def read_full_state(folder: Path, names=None) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """Every shard file of a checkpoint -> {name: {"master", "exp_avg", "exp_avg_sq"}} as full tensors, plus
-    the first file's extra fields. Works for any layout the checkpoint was written in."""
+def _assemble(parts: list[dict]) -> dict[str, torch.Tensor]:
+    """One parameter's full master / moments from its shard entries (one entry when it is not split)."""
+    first = parts[0]
+    if first["dim"] is None:
+        return {k: first[k] for k in ("master", "exp_avg", "exp_avg_sq")}
+    d, out = first["dim"], {}
+    for k in ("master", "exp_avg", "exp_avg_sq"):
+        shape = list(first[k].shape)
+        shape[d] = first["full_size"]
+        out[k] = torch.zeros(shape, dtype=first[k].dtype)
+        for e in parts:
+            out[k].narrow(d, e["start"], e[k].shape[d]).copy_(e[k])
+    return out
+
+
+def read_full_state(folder: Path, names=None) -> tuple[M.LazyState, dict]:
+    """Every shard file of a checkpoint (memory-mapped) -> {name: {"master", "exp_avg", "exp_avg_sq"}} as
+    full tensors, each assembled when looked up, so loading into another layout holds one full parameter at
+    a time; plus the first file's extra fields. Works for any layout the checkpoint was written in."""
     files = sorted(Path(folder).glob("shard_pp*_tp*.pt"))
     if not files:
         raise FileNotFoundError(f"no shard_pp*_tp*.pt files in {folder}")
@@ -938,22 +954,7 @@ def read_full_state(folder: Path, names=None) -> tuple[dict[str, dict[str, torch
         for name, e in s["params"].items():
             if names is None or name in names:
                 pieces.setdefault(name, []).append(e)
-    full = {}
-    for name, parts in pieces.items():
-        first = parts[0]
-        if first["dim"] is None:
-            full[name] = {k: first[k] for k in ("master", "exp_avg", "exp_avg_sq")}
-            continue
-        d = first["dim"]
-        out = {}
-        for k in ("master", "exp_avg", "exp_avg_sq"):
-            shape = list(first[k].shape)
-            shape[d] = first["full_size"]
-            t = torch.zeros(shape, dtype=first[k].dtype)
-            for e in parts:
-                t.narrow(d, e["start"], e[k].shape[d]).copy_(e[k])
-            out[k] = t
-        full[name] = out
+    full = M.LazyState({name: (lambda parts=parts: _assemble(parts)) for name, parts in pieces.items()})
     extra = {k: v for k, v in shards[0].items() if k != "params"}
     return full, extra
 

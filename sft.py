@@ -59,10 +59,10 @@ def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
     try:
         if (path / "meta.json").exists() and any(path.glob("shard_pp*_tp*.pt")):
             margs = M.ModelArgs(**json.loads((path / "meta.json").read_text())["model_args"])
-            full, _ = P.read_full_state(path)
-            state = {k: v["master"] for k, v in full.items()}
-            if margs.tie_embeddings:
-                state["output.weight"] = state["tok_embeddings.weight"]
+            full, _ = P.read_full_state(path)  # lazy: each weight assembled when a rank materializes it
+            master = lambda name: (lambda: full[name]["master"])
+            state = M.LazyState({name: master(name) for name in full} |
+                                ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings else {}))
         elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
             margs, state = M.hf_state(path)
         elif (path / "params.json").exists():
