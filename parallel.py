@@ -172,7 +172,10 @@ class CommError(RuntimeError):
     group and its ranks, so the log says where the job stopped instead of only that it did."""
 
 
-def _comm_error(e: Exception, what: str, mesh: Mesh, dim: str, t0: float) -> CommError:
+def _comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float) -> CommError:
+    """what: (op, tensor or None), described only now that it failed (the hot path formats nothing)."""
+    op, t = what
+    what = f"{op} of {tuple(t.shape)}" if t is not None else op
     cause = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])  # drop gloo's "[file.cc:78] "
     cause = cause.split(". This is typically")[0][:300]
     waited = time.monotonic() - t0
@@ -186,7 +189,7 @@ def _comm_error(e: Exception, what: str, mesh: Mesh, dim: str, t0: float) -> Com
 class _Work:
     """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops."""
 
-    def __init__(self, work, what: str, mesh: Mesh, dim: str, t0: float):
+    def __init__(self, work, what: tuple, mesh: Mesh, dim: str, t0: float):
         self.work, self.what, self.mesh, self.dim, self.t0 = work, what, mesh, dim, t0
 
     def wait(self):
@@ -196,7 +199,7 @@ class _Work:
             raise _comm_error(e, self.what, self.mesh, self.dim, self.t0) from None
 
 
-def _launch(what: str, mesh: Mesh, dim: str, fn, async_op: bool = False):
+def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
     t0 = time.monotonic()
     try:
         work = fn()
@@ -210,7 +213,7 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, asyn
     if n == 1:
         return None
     mesh.comm_bytes[dim] += 2 * (n - 1) / n * t.numel() * t.element_size()
-    return _launch(f"all_reduce of {tuple(t.shape)}", mesh, dim,
+    return _launch(("all_reduce", t), mesh, dim,
                    lambda: dist.all_reduce(t, op=op, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
@@ -218,7 +221,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async
     """out (n * len(inp), ...) <- every rank's inp, concatenated along dim 0 in rank order."""
     n = mesh.size(dim)
     mesh.comm_bytes[dim] += (n - 1) / n * out.numel() * out.element_size()
-    return _launch(f"all_gather of {tuple(out.shape)}", mesh, dim, lambda: dist.all_gather_into_tensor(
+    return _launch(("all_gather", out), mesh, dim, lambda: dist.all_gather_into_tensor(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
@@ -226,14 +229,14 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, a
     """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
     n = mesh.size(dim)
     mesh.comm_bytes[dim] += (n - 1) / n * inp.numel() * inp.element_size()
-    return _launch(f"reduce_scatter of {tuple(inp.shape)}", mesh, dim, lambda: dist.reduce_scatter_tensor(
+    return _launch(("reduce_scatter", inp), mesh, dim, lambda: dist.reduce_scatter_tensor(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
 def barrier(mesh: Mesh):
     """Every rank of the job waits here for all the others (checkpoint commits, start-up)."""
     if mesh.world > 1:
-        _launch("barrier", mesh, "world", dist.barrier)
+        _launch(("barrier", None), mesh, "world", dist.barrier)
 
 
 # ====================================================================================================
@@ -578,15 +581,15 @@ def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=N
     if recv_next is not None:
         ops.append(dist.P2POp(dist.irecv, recv_next, mesh.pp_peers[me + 1]))
     if ops:
-        what = "pipeline " + ", ".join(
-            f"{'send to' if op.op is dist.isend else 'recv from'} stage {mesh.pp_peers.index(op.peer)}"
-            for op in ops)
         t0 = time.monotonic()
         try:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         except RuntimeError as e:
-            raise _comm_error(e, what, mesh, "pp", t0) from None
+            what = "pipeline " + ", ".join(
+                f"{'send to' if op.op is dist.isend else 'recv from'} stage {mesh.pp_peers.index(op.peer)}"
+                for op in ops)
+            raise _comm_error(e, (what, None), mesh, "pp", t0) from None
 
 
 def _free(t: torch.Tensor):
