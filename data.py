@@ -11,12 +11,13 @@ The data path of the project, in the order the bytes travel through this file:
   4. Shards      write_shard() / read_shard(): a 256-byte header, then uint16 or uint32 tokens.
   5. prepare()   documents -> BOS + tokens + EOS -> train_*.bin, val_*.bin, and meta.json written last
                  as the completion marker. resolve_data() is what train.py calls with its --data value.
-  6. Loader      shards -> one deterministic sequence of windows -> (inputs, targets) for each data-parallel
-                 rank. Its whole position is one global counter, so a run resumes exactly under any dp.
+  6. Loader      Positions: the order every loader reads its items in, one global counter as the whole
+                 position, so a run resumes exactly under any dp. Loader: shards -> windows -> (inputs,
+                 targets) for each data-parallel rank.
   7. Chat        encode_chat(): the Llama 3 chat format, with a mask of the tokens the model learns to say.
                  read_sft() / read_preferences(): conversations and chosen/rejected pairs from JSON(L) files.
-                 SFTLoader (packed rows with document ids) and PreferenceLoader: the Loader's position scheme
-                 over a fixed list of rows, for sft.py and dpo.py.
+                 SFTLoader (packed rows with document ids) and PreferenceLoader: Positions over a fixed list
+                 of rows, for sft.py and dpo.py.
   8. CLI         python data.py prepare | download | info
 
 Every failure a user can cause ends in DataError, whose message is one line saying what to do.
@@ -623,30 +624,82 @@ def resolve_data(data, tokenizer, mirror=None, **prepare_kwargs) -> Path:
 
 # ======== 6. Loader: shards -> batches ============================================================
 
-class Loader:
+class Positions:
+    """Where every loader is in its data: n items (windows of a token stream, or fixed rows) read in an
+    order drawn per epoch. Global sequence i is item perm_e[i % n] of epoch e = i // n, perm_e a
+    permutation seeded by (seed, e). Rank r reads global sequences consumed + r*batch_size +
+    arange(batch_size); after every next() on every rank, consumed += batch_size * dp_size. So an optimizer
+    step covers the same global sequences whatever the split into dp ranks and micro-batches, and
+    {"consumed", "seed", "seq_len"} (plus a subclass's settings) is the whole, rank-independent position
+    (GUIDE section 4)."""
+
+    def __init__(self, n, batch_size, seq_len, dp_rank, dp_size, seed, empty: str):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+        if n == 0:
+            raise DataError(empty)
+        self.n, self.batch_size, self.seq_len, self.seed = n, batch_size, seq_len, seed
+        self.dp_rank, self.dp_size, self.consumed = dp_rank, dp_size, 0
+        self._epochs = {}  # epoch -> its draws; a batch touches at most two epochs
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.n
+
+    def _draw(self, rng) -> tuple:
+        """An epoch's random draws: the order of the items, then whatever a subclass adds."""
+        return (rng.permutation(self.n),)
+
+    def _epoch(self, epoch: int) -> tuple:
+        if epoch not in self._epochs:
+            if len(self._epochs) >= 2:
+                self._epochs.pop(min(self._epochs))
+            self._epochs[epoch] = self._draw(np.random.default_rng([self.seed, epoch]))
+        return self._epochs[epoch]
+
+    def _next_items(self) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's next batch_size global sequences, as (item index, epoch) arrays."""
+        seqs = self.consumed + self.dp_rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        self.consumed += self.batch_size * self.dp_size
+        epochs, within = np.divmod(seqs, self.n)
+        items = np.empty_like(seqs)
+        for e in np.unique(epochs):
+            items[epochs == e] = self._epoch(int(e))[0][within[epochs == e]]
+        return items, epochs
+
+    def _settings(self) -> dict:
+        return {"seed": self.seed, "seq_len": self.seq_len}
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, **self._settings()}
+
+    def load_state_dict(self, state):
+        saved, mine = {key: state.get(key) for key in self._settings()}, self._settings()
+        if saved != mine:
+            say = lambda s: ", ".join(f"{k} {v}" for k, v in s.items())
+            raise DataError(f"loader state is for {say(saved)}, but this loader has {say(mine)}; "
+                            f"resume with the same values")
+        self.consumed = int(state["consumed"])
+
+
+class Loader(Positions):
     """(inputs, targets) batches of shape (batch_size, seq_len) for one data-parallel rank.
 
-    The data is one deterministic sequence of windows of seq_len + 1 tokens:
+    The items are windows of seq_len + 1 tokens:
       * A shard of n tokens holds c = max(n // seq_len - 1, 1) windows (0 if n <= seq_len), placed with
         stride seq_len: window j covers tokens [shift + j*seq_len, shift + (j+1)*seq_len], the last token of
         one window being the first of the next, so each token is a target once per epoch (bar < 2*seq_len
         at a shard's ends). Windows never cross shard ends. The shift is drawn per (epoch, shard) in
         [0, min(slack, seq_len - 1)], c leaving a full seq_len of slack where the shard is long enough, so
         every epoch sees other context boundaries.
-      * The windows of all shards share one index space of len(self) windows. Global sequence i is window
-        perm_e[i % len(self)] of epoch e = i // len(self), where perm_e is a permutation seeded by (seed, e)
-        (8 bytes a window: 1B tokens at seq_len 1024 take 8 MB).
-      * Rank r reads global sequences consumed + r*batch_size + arange(batch_size); after every next() on
-        every rank, consumed += batch_size * dp_size. So an optimizer step always covers the same global
-        sequences whatever the split into dp ranks and micro-batches, and {"consumed", "seed", "seq_len"}
-        is the whole, rank-independent position (GUIDE section 4).
+      * The windows of all shards share one index space of len(self) windows, read in the order Positions
+        gives (8 bytes a window: 1B tokens at seq_len 1024 take 8 MB).
     """
 
     def __init__(self, data_dir, split, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, tokenizer=None):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
         paths = sorted(Path(data_dir).glob(f"{split}_*.bin"))
         if not paths:
             raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}; run: python data.py prepare ...")
@@ -656,61 +709,26 @@ class Loader:
         counts = np.where(n > seq_len, np.maximum(n // seq_len - 1, 1), 0)
         self.max_shift = np.clip(np.minimum(n - 1 - counts * seq_len, seq_len - 1), 0, None)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])  # window index where each shard starts
-        self.num_windows, self.num_tokens = int(self.offsets[-1]), int(n.sum())
-        if self.num_windows == 0:
-            raise DataError(f"the {split} split in {data_dir} has {self.num_tokens:,} tokens (largest shard "
-                            f"{int(n.max()):,}), too few for one sequence of seq_len + 1 = {seq_len + 1:,} tokens; "
-                            f"lower seq_len or use more data")
-        self.consumed = 0
-        self._epochs = {}  # epoch -> (window order, per-shard shift); a batch touches at most two epochs
+        self.num_tokens = int(n.sum())
+        super().__init__(int(self.offsets[-1]), batch_size, seq_len, dp_rank, dp_size, seed, empty=(
+            f"the {split} split in {data_dir} has {self.num_tokens:,} tokens (largest shard {int(n.max()):,}), "
+            f"too few for one sequence of seq_len + 1 = {seq_len + 1:,} tokens; lower seq_len or use more data"))
         self._cols = np.arange(seq_len + 1)
 
-    def __len__(self):
-        return self.num_windows
-
-    @property
-    def epoch(self) -> int:
-        return self.consumed // self.num_windows
-
-    def _epoch(self, epoch):
-        if epoch not in self._epochs:
-            rng = np.random.default_rng([self.seed, epoch])
-            order, shift = rng.permutation(self.num_windows), rng.integers(0, self.max_shift + 1)
-            if len(self._epochs) >= 2:
-                self._epochs.pop(min(self._epochs))
-            self._epochs[epoch] = (order, shift)
-        return self._epochs[epoch]
-
-    def _locate(self, seqs):
-        """Global sequence indices -> (shard index, start token) of their windows."""
-        epochs, within = np.divmod(seqs, self.num_windows)
-        shard, start = np.empty_like(seqs), np.empty_like(seqs)
-        for e in np.unique(epochs):
-            rows = epochs == e
-            order, shift = self._epoch(int(e))
-            window = order[within[rows]]
-            k = np.searchsorted(self.offsets, window, side="right") - 1
-            shard[rows], start[rows] = k, shift[k] + (window - self.offsets[k]) * self.seq_len
-        return shard, start
+    def _draw(self, rng) -> tuple:
+        return rng.permutation(self.n), rng.integers(0, self.max_shift + 1)  # order, then a shift per shard
 
     def next(self):
-        seqs = self.consumed + self.dp_rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
-        self.consumed += self.batch_size * self.dp_size
-        shard, start = self._locate(seqs)
+        window, epochs = self._next_items()
+        shard = np.searchsorted(self.offsets, window, side="right") - 1
+        start = (window - self.offsets[shard]) * self.seq_len
+        for e in np.unique(epochs):
+            start[epochs == e] += self._epoch(int(e))[1][shard[epochs == e]]
         batch = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
         for k in np.unique(shard):  # one fancy-indexing read per shard touched
             rows = shard == k
             batch[rows] = self.shards[k][start[rows, None] + self._cols]
         return torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "seq_len": self.seq_len}
-
-    def load_state_dict(self, state):
-        if (state["seed"], state["seq_len"]) != (self.seed, self.seq_len):
-            raise DataError(f"loader state is for seed {state['seed']}, seq_len {state['seq_len']}, but this loader "
-                            f"has seed {self.seed}, seq_len {self.seq_len}; resume with the same values")
-        self.consumed = int(state["consumed"])
 
 
 # ======== 7. Chat format, SFT and preference data =================================================
@@ -1003,64 +1021,14 @@ def _rows(examples, seq_len, pad_id, pack) -> tuple:
     return ids[:, :-1], targets, doc[:, :-1]
 
 
-class _RowLoader:
-    """The Loader's position scheme (section 6) over a list of rows fixed at construction.
-
-    Global sequence i is row perm_e[i % len(self)], e = i // len(self), perm_e seeded by (seed, e); rank r reads
-    consumed + r*batch_size + arange(batch_size), and every next() adds batch_size * dp_size to consumed.
-    """
-
-    def __init__(self, num_rows, batch_size, seq_len, dp_rank, dp_size, seed):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-        if num_rows == 0:
-            raise DataError("no examples to load (all dropped? see the counts of sft_examples / preference_examples)")
-        self.num_rows, self.batch_size, self.seq_len, self.seed = num_rows, batch_size, seq_len, seed
-        self.dp_rank, self.dp_size, self.consumed = dp_rank, dp_size, 0
-        self._orders = {}  # epoch -> row order; a batch usually touches at most two epochs
-
-    def __len__(self):
-        return self.num_rows
-
-    @property
-    def epoch(self) -> int:
-        return self.consumed // self.num_rows
-
-    def _order(self, epoch):
-        if epoch not in self._orders:
-            if len(self._orders) >= 2:
-                self._orders.pop(min(self._orders))
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
-        return self._orders[epoch]
-
-    def _next_rows(self) -> np.ndarray:
-        seqs = self.consumed + self.dp_rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
-        self.consumed += self.batch_size * self.dp_size
-        epochs, within = np.divmod(seqs, self.num_rows)
-        rows = np.empty_like(seqs)
-        for e in np.unique(epochs):
-            rows[epochs == e] = self._order(int(e))[within[epochs == e]]
-        return rows
-
-    def _settings(self) -> dict:
-        return {"seed": self.seed, "seq_len": self.seq_len}
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed, **self._settings()}
-
-    def load_state_dict(self, state):
-        saved = {key: state.get(key) for key in self._settings()}
-        if saved != self._settings():
-            raise DataError(f"loader state is for {saved}, but this loader has {self._settings()}; "
-                            f"resume with the same values")
-        self.consumed = int(state["consumed"])
+NO_EXAMPLES = "no examples to load (all dropped? see the counts of sft_examples / preference_examples)"
 
 
 def _tensor(array):
     return torch.from_numpy(array.astype(np.int64))
 
 
-class SFTLoader(_RowLoader):
+class SFTLoader(Positions):
     """(inputs, targets, doc_ids) int64 batches of shape (batch_size, seq_len) for one data-parallel rank.
 
     pack=True: the examples, in an order drawn once from the seed, fill rows of seq_len + 1 tokens greedily;
@@ -1074,17 +1042,17 @@ class SFTLoader(_RowLoader):
         order = np.random.default_rng(seed).permutation(len(examples)) if pack else range(len(examples))
         self.pack = pack
         self.inputs, self.targets, self.doc_ids = _rows([examples[i] for i in order], seq_len, pad_id, pack)
-        super().__init__(len(self.inputs), batch_size, seq_len, dp_rank, dp_size, seed)
+        super().__init__(len(self.inputs), batch_size, seq_len, dp_rank, dp_size, seed, empty=NO_EXAMPLES)
 
     def next(self):
-        rows = self._next_rows()
+        rows, _ = self._next_items()
         return _tensor(self.inputs[rows]), _tensor(self.targets[rows]), _tensor(self.doc_ids[rows])
 
     def _settings(self) -> dict:
         return {**super()._settings(), "pack": self.pack}
 
 
-class PreferenceLoader(_RowLoader):
+class PreferenceLoader(Positions):
     """(inputs, targets) int64 batches of shape (2 * batch_size, seq_len): rows 0..B-1 the chosen sequences,
     rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are IGNORE_INDEX
     outside the reply tokens. One global sequence is one pair; positions and state as in SFTLoader."""
@@ -1094,7 +1062,7 @@ class PreferenceLoader(_RowLoader):
         self.chosen = _rows([e["chosen"] for e in examples], seq_len, pad_id, pack=False)[:2]
         self.rejected = _rows([e["rejected"] for e in examples], seq_len, pad_id, pack=False)[:2]
         self.with_index, self.index_offset = with_index, index_offset
-        super().__init__(len(examples), batch_size, seq_len, dp_rank, dp_size, seed)
+        super().__init__(len(examples), batch_size, seq_len, dp_rank, dp_size, seed, empty=NO_EXAMPLES)
 
     def pairs(self, rows):
         """The (2B, T) inputs and targets of the given pairs (rows), chosen first."""
@@ -1104,7 +1072,7 @@ class PreferenceLoader(_RowLoader):
     def next(self):
         """(inputs, targets), plus (B,) pair indices + index_offset with with_index (dpo.py's cached
         reference log-probs are looked up by them)."""
-        rows = self._next_rows()
+        rows, _ = self._next_items()
         batch = self.pairs(rows)
         return (*batch, torch.from_numpy(rows + self.index_offset)) if self.with_index else batch
 
