@@ -169,21 +169,27 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
 
 class CommError(RuntimeError):
     """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
-    group and its ranks, so the log says where the job stopped instead of only that it did."""
+    group and its ranks, so the log says where the job stopped instead of only that it did. (With gloo the
+    failing call raises, and this names it. NCCL reports a timeout from its watchdog thread, which ends the
+    process with the op and the group's name, tp / pp / dp, given to new_group.)"""
 
 
-def _comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float) -> CommError:
-    """what: (op, tensor or None), described only now that it failed (the hot path formats nothing)."""
+def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
+    """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
+    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised as is."""
+    if isinstance(e, torch.OutOfMemoryError):
+        raise e
     op, t = what
     what = f"{op} of {tuple(t.shape)}" if t is not None else op
-    cause = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0])  # drop gloo's "[file.cc:78] "
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop gloo's "[file.cc:78] "
     cause = cause.split(". This is typically")[0][:300]
     waited = time.monotonic() - t0
     hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
             if waited >= 0.9 * mesh.timeout_s or "timed out" in cause.lower() else
             "a rank in this group died or failed; its own log says why")
-    return CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
-                     f"{mesh.rank} after {waited:.1f} s (--dist-timeout {mesh.timeout_s:g} s): {cause}; {hint}")
+    raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
+                    f"{mesh.rank} after {waited:.1f} s (--dist-timeout {mesh.timeout_s:g} s): {cause}; {hint}") from e
 
 
 class _Work:
@@ -196,7 +202,7 @@ class _Work:
         try:
             return self.work.wait()
         except RuntimeError as e:
-            raise _comm_error(e, self.what, self.mesh, self.dim, self.t0) from None
+            _raise_comm_error(e, self.what, self.mesh, self.dim, self.t0)
 
 
 def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
@@ -204,7 +210,7 @@ def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
     try:
         work = fn()
     except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-        raise _comm_error(e, what, mesh, dim, t0) from None
+        _raise_comm_error(e, what, mesh, dim, t0)
     return _Work(work, what, mesh, dim, t0) if async_op else None
 
 
@@ -542,6 +548,8 @@ def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Trans
     so a rank of a 405B model never holds more than its shards plus the largest single weight."""
     placement = getattr(model, "tp_placement", {})
     model.to_empty(device=device)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight  # to_empty() gave each its own storage: re-tie
     for name, p in model.named_parameters():
         dim, size = placement.get(name, (None, None))
         shape = list(p.shape)
@@ -589,7 +597,7 @@ def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=N
             what = "pipeline " + ", ".join(
                 f"{'send to' if op.op is dist.isend else 'recv from'} stage {mesh.pp_peers.index(op.peer)}"
                 for op in ops)
-            raise _comm_error(e, (what, None), mesh, "pp", t0) from None
+            _raise_comm_error(e, (what, None), mesh, "pp", t0)
 
 
 def _free(t: torch.Tensor):
@@ -929,13 +937,16 @@ def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, ext
     torch.save({"params": entries, "step": opt.step_count, **extra}, folder / shard_file(mesh))
 
 
-def _assemble(parts: list[dict]) -> dict[str, torch.Tensor]:
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _assemble(parts: list[dict], keys=STATE_KEYS) -> dict[str, torch.Tensor]:
     """One parameter's full master / moments from its shard entries (one entry when it is not split)."""
     first = parts[0]
     if first["dim"] is None:
-        return {k: first[k] for k in ("master", "exp_avg", "exp_avg_sq")}
+        return {k: first[k] for k in keys}
     d, out = first["dim"], {}
-    for k in ("master", "exp_avg", "exp_avg_sq"):
+    for k in keys:
         shape = list(first[k].shape)
         shape[d] = first["full_size"]
         out[k] = torch.zeros(shape, dtype=first[k].dtype)
@@ -944,10 +955,11 @@ def _assemble(parts: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_full_state(folder: Path, names=None) -> tuple[M.LazyState, dict]:
-    """Every shard file of a checkpoint (memory-mapped) -> {name: {"master", "exp_avg", "exp_avg_sq"}} as
-    full tensors, each assembled when looked up, so loading into another layout holds one full parameter at
-    a time; plus the first file's extra fields. Works for any layout the checkpoint was written in."""
+def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[M.LazyState, dict]:
+    """Every shard file of a checkpoint (memory-mapped) -> {name: {"master", "exp_avg", "exp_avg_sq"}} (or
+    only `keys`) as full tensors, each assembled when looked up, so loading into another layout holds one
+    full parameter at a time; plus the first file's extra fields. Works for any layout the checkpoint was
+    written in."""
     files = sorted(Path(folder).glob("shard_pp*_tp*.pt"))
     if not files:
         raise FileNotFoundError(f"no shard_pp*_tp*.pt files in {folder}")
@@ -957,7 +969,7 @@ def read_full_state(folder: Path, names=None) -> tuple[M.LazyState, dict]:
         for name, e in s["params"].items():
             if names is None or name in names:
                 pieces.setdefault(name, []).append(e)
-    full = M.LazyState({name: (lambda parts=parts: _assemble(parts)) for name, parts in pieces.items()})
+    full = M.LazyState({name: (lambda parts=parts: _assemble(parts, keys)) for name, parts in pieces.items()})
     extra = {k: v for k, v in shards[0].items() if k != "params"}
     return full, extra
 
@@ -988,7 +1000,7 @@ def consolidate(folder: Path, out: Path | None = None, hf: Path | None = None):
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     args = M.ModelArgs(**meta["model_args"])
-    full, _ = read_full_state(folder)
+    full, _ = read_full_state(folder, keys=("master",))
     with torch.device("meta"):
         model = M.Transformer(args)
     model = model.to_empty(device="cpu")

@@ -59,7 +59,7 @@ def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
     try:
         if (path / "meta.json").exists() and any(path.glob("shard_pp*_tp*.pt")):
             margs = M.ModelArgs(**json.loads((path / "meta.json").read_text())["model_args"])
-            full, _ = P.read_full_state(path)  # lazy: each weight assembled when a rank materializes it
+            full, _ = P.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
             master = lambda name: (lambda: full[name]["master"])
             state = M.LazyState({name: master(name) for name in full} |
                                 ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings else {}))

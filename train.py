@@ -312,17 +312,20 @@ def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # Preemption: SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raise a flag; the
 # loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough), a checkpoint
-# is written, and the process exits normally. A second signal to the same process means "now": it raises
-# KeyboardInterrupt wherever the process is (the last complete checkpoint stays the good one).
+# is written, and the process exits normally. A second signal to the same process, 2 s or more after the
+# first, means "now": it raises KeyboardInterrupt wherever the process is (the last complete checkpoint
+# stays the good one). Sooner, it is the same event delivered twice (the scheduler signals every process
+# and torchrun forwards its own copy; a terminal's Ctrl-C reaches torchrun and the workers alike).
 
 
 def watch_signals() -> dict:
     stop = {"signal": None}
 
     def handler(signum, frame):
-        if stop.get("received"):
+        if stop.get("at") is not None and time.monotonic() - stop["at"] >= 2.0:
             raise KeyboardInterrupt
-        stop["signal"] = stop["received"] = signal.Signals(signum).name
+        if stop.get("at") is None:
+            stop["signal"], stop["at"] = signal.Signals(signum).name, time.monotonic()
 
     if threading_main():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -464,6 +467,15 @@ def pretraining_data(args, tok, mesh):
     return train, make_val, f"{data_dir}: {train.num_tokens:,} train tokens"
 
 
+def read_initial(state, name: str) -> torch.Tensor:
+    """One initial weight from a (lazy) state dict: a truncated or unreadable file is read only now."""
+    try:
+        return state[name]
+    except Exception as e:
+        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:200]}") from None
+
+
 def build_model(margs, state, args, mesh, device, dtype):
     """The model on the meta device (shapes, no storage), sharded (tp) and cut (pp) there; then this rank's
     pieces get storage and values, from the seed or from `state` (a full state dict), and are cast. Every
@@ -472,13 +484,13 @@ def build_model(margs, state, args, mesh, device, dtype):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_pipeline(model, mesh, args.pp_split)
-    if state is None:
-        full_value = lambda name, shape: M.init_tensor(margs, name, shape, args.seed, device)
+    if state is None:  # drawn on the CPU, so one seed gives one model on any device
+        full_value = lambda name, shape: M.init_tensor(margs, name, shape, args.seed)
     else:
         missing = sorted({n for n, _ in model.named_parameters()} - set(state))
         if missing:
             raise ValueError(f"the initial state has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-        full_value = lambda name, shape: state[name]
+        full_value = lambda name, shape: read_initial(state, name)
     P.materialize(model, mesh, device, full_value)
     model.to(dtype)
     model.act_ckpt = args.act_ckpt

@@ -162,6 +162,20 @@ def test_each_rank_materializes_exactly_its_slice_of_the_whole_model():
                 assert torch.equal(p, expected), (pp_rank, tp_rank, name)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_materialized_tied_head_is_the_embedding(tp):
+    """Llama 3.2's tied embeddings stay one tensor through meta -> materialize (to_empty unties them)."""
+    args = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=301, multiple_of=32,
+                       tie_embeddings=True)
+    mesh = P.Mesh(tp=tp, tp_rank=tp - 1, rank=tp - 1)
+    with torch.device("meta"):
+        part = M.Transformer(args)
+    P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
+    P.materialize(part, mesh, "cpu", lambda name, shape: M.init_tensor(args, name, shape, 3))
+    assert part.output.weight is part.tok_embeddings.weight
+    assert "output.weight" not in dict(part.named_parameters())  # one tensor, one optimizer entry
+
+
 def test_a_rank_reads_only_its_own_weights_from_a_hugging_face_folder(tmp_path, monkeypatch):
     """sft.py/dpo.py --init from a Hugging Face folder: the state is read lazily, so pipeline stage 1 of 2
     reads the files for its own two layers, the final norm and the head, and nothing else."""
