@@ -33,9 +33,18 @@ def masters(out):
     return {k: v["master"] for k, v in parallel.read_full_state(d)[0].items()}
 
 
-def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
-    out = tmp_path / "o"
-    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "100000",
+CONVERSATION = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}
+PAIR = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "I will not."}
+
+
+@pytest.mark.parametrize("script,record", [("train.py", None), ("sft.py", CONVERSATION), ("dpo.py", PAIR)])
+def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, script, record):
+    """Every script that trains: SIGTERM mid-run -> the step finishes, a checkpoint, exit 0; --resume goes on."""
+    out, flags = tmp_path / "o", list(TINY)
+    if record is not None:  # sft.py / dpo.py: a small dataset of their own kind
+        (tmp_path / "d.jsonl").write_text((json.dumps(record) + "\n") * 40)
+        flags += ["--data", str(tmp_path / "d.jsonl"), "--val-fraction", "0.1", "--seq-len", "64"]
+    p = subprocess.Popen([sys.executable, str(REPO / script), *flags, "--max-steps", "100000",
                           "--ckpt-every", "100000", "--out-dir", str(out)], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -47,10 +56,10 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
     assert "stopped by signal SIGTERM" in stdout
     last = records(out)[-1]["step"]
     assert (out / "latest").read_text().strip() == f"step_{last:06d}"
-    code = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", str(last + 2),
+    code = subprocess.run([sys.executable, str(REPO / script), *flags, "--max-steps", str(last + 2),
                            "--out-dir", str(out), "--resume"], cwd=REPO, capture_output=True, text=True)
     assert code.returncode == 0, code.stderr[-2000:]
-    assert [r["step"] for r in records(out)][-2:] == [last + 1, last + 2]
+    assert [r["step"] for r in records(out) if "loss" in r][-2:] == [last + 1, last + 2]
 
 
 def inject_nan(monkeypatch, calls: set):
