@@ -57,7 +57,8 @@ def _mirror_root(mirror=None):
     return Path(root).expanduser() if root else None
 
 
-def _one_line(error) -> str:
+def one_line(error) -> str:
+    """An exception's first line, at most 200 characters (its type's name if it has no message)."""
     return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
@@ -204,8 +205,8 @@ def _fetch_url(url, part, retries, timeout, backoff, hint):
             return
         except requests.RequestException as e:
             error = e
-            print(f"  try {attempt + 1}/{retries} failed: {_one_line(e)}", file=sys.stderr)
-    raise DataError(f"could not download {url} after {retries} tries ({_one_line(error)}); {hint}")
+            print(f"  try {attempt + 1}/{retries} failed: {one_line(e)}", file=sys.stderr)
+    raise DataError(f"could not download {url} after {retries} tries ({one_line(error)}); {hint}")
 
 
 def _sha256_file(path) -> str:
@@ -280,7 +281,7 @@ def _openai_encoding(name, mirror):
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:
-        raise DataError(f"could not load the {name} tokenizer ({_one_line(e)}); offline, set TIKTOKEN_CACHE_DIR "
+        raise DataError(f"could not load the {name} tokenizer ({one_line(e)}); offline, set TIKTOKEN_CACHE_DIR "
                         f"or DATA_MIRROR/--mirror to a folder holding tiktoken's cache files") from None
     finally:
         if unset:

@@ -74,7 +74,7 @@ def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
     except T.ConfigError:
         raise
     except Exception as e:
-        raise T.ConfigError(f"cannot read --init {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        raise T.ConfigError(f"cannot read --init {path}: {type(e).__name__}: {data.one_line(e)}")
     if tok.n_vocab > margs.vocab_size:
         margs, state = grow_vocab(margs, state, tok.n_vocab)
     return margs, state

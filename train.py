@@ -295,7 +295,7 @@ def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
         meta = json.loads((ckpt / "meta.json").read_text())
         saved = M.ModelArgs(**meta["model_args"])
     except Exception as e:
-        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
     if saved != margs:
         diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
         raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
@@ -306,7 +306,7 @@ def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
     try:
         return P.load_shards(ckpt, model, opt, mesh)
     except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
-        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -472,8 +472,7 @@ def read_initial(state, name: str) -> torch.Tensor:
     try:
         return state[name]
     except Exception as e:
-        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0][:200]}") from None
+        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: {data.one_line(e)}") from None
 
 
 def build_model(margs, state, args, mesh, device, dtype):

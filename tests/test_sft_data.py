@@ -113,21 +113,15 @@ def test_read_sft_formats_and_errors(tmp_path):
     assert read_sft(mixed) == [messages, [{"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}]]
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "p", "response": "r"}\n\n{"prompt": "p", \n')
-    with pytest.raises(DataError, match=r"bad.jsonl:3: malformed JSON"):
-        read_sft(bad)
-    bad.write_text('{"prompt": "p", "response": "r"}\n{"text": "t"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: unknown SFT record \['text'\]"):
-        read_sft(bad)
-    bad.write_text('{"messages": [{"role": "bot", "content": "x"}]}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:1: .*'bot'"):
-        read_sft(bad)
-    bad.write_text('[{"instruction": "i", "output": "o"},\n {"instruction": "i", "output": 3}]')
-    with pytest.raises(DataError, match=r"bad.jsonl: record 1: .*output"):
-        read_sft(bad)
-    bad.write_text('[{"instruction": "i", "output": "o"},\n {"instruction": }]')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: malformed JSON"):
-        read_sft(bad)
+    for text, message in [  # each error names the file and the line (or record) at fault
+            ('{"prompt": "p", "response": "r"}\n\n{"prompt": "p", \n', r"bad.jsonl:3: malformed JSON"),
+            ('{"prompt": "p", "response": "r"}\n{"text": "t"}\n', r"bad.jsonl:2: unknown SFT record \['text'\]"),
+            ('{"messages": [{"role": "bot", "content": "x"}]}\n', r"bad.jsonl:1: .*'bot'"),
+            ('[{"instruction": "i", "output": "o"},\n {"instruction": "i", "output": 3}]', r"bad.jsonl: record 1: .*output"),
+            ('[{"instruction": "i", "output": "o"},\n {"instruction": }]', r"bad.jsonl:2: malformed JSON")]:
+        bad.write_text(text)
+        with pytest.raises(DataError, match=message):
+            read_sft(bad)
     with pytest.raises(DataError, match="not a registered name.*alpaca_5000"):
         read_sft(tmp_path / "missing.jsonl")
 
