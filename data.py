@@ -49,7 +49,10 @@ class DataError(Exception):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DATA_CACHE") or "~/.cache/llama3-train").expanduser()
+    path = Path(os.environ.get("DATA_CACHE") or "~/.cache/llama3-train").expanduser()
+    if path.exists() and not path.is_dir():
+        raise DataError(f"the data cache {path} is not a folder; point DATA_CACHE at a folder")
+    return path
 
 
 def _mirror_root(mirror=None):
@@ -58,8 +61,18 @@ def _mirror_root(mirror=None):
 
 
 def one_line(error) -> str:
-    """An exception's first line, at most 200 characters (its type's name if it has no message)."""
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+    """An exception's whole message on one line (its type's name if it has none). A pickle refused by
+    torch.load(weights_only=True) is said in those words, with torch's reason and without its advice to
+    load the file unsafely."""
+    text = str(error)
+    if text.startswith("Weights only load failed"):
+        # torch's reason follows its advice; the marker before it differs between torch versions.
+        for marker in ("WeightsUnpickler error:", "from a trusted source."):
+            text = text.split(marker)[-1]
+        reason = " ".join(text.split("Check the documentation")[0].split())
+        return (f"refused to unpickle it (weights_only=True loads tensors and plain containers only, never "
+                f"code): {reason}")
+    return " ".join(text.split()) or type(error).__name__
 
 
 # ======== 1. Sources and download =================================================================
@@ -209,7 +222,7 @@ def _fetch_url(url, part, retries, timeout, backoff, hint):
     raise DataError(f"could not download {url} after {retries} tries ({one_line(error)}); {hint}")
 
 
-def _sha256_file(path) -> str:
+def sha256_file(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -218,7 +231,7 @@ def _sha256_file(path) -> str:
 
 
 def _verify_and_place(part, dest, sha256, origin, hint):
-    got = _sha256_file(part)
+    got = sha256_file(part)
     if got != sha256:
         part.unlink()  # a wrong file must not be resumed from either
         raise DataError(f"checksum mismatch for {origin}: expected sha256 {sha256}, got {got} "
@@ -246,7 +259,9 @@ TOKENIZERS = ("byte", "gpt2", "cl100k_base", "o200k_base", "llama3")
 
 @functools.lru_cache(maxsize=16)
 def get_tokenizer(name_or_path, mirror=None) -> tiktoken.Encoding:
-    """byte | gpt2 | cl100k_base | o200k_base | llama3 | a path to a Llama 3 tokenizer.model."""
+    """byte | gpt2 | cl100k_base | o200k_base | llama3 | a path to a Llama 3 tokenizer.model. The name of
+    the Encoding (stored in shard headers, part of the shard cache's folder name) says what it encodes:
+    'llama3' for the official ranks from any file, 'llama3-<digest>' for other ranks."""
     name = str(name_or_path)
     if name == "byte":  # 256 single-byte ranks and no merges: a character-level model for UTF-8 bytes
         return _with_specials("byte", {bytes([i]): i for i in range(256)}, GPT2_PAT, {})
@@ -262,7 +277,18 @@ def get_tokenizer(name_or_path, mirror=None) -> tiktoken.Encoding:
                         f"or a path to a Llama 3 tokenizer.model")
     ranks = _read_rank_file(path)
     specials = {token: LLAMA3_RANKS + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
-    return tiktoken.Encoding("llama3", pat_str=LLAMA3_PAT, mergeable_ranks=ranks, special_tokens=specials)
+    digest = _ranks_digest(ranks)
+    name = "llama3" if digest == LLAMA3_SHA256 else f"llama3-{digest[:16]}"
+    return tiktoken.Encoding(name, pat_str=LLAMA3_PAT, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def _ranks_digest(ranks: dict) -> str:
+    """sha256 of the ranks written in rank order as '<base64> <rank>' lines: the official file's own
+    bytes for the official ranks, whatever order or line ends another copy of them uses."""
+    h = hashlib.sha256()
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        h.update(base64.b64encode(token) + b" %d\n" % rank)
+    return h.hexdigest()
 
 
 def _with_specials(name, ranks, pat_str, own_specials):
@@ -366,7 +392,7 @@ def read_documents(path, fmt="text", text_field="text", encoding="utf-8") -> lis
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            raise jsonl_error(path, lineno, line, text, e) from None
         value = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(value, str):
             fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
@@ -375,6 +401,20 @@ def read_documents(path, fmt="text", text_field="text", encoding="utf-8") -> lis
         if value:
             docs.append(value)
     return docs
+
+
+def jsonl_error(path, lineno, line, text, e: json.JSONDecodeError) -> DataError:
+    """A JSON Lines line that does not parse: where and why, or what the file is instead when a pretty-
+    printer spread its records over several lines."""
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, (dict, list)) or line.strip() in ("{", "["):
+        what = {dict: "one JSON object", list: "a JSON array"}.get(type(whole), "JSON records")
+        return DataError(f"{path}: {what} spread over several lines (pretty-printed), not JSON Lines: write one "
+                         f"record per line")
+    return DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
 
 
 def split_documents(docs, val_fraction):
@@ -393,16 +433,18 @@ def split_documents(docs, val_fraction):
 # ======== 4. Token shards =========================================================================
 # Layout (little-endian), 256-byte header, then `count` tokens of `itemsize` bytes:
 #   offset  0  8 bytes  magic b"L3TOKENS"
-#   offset  8  uint32   format version (1)
+#   offset  8  uint32   format version (2; version 1 is read too)
 #   offset 12  uint32   token itemsize / dtype code: 2 = uint16, 4 = uint32
 #   offset 16  uint64   token count
 #   offset 24  64 bytes tokenizer name, utf-8, zero padded (byte, gpt2, cl100k_base, o200k_base, llama3)
-#   offset 88  zeros up to 256 (reserved; also keeps the token array aligned)
+#   offset 88  uint64   the largest token id (version 2; 0 for an empty shard), so a shard whose ids do not
+#                       fit the tokenizer is refused before training instead of failing inside the embedding
+#   offset 96  zeros up to 256 (reserved; also keeps the token array aligned)
 
 SHARD_MAGIC = b"L3TOKENS"
-SHARD_VERSION = 1
+SHARD_VERSION = 2
 HEADER_BYTES = 256
-_HEADER = struct.Struct("<8sIIQ64s")
+_HEADER = struct.Struct("<8sIIQ64sQ")
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
@@ -416,7 +458,8 @@ def write_shard(path, tokens, tokenizer_name, vocab_size=None) -> Path:
     name = tokenizer_name.encode("utf-8")
     if len(name) > 64:
         raise DataError(f"tokenizer name {tokenizer_name!r} is longer than the 64 bytes a shard header holds")
-    header = _HEADER.pack(SHARD_MAGIC, SHARD_VERSION, dtype.itemsize, tokens.size, name).ljust(HEADER_BYTES, b"\0")
+    header = _HEADER.pack(SHARD_MAGIC, SHARD_VERSION, dtype.itemsize, tokens.size, name,
+                          int(tokens.max(initial=0))).ljust(HEADER_BYTES, b"\0")
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:  # a crash leaves a .tmp file, never a short shard under the real name
         f.write(header)
@@ -426,32 +469,41 @@ def write_shard(path, tokens, tokenizer_name, vocab_size=None) -> Path:
 
 
 def shard_info(path) -> dict:
-    """Read and check a shard header: {"tokenizer", "tokens", "dtype", "version"}."""
+    """Read and check a shard header: {"tokenizer", "tokens", "dtype", "version", "max_id"} (max_id: None
+    in a version 1 shard)."""
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
     if len(head) < HEADER_BYTES or head[:8] != SHARD_MAGIC:
         raise DataError(f"{path} is not a token shard (bad magic {head[:8]!r}, expected {SHARD_MAGIC!r})")
-    _, version, itemsize, count, name = _HEADER.unpack_from(head)
-    if version != SHARD_VERSION or itemsize not in _DTYPES:
+    _, version, itemsize, count, name, max_id = _HEADER.unpack_from(head)
+    if version not in (1, SHARD_VERSION) or itemsize not in _DTYPES:
         raise DataError(f"{path}: unsupported shard format version {version} / dtype code {itemsize}")
     size, expected = path.stat().st_size, HEADER_BYTES + count * itemsize
     if size != expected:
         raise DataError(f"{path} is truncated or corrupt: its header says {count:,} tokens ({expected:,} bytes), "
                         f"the file has {size:,} bytes; re-run prepare")
-    return {"tokenizer": name.rstrip(b"\0").decode("utf-8"), "tokens": count, "dtype": _DTYPES[itemsize],
-            "version": version}
+    return {"tokenizer": name.rstrip(b"\0").decode("utf-8", errors="replace"), "tokens": count,
+            "dtype": _DTYPES[itemsize], "version": version, "max_id": max_id if version >= 2 else None}
 
 
-def read_shard(path, tokenizer_name=None) -> np.memmap:
-    """Memory-map a shard's tokens, refusing it if it was written with another tokenizer."""
+def read_shard(path, tokenizer_name=None, n_vocab=None) -> np.memmap:
+    """Memory-map a shard's tokens, refusing it if it was written with another tokenizer or (given n_vocab)
+    holds an id the tokenizer does not have."""
     info = shard_info(path)
     if tokenizer_name is not None and info["tokenizer"] != tokenizer_name:
         raise DataError(f"{path} was tokenized with {info['tokenizer']!r}, but {tokenizer_name!r} is expected; "
                         f"prepare the data again with --tokenizer {tokenizer_name}")
     if info["tokens"] == 0:  # mmap cannot map zero bytes
         return np.zeros(0, dtype=info["dtype"])
-    return np.memmap(path, dtype=info["dtype"], mode="r", offset=HEADER_BYTES, shape=(info["tokens"],))
+    tokens = np.memmap(path, dtype=info["dtype"], mode="r", offset=HEADER_BYTES, shape=(info["tokens"],))
+    if n_vocab is not None:
+        top = info["max_id"] if info["max_id"] is not None else int(tokens.max())  # version 1: read them all
+        if top >= n_vocab:
+            raise DataError(f"{path} holds token id {top:,}, but the {info['tokenizer']} tokenizer has {n_vocab:,} "
+                            f"ids (0..{n_vocab - 1:,}): the shard is corrupt or was not written by this tokenizer; "
+                            f"prepare the data again")
+    return tokens
 
 
 # ======== 5. prepare: documents -> shards =========================================================
@@ -463,37 +515,59 @@ PARALLEL_BYTES = 1 << 20  # below this, one thread is faster than starting sever
 
 def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, workers=None, text_field="text",
             shard_tokens=DEFAULT_SHARD_TOKENS) -> Path:
-    """Tokenize a source into <out_dir>/train_*.bin, val_*.bin, meta.json; a finished folder is reused."""
+    """Tokenize a source into <out_dir>/train_*.bin, val_*.bin, meta.json; a finished folder is reused.
+
+    Everything is read and checked, and the new shards written into a temporary folder inside out_dir,
+    before the old ones are touched: a bad setting or source leaves a prepared folder as it was."""
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise DataError(f"shard_tokens must be a positive number of tokens, got {shard_tokens}")
     enc = tokenizer if isinstance(tokenizer, tiktoken.Encoding) else get_tokenizer(tokenizer, mirror)
     inputs = resolve_source(source, mirror)
     out = Path(out_dir) if out_dir else cache_dir() / "shards" / f"{_slug(source)}-{enc.name}"
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} exists and is not a folder")
     settings = {"source": str(source), "tokenizer": enc.name, "val_fraction": val_fraction,
-                "text_field": text_field, "shard_tokens": shard_tokens,
+                "text_field": text_field, "shard_tokens": shard_tokens, "format": SHARD_VERSION,
                 "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                            for p, *_ in inputs]}
-    meta_path = out / "meta.json"
-    old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    old = _read_json_object(out / "meta.json")
     if all(old.get(key) == value for key, value in settings.items()):
         print(f"{out}: already prepared", file=sys.stderr)
         return out
-
-    # meta.json is the completion marker: remove it first, write it last, so a crash is always redone
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [meta_path, *out.glob("train_*.bin"), *out.glob("val_*.bin")]:
-        stale.unlink(missing_ok=True)
     docs = [doc for path, fmt, encoding in inputs for doc in read_documents(path, fmt, text_field, encoding)]
     if not docs:
         raise DataError(f"{source}: no documents (empty files, or no non-empty {text_field!r} fields)")
-    splits = {}
-    for split, part in zip(("train", "val"), split_documents(docs, val_fraction)):
-        if part:
-            splits[split] = _tokenize_split(part, enc, out, split, workers, shard_tokens)
-    meta = {**settings, "n_vocab": enc.n_vocab, "splits": splits,
-            "input_sha256": {str(p.resolve()): _sha256_file(p) for p, *_ in inputs}}
-    tmp = meta_path.with_name("meta.json.tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, meta_path)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".prepare-{os.getpid()}"  # beside the old shards, so the swap below is a rename
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        splits = {split: _tokenize_split(part, enc, tmp, split, workers, shard_tokens)
+                  for split, part in zip(("train", "val"), split_documents(docs, val_fraction)) if part}
+        meta = {**settings, "n_vocab": enc.n_vocab, "splits": splits,
+                "input_sha256": {str(p.resolve()): sha256_file(p) for p, *_ in inputs}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        # meta.json is the completion marker: removed first, moved in last, so a crash is always redone
+        (out / "meta.json").unlink(missing_ok=True)
+        for stale in [*out.glob("train_*.bin"), *out.glob("val_*.bin")]:
+            stale.unlink()
+        for shard in sorted(tmp.glob("*.bin")):
+            os.replace(shard, out / shard.name)
+        os.replace(tmp / "meta.json", out / "meta.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _read_json_object(path) -> dict:
+    """A JSON object from a file; {} when it is missing, unreadable or not an object (then it is redone)."""
+    try:
+        found = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _slug(source) -> str:
@@ -701,11 +775,13 @@ class Loader(Positions):
     """
 
     def __init__(self, data_dir, split, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, tokenizer=None):
+        """tokenizer: a name, or an Encoding (then every id must also be below its n_vocab)."""
         paths = sorted(Path(data_dir).glob(f"{split}_*.bin"))
         if not paths:
             raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}; run: python data.py prepare ...")
         name = _tokenizer_name(tokenizer)
-        self.shards = [read_shard(p, name) for p in paths]
+        n_vocab = tokenizer.n_vocab if isinstance(tokenizer, tiktoken.Encoding) else None
+        self.shards = [read_shard(p, name, n_vocab) for p in paths]
         n = np.array([len(s) for s in self.shards], dtype=np.int64)
         counts = np.where(n > seq_len, np.maximum(n // seq_len - 1, 1), 0)
         self.max_shift = np.clip(np.minimum(n - 1 - counts * seq_len, seq_len - 1), 0, None)
@@ -804,7 +880,7 @@ def _json_records(path) -> list:
             try:
                 records.append((f"{path}:{lineno}", json.loads(line)))
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                raise jsonl_error(path, lineno, line, text, e) from None
     return records
 
 
@@ -1082,7 +1158,12 @@ class PreferenceLoader(Positions):
 
 def _print_info(path):
     path = Path(path)
-    for shard in sorted(path.glob("*.bin")) if path.is_dir() else [path]:
+    if not path.exists():
+        raise DataError(f"no file or folder {path}")
+    shards = sorted(path.glob("*.bin")) if path.is_dir() else [path]
+    if not shards:
+        raise DataError(f"{path} holds no token shards (*.bin)")
+    for shard in shards:
         info = shard_info(shard)
         print(f"{shard}: {info['tokens']:,} tokens, {info['dtype'].name}, tokenizer {info['tokenizer']}, "
               f"format v{info['version']}")
@@ -1119,8 +1200,8 @@ def main(argv=None) -> int:
             print(fetch(args.name, args.mirror))
         else:
             _print_info(args.path)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (DataError, OSError) as e:  # OSError: a folder that cannot be written or read
+        print(f"error: {e if isinstance(e, DataError) else one_line(e)}", file=sys.stderr)
         return 1
     return 0
 

@@ -319,7 +319,8 @@ def test_shard_dtype_and_round_trip(tmp_path):
         shard = read_shard(path, "llama3")
         assert shard.dtype == dtype and shard.tolist() == tokens.tolist()
         assert path.stat().st_size == data.HEADER_BYTES + len(tokens) * np.dtype(dtype).itemsize
-    assert data.shard_info(path) == {"tokenizer": "llama3", "tokens": 3, "dtype": np.dtype("<u2"), "version": 1}
+    assert data.shard_info(path) == {"tokenizer": "llama3", "tokens": 3, "dtype": np.dtype("<u2"), "version": 2,
+                                     "max_id": 65535}
     assert not list(tmp_path.glob("*.tmp"))
 
 
