@@ -22,6 +22,7 @@ dp replicas), cached in <out-dir>/ref_logps.pt, and the reference freed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -151,7 +152,7 @@ class DPOTask:
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    if not 0 <= args.label_smoothing < 0.5 or args.beta <= 0:
+    if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
         raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
     start = {}
 

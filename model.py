@@ -59,6 +59,15 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len",
+                     *(["ffn_hidden"] if self.ffn_hidden is not None else [])):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -369,6 +378,17 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
+    """Settings that would sample nothing or nonsense are refused: top_p 0 keeps no token, a negative
+    temperature turns the distribution upside down."""
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
@@ -380,6 +400,7 @@ def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature
     once every row has produced eos_id. n_vocab: sample only ids below it (the embedding table may be
     padded past the tokenizer's vocabulary; padded rows are never valid tokens).
     """
+    check_sampling(temperature, top_k, top_p)
     was_training = model.training
     model.eval()
     device = model.tok_embeddings.weight.device
