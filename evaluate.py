@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import checkpoint as C
 import data
 import model as M
 import parallel as P
@@ -53,8 +54,8 @@ def init_defaults(path) -> dict:
     """Defaults for --tokenizer and --seq-len from --init: what a train.py / sft.py / dpo.py checkpoint was
     trained with; for a Hugging Face or Meta folder with the Llama 3 vocabulary, the Llama 3 tokenizer."""
     path = Path(path)
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    if C.is_checkpoint(path) and not (path / "meta.json").is_file():  # an out-dir: its newest checkpoint
+        path = C.find_latest(path, verify=False)[0] or path  # (load_model verifies the one it loads)
     for name in ("meta.json", "config.json", "params.json"):
         try:
             found = json.loads((path / name).read_text())
@@ -63,8 +64,10 @@ def init_defaults(path) -> dict:
         if not isinstance(found, dict):
             return {}
         if name == "meta.json":
-            return found.get("args", {})
-        return {"tokenizer": "llama3"} if found.get("vocab_size", 0) >= data.LLAMA3_RANKS else {}
+            args = found.get("args") if isinstance(found.get("args"), dict) else {}
+            return {k: args[k] for k, kind in (("tokenizer", str), ("seq_len", int)) if isinstance(args.get(k), kind)}
+        vocab = found.get("vocab_size")
+        return {"tokenizer": "llama3"} if isinstance(vocab, int) and vocab >= data.LLAMA3_RANKS else {}
     return {}
 
 
@@ -512,8 +515,9 @@ def describe(r) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    args = get_parser().parse_args(argv)
+def check_flags(args) -> list[str]:
+    """Refuse flags that make no job together or are out of range; return the prompts to complete
+    (--prompt, then --prompts-file's non-empty lines)."""
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
@@ -529,6 +533,16 @@ def main(argv=None):
     for flag in ("batch_size", "limit", "seq_len", "max_new_tokens", "ngram_words", "ngram_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise T.ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    try:
+        M.check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise T.ConfigError(f"sampling: {e} (--temperature, --top-k, --top-p)") from None
+    return prompts
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    prompts = check_flags(args)
     recorded = init_defaults(args.init) if args.init else {}
     tok = data.get_tokenizer(args.tokenizer or recorded.get("tokenizer", "byte"), args.mirror)
     mesh = P.Mesh(rank=int(os.environ.get("RANK", "0")))

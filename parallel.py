@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,7 @@ class Mesh:
     sp: bool = False  # sequence parallelism inside the TP group
     group_ranks: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" / "world" -> global ranks, for messages
     timeout_s: float = 300.0  # how long any collective may wait for its peers
+    device: torch.device = torch.device("cpu")  # where small flags live for a collective (NCCL: the GPU)
     comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0})
 
     @property
@@ -127,7 +129,8 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dp = world // (tp * pp)
-    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s)
+    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
+                device=device if device is not None and device.type == "cuda" else torch.device("cpu"))
     grid = torch.arange(world).view(dp, pp, tp)
     mesh.dp_rank, mesh.pp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
     mesh.pp_peers = grid[mesh.dp_rank, :, mesh.tp_rank].tolist()
@@ -753,9 +756,10 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
     return results
 
 
-def all_true(flag: torch.Tensor, mesh: Mesh) -> bool:
-    """True on every rank iff flag is true on every rank (e.g. 'all my gradients are finite')."""
-    t = flag.float().reshape(1)
+def all_true(flag, mesh: Mesh) -> bool:
+    """True on every rank iff flag (a bool or a one-element tensor) is true on every rank (e.g. 'all my
+    gradients are finite', 'my checkpoint files are written')."""
+    t = torch.as_tensor(flag, device=mesh.device).float().reshape(1)
     for dim in ("tp", "pp", "dp"):
         all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
     return bool(t.item())
@@ -934,7 +938,10 @@ def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, ext
             length = max(0, min(local, size - start))  # the vocabulary padding is not saved
             state = {k: v.narrow(dim, 0, length) for k, v in state.items()}
         entries[name] = {"dim": dim, "start": start, "full_size": size, **state}
-    torch.save({"params": entries, "step": opt.step_count, **extra}, folder / shard_file(mesh))
+    with open(folder / shard_file(mesh), "wb") as f:  # through a file: a failed write keeps its OSError
+        torch.save({"params": entries, "step": opt.step_count, **extra}, f)
+        f.flush()
+        os.fsync(f.fileno())  # each writer makes its own bytes durable
 
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -1017,16 +1024,30 @@ def consolidate(folder: Path, out: Path | None = None, hf: Path | None = None):
     return model
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tools for sharded checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="merge a checkpoint's shards into one file and/or a HF folder")
-    c.add_argument("checkpoint", help="a step directory, or an --out-dir (its latest checkpoint)")
+    c.add_argument("checkpoint", help="a step directory, or an --out-dir (its newest intact checkpoint)")
     c.add_argument("--out", help="write {model_args, state_dict} here (torch.save)")
     c.add_argument("--hf", help="write a Hugging Face Llama folder here")
-    a = p.parse_args()
-    ckpt = Path(a.checkpoint)
-    if (ckpt / "latest").exists():
-        ckpt = ckpt / (ckpt / "latest").read_text().strip()
-    consolidate(ckpt, Path(a.out) if a.out else None, Path(a.hf) if a.hf else None)
+    a = p.parse_args(argv)
+    import checkpoint as C  # imported here: checkpoint.py imports this file
+    import data
+    try:
+        if not (a.out or a.hf):
+            raise C.CheckpointError("nothing to write: give --out FILE and/or --hf FOLDER")
+        ckpt = C.resolve(a.checkpoint, say=lambda msg: print(msg, file=sys.stderr))
+        consolidate(ckpt, Path(a.out) if a.out else None, Path(a.hf) if a.hf else None)
+    except C.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, RuntimeError, ValueError) as e:  # unreadable shards, an unwritable --out: the reason
+        print(f"error: cannot consolidate {a.checkpoint}: {type(e).__name__}: {data.one_line(e)}", file=sys.stderr)
+        return 1
     print(f"consolidated {ckpt}" + (f" -> {a.out}" if a.out else "") + (f" -> {a.hf}" if a.hf else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

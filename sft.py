@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+import os
 from pathlib import Path
 
 import torch
 
+import checkpoint as C
 import data
 import model as M
 import parallel as P
@@ -54,11 +55,11 @@ def get_parser() -> argparse.ArgumentParser:
 def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
     """--init -> (model args, full state dict), from any of the three formats."""
     path = Path(path)
-    if (path / "latest").exists():
-        path = path / (path / "latest").read_text().strip()
+    if C.is_checkpoint(path):  # verified against its manifest, as --resume does
+        path = C.resolve(path, say=print if int(os.environ.get("RANK", "0")) == 0 else lambda msg: None)
     try:
-        if (path / "meta.json").exists() and any(path.glob("shard_pp*_tp*.pt")):
-            margs = M.ModelArgs(**json.loads((path / "meta.json").read_text())["model_args"])
+        if C.is_checkpoint(path):
+            margs = M.ModelArgs(**C.read_meta(path)["model_args"])
             full, _ = P.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
             master = lambda name: (lambda: full[name]["master"])
             state = M.LazyState({name: master(name) for name in full} |
@@ -71,7 +72,7 @@ def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
         else:
             raise T.ConfigError(f"--init {path}: not a checkpoint folder, a Hugging Face folder (config.json) "
                                 f"or a Meta folder (params.json)")
-    except T.ConfigError:
+    except (T.ConfigError, C.CheckpointError):
         raise
     except Exception as e:
         raise T.ConfigError(f"cannot read --init {path}: {type(e).__name__}: {data.one_line(e)}")

@@ -18,13 +18,12 @@ validation loss, logging to the console and to <out-dir>/metrics.jsonl, checkpoi
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+import math
 import os
 import platform
 import random
 import resource
-import shutil
 import signal
 import sys
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import checkpoint as C
 import data
 import model as M
 import optim as O
@@ -47,7 +47,11 @@ class ConfigError(Exception):
 
 
 class TrainingError(ConfigError):
-    """Training cannot go on (too many bad steps, a checkpoint that cannot be written): one line, exit 1."""
+    """Training cannot go on (too many bad steps): one line, exit 1."""
+
+
+class ResourceError(ConfigError):
+    """This process's machine cannot run the job (too little memory): said by every rank that finds it."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,17 +142,51 @@ def model_args_from(args, vocab_size: int) -> M.ModelArgs:
 
 
 def validate(args):
-    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "log_every", "keep_ckpts", "eval_batches"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0 or args.lr <= 0:
-        raise ConfigError("--warmup must be >= 0 and --lr > 0")
+    """Every flag value a run cannot use is refused here, before anything is read or written. NaN fails
+    every comparison below, so it is refused wherever a range is."""
+    def need(ok: bool, name: str, rule: str):
+        if not ok:
+            raise ConfigError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "log_every", "keep_ckpts", "eval_batches",
+                 "max_skips"):
+        need(getattr(args, name) >= 1, name, "at least 1")
+    for name in ("warmup", "ckpt_every", "sample_tokens"):
+        need(getattr(args, name) >= 0, name, "at least 0")
+    need(args.eval_every >= -1, "eval_every", "-1 (never), 0 (at the end) or a number of steps")
+    need(0 < args.lr < math.inf, "lr", "a positive number")
+    need(0 <= args.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
+    need(0 <= args.beta1 < 1, "beta1", "in [0, 1)")
+    need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
+    need(0 <= args.weight_decay < math.inf, "weight_decay", "a number >= 0")
+    need(0 <= args.grad_clip < math.inf, "grad_clip", "a number >= 0 (0: off)")
+    need(args.skip_spikes == 0 or 1 < args.skip_spikes < math.inf, "skip_spikes", "0 (off) or a factor above 1")
+    need(0 < args.dist_timeout < math.inf, "dist_timeout", "a positive number of seconds")
+    need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
+    need(0 <= args.seed < 2 ** 63, "seed", "in [0, 2^63)")
+
+
+def parse_pp_layers(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--pp-layers {text!r}: expected the layers of each stage, e.g. 3,3,2") from None
 
 
 def pick_device_and_precision(args):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"--device {args.device!r}: use cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but CUDA is not available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this process sees {torch.cuda.device_count()} GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("--device mps was asked for but MPS is not available")
     if device.type == "cuda" and device.index is None:  # one GPU per process, chosen by torchrun
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -198,104 +236,93 @@ def peak_memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB: process peak RSS
 
 
+def available_memory(device) -> float | None:
+    """Bytes this process may still use: free GPU memory, or the host's available memory shared by the
+    processes torchrun started on it (None where it cannot be read)."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_memory(margs, args, world: int, device, precision: str):
+    """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
+    (model states and activations, model.memory_estimate) against what its device has free."""
+    dp = world // (args.tp * args.pp)
+    est = M.memory_estimate(margs, precision, args.micro_batch, args.seq_len, args.act_ckpt, args.tp, args.pp,
+                            dp if args.zero else 1, args.sp)
+    have = available_memory(device)
+    if have is not None and est["total"] > have:
+        parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
+        raise ResourceError(f"model {args.model} needs about {est['total'] / 1e9:.1f} GB per process ({parts} GB) "
+                            f"but {device.type} has {have / 1e9:.1f} GB available; use a smaller model, shard it "
+                            f"over more processes (--tp, --pp, --zero 1) or a device with more memory")
+
+
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints: <out-dir>/step_000500/{shard_ppXX_tpYY.pt..., meta.json}, written into .tmp-step_000500 and
-# renamed when every rank has finished; <out-dir>/latest names the newest complete one and is replaced
-# (atomically) only after it. Shards hold global parameter names (parallel.py, section 8), so a checkpoint
-# loads into any layout.
+# Checkpoints (checkpoint.py keeps the folder: lock, atomic save, manifest, rotation, finding the newest).
+# What goes into one is decided here: every rank's shards with global names (parallel.py, section 8), so a
+# checkpoint loads into any layout, plus the random states, the loss scale and, in meta.json, the step,
+# the loader's position, the flags and the model's shape.
 
 
 def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, args, margs, mesh):
-    name = f"step_{step:06d}"
-    tmp = out_dir / f".tmp-{name}"
-    try:
-        if mesh.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        P.barrier(mesh)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        P.save_shards(tmp, model, opt, mesh, sync,
-                      {"rng": rng, "scaler": scaler.state_dict() if scaler else None})
-        P.barrier(mesh)
-        if mesh.rank == 0:
-            # the manifest: every shard's size and sha256, so a truncated or damaged file is caught at resume
-            files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.glob("*.pt"))}
-            meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs),
-                    "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}, "files": files}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            final = out_dir / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            pointer = out_dir / ".latest.tmp"
-            pointer.write_text(name + "\n")
-            os.replace(pointer, out_dir / "latest")
-            for old in sorted(out_dir.glob("step_*"))[:-args.keep_ckpts]:
-                shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:  # disk full, quota, a vanished mount: the previous checkpoint was never touched
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = (out_dir / "latest").read_text().strip() if (out_dir / "latest").exists() else "none"
-        raise TrainingError(f"could not write checkpoint {out_dir / name}: {e.strerror or e}; the previous "
-                            f"checkpoint ({previous}) is intact and --resume will use it") from None
-    P.barrier(mesh)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    extra = {"rng": rng, "scaler": scaler.state_dict() if scaler else None}
+    meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs),
+            "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}}
+    C.save(out_dir, step, mesh, lambda folder: P.save_shards(folder, model, opt, mesh, sync, extra), meta,
+           args.keep_ckpts)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+def lock_out_dir(out_dir: Path, mesh, log) -> C.RunLock:
+    """Global rank 0 takes the out-dir's lock; every rank stops if it could not (rank 0 says why)."""
+    lock, error = C.RunLock(out_dir), None
+    if mesh.rank == 0:
+        try:
+            lock.acquire(log)
+        except C.CheckpointError as e:
+            error = e
+    if mesh.world > 1 and not P.all_true(error is None, mesh):
+        error = error or C.CheckpointError(f"{out_dir} could not be locked")
+    if error is not None:
+        raise error
+    return lock
 
 
-def damage(d: Path) -> str | None:
-    """Why a step directory cannot be resumed from (None: it is intact): meta.json unreadable, or a shard
-    missing, truncated or altered according to the manifest of sizes and checksums written with it."""
-    try:
-        meta = json.loads((d / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        return f"meta.json unreadable: {type(e).__name__}"
-    files = meta.get("files")
-    if not files:
-        return "no manifest in meta.json"
-    for name, info in files.items():
-        f = d / name
-        if not f.exists():
-            return f"{name} is missing"
-        if f.stat().st_size != info["bytes"]:
-            return f"{name} has {f.stat().st_size:,} bytes, the manifest says {info['bytes']:,}"
-        if sha256_file(f) != info["sha256"]:
-            return f"{name} does not match its checksum"
-    return None
-
-
-def find_latest(out_dir: Path) -> tuple[Path | None, list[tuple[str, str]]]:
-    """The newest intact checkpoint -- the one `latest` names, else the newest step directory that passes
-    its manifest -- and the (name, reason) of every newer one that was damaged and skipped."""
-    candidates = [out_dir / p.read_text().strip() for p in [out_dir / "latest"] if p.exists()]
-    candidates += sorted(out_dir.glob("step_*"), reverse=True)
-    damaged, seen = [], set()
-    for d in candidates:
-        if d.name in seen or not d.is_dir():
-            continue
-        seen.add(d.name)
-        why = damage(d)
-        if why is None:
-            return d, damaged
-        damaged.append((d.name, why))
-    return None, damaged
+def resume_point(out_dir: Path, args, log) -> Path | None:
+    """The checkpoint this run continues from (None: a fresh start). A fresh run never mixes into an
+    earlier one's folder: that takes --resume (continue it) or --overwrite (remove it first)."""
+    ckpt, skipped = C.find_latest(out_dir) if out_dir.is_dir() else (None, [])
+    earlier = C.earlier_run(out_dir)
+    if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
+        what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
+        raise ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue it, "
+                          f"--overwrite to start afresh, or another --out-dir")
+    if not args.resume:
+        return None
+    for name, why in skipped:
+        log(f"checkpoint {name} is {why}; falling back to an older one")
+    if ckpt is None and skipped and not args.overwrite:
+        raise ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
+                          f"nothing was overwritten")
+    if ckpt is None and not skipped:
+        log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+    return ckpt
 
 
 def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
+    meta = C.read_meta(ckpt)
     try:
-        meta = json.loads((ckpt / "meta.json").read_text())
         saved = M.ModelArgs(**meta["model_args"])
-    except Exception as e:
-        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: {data.one_line(e)}")
     if saved != margs:
         diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
         raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
@@ -339,10 +366,8 @@ def threading_main() -> bool:
 
 
 def stop_requested(stop: dict, mesh) -> bool:
-    flag = torch.tensor([1.0 if stop["signal"] else 0.0])
+    flag = torch.tensor([1.0 if stop["signal"] else 0.0], device=mesh.device)
     if mesh.world > 1:
-        if dist.get_backend() == "nccl":  # NCCL moves device tensors only
-            flag = flag.cuda()
         for dim in ("tp", "pp", "dp"):
             P.all_reduce(flag, mesh, dim, op=dist.ReduceOp.MAX)
         if flag.item() and not stop["signal"]:
@@ -425,16 +450,23 @@ def global_total(task, batches, mesh, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, task, args, mesh, device, dtype) -> tuple[float, torch.Tensor]:
+def evaluate(model, make_val, task, args, mesh, device, dtype) -> tuple[float, torch.Tensor]:
     """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
-    successive values are comparable), split over dp ranks and run through the pipeline."""
+    successive values are comparable; at most one pass over the split), split over dp ranks and run
+    through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
+    targets (the normalizer, as in training), once for the losses; memory never holds more than that."""
     model.eval()
-    n = max(1, args.eval_batches // mesh.dp)
-    batches = task.prepare([tuple(t.to(device) for t in val_loader.next()) for _ in range(n)])
-    task.total = global_total(task, batches, mesh, device)
+    counting, scoring = make_val(), make_val()
+    one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
+    n = max(1, min(args.eval_batches // mesh.dp, one_pass))
+    chunks = [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]
+    task.total = global_total(task, (counting.next() for _ in range(n)), mesh, device)
     task.metrics()  # start the metric sums afresh
-    losses = P.pipeline_forward(model, batches, mesh, args.seq_len, model.args.dim, task.loss, dtype)
-    loss = sum(losses, torch.zeros((), device=device))
+    loss = torch.zeros((), device=device)
+    for size in chunks:
+        batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
+        for chunk_loss in P.pipeline_forward(model, batches, mesh, args.seq_len, model.args.dim, task.loss, dtype):
+            loss = loss + chunk_loss
     metrics = task.metrics().to(device)
     for dim in ("pp", "dp"):  # the loss lives on the last stage; each dp rank saw its own batches
         P.all_reduce(loss, mesh, dim)
@@ -460,9 +492,9 @@ def pretraining_data(args, tok, mesh):
     if mesh.rank != 0:
         data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
     train = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                        dp_size=mesh.dp, seed=args.seed, tokenizer=tok.name)
+                        dp_size=mesh.dp, seed=args.seed, tokenizer=tok)
     make_val = lambda: data.Loader(data_dir, "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                                   dp_size=mesh.dp, seed=0, tokenizer=tok.name)
+                                   dp_size=mesh.dp, seed=0, tokenizer=tok)
     make_val()  # fail now, not at the first evaluation
     return train, make_val, f"{data_dir}: {train.num_tokens:,} train tokens"
 
@@ -536,232 +568,228 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     margs, init_state = model_fn(args, tok)
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
-    args.pp_split = [int(s) for s in args.pp_layers.split(",")] if args.pp_layers else None
+    args.pp_split = parse_pp_layers(args.pp_layers)
     try:
         P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp)
         if args.pp > 1:
             P.stage_layers(margs.n_layers, args.pp, args.pp_split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout: {e}") from None
+    check_memory(margs, args, world, device, precision)
     out_dir = Path(args.out_dir)
-    ckpt, damaged = find_latest(out_dir) if out_dir.exists() else (None, [])
-    if (ckpt is not None or damaged) and not args.resume and not args.overwrite:
-        raise ConfigError(f"{out_dir} already holds checkpoint {(ckpt.name if ckpt else damaged[0][0])}; pass "
-                          f"--resume to continue it, --overwrite to start afresh, or another --out-dir")
-    resume = ckpt if args.resume else None
-    if args.resume:
-        for name, why in damaged:
-            log(f"checkpoint {name} is damaged ({why}); falling back to an older one")
-        if ckpt is None and damaged and not args.overwrite:
-            raise ConfigError(f"no intact checkpoint in {out_dir}: {damaged[0][0]} is damaged ({damaged[0][1]}); "
-                              f"nothing was overwritten")
-        if ckpt is None and not damaged:
-            log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
-    meta = read_meta(resume, margs) if resume else None
+    C.check_out_dir(out_dir)
 
     mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout)
-    loader, make_val, data_desc = data_fn(args, tok, mesh)
-    per_step = loader.batch_size * args.grad_accum * mesh.dp
-    if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
-        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len {args.seq_len}, "
-                             f"fewer than one global batch of {per_step:,} (--micro-batch {loader.batch_size} x "
-                             f"--grad-accum {args.grad_accum} x dp {mesh.dp}); use more data or a smaller batch")
-
-    # Model and optimizer: the model's storage is handed to the optimizer; then the data-parallel
-    # gradient reduction hooks into the optimizer.
+    lock, metrics = lock_out_dir(out_dir, mesh, log), None
     try:
-        model = build_model(margs, init_state, args, mesh, device, dtype)
-    except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
-        raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
-    opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                  weight_decay=args.weight_decay, pad_to=mesh.dp)
-    sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
-    sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
-    scaler = O.LossScaler() if precision == "fp16" else None
-    task = task_fn(margs, mesh)
-    start_step = 0
-    if resume:
-        extra = load_checkpoint(resume, model, opt, mesh)
-        if scaler and extra.get("scaler"):
-            scaler.load_state_dict(extra["scaler"])
-        loader.load_state_dict(meta["loader"])
-        torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in extra["rng"]["python"]))
-        if "cuda" in extra["rng"] and device.type == "cuda":
-            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
-        start_step = meta["step"]
-        old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
-        log(f"resumed from {resume} at step {start_step} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
-    fwd_model = torch.compile(model) if args.compile else model
+        resume = resume_point(out_dir, args, log)
+        meta = read_meta(resume, margs) if resume else None
+        loader, make_val, data_desc = data_fn(args, tok, mesh)
+        per_step = loader.batch_size * args.grad_accum * mesh.dp
+        if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
+            raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len {args.seq_len}, "
+                                 f"fewer than one global batch of {per_step:,} (--micro-batch {loader.batch_size} x "
+                                 f"--grad-accum {args.grad_accum} x dp {mesh.dp}); use more data or a smaller batch")
 
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    P.barrier(mesh)
-    metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None
-    n_params = M.count_params(margs)
-    tokens_per_step = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
-    flops_tok = M.flops_per_token(margs, args.seq_len)["palm"]
-    peak, peak_src = peak_flops(device, precision)
-    log(f"model {getattr(args, 'init', None) or args.model}: {n_params:,} parameters "
-        f"({M.count_params(margs, False):,} non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
-        f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
-    log(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
-        + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
-        + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
-    log(f"data {data_desc}; {tokens_per_step:,} tokens/step "
-        f"({args.micro_batch} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
-    log(f"device {device}, {precision}; MFU uses the PaLM convention 6N+12LdT = {flops_tok / 1e6:.1f} MFLOP/token "
-        f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
+        # Model and optimizer: the model's storage is handed to the optimizer; then the data-parallel
+        # gradient reduction hooks into the optimizer.
+        try:
+            model = build_model(margs, init_state, args, mesh, device, dtype)
+        except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
+            raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
+        opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                      weight_decay=args.weight_decay, pad_to=mesh.dp)
+        sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
+        sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
+        scaler = O.LossScaler() if precision == "fp16" else None
+        task = task_fn(margs, mesh)
+        start_step = 0
+        if resume:
+            extra = load_checkpoint(resume, model, opt, mesh)
+            if scaler and extra.get("scaler"):
+                scaler.load_state_dict(extra["scaler"])
+            loader.load_state_dict(meta["loader"])
+            torch.set_rng_state(extra["rng"]["torch"])
+            random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in extra["rng"]["python"]))
+            if "cuda" in extra["rng"] and device.type == "cuda":
+                torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+            start_step = meta["step"]
+            old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
+            log(f"resumed from {resume} at step {start_step} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
+        fwd_model = torch.compile(model) if args.compile else model
 
-    def write(record):
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+        if rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
+            gone = C.clear_run(out_dir)
+            if gone:
+                log(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
+        P.barrier(mesh)
+        metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None
+        n_params = M.count_params(margs)
+        tokens_per_step = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
+        flops_tok = M.flops_per_token(margs, args.seq_len)["palm"]
+        peak, peak_src = peak_flops(device, precision)
+        log(f"model {getattr(args, 'init', None) or args.model}: {n_params:,} parameters "
+            f"({M.count_params(margs, False):,} non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
+            f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+        log(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
+            + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
+            + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
+        log(f"data {data_desc}; {tokens_per_step:,} tokens/step "
+            f"({args.micro_batch} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
+        log(f"device {device}, {precision}; MFU uses the PaLM convention 6N+12LdT = {flops_tok / 1e6:.1f} MFLOP/token "
+            f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
-    def named(values: torch.Tensor, prefix="") -> dict:
-        return {prefix + k: v for k, v in zip(task.metric_names, values.tolist())}
+        def write(record):
+            if metrics:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
 
-    def micro_loss(logits, targets):  # 3. loss (the task's), scaled for fp16 so small gradients survive
-        loss = task.loss(logits, targets)
-        return loss * scaler.scale if scaler else loss
+        def named(values: torch.Tensor, prefix="") -> dict:
+            return {prefix + k: v for k, v in zip(task.metric_names, values.tolist())}
 
-    model.train()
-    t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
-    metric_acc = torch.zeros(len(task.metric_names), device=device)
-    comm_at_log = dict(mesh.comm_bytes)
-    train_time = 0.0
-    timer = PhaseTimer(device, getattr(args, "time_phases", False))
-    stop = watch_signals()
-    recent, skipped, consecutive, saved_at = [], 0, 0, start_step
-    step = start_step
-    while step < args.max_steps:
-        t0 = time.perf_counter()
-        timer.start()
-        before = loader.state_dict()  # a skipped step rewinds to here
-        # 1. data loading: every micro-batch of this step, so the global normalizer is known up front
-        batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
-        batches = task.prepare(batches)
-        task.total = global_total(task, batches, mesh, device)
-        timer.mark("1 data")
-        if mesh.pp > 1:
-            # 2-4. forward, loss, backward of every micro-batch, interleaved across stages by the schedule
-            loss_total = P.pipeline_step(fwd_model, batches, mesh, args.seq_len, margs.dim, micro_loss,
-                                         args.schedule, before_last_backward=sync.start, dtype=dtype)
-            timer.mark("2-4 pipeline")
-        else:
-            loss_total = torch.zeros((), device=device)
-            for i, batch in enumerate(batches):
-                # 2. forward
-                logits = fwd_model(batch[0], doc_ids=P._doc_ids(batch))  # (B, T, vocab[/tp])
-                timer.mark("2 forward")
-                # 3. loss: summed over the micro-batch, divided by the global normalizer (exact accumulation)
-                loss = micro_loss(logits, batch[1])
-                loss_total += loss.detach()
-                timer.mark("3 loss")
-                # 4. backward; the last micro-batch's gradients are reduced over dp as they are produced
-                if i == len(batches) - 1:
-                    sync.start()
-                loss.backward()
-                timer.mark("4 backward")
-        if scaler:
-            loss_total /= scaler.scale
-        # 5. gradient synchronization: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
-        sync.finish()
-        timer.mark("5 grad sync")
-        # 6. optimizer step, unless the step is bad: then weights, optimizer state and loader position stay
-        #    as they were (every rank reaches the same verdict: the norm and the loss are global)
-        lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
-        bad = None
-        if scaler and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh)):
-            bad = f"fp16 gradient overflow, loss scale -> {scaler.scale:g}"
-        else:
-            grad_norm = P.grad_norm(sync, model)
-            # The global norm sums each dp rank's own piece of the gradients. Under plain DP every rank
-            # also applies the pieces it did not sum: a second, local check catches a rank whose copy of
-            # the reduced gradients went bad (replicas must never apply different updates). ZeRO-1 ranks
-            # apply only their own piece, and one replica has no other pieces: the global norm suffices.
-            replicas_apply_all = mesh.dp > 1 and not args.zero
-            if not (torch.isfinite(grad_norm) and
-                    (not replicas_apply_all or P.all_true(torch.isfinite(opt.grad_norm()), mesh))):
-                bad = f"non-finite gradient norm ({grad_norm.item()})"
-            elif args.skip_spikes > 0:
-                global_loss = loss_total.clone()
-                for dim in ("pp", "dp"):
-                    P.all_reduce(global_loss, mesh, dim)
-                mean = sum(recent) / len(recent) if len(recent) >= 10 else None
-                if mean is not None and global_loss.item() > args.skip_spikes * mean:
-                    bad = f"loss spike: {global_loss.item():.4f} > {args.skip_spikes} x recent mean {mean:.4f}"
-                else:
-                    recent = (recent + [global_loss.item()])[-50:]
-        if bad is not None:
+        def micro_loss(logits, targets):  # 3. loss (the task's), scaled for fp16 so small gradients survive
+            loss = task.loss(logits, targets)
+            return loss * scaler.scale if scaler else loss
+
+        model.train()
+        t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+        metric_acc = torch.zeros(len(task.metric_names), device=device)
+        comm_at_log = dict(mesh.comm_bytes)
+        train_time = 0.0
+        timer = PhaseTimer(device, getattr(args, "time_phases", False))
+        stop = watch_signals()
+        recent, skipped, consecutive, saved_at = [], 0, 0, start_step
+        step = start_step
+        while step < args.max_steps:
+            t0 = time.perf_counter()
+            timer.start()
+            before = loader.state_dict()  # a skipped step rewinds to here
+            # 1. data loading: every micro-batch of this step, so the global normalizer is known up front
+            batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
+            batches = task.prepare(batches)
+            task.total = global_total(task, batches, mesh, device)
+            timer.mark("1 data")
+            if mesh.pp > 1:
+                # 2-4. forward, loss, backward of every micro-batch, interleaved across stages by the schedule
+                loss_total = P.pipeline_step(fwd_model, batches, mesh, args.seq_len, margs.dim, micro_loss,
+                                             args.schedule, before_last_backward=sync.start, dtype=dtype)
+                timer.mark("2-4 pipeline")
+            else:
+                loss_total = torch.zeros((), device=device)
+                for i, batch in enumerate(batches):
+                    # 2. forward
+                    logits = fwd_model(batch[0], doc_ids=P._doc_ids(batch))  # (B, T, vocab[/tp])
+                    timer.mark("2 forward")
+                    # 3. loss: summed over the micro-batch, divided by the global normalizer (exact accumulation)
+                    loss = micro_loss(logits, batch[1])
+                    loss_total += loss.detach()
+                    timer.mark("3 loss")
+                    # 4. backward; the last micro-batch's gradients are reduced over dp as they are produced
+                    if i == len(batches) - 1:
+                        sync.start()
+                    loss.backward()
+                    timer.mark("4 backward")
+            if scaler:
+                loss_total /= scaler.scale
+            # 5. gradient synchronization: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
+            sync.finish()
+            timer.mark("5 grad sync")
+            # 6. optimizer step, unless the step is bad: then weights, optimizer state and loader position stay
+            #    as they were (every rank reaches the same verdict: the norm and the loss are global)
+            lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
+            bad = None
+            if scaler and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh)):
+                bad = f"fp16 gradient overflow, loss scale -> {scaler.scale:g}"
+            else:
+                grad_norm = P.grad_norm(sync, model)
+                # The global norm sums each dp rank's own piece of the gradients. Under plain DP every rank
+                # also applies the pieces it did not sum: a second, local check catches a rank whose copy of
+                # the reduced gradients went bad (replicas must never apply different updates). ZeRO-1 ranks
+                # apply only their own piece, and one replica has no other pieces: the global norm suffices.
+                replicas_apply_all = mesh.dp > 1 and not args.zero
+                if not (torch.isfinite(grad_norm) and
+                        (not replicas_apply_all or P.all_true(torch.isfinite(opt.grad_norm()), mesh))):
+                    bad = f"non-finite gradient norm ({grad_norm.item()})"
+                elif args.skip_spikes > 0:
+                    global_loss = loss_total.clone()
+                    for dim in ("pp", "dp"):
+                        P.all_reduce(global_loss, mesh, dim)
+                    mean = sum(recent) / len(recent) if len(recent) >= 10 else None
+                    if mean is not None and global_loss.item() > args.skip_spikes * mean:
+                        bad = f"loss spike: {global_loss.item():.4f} > {args.skip_spikes} x recent mean {mean:.4f}"
+                    else:
+                        recent = (recent + [global_loss.item()])[-50:]
+            if bad is not None:
+                opt.zero_grad()
+                loader.load_state_dict(before)
+                skipped, consecutive = skipped + 1, consecutive + 1
+                log(f"step {step + 1}: skipped ({bad}); {consecutive} in a row, {skipped} in all")
+                write({"step": step + 1, "skipped": bad, "skipped_total": skipped})
+                if consecutive >= args.max_skips:
+                    raise TrainingError(f"stopped: {consecutive} consecutive steps skipped, the last for {bad}; "
+                                        f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
+                continue
+            consecutive = 0
+            grad_norm = opt.clip_grad_norm(args.grad_clip, grad_norm)
+            opt.step(lr)
+            sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
             opt.zero_grad()
-            loader.load_state_dict(before)
-            skipped, consecutive = skipped + 1, consecutive + 1
-            log(f"step {step + 1}: skipped ({bad}); {consecutive} in a row, {skipped} in all")
-            write({"step": step + 1, "skipped": bad, "skipped_total": skipped})
-            if consecutive >= args.max_skips:
-                raise TrainingError(f"stopped: {consecutive} consecutive steps skipped, the last for {bad}; "
-                                    f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
-            continue
-        consecutive = 0
-        grad_norm = opt.clip_grad_norm(args.grad_clip, grad_norm)
-        opt.step(lr)
-        sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
-        opt.zero_grad()
-        timer.mark("6 optimizer")
-        sync_device(device)
-        train_time += time.perf_counter() - t0
-        loss_acc += loss_total
-        metric_acc += task.metrics().to(device)
-        tokens_since += tokens_per_step
-        step = done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
-            for dim in ("pp", "dp"):  # the loss lives on the last stage; dp ranks hold parts of it
-                P.all_reduce(loss_acc, mesh, dim)
-                P.all_reduce(metric_acc, mesh, dim)
-            dt = time.perf_counter() - t_log
-            n_logged = (done - start_step - 1) % args.log_every + 1
-            tps = tokens_since / dt
-            comm = {k: (mesh.comm_bytes[k] - comm_at_log[k]) / n_logged for k in mesh.comm_bytes}
-            rec = {"step": done, "loss": loss_acc.item() / n_logged, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens_per_s": tps, "mfu": tps * flops_tok / (peak * mesh.world),
-                   "peak_mem_gb": peak_memory_gb(device), "time_s": train_time,
-                   "comm_bytes_per_step": comm, **named(metric_acc / n_logged)}
-            comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
-                f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
-            extra_txt = "".join(f" | {k} {v:.3f}" for k, v in named(metric_acc / n_logged).items())
-            log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {lr:.2e} | grad norm {rec['grad_norm']:.3f} | "
-                f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
-            write(rec)
-            t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
-            metric_acc = torch.zeros(len(task.metric_names), device=device)
-            comm_at_log = dict(mesh.comm_bytes)
-        if args.eval_every >= 0 and ((args.eval_every and done % args.eval_every == 0) or done == args.max_steps):
-            t_eval = time.perf_counter()
-            val, val_metrics = evaluate(fwd_model, make_val(), task, args, mesh, device, dtype)
-            extra = named(val_metrics, "val_")
-            log(f"step {done:6d} | val loss {val:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
-                + f" | train time {train_time:.1f} s | eval {time.perf_counter() - t_eval:.1f} s")
-            write({"step": done, "val_loss": val, **extra, "time_s": train_time})
-            t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
-            comm_at_log = dict(mesh.comm_bytes)
-        # 7. checkpoint
-        if args.ckpt_every > 0 and (done % args.ckpt_every == 0 or done == args.max_steps):
-            t_ck = time.perf_counter()
-            timer.start()  # the checkpoint is timed as an entry of its own, apart from the training step
-            save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
-            saved_at = done
-            timer.mark("7 checkpoint")
-            t_log += time.perf_counter() - t_ck
-            comm_at_log = dict(mesh.comm_bytes)
-        if stop_requested(stop, mesh):  # preemption: finish this step, save, leave
-            if saved_at != done:
+            timer.mark("6 optimizer")
+            sync_device(device)
+            train_time += time.perf_counter() - t0
+            loss_acc += loss_total
+            metric_acc += task.metrics().to(device)
+            tokens_since += tokens_per_step
+            step = done = step + 1
+            if done % args.log_every == 0 or done == args.max_steps:
+                for dim in ("pp", "dp"):  # the loss lives on the last stage; dp ranks hold parts of it
+                    P.all_reduce(loss_acc, mesh, dim)
+                    P.all_reduce(metric_acc, mesh, dim)
+                dt = time.perf_counter() - t_log
+                n_logged = (done - start_step - 1) % args.log_every + 1
+                tps = tokens_since / dt
+                comm = {k: (mesh.comm_bytes[k] - comm_at_log[k]) / n_logged for k in mesh.comm_bytes}
+                rec = {"step": done, "loss": loss_acc.item() / n_logged, "lr": lr, "grad_norm": grad_norm.item(),
+                       "tokens_per_s": tps, "mfu": tps * flops_tok / (peak * mesh.world),
+                       "peak_mem_gb": peak_memory_gb(device), "time_s": train_time,
+                       "comm_bytes_per_step": comm, **named(metric_acc / n_logged)}
+                comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
+                    f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
+                extra_txt = "".join(f" | {k} {v:.3f}" for k, v in named(metric_acc / n_logged).items())
+                log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {lr:.2e} | grad norm {rec['grad_norm']:.3f} | "
+                    f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
+                write(rec)
+                t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
+                metric_acc = torch.zeros(len(task.metric_names), device=device)
+                comm_at_log = dict(mesh.comm_bytes)
+            if args.eval_every >= 0 and ((args.eval_every and done % args.eval_every == 0) or done == args.max_steps):
+                t_eval = time.perf_counter()
+                val, val_metrics = evaluate(fwd_model, make_val, task, args, mesh, device, dtype)
+                extra = named(val_metrics, "val_")
+                log(f"step {done:6d} | val loss {val:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
+                    + f" | train time {train_time:.1f} s | eval {time.perf_counter() - t_eval:.1f} s")
+                write({"step": done, "val_loss": val, **extra, "time_s": train_time})
+                t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
+                comm_at_log = dict(mesh.comm_bytes)
+            # 7. checkpoint
+            if args.ckpt_every > 0 and (done % args.ckpt_every == 0 or done == args.max_steps):
+                t_ck = time.perf_counter()
+                timer.start()  # the checkpoint is timed as an entry of its own, apart from the training step
                 save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
-            log(f"stopped by signal {stop['signal']} after step {done}; checkpoint step_{done:06d} written, "
-                f"--resume continues from it")
-            break
-    if metrics:
-        metrics.close()
+                saved_at = done
+                timer.mark("7 checkpoint")
+                t_log += time.perf_counter() - t_ck
+                comm_at_log = dict(mesh.comm_bytes)
+            if stop_requested(stop, mesh):  # preemption: finish this step, save, leave
+                if saved_at != done:
+                    save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
+                log(f"stopped by signal {stop['signal']} after step {done}; checkpoint step_{done:06d} written, "
+                    f"--resume continues from it")
+                break
+    finally:
+        if metrics:
+            metrics.close()
+        lock.release()
     return Run(model, tok, mesh, device, margs, precision, timer.steps)
 
 
@@ -787,9 +815,9 @@ def run(main_fn=main, argv=None):
     rank = int(os.environ.get("RANK", "0"))
     try:
         main_fn(argv)
-    except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, C.CheckpointError) as e:
+        if rank == 0 or isinstance(e, ResourceError):
+            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(1)
     except data.DataError as e:
         print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)

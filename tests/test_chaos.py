@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+import checkpoint
 import parallel
 import train
 
@@ -50,8 +51,8 @@ CHAOS = textwrap.dedent("""
             def save(obj, f, *a, **k):
                 count[0] += 1
                 if count[0] == n:
-                    with open(f, "wb") as fh:
-                        fh.write(b"half a checkpoint")
+                    f.write(b"half a checkpoint")
+                    f.flush()
                     die()
                 return real_save(obj, f, *a, **k)
             torch.save = save
@@ -76,7 +77,7 @@ def test_killed_three_times_ends_bit_identical(tmp_path):
     # step 1 once (never back to scratch), steps 7 and 8 twice (redone after the torn checkpoint), 12 once
     assert [log.count(f'"step": {s},') for s in (1, 7, 8, 12)] == [1, 2, 2, 1]
     assert len(list((tmp_path / "markers").iterdir())) == 3
-    final = {name: train.find_latest(out)[0] for name, out in runs.items()}
+    final = {name: checkpoint.find_latest(out)[0] for name, out in runs.items()}
     assert final["chaos"].name == final["clean"].name == "step_000012"
     a, b = (parallel.read_full_state(d)[0] for d in final.values())
     for k in a:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+import data
 import parallel
 import train
 
@@ -29,7 +31,7 @@ def records(out):
 
 
 def masters(out):
-    d, _ = train.find_latest(Path(out))
+    d, _ = checkpoint.find_latest(Path(out))
     return {k: v["master"] for k, v in parallel.read_full_state(d)[0].items()}
 
 
@@ -91,7 +93,7 @@ def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
     inject_nan(monkeypatch, set(range(3, 100)))
     with pytest.raises(train.TrainingError, match="3 consecutive steps skipped"):
         train.main(TINY + ["--max-steps", "10", "--max-skips", "3", "--ckpt-every", "2", "--out-dir", str(tmp_path)])
-    assert train.find_latest(tmp_path)[0].name == "step_000002"  # the last good checkpoint
+    assert checkpoint.find_latest(tmp_path)[0].name == "step_000002"  # the last good checkpoint
 
 
 def test_loss_spike_guard_skips_outliers(tmp_path, monkeypatch):
@@ -146,9 +148,9 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(obj, f, *a, **k)
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(train.TrainingError, match="No space left on device.*step_000002.*intact"):
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device.*step_000002.*intact"):
         train.main(TINY + ["--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(tmp_path)])
-    assert train.find_latest(tmp_path) == (tmp_path / "step_000002", [])
+    assert checkpoint.find_latest(tmp_path) == (tmp_path / "step_000002", [])
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -178,7 +180,7 @@ def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
     shard = d / "shard_pp00_tp00.pt"
     shard.write_bytes(pickle.dumps({"params": Exploit(marker)}))
     meta = json.loads((d / "meta.json").read_text())  # an attacker can rewrite the manifest too
-    meta["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": train.sha256_file(shard)}
+    meta["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": data.sha256_file(shard)}
     (d / "meta.json").write_text(json.dumps(meta))
     p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "4", "--out-dir",
                         str(tmp_path), "--resume"], capture_output=True, text=True, cwd=REPO)

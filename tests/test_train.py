@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import parallel
 import train
 
@@ -40,7 +41,7 @@ def records(out_dir):
 
 def final_state(out_dir):
     """{name: {master, exp_avg, exp_avg_sq}} of the latest checkpoint, as full tensors."""
-    return parallel.read_full_state(train.find_latest(Path(out_dir))[0])[0]
+    return parallel.read_full_state(checkpoint.find_latest(Path(out_dir))[0])[0]
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -90,8 +91,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
         def dying_save(obj, f, *a, **k):
             calls.append(f)
             if len(calls) == 2:  # second checkpoint: write half a file, then die
-                with open(f, "wb") as fh:
-                    fh.write(b"partial")
+                f.write(b"partial")
+                f.flush()
                 os._exit(9)
             return real_save(obj, f, *a, **k)
         torch.save = dying_save
@@ -100,13 +101,13 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert p.returncode == 9, p.stderr[-2000:]
     assert (out / "latest").read_text().strip() == "step_000002"
-    assert train.find_latest(out)[0].name == "step_000002"
+    assert checkpoint.find_latest(out)[0].name == "step_000002"
     assert list(out.glob(".tmp-step_000004"))  # the torn write is there, but invisible to resume
     torch.load(out / "step_000002" / "shard_pp00_tp00.pt", weights_only=True)
     code, stdout, stderr = run_cli(*TINY, "--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(out), "--resume")
     assert code == 0, stderr[-2000:]
     assert "resumed from" in stdout and "at step 2" in stdout
-    assert train.find_latest(out)[0].name == "step_000006"
+    assert checkpoint.find_latest(out)[0].name == "step_000006"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -1,0 +1,446 @@
+"""Checkpoints on disk: what a run keeps in its --out-dir, written so that a crash, a full disk or a second
+run on the same folder never costs the last good state.
+
+    <out-dir>/.lock           the run using this folder: host, pid, start time (one run at a time)
+    <out-dir>/metrics.jsonl   one JSON record per log line, validation and skipped step
+    <out-dir>/step_000500/    a complete checkpoint: shard_ppXX_tpYY.pt per (pp, tp) rank (parallel.py,
+                              section 8) and meta.json (step, loader position, flags, model args, layout,
+                              and a manifest of every shard's size and sha256)
+    <out-dir>/latest          the name of the newest complete step directory
+
+Read in this order:
+  1. Names     step_name, step_dirs: steps sort by number (step_1000000 comes after step_999999)
+  2. Lock      RunLock: one run per out-dir; a lock left by a dead process on this host is taken over
+  3. Saving    save(): every rank writes into .tmp-step_N; when all agree it worked, rank 0 adds the
+               manifest, makes the bytes durable, renames the folder, replaces `latest`, then rotate()s.
+               Any failure removes the partial folder; the previous checkpoint is never touched.
+  4. Finding   read_latest, damage, find_latest, resolve: which checkpoint --resume or --init uses, verified
+               against its manifest; a pointer out of the folder or a damaged step is said out loud
+  5. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import data
+import parallel as P
+
+
+class CheckpointError(Exception):
+    """A checkpoint or out-dir problem the user must act on: printed as one line, exit 1."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Names
+
+STEP_RE = re.compile(r"step_(\d+)")
+SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def step_number(d: Path) -> int:
+    return int(STEP_RE.fullmatch(d.name).group(1))
+
+
+def step_dirs(out_dir: Path) -> list[Path]:
+    """The step directories of an out-dir, oldest first by number (as names, step_1000000 < step_999999)."""
+    found = [d for d in out_dir.glob("step_*") if STEP_RE.fullmatch(d.name) and d.is_dir()]
+    return sorted(found, key=step_number)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. One run per out-dir
+
+
+class RunLock:
+    """<out-dir>/.lock, created atomically (O_EXCL) by global rank 0 and removed when the run ends. A lock
+    whose process is gone (this host, pid not running: a crash or a kill) is taken over, saying so. A lock
+    held by a live process, or by one on another host (which cannot be checked from here), stops this run
+    before it writes anything; two runs would otherwise delete each other's temporary checkpoints."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir, self.path = Path(out_dir), Path(out_dir) / ".lock"
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.held, self.made_dir = False, False
+
+    def acquire(self, say=print):
+        try:
+            if not self.out_dir.exists():
+                self.out_dir.mkdir(parents=True)
+                self.made_dir = True
+            for _ in range(5):  # another process may take or free the lock between two looks
+                if self._create():
+                    self.held = True
+                    return
+                holder = self._holder()
+                if holder is None:
+                    continue
+                if not self._gone(holder):
+                    raise CheckpointError(
+                        f"{self.out_dir} is in use by another run (pid {holder.get('pid')} on host "
+                        f"{holder.get('host')}, since {holder.get('since')}); wait for it to end or choose "
+                        f"another --out-dir (if that run is gone, delete {self.path})")
+                if self._take_over(holder):
+                    say(f"{self.path}: taken over from pid {holder['pid']} on this host, which is no longer "
+                        f"running (a crash or a kill left it)")
+            raise CheckpointError(f"could not lock {self.out_dir}: other processes keep taking {self.path}")
+        except OSError as e:
+            raise CheckpointError(f"cannot write to --out-dir {self.out_dir}: {data.one_line(e)}") from None
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.me, f)
+        return True
+
+    def _holder(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # unreadable: treated as held, the message says how to clear it
+
+    def _gone(self, holder: dict) -> bool:
+        pid = holder.get("pid")
+        if holder.get("host") != self.me["host"] or not isinstance(pid, int) or pid <= 0:
+            return False
+        if pid == self.me["pid"]:
+            return False  # this very process holds it (a run inside a run)
+        try:
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            pass
+        return False
+
+    def _take_over(self, stale: dict) -> bool:
+        """Move the stale lock aside under a name of our own: of two processes doing this at once, one rename
+        wins. If what was moved is not the lock judged stale (another run took it meanwhile), put it back."""
+        aside = self.path.with_name(f".lock.stale-{self.me['pid']}")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            moved = json.loads(aside.read_text())
+        except (OSError, ValueError):
+            moved = None
+        if moved != stale:
+            try:
+                os.link(aside, self.path)  # fails if a lock exists again: then that one stands
+            except OSError:
+                pass
+        aside.unlink(missing_ok=True)
+        return moved == stale
+
+    def release(self):
+        """Remove the lock if it is still ours, and the out-dir if this run made it and left it empty."""
+        if self.held and self._holder() == self.me:
+            self.path.unlink(missing_ok=True)
+        self.held = False
+        if self.made_dir:
+            try:
+                self.out_dir.rmdir()  # only if empty: nothing was written
+            except OSError:
+                pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Saving
+
+
+def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int):
+    """Phase 7, on every rank. write_shards(folder) writes this rank's files (parallel.save_shards); `meta`
+    (step, loader, args, ...) goes into meta.json with the manifest. Raises CheckpointError, on every rank,
+    if any write failed anywhere; the partial folder is then gone and `latest` still names the previous
+    checkpoint."""
+    name = step_name(step)
+    tmp, final = out_dir / f".tmp-{name}", out_dir / name
+    failure = _agreed(mesh, lambda: _fresh_folder(out_dir, tmp), everyone=False)
+    failure = failure or _agreed(mesh, lambda: write_shards(tmp), everyone=True)
+    failure = failure or _agreed(mesh, lambda: _commit(tmp, final, out_dir, meta), everyone=False)
+    if failure:
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = read_latest(out_dir)
+        raise CheckpointError(f"could not write checkpoint {final}: {failure}; the previous checkpoint "
+                              f"({previous.name if previous else 'none'}) is intact and --resume will use it")
+    if mesh.rank == 0:
+        rotate(out_dir, final, keep)
+    P.barrier(mesh)
+
+
+def _agreed(mesh, write, everyone: bool) -> str | None:
+    """Run `write` (on every rank, or on rank 0) and agree across ranks whether it worked: None, or why not
+    (rank 0's own reason; a failing rank other than 0 prints its own line). A full disk, a quota, a vanished
+    mount, a read-only folder: OSError from Python, RuntimeError from torch.save's writer. A failed
+    collective (CommError) or out-of-memory is not a write failure and propagates."""
+    reason = None
+    if everyone or mesh.rank == 0:
+        try:
+            write()
+        except (P.CommError, torch.OutOfMemoryError):
+            raise
+        except (OSError, RuntimeError) as e:
+            reason = write_error(e)
+            if mesh.rank != 0:
+                print(f"error (rank {mesh.rank}): could not write its checkpoint files: {reason}",
+                      file=sys.stderr, flush=True)
+    if mesh.world > 1 and not P.all_true(reason is None, mesh):
+        return reason or "a write failed on another rank (its error line says why)"
+    return reason
+
+
+def write_error(e: Exception) -> str:
+    """What went wrong in a write, in the operating system's words where there are some: torch.save raises
+    'unexpected pos ...' when the disk fills up, with the OSError as its context."""
+    cause = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        where = f" ({Path(cause.filename).name})" if getattr(cause, "filename", None) else ""
+        return f"{cause.strerror or data.one_line(cause)}{where}"
+    return data.one_line(e)
+
+
+def _fresh_folder(out_dir: Path, tmp: Path):
+    for stale in out_dir.glob(".tmp-step_*"):  # left by a crash; only this run writes here (RunLock)
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict):
+    """Rank 0, once every shard is written: manifest, fsync, rename, then `latest` (replaced atomically)."""
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": data.sha256_file(f)} for f in sorted(tmp.glob("*.pt"))}
+    write_durably(tmp / "meta.json", json.dumps({**meta, "files": files}, indent=1))
+    for f in tmp.iterdir():  # the bytes are on disk before the rename makes them visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():  # an earlier attempt at this step (a resume from an older checkpoint) is replaced
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    try:
+        pointer = out_dir / ".latest.tmp"
+        write_durably(pointer, final.name + "\n")
+        os.replace(pointer, out_dir / "latest")
+        _fsync_dir(out_dir)
+    except OSError:
+        shutil.rmtree(final, ignore_errors=True)  # `latest` still names the previous one: keep it that way
+        raise
+
+
+def write_durably(path: Path, text: str):
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(d: Path):
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return  # some systems cannot open a directory; the rename is then as durable as they make it
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def rotate(out_dir: Path, newest: Path, keep: int):
+    """Keep `newest` and the keep - 1 step directories numbered just below it; delete older ones. Steps
+    numbered above `newest` are left alone: only a resume from an older checkpoint (the newer ones being
+    damaged) leaves such, and the run replaces each when it gets there."""
+    older = [d for d in step_dirs(out_dir) if step_number(d) < step_number(newest)]
+    for d in older[:max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Finding the checkpoint to resume or start from
+
+
+def read_latest(out_dir: Path) -> Path | None:
+    """The step directory `latest` names (which may be missing), or None if there is no `latest`. It must
+    name a step directory of this out-dir: a path into another run's folder is refused, not followed."""
+    pointer = Path(out_dir) / "latest"
+    if not pointer.exists():
+        return None
+    if not pointer.is_file():
+        raise CheckpointError(f"{pointer} is not a file; move it out of the way")
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {pointer}: {data.one_line(e)}") from None
+    if not STEP_RE.fullmatch(name):
+        raise CheckpointError(f"{pointer} names {name[:100]!r}, which is not a step directory (step_N) of "
+                              f"{out_dir}; fix or delete it")
+    return Path(out_dir) / name
+
+
+def read_meta(d: Path) -> dict:
+    """A step directory's meta.json, its fields checked: CheckpointError says what is wrong."""
+    meta, why = _load_meta(d)
+    if why:
+        raise CheckpointError(f"checkpoint {d}: {why}")
+    return meta
+
+
+def _load_meta(d: Path) -> tuple[dict | None, str | None]:
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return None, f"meta.json unreadable: {type(e).__name__}"
+    why = _meta_problem(meta)
+    return meta, (f"meta.json malformed: {why}" if why else None)
+
+
+def _meta_problem(meta) -> str | None:
+    if not isinstance(meta, dict):
+        return f"a {type(meta).__name__}, not an object"
+    for key, kind in (("step", int), ("loader", dict), ("args", dict), ("model_args", dict), ("files", dict)):
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            return f"{key!r} is {meta.get(key)!r:.60}, not {'an' if kind is int else 'a'} {kind.__name__}"
+    if meta["step"] < 0 or not isinstance(meta["loader"].get("consumed"), int):
+        return "'step' or the loader's 'consumed' is not a count"
+    layout = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
+    if not (isinstance(layout, dict) and all(isinstance(layout.get(k), int) for k in ("tp", "pp", "dp"))):
+        return f"'layout' is {layout!r:.60}, not {{tp, pp, dp}}"
+    if not meta["files"]:
+        return "no manifest ('files' is empty)"
+    for name, info in meta["files"].items():
+        if not SHARD_RE.fullmatch(name):  # a name such as ../../x would make the check read outside
+            return f"the manifest names {name!r:.60}, not a shard file"
+        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
+            return f"the manifest entry of {name} is not {{bytes, sha256}}"
+    return None
+
+
+def damage(d: Path) -> str | None:
+    """Why a step directory cannot be used (None: it is intact): meta.json unreadable or malformed, or a
+    shard missing, truncated or altered according to the manifest of sizes and checksums written with it."""
+    meta, why = _load_meta(d)
+    if why:
+        return why
+    for name, info in meta["files"].items():
+        f = d / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != info["bytes"]:
+            return f"{name} has {f.stat().st_size:,} bytes, the manifest says {info['bytes']:,}"
+        if data.sha256_file(f) != info["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def find_latest(out_dir: Path, verify: bool = True) -> tuple[Path | None, list[tuple[str, str]]]:
+    """The newest usable checkpoint -- the one `latest` names, else the newest step directory that passes
+    its manifest -- and (name, why) for every newer one passed over: damaged, or named by `latest` but
+    missing. verify=False skips the checksums (cheap, for reading settings only)."""
+    out_dir = Path(out_dir)
+    skipped, seen = [], set()
+    named = read_latest(out_dir)
+    if named is not None and not named.is_dir():
+        skipped.append((named.name, "missing, though `latest` names it"))
+        seen.add(named.name)
+    candidates = ([named] if named is not None and named.is_dir() else []) + step_dirs(out_dir)[::-1]
+    for d in candidates:
+        if d.name in seen:
+            continue
+        seen.add(d.name)
+        why = damage(d) if verify else _load_meta(d)[1]
+        if why is None:
+            return d, skipped
+        skipped.append((d.name, f"damaged ({why})"))
+    return None, skipped
+
+
+def is_checkpoint(path) -> bool:
+    """An out-dir of train.py / sft.py / dpo.py, or one of its step directories."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return ((path / "latest").exists() or bool(step_dirs(path))
+            or ((path / "meta.json").is_file() and any(path.glob("shard_pp*_tp*.pt"))))
+
+
+def resolve(path, say=print) -> Path:
+    """--init, evaluate.py or consolidate's checkpoint argument -> a verified step directory: the folder
+    itself if it is one, else the out-dir's newest intact checkpoint (as --resume picks it, saying which
+    damaged ones it passed over). Refuses a damaged one, as --resume does."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        why = damage(path)
+        if why:
+            raise CheckpointError(f"checkpoint {path} is damaged ({why})")
+        return path
+    found, skipped = find_latest(path)
+    for name, why in skipped:
+        say(f"checkpoint {name} is {why}; falling back to an older one")
+    if found is None:
+        detail = f": {skipped[0][0]} is {skipped[0][1]}" if skipped else ""
+        raise CheckpointError(f"no intact checkpoint in {path}{detail}")
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. The out-dir itself
+
+RUN_FILES = ("latest", "metrics.jsonl", ".latest.tmp")
+
+
+def check_out_dir(out_dir: Path):
+    """Before anything is written: the out-dir must be a folder (or creatable), and the names a run writes
+    must not be taken by something else (a folder called metrics.jsonl or latest)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--out-dir {out_dir} exists and is not a folder")
+    for name in RUN_FILES + (".lock",):
+        f = out_dir / name
+        if f.exists() and not f.is_file():
+            raise CheckpointError(f"{f} is not a file; move it out of the way")
+
+
+def earlier_run(out_dir: Path) -> str | None:
+    """What an earlier run left here, in a few words (None if nothing): a fresh run must not mix into it."""
+    steps = step_dirs(out_dir) if out_dir.is_dir() else []
+    if steps:
+        return f"checkpoint {steps[-1].name}"
+    for name in ("latest", "metrics.jsonl"):
+        if (out_dir / name).exists():
+            return name
+    return None
+
+
+def clear_run(out_dir: Path) -> list[str]:
+    """--overwrite: remove what an earlier run left (its step directories, unfinished ones, `latest`,
+    metrics.jsonl), so nothing of it is resumed, rotated in with the new steps or mixed into the new
+    metrics. Other files in the folder are kept. Returns the names removed."""
+    gone = [*step_dirs(out_dir), *out_dir.glob(".tmp-step_*")]
+    gone += [out_dir / n for n in RUN_FILES if (out_dir / n).is_file()]
+    for p in gone:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    return [p.name for p in gone]

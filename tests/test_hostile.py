@@ -1,0 +1,375 @@
+"""Hostile input, as a careless or unlucky user supplies it: every case either works correctly or ends with
+one line naming what was refused and why, exit code 1, and nothing on disk lost or half written.
+
+Checkpoints: --overwrite over an older run, step numbers past 999,999, two runs on one --out-dir, a real
+write failure mid-checkpoint, a `latest` that points elsewhere, a damaged --init. Data: a failed re-prepare,
+a custom tokenizer.model, ids beyond the vocabulary, zero-token shards, an enormous --eval-batches. Flags and
+files that must be refused, and messages that must be whole."""
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import data
+import dpo
+import evaluate
+import model as M
+import parallel
+import sft
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--lr", "3e-3", "--warmup", "2",
+        "--eval-every", "-1", "--log-every", "1", "--sample-tokens", "0"]
+
+
+def records(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def error_line(stderr: str) -> str:
+    """The one error line of a refused run (progress lines such as 'already prepared' may precede it)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, stderr[-3000:]
+    return errors[0]
+
+
+def refused(capsys, main, argv) -> str:
+    """A script's main, run as its command line runs it (train.run): exit code 1 and one error line."""
+    with pytest.raises(SystemExit) as stop:
+        train.run(main, argv)
+    assert stop.value.code == 1
+    return error_line(capsys.readouterr().err)
+
+
+def cli(script, *args, **kwargs):
+    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, timeout=kwargs.pop("timeout", 300), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+def test_overwrite_removes_the_old_run_whole(tmp_path):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "20", "--ckpt-every", "10", "--out-dir", str(out)])
+    train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(out), "--overwrite"])
+    # the old step_000010 and step_000020 are gone, not rotated in; the new run's two newest remain
+    assert sorted(d.name for d in checkpoint.step_dirs(out)) == ["step_000002", "step_000004"]
+    assert (out / "latest").read_text().strip() == "step_000004"
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]  # the old run's metrics went with it
+    p = cli("train.py", *TINY, "--max-steps", "6", "--out-dir", out, "--resume")
+    assert p.returncode == 0 and "at step 4" in p.stdout, p.stderr[-2000:]
+
+
+def test_rotation_sorts_steps_by_number_and_keeps_the_newest(tmp_path):
+    """A run resumed at step 999,999 writes step_1000000 and step_1000001 (--keep-ckpts 1): sorted as names,
+    rotation would delete each new checkpoint right after writing it."""
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    old = out / "step_999999"
+    (out / "step_000002").rename(old)
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "step": 999_999}))
+    (out / "latest").write_text("step_999999\n")
+    train.main(TINY + ["--max-steps", "1000001", "--ckpt-every", "1", "--keep-ckpts", "1", "--out-dir", str(out),
+                       "--resume"])
+    assert [d.name for d in checkpoint.step_dirs(out)] == ["step_1000001"]
+    assert checkpoint.find_latest(out) == (out / "step_1000001", [])
+
+
+def test_a_dangling_latest_is_said_out_loud(tmp_path):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    (out / "latest").write_text("step_000009\n")
+    p = cli("train.py", *TINY, "--max-steps", "3", "--out-dir", out, "--resume")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "checkpoint step_000009 is missing, though `latest` names it; falling back" in p.stdout
+    assert "at step 2" in p.stdout
+
+
+def test_a_second_run_on_the_same_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    out = tmp_path / "o"
+    first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "100000",
+                              "--ckpt-every", "100000", "--out-dir", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(records(out)) >= 2):
+        time.sleep(0.2)
+    second = cli("train.py", *TINY, "--max-steps", "4", "--out-dir", out, "--overwrite")
+    message = error_line(second.stderr)
+    assert second.returncode == 1 and f"in use by another run (pid {first.pid} on host" in message
+    first.send_signal(signal.SIGTERM)  # the first run is untouched: it stops cleanly with its checkpoint
+    stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0 and "stopped by signal SIGTERM" in stdout, stderr[-2000:]
+    assert not (out / ".lock").exists()
+    # a lock left by a process that is gone (a crash) is taken over, saying so
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (out / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "since": "x"}))
+    p = cli("train.py", *TINY, "--max-steps", "4", "--out-dir", out, "--overwrite")
+    assert p.returncode == 0 and f"taken over from pid {pid}" in p.stdout, p.stderr[-2000:]
+
+
+def _limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+
+def test_a_real_write_failure_keeps_the_previous_checkpoint(tmp_path):
+    """The child may write no file over 1 MB (RLIMIT_FSIZE): torch.save's writer raises RuntimeError
+    ('unexpected pos'), not OSError, as it does when a disk fills up."""
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])  # a shard of this model is ~1.7 MB
+    p = cli("train.py", *TINY, "--max-steps", "4", "--ckpt-every", "2", "--out-dir", out, "--resume",
+            preexec_fn=_limit_file_size)
+    message = error_line(p.stderr)
+    assert p.returncode == 1 and "could not write checkpoint" in message and "step_000004" in message
+    assert "File too large" in message and "the previous checkpoint (step_000002) is intact" in message
+    assert not list(out.glob(".tmp-*")) and checkpoint.find_latest(out) == (out / "step_000002", [])
+
+
+def test_latest_pointing_outside_the_out_dir_is_refused(tmp_path, capsys):
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "base")])
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "latest").write_text("../base/step_000002\n")
+    message = refused(capsys, train.main, TINY + ["--max-steps", "4", "--out-dir", str(out), "--resume"])
+    assert "names '../base/step_000002', which is not a step directory" in message
+    assert not (out / "metrics.jsonl").exists()
+
+
+def flip_a_byte(shard: Path):
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only the checksum can tell
+    shard.write_bytes(bytes(raw))
+
+
+def test_init_checks_the_checkpoint_manifest(tmp_path, capsys):
+    base = tmp_path / "base"
+    train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(base)])
+    flip_a_byte(base / "step_000004" / "shard_pp00_tp00.pt")
+    message = refused(capsys, evaluate.main, ["--init", str(base / "step_000004"), "--prompt", "a"])
+    assert "checkpoint" in message and "is damaged (shard_pp00_tp00.pt does not match its checksum)" in message
+    conversations = tmp_path / "c.jsonl"
+    conversations.write_text((json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": "hello"}]}) + "\n") * 10)
+    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1", "--seq-len",
+                        "128", "--micro-batch", "1"]
+    message = refused(capsys, sft.main, sft_flags + ["--init", str(base / "step_000004"), "--out-dir",
+                                                     str(tmp_path / "s")])
+    assert "does not match its checksum" in message
+    # an out-dir falls back to its newest intact checkpoint, saying so, as --resume does
+    sft.main(sft_flags + ["--init", str(base), "--out-dir", str(tmp_path / "s2")])
+    assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt does not match its checksum); falling back" \
+        in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+def test_a_failed_prepare_leaves_the_prepared_folder_as_it_was(tmp_path):
+    prepared = tmp_path / "P"
+    assert data.main(["prepare", "--source", "tinyshakespeare", "--out", str(prepared)]) == 0
+    before = {f.name: f.read_bytes() for f in prepared.iterdir()}
+    for bad in (["--source", "tinyshakespeare", "--val-fraction", "1.5"], ["--source", str(tmp_path / "none.txt")],
+                ["--source", "tinyshakespeare", "--shard-tokens", "0"]):
+        p = cli("data.py", "prepare", "--out", prepared, *bad, timeout=120)
+        assert p.returncode == 1 and error_line(p.stderr), p.stderr
+        assert {f.name: f.read_bytes() for f in prepared.iterdir()} == before
+    # a good new source replaces the old shards whole: fewer shards leave none of the old behind
+    assert data.main(["prepare", "--source", "wiki_demo", "--out", str(prepared), "--shard-tokens", "10000000"]) == 0
+    assert sorted(f.name for f in prepared.iterdir()) == ["meta.json", "train_000000.bin", "val_000000.bin"]
+
+
+def test_a_custom_tokenizer_model_gets_its_own_name_and_cache(tmp_path, mirror):
+    lines = (mirror / "llama3" / "tokenizer.model").read_bytes().splitlines()
+    same = tmp_path / "reordered.model"  # the official ranks in another order: the same tokenizer
+    same.write_bytes(b"\r\n".join(reversed(lines)))
+    a, b = lines[279].split(), lines[438].split()  # " the" and "and" swap ranks: another tokenizer
+    lines[279], lines[438] = a[0] + b" " + b[1], b[0] + b" " + a[1]
+    custom = tmp_path / "custom.model"
+    custom.write_bytes(b"\n".join(lines) + b"\n")
+    official, mine = data.get_tokenizer("llama3"), data.get_tokenizer(str(custom))
+    assert data.get_tokenizer(str(same)).name == official.name == "llama3"
+    assert mine.name.startswith("llama3-") and mine.encode_ordinary("and the") != official.encode_ordinary("and the")
+    text = tmp_path / "t.txt"
+    text.write_text("and the " * 200)
+    folders = {data.resolve_data(str(text), tok) for tok in ("llama3", str(custom))}
+    assert len(folders) == 2  # not one cache of shards for two encodings
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_before_training(tmp_path, capsys):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for split in ("train", "val"):
+        data.write_shard(shards / f"{split}_000000.bin", np.arange(2000) % 1000, "byte")  # byte has 268 ids
+    (shards / "meta.json").write_text("{}")
+    out = tmp_path / "o"
+    message = refused(capsys, train.main, TINY + ["--max-steps", "2", "--data", str(shards), "--out-dir", str(out)])
+    assert "holds token id 999, but the byte tokenizer has 268 ids" in message
+    assert not out.exists()
+
+
+def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path):
+    """--eval-batches past the size of the split reads the split once (and a few micro-batches at a time)."""
+    flags = TINY + ["--max-steps", "1", "--eval-every", "0", "--ckpt-every", "0", "--micro-batch", "64"]
+    p = cli("train.py", *flags, "--out-dir", tmp_path / "a", "--eval-batches", "100000000", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    val = data.Loader(data.resolve_data("tinyshakespeare", "byte"), "val", 64, 32)
+    one_pass = -(-len(val) // 64)
+    train.main(flags + ["--out-dir", str(tmp_path / "b"), "--eval-batches", str(one_pass)])
+    losses = [[r["val_loss"] for r in records(tmp_path / run) if "val_loss" in r] for run in "ab"]
+    assert losses[0] == losses[1] and len(losses[0]) == 1
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("flags,message", [
+    (["--min-lr-ratio", "-5"], "--min-lr-ratio must be in [0, 1], got -5.0"),
+    (["--beta1", "2"], "--beta1 must be in [0, 1), got 2.0"),
+    (["--beta2", "-1"], "--beta2 must be in [0, 1), got -1.0"),
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--n-heads", "0"], "n_heads must be a positive integer, got 0"),
+    (["--n-heads", "-4"], "n_heads must be a positive integer, got -4"),
+    (["--dim", "0"], "dim must be a positive integer, got 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2^63), got -1"),
+    (["--seed", str(10 ** 23)], "--seed must be in [0, 2^63)"),
+    (["--dist-timeout", "0"], "--dist-timeout must be a positive number of seconds"),
+    (["--device", "foo"], "--device 'foo': use cpu, cuda, cuda:N or mps"),
+    (["--pp-layers", "a,b"], "--pp-layers 'a,b': expected the layers of each stage"),
+    (["--ckpt-every", "-1"], "--ckpt-every must be at least 0, got -1"),
+    (["--eval-every", "-2"], "--eval-every must be -1 (never)"),
+    (["--skip-spikes", "0.5"], "--skip-spikes must be 0 (off) or a factor above 1"),
+    (["--model", "llama3.1-405b"], "model llama3.1-405b needs about"),
+])
+def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flags, message):
+    out = tmp_path / "o"
+    assert message in refused(capsys, train.main, TINY + ["--max-steps", "2", "--out-dir", str(out), *flags])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("main,flags,message", [
+    (dpo.main, ["--beta", "nan"], "--beta must be > 0"),
+    (evaluate.main, ["--prompt", "a", "--temperature", "-1"], "temperature must be >= 0"),
+    (evaluate.main, ["--prompt", "a", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (evaluate.main, ["--prompt", "a", "--top-k", "0"], "top_k must be at least 1"),
+    (evaluate.main, ["--prompt", "a", "--top-k", "-3"], "top_k must be at least 1"),
+])
+def test_bad_flags_of_the_other_scripts_are_refused(tmp_path, capsys, main, flags, message):
+    assert message in refused(capsys, main, ["--init", str(tmp_path), *flags])
+
+
+def test_sampling_settings_are_checked_by_generate_itself():
+    model = M.Transformer(M.ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16))
+    for bad in ({"top_p": 0.0}, {"temperature": -1.0}, {"top_k": 0}):
+        with pytest.raises(ValueError, match="must be"):
+            M.generate(model, [1, 2], 3, **bad)
+
+
+def readonly_folder(path: Path):
+    """A folder this process cannot write into: chmod where permissions bind, a read-only mount for root."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("running as root without the right to mount: no folder can be made read-only for this test")
+
+
+@pytest.mark.parametrize("case", ["file", "read-only", "latest is a folder", "metrics.jsonl is a folder",
+                                  "meta.json wrong types", "manifest not a dict"])
+def test_unusable_out_dirs_are_refused_with_one_line(tmp_path, capsys, case):
+    out, flags = tmp_path / "o", TINY + ["--max-steps", "4"]
+    expected = {"file": "exists and is not a folder", "read-only": "cannot write to --out-dir",
+                "latest is a folder": "latest is not a file", "metrics.jsonl is a folder": "metrics.jsonl is not a file",
+                "meta.json wrong types": "'step' is '2', not an int", "manifest not a dict": "'files' is"}[case]
+    if case == "file":
+        out.write_text("not a folder")
+    elif case == "read-only":
+        readonly_folder(out)
+    elif case.endswith("is a folder"):
+        (out / case.split()[0]).mkdir(parents=True)
+    else:
+        train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+        meta_path = out / "step_000002" / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta.update({"step": "2"} if case == "meta.json wrong types" else {"files": list(meta["files"])})
+        meta_path.write_text(json.dumps(meta))
+        flags.append("--resume")
+    try:
+        assert expected in refused(capsys, train.main, flags + ["--out-dir", str(out)])
+    finally:
+        if case == "read-only" and os.geteuid() == 0:
+            subprocess.run(["umount", str(out)], check=True)
+
+
+def test_a_fresh_run_does_not_mix_into_an_earlier_runs_metrics(tmp_path, capsys):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--ckpt-every", "0", "--out-dir", str(out)])
+    assert "already holds metrics.jsonl of an earlier run" in refused(
+        capsys, train.main, TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    assert [r["step"] for r in records(out)] == [1, 2]
+
+
+def test_data_cache_that_is_a_file_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("DATA_CACHE", str(tmp_path / "cache"))
+    assert "is not a folder; point DATA_CACHE at a folder" in refused(
+        capsys, train.main, TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "o")])
+
+
+def test_consolidate_and_info_failures_are_one_line(tmp_path, capsys):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    flip_a_byte(out / "step_000002" / "shard_pp00_tp00.pt")
+    for argv, message in ((["consolidate", str(tmp_path / "nowhere"), "--out", str(tmp_path / "m.pt")],
+                           "no intact checkpoint"),
+                          (["consolidate", str(out), "--out", str(tmp_path / "m.pt")], "does not match its checksum")):
+        assert parallel.main(argv) == 1 and message in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "m.pt").exists()
+    for argv, message in ((["info", str(tmp_path / "nowhere.bin")], "no file or folder"),
+                          (["info", str(tmp_path)], "holds no token shards")):
+        assert data.main(argv) == 1 and message in error_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------------------------------------- messages
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_a_refused_pickle_says_what_was_refused_and_why(tmp_path):
+    bad = tmp_path / "bad.pt"
+    torch.save({"params": Exploit()}, bad)  # a checkpoint file whose unpickling would run a command
+    with pytest.raises(Exception) as refusal:
+        torch.load(bad, weights_only=True)
+    message = data.one_line(refusal.value)
+    assert message.startswith("refused to unpickle it") and "system" in message and "\n" not in message
+    assert "weights_only` set to `False`" not in message  # torch's advice to load it unsafely is left out
+
+
+def test_long_messages_stay_whole():
+    assert data.one_line(ValueError("x" * 500 + "\nthe reason")) == "x" * 500 + " the reason"
+
+
+def test_pretty_printed_json_is_named_as_such(tmp_path):
+    pretty = tmp_path / "p.jsonl"
+    pretty.write_text(json.dumps({"text": "hello"}, indent=2))
+    with pytest.raises(data.DataError, match="one JSON object spread over several lines.*not JSON Lines"):
+        data.read_documents(pretty, "jsonl")
+    pretty.write_text("\n".join(json.dumps({"instruction": "a", "output": "b"}, indent=2) for _ in range(2)))
+    with pytest.raises(data.DataError, match="JSON records spread over several lines"):
+        data.read_sft(str(pretty))
