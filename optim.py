@@ -49,12 +49,15 @@ class AdamW:
     Build it after the model is on its device and in its training dtype: that is the storage it takes over.
     `pad_to` rounds the flat length up (ZeRO-1 cuts buckets into dp equal pieces). `shard(ranges)` makes
     this rank own, and keep optimizer state for, only those [lo, hi) ranges of the flat buffers (ZeRO-1);
-    by default it owns everything.
+    by default it owns everything. Under ZeRO-1 pass `allocate_state=False` and let shard() allocate: the
+    full-length state (16 bytes per parameter: master, m, v and the update's denominator) would otherwise
+    exist on every rank for a moment, which is exactly the memory ZeRO-1 is there to save.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1):
+                 no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
+                 allocate_state: bool = True):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         uniq, seen = [], set()
         for name, p in named_params:
@@ -95,17 +98,21 @@ class AdamW:
             if p.dtype == torch.float32:
                 p.grad = self.grad_view(i)  # ... and so does its gradient (no copy after each backward)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
-        self.shard([(0, self.numel)])
+        self.ranges, self.master = None, None  # no state until shard() says what this rank owns
+        if allocate_state:
+            self.shard([(0, self.numel)])
 
     def shard(self, ranges: list[tuple[int, int]]):
         """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
         one after another ("compact" layout). Owning everything in fp32, the master *is* the model copy."""
         self.ranges = ranges
         size = sum(hi - lo for lo, hi in ranges)
+        self.master = self.exp_avg = self.exp_avg_sq = self._denom = None  # free any earlier state first
         if ranges == [(0, self.numel)] and self.dtype == torch.float32:
             self.master = self.model_flat
-        else:
-            self.master = self.owned(self.model_flat).float().clone()
+        else:  # the owned ranges, packed and in fp32: one allocation, no full-length temporary
+            self.master = torch.empty(size, dtype=torch.float32, device=self.device)
+            self.pack(self.model_flat, self.master)
         self.exp_avg = torch.zeros(size, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self._denom = torch.empty_like(self.exp_avg)
@@ -124,6 +131,13 @@ class AdamW:
             lo, hi = self.ranges[0]
             return full[lo:hi]
         return torch.cat([full[lo:hi] for lo, hi in self.ranges])
+
+    def pack(self, full: torch.Tensor, compact: torch.Tensor):
+        """Copy the owned ranges of a full-length tensor into a compact one (converting its dtype)."""
+        c = 0
+        for lo, hi in self.ranges:
+            compact[c:c + hi - lo].copy_(full[lo:hi])
+            c += hi - lo
 
     def unpack(self, compact: torch.Tensor, full: torch.Tensor):
         """Write a compact tensor back into the owned ranges of a full-length one."""
@@ -202,24 +216,32 @@ class AdamW:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict):
+        """Per-parameter state (any device) -> the owned ranges, one parameter at a time: no full-length
+        buffer is made, so a ZeRO-1 rank never holds more than its shard plus one parameter's state."""
         missing = set(self.names) - set(state["params"])
         if missing:
             raise ValueError(f"optimizer state lacks {sorted(missing)[:4]}")
         self.step_count = int(state["step"])
-        full = {k: torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-                for k in ("master", "exp_avg", "exp_avg_sq")}
         for i, name in enumerate(self.names):
-            sl = slice(self.offsets[i], self.offsets[i] + self.params[i].numel())
-            for key, buf in full.items():
-                t = state["params"][name][key]
-                if t.numel() != self.params[i].numel():
+            lo, n = self.offsets[i], self.params[i].numel()
+            entry = state["params"][name]  # looked up once: it may be assembled from disk on demand
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                t = entry[key]
+                if t.numel() != n:
                     raise ValueError(f"optimizer state for {name} has shape {tuple(t.shape)}, "
                                      f"the model has {tuple(self.params[i].shape)}")
-                buf[sl].copy_(t.reshape(-1))
-        self.master.copy_(self.owned(full["master"]))
-        self.exp_avg.copy_(self.owned(full["exp_avg"]))
-        self.exp_avg_sq.copy_(self.owned(full["exp_avg_sq"]))
-        self.model_flat.copy_(full["master"])  # every rank's model copy, owned ranges or not
+                self._load_range(getattr(self, key), lo, t.reshape(-1))
+            # every rank's model copy gets every parameter, owned or not (rounded to the training dtype)
+            self.model_flat[lo:lo + n].copy_(entry["master"].reshape(-1))
+
+    def _load_range(self, compact: torch.Tensor, lo: int, values: torch.Tensor):
+        """Write `values`, which belong at flat positions [lo, lo + len), into the owned parts of them."""
+        hi, c = lo + values.numel(), 0
+        for rlo, rhi in self.ranges:
+            a, b = max(lo, rlo), min(hi, rhi)
+            if a < b:
+                compact[c + a - rlo:c + b - rlo].copy_(values[a - lo:b - lo])
+            c += rhi - rlo
 
 
 class LossScaler:

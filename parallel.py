@@ -121,6 +121,16 @@ def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches:
         raise LayoutError("; ".join(errors))
 
 
+def process_group_options(device: torch.device | None, timeout_s: float) -> dict:
+    """NCCL on CUDA, bound to this process's GPU from the start (device_id): without it NCCL guesses the GPU
+    from the rank for its first collective, which is wrong wherever ranks and GPUs are not numbered alike.
+    gloo on CPU."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device is not None and device.type == "cuda":
+        return {"backend": "nccl", "device_id": device, "timeout": timeout}
+    return {"backend": "gloo", "timeout": timeout}
+
+
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
               timeout_s: float = 300.0) -> Mesh:
     """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
@@ -137,19 +147,18 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     if world == 1:
         return mesh
     if not dist.is_initialized():
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
+        options = process_group_options(device, timeout_s)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if restart is None:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(**options)
         else:
             # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
             # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
             agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=not agent_hosts and rank == 0, timeout=timeout)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
-                                    world_size=world, timeout=timeout)
+                                  is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
+            dist.init_process_group(store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
+                                    world_size=world, **options)
     # new_group is collective over the whole world: every rank creates every group, in the same order.
     # Each group needs the timeout itself (a new group does not inherit the world's), and its name shows up
     # in NCCL's watchdog messages.
@@ -812,6 +821,8 @@ class GradSync:
         if zero and dp > 1:
             opt.shard(self.norm_ranges)
             self.pieces = [torch.empty((hi - lo) // dp, device=opt.grad.device) for lo, hi in self.buckets]
+        elif opt.ranges is None:  # an optimizer built with allocate_state=False: without ZeRO it owns all
+            opt.shard([(0, opt.numel)])
         opt.on_grad_ready = self._on_grad_ready
 
     def start(self):
@@ -982,22 +993,25 @@ def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[M.LazySt
 
 
 def load_shards(folder: Path, model, opt, mesh: Mesh):
-    """Load a checkpoint written under any layout into this rank's shards (optimizer state and weights)."""
+    """Load a checkpoint written under any layout into this rank's shards (optimizer state and weights).
+    One parameter at a time: its full state is assembled from the memory-mapped files, cut to this rank's
+    tp piece, copied into the optimizer's owned ranges, and dropped."""
     full, extra = read_full_state(folder, set(opt.names))
     placement = getattr(model, "tp_placement", {})
-    state = {}
-    for i, name in enumerate(opt.names):
-        if name not in full:
-            raise ValueError(f"checkpoint {folder} has no parameter {name}")
-        shape = opt.params[i].shape
-        mine = {}
+    missing = [name for name in opt.names if name not in full]
+    if missing:
+        raise ValueError(f"checkpoint {folder} has no parameter {missing[0]}")
+
+    def mine(i: int, name: str) -> dict[str, torch.Tensor]:
+        shape, out = opt.params[i].shape, {}
         for k, t in full[name].items():
-            t = local_piece(t, shape, placement.get(name, (None,))[0], mesh)
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(t.shape)}, this model "
+            out[k] = local_piece(t, shape, placement.get(name, (None,))[0], mesh)
+            if tuple(out[k].shape) != tuple(shape):
+                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(out[k].shape)}, this model "
                                  f"needs {tuple(shape)}")
-            mine[k] = t
-        state[name] = mine
+        return out
+
+    state = M.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
     opt.load_state_dict({"step": extra["step"], "params": state})
     return extra
 

@@ -183,13 +183,15 @@ def pick_device_and_precision(args):
         raise ConfigError(f"--device {args.device!r}: use cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but CUDA is not available")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"--device {device}: this process sees {torch.cuda.device_count()} GPU(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("--device mps was asked for but MPS is not available")
-    if device.type == "cuda" and device.index is None:  # one GPU per process, chosen by torchrun
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # one GPU per process: torchrun's LOCAL_RANK, unless --device names one
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"GPU {device.index} asked for (--device or LOCAL_RANK), but this process sees "
+                              f"{torch.cuda.device_count()}; start at most that many processes per node")
+        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
     precision = args.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
@@ -204,7 +206,7 @@ GPU_PEAK_TFLOPS = {"A100": 312, "H100 PCIe": 756, "H100": 989, "H200": 989, "B20
 
 
 def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
-    """Peak dense FLOP/s of the device: the GUIDE's table for known GPUs (bf16 dense), else a measured matmul."""
+    """Peak dense FLOP/s of the device: the table above for known GPUs (bf16 dense), else a measured matmul."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # 'H100 PCIe' before 'H100'
@@ -214,14 +216,15 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     n = 1024 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(5):  # best of a few: the machine may be shared
+    # The best of a few (the machine may be shared), within about a second: a CPU without fp16 kernels
+    # takes seconds for one fp16 matmul of this size.
+    best, tries, t_start = float("inf"), 0, time.perf_counter()
+    while tries < 8 and (tries < 2 or time.perf_counter() - t_start < 1.0):
         sync_device(device)
         t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
+        a @ b
         sync_device(device)
-        best = min(best, (time.perf_counter() - t0) / 4)
+        best, tries = min(best, time.perf_counter() - t0), tries + 1
     return 2 * n ** 3 / best, f"{device.type} measured {n}x{n} {precision} matmul"
 
 
@@ -270,11 +273,27 @@ def check_memory(margs, args, world: int, device, precision: str):
 # the loader's position, the flags and the model's shape.
 
 
-def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, args, margs, mesh):
+def rng_state(device) -> dict:
+    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
+    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    extra = {"rng": rng, "scaler": scaler.state_dict() if scaler else None}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict, device):
+    torch.set_rng_state(rng["torch"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in rng["python"]))
+    state = rng.get("cuda") if device.type == "cuda" else None
+    if isinstance(state, (list, tuple)):  # an older checkpoint's list of every visible GPU's state
+        state = state[device.index or 0] if (device.index or 0) < len(state) else None
+    if state is not None:
+        torch.cuda.set_rng_state(state, device)
+
+
+def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, args, margs, mesh):
+    extra = {"rng": rng_state(mesh.device), "scaler": scaler.state_dict() if scaler else None}
     meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs),
             "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}}
     C.save(out_dir, step, mesh, lambda folder: P.save_shards(folder, model, opt, mesh, sync, extra), meta,
@@ -598,7 +617,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
         except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
             raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
         opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                      weight_decay=args.weight_decay, pad_to=mesh.dp)
+                      weight_decay=args.weight_decay, pad_to=mesh.dp, allocate_state=False)  # GradSync shards it
         sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
         sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
         scaler = O.LossScaler() if precision == "fp16" else None
@@ -609,10 +628,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             if scaler and extra.get("scaler"):
                 scaler.load_state_dict(extra["scaler"])
             loader.load_state_dict(meta["loader"])
-            torch.set_rng_state(extra["rng"]["torch"])
-            random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in extra["rng"]["python"]))
-            if "cuda" in extra["rng"] and device.type == "cuda":
-                torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+            restore_rng(extra["rng"], device)
             start_step = meta["step"]
             old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
             log(f"resumed from {resume} at step {start_step} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
@@ -698,7 +714,8 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             #    as they were (every rank reaches the same verdict: the norm and the loss are global)
             lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
             bad = None
-            if scaler and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh)):
+            overflow = scaler is not None and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh))
+            if overflow:
                 bad = f"fp16 gradient overflow, loss scale -> {scaler.scale:g}"
             else:
                 grad_norm = P.grad_norm(sync, model)
@@ -722,7 +739,10 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             if bad is not None:
                 opt.zero_grad()
                 loader.load_state_dict(before)
-                skipped, consecutive = skipped + 1, consecutive + 1
+                # An fp16 overflow is the loss scaler searching for its scale (normal while it settles down
+                # from 2^16): it counts toward --max-skips only once the scale is below 1, where the gradients
+                # overflow by themselves.
+                skipped, consecutive = skipped + 1, consecutive + (not overflow or scaler.scale < 1)
                 log(f"step {step + 1}: skipped ({bad}); {consecutive} in a row, {skipped} in all")
                 write({"step": step + 1, "skipped": bad, "skipped_total": skipped})
                 if consecutive >= args.max_skips:

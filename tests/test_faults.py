@@ -18,6 +18,7 @@ import torch
 
 import checkpoint
 import data
+import optim as O
 import parallel
 import train
 
@@ -272,3 +273,14 @@ def test_malformed_jsonl_names_its_line_in_every_training_script(tmp_path, scrip
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert len(errors) == 1 and f"{bad}:2: malformed JSON" in errors[0], p.stderr[-2000:]
     assert not (tmp_path / "o").exists()
+
+
+def test_fp16_loss_scale_overflows_do_not_stop_the_run(tmp_path, monkeypatch):
+    """Starting from a loss scale far too large, the first steps overflow while the scaler halves it: that is
+    its normal search, not a run going bad, so --max-skips does not end the run."""
+    real_init = O.LossScaler.__init__
+    monkeypatch.setattr(O.LossScaler, "__init__", lambda self: real_init(self, init_scale=2.0 ** 24))
+    train.main(TINY + ["--max-steps", "4", "--max-skips", "3", "--precision", "fp16", "--out-dir", str(tmp_path)])
+    rows = records(tmp_path)
+    overflows = [r for r in rows if "fp16 gradient overflow" in r.get("skipped", "")]
+    assert len(overflows) > 3 and [r["step"] for r in rows if "loss" in r][-1] == 4

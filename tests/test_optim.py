@@ -4,9 +4,12 @@ import math
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as M
 import optim as O
+import parallel as P
 
 
 def tiny_model(seed=0, dtype=torch.float32):
@@ -162,3 +165,68 @@ def test_sharded_owner_updates_exactly_its_ranges():
         torch.testing.assert_close(merged, full.model_flat, atol=0, rtol=0)
         a.model_flat.copy_(merged)  # what the all-gather does
         b.model_flat.copy_(merged)
+
+
+class Allocations(TorchDispatchMode):
+    """Counts the bytes of every tensor storage created while active: an op's outputs whose storage none
+    of its inputs shares (views and in-place ops create none). The total bounds the peak from above."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        storage = lambda t: t.untyped_storage().data_ptr()
+        inputs = {storage(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        created = {storage(t): t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor) and storage(t) not in inputs}
+        self.bytes += sum(created.values())
+        return out
+
+
+def state_bytes(opt) -> int:
+    own = [opt.exp_avg, opt.exp_avg_sq, opt._denom] + ([opt.master] if opt.master is not opt.model_flat else [])
+    return sum(t.numel() * t.element_size() for t in own)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
+    """At dp 4 under ZeRO-1 a rank keeps a quarter of dp 1's optimizer state, and never allocates more:
+    everything built (the full-length gradient and model buffers, the state, the reduce-scatter pieces)
+    adds up to exactly what is kept."""
+    kept, owned = {}, {}
+    for dp in (1, 4):
+        model = tiny_model(dtype=dtype)
+        with Allocations() as built:
+            opt = O.AdamW(model.named_parameters(), lr=1e-2, pad_to=dp, allocate_state=False)
+            sync = P.GradSync(opt, P.Mesh(dp=dp, dp_rank=1), bucket_mb=0.001, zero=1)
+        n = opt.numel
+        kept[dp] = state_bytes(opt)
+        pieces = sum(t.numel() * 4 for t in getattr(sync, "pieces", []))
+        full_length = n * 4 + n * opt.model_flat.element_size()  # gradient (fp32) and model copy
+        assert built.bytes == full_length + kept[dp] + pieces, (dp, built.bytes, full_length, kept[dp], pieces)
+        owned[dp] = sum(t.numel() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt._denom))
+    # master, m, v and the denominator: a quarter each (in fp32 at dp 1 the master is the model copy itself)
+    assert owned[4] * 4 == owned[1]
+
+
+def test_loading_a_sharded_state_builds_no_full_length_buffer():
+    """Resume under ZeRO-1 copies each parameter's state straight into the owned ranges: what it allocates
+    is far below one full-length fp32 buffer, and the ranges hold exactly the saved values."""
+    source = tiny_model()
+    full = O.AdamW(source.named_parameters(), lr=1e-2, pad_to=4)
+    x = torch.randint(0, 50, (2, 8))
+    source(x).sum().backward()
+    full.step()
+    saved = full.state_dict()
+    opt = O.AdamW(tiny_model(seed=3).named_parameters(), lr=1e-2, pad_to=4, allocate_state=False)
+    P.GradSync(opt, P.Mesh(dp=4, dp_rank=2), bucket_mb=0.001, zero=1)
+    with Allocations() as loading:
+        opt.load_state_dict(saved)
+    assert loading.bytes < opt.numel * 4 // 4  # the old way made three full-length fp32 buffers
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        expected = torch.empty_like(getattr(opt, key))
+        opt.pack(getattr(full, key), expected)
+        assert torch.equal(getattr(opt, key), expected), key
+    assert torch.equal(opt.model_flat, full.model_flat)

@@ -190,3 +190,39 @@ def test_unreadable_or_foreign_checkpoint_is_refused_and_kept(tmp_path):
     assert "damaged" in error_lines(stderr)[0] and "shard_pp00_tp00.pt has" in error_lines(stderr)[0]
     assert state.read_bytes() == good[: len(good) // 2]
     assert (out / "latest").read_text().strip() == "step_000002"
+
+
+def test_each_process_binds_its_own_gpu_before_the_first_collective(monkeypatch):
+    """No GPU here: the calls a GPU run makes are recorded instead. --device cuda:N is bound like torchrun's
+    LOCAL_RANK; NCCL gets the device at init (else it guesses GPU = rank % count for its first barrier)."""
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
+    args = train.get_parser().parse_args(["--device", "cuda:3"])
+    assert train.pick_device_and_precision(args) == (torch.device("cuda", 3), "bf16")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    args.device = None
+    assert train.pick_device_and_precision(args)[0] == torch.device("cuda", 5)
+    assert bound == [torch.device("cuda", 3), torch.device("cuda", 5)]
+    monkeypatch.setenv("LOCAL_RANK", "9")
+    with pytest.raises(train.ConfigError, match="GPU 9 asked for .* this process sees 8"):
+        train.pick_device_and_precision(args)
+    options = parallel.process_group_options(torch.device("cuda", 5), 7.0)
+    assert options["backend"] == "nccl" and options["device_id"] == torch.device("cuda", 5)
+    assert parallel.process_group_options(torch.device("cpu"), 7.0)["backend"] == "gloo"
+
+
+def test_a_checkpoint_keeps_only_its_own_gpus_random_state(monkeypatch):
+    """A process saves its own GPU's generator, and resumes where it sees fewer GPUs than the writer did."""
+    states = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: states[device.index])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
+    rng = train.rng_state(torch.device("cuda", 3))
+    assert torch.equal(rng["cuda"], states[3])
+    train.restore_rng(rng, torch.device("cuda", 0))  # resumed on another node, where this rank drives GPU 0
+    train.restore_rng({**rng, "cuda": states}, torch.device("cuda", 1))  # an older checkpoint: every GPU's
+    train.restore_rng({**rng, "cuda": states[:2]}, torch.device("cuda", 4))  # ... from fewer GPUs: none
+    assert restored == [(3, torch.device("cuda", 0)), (1, torch.device("cuda", 1))]
+    assert "cuda" not in train.rng_state(torch.device("cpu"))
