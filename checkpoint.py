@@ -11,9 +11,10 @@ run on the same folder never costs the last good state.
 Read in this order:
   1. Names     step_name, step_dirs: steps sort by number (step_1000000 comes after step_999999)
   2. Lock      RunLock: one run per out-dir; a lock left by a dead process on this host is taken over
-  3. Saving    save(): every rank writes into .tmp-step_N; when all agree it worked, rank 0 adds the
-               manifest, makes the bytes durable, renames the folder, replaces `latest`, then rotate()s.
-               Any failure removes the partial folder; the previous checkpoint is never touched.
+  3. Saving    save(): every writer writes, hashes and fsyncs its shards in .tmp-step_N; when all agree
+               it worked, rank 0 writes meta.json with their manifest, renames the folder, replaces
+               `latest`, then rotate()s. Any failure removes the partial folder; the previous checkpoint
+               is never touched.
   4. Finding   read_latest, damage, find_latest, resolve: which checkpoint --resume or --init uses, verified
                against its manifest; a pointer out of the folder or a damaged step is said out loud
   5. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
@@ -26,7 +27,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -169,15 +169,19 @@ class RunLock:
 
 
 def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int):
-    """Phase 7, on every rank. write_shards(folder) writes this rank's files (parallel.save_shards); `meta`
-    (step, loader, args, ...) goes into meta.json with the manifest. Raises CheckpointError, on every rank,
-    if any write failed anywhere; the partial folder is then gone and `latest` still names the previous
-    checkpoint."""
+    """Phase 7, on every rank. write_shards(folder) writes this rank's files (parallel.save_shards) and
+    returns their manifest entries; `meta` (step, loader, args, ...) goes into meta.json with the manifest.
+    Raises CheckpointError, on every rank, if any write failed anywhere; the partial folder is then gone
+    and `latest` still names the previous checkpoint. The waits for other ranks' disk work are on the "io"
+    group (--io-timeout): writing hundreds of GB takes longer than any collective should."""
     name = step_name(step)
     tmp, final = out_dir / f".tmp-{name}", out_dir / name
-    failure = _agreed(mesh, lambda: _fresh_folder(out_dir, tmp), everyone=False)
-    failure = failure or _agreed(mesh, lambda: write_shards(tmp), everyone=True)
-    failure = failure or _agreed(mesh, lambda: _commit(tmp, final, out_dir, meta), everyone=False)
+    failure, _ = _agreed(mesh, lambda: _fresh_folder(out_dir, tmp), everyone=False)
+    if not failure:
+        failure, written = _agreed(mesh, lambda: write_shards(tmp), everyone=True)
+        manifest = {file: entry for part in written for file, entry in (part or {}).items()}
+    if not failure:
+        failure, _ = _agreed(mesh, lambda: _commit(tmp, final, out_dir, meta, manifest), everyone=False)
     if failure:
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -189,25 +193,25 @@ def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int):
     P.barrier(mesh)
 
 
-def _agreed(mesh, write, everyone: bool) -> str | None:
-    """Run `write` (on every rank, or on rank 0) and agree across ranks whether it worked: None, or why not
-    (rank 0's own reason; a failing rank other than 0 prints its own line). A full disk, a quota, a vanished
-    mount, a read-only folder: OSError from Python, RuntimeError from torch.save's writer. A failed
-    collective (CommError) or out-of-memory is not a write failure and propagates."""
-    reason = None
+def _agreed(mesh, write, everyone: bool) -> tuple[str | None, list]:
+    """Run `write` (on every rank, or on rank 0) and agree across ranks whether it worked. Returns (None,
+    or why not -- the first failing rank's reason --, every rank's result in rank order). A full disk, a
+    quota, a vanished mount, a read-only folder: OSError from Python, RuntimeError from torch.save's
+    writer. A failed collective (CommError) or out-of-memory is not a write failure and propagates."""
+    reason, result = None, None
     if everyone or mesh.rank == 0:
         try:
-            write()
+            result = write()
         except (P.CommError, torch.OutOfMemoryError):
             raise
         except (OSError, RuntimeError) as e:
             reason = write_error(e)
-            if mesh.rank != 0:
-                print(f"error (rank {mesh.rank}): could not write its checkpoint files: {reason}",
-                      file=sys.stderr, flush=True)
-    if mesh.world > 1 and not P.all_true(reason is None, mesh):
-        return reason or "a write failed on another rank (its error line says why)"
-    return reason
+    everyone_says = P.all_gather_objects((reason, result), mesh)
+    failed = [(rank, why) for rank, (why, _) in enumerate(everyone_says) if why]
+    if failed:
+        rank, why = failed[0]
+        return (why if mesh.world == 1 else f"rank {rank}: {why}"), []
+    return None, [r for _, r in everyone_says]
 
 
 def write_error(e: Exception) -> str:
@@ -225,16 +229,14 @@ def write_error(e: Exception) -> str:
 def _fresh_folder(out_dir: Path, tmp: Path):
     for stale in out_dir.glob(".tmp-step_*"):  # left by a crash; only this run writes here (RunLock)
         shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir(parents=True)  # the writers make it too where the out-dir is not one shared disk
 
 
-def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict):
-    """Rank 0, once every shard is written: manifest, fsync, rename, then `latest` (replaced atomically)."""
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": data.sha256_file(f)} for f in sorted(tmp.glob("*.pt"))}
-    write_durably(tmp / "meta.json", json.dumps({**meta, "files": files}, indent=1))
-    for f in tmp.iterdir():  # the bytes are on disk before the rename makes them visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict, manifest: dict):
+    """Rank 0, once every writer has written and fsynced its shards: meta.json with the writers' manifest,
+    fsynced; the rename; then `latest` (replaced atomically)."""
+    write_durably(tmp / "meta.json", json.dumps({**meta, "files": dict(sorted(manifest.items()))}, indent=1))
+    _fsync_dir(tmp)
     if final.exists():  # an earlier attempt at this step (a resume from an older checkpoint) is replaced
         shutil.rmtree(final)
     os.replace(tmp, final)

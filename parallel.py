@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -76,6 +77,7 @@ class Mesh:
     sp: bool = False  # sequence parallelism inside the TP group
     group_ranks: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" / "world" -> global ranks, for messages
     timeout_s: float = 300.0  # how long any collective may wait for its peers
+    io_timeout_s: float = 3600.0  # ... and the "io" group's waits for one rank's disk work (data, checkpoints)
     device: torch.device = torch.device("cpu")  # where small flags live for a collective (NCCL: the GPU)
     comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0})
 
@@ -132,14 +134,16 @@ def process_group_options(device: torch.device | None, timeout_s: float) -> dict
 
 
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
-              timeout_s: float = 300.0) -> Mesh:
+              timeout_s: float = 300.0, io_timeout_s: float = 3600.0) -> Mesh:
     """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
     groups from one grid: ranks = arange(world).view(dp, pp, tp). NCCL on CUDA, gloo on CPU. Collectives
-    give up after timeout_s instead of hanging forever."""
+    give up after timeout_s instead of hanging forever; the "io" group (every rank) is for the waits that
+    are long by nature -- ranks waiting while others prepare data or write a checkpoint -- and gives up
+    after io_timeout_s."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dp = world // (tp * pp)
-    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
+    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s, io_timeout_s=io_timeout_s,
                 device=device if device is not None and device.type == "cuda" else torch.device("cpu"))
     grid = torch.arange(world).view(dp, pp, tp)
     mesh.dp_rank, mesh.pp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
@@ -170,6 +174,9 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), group_desc=dim)
             if rank in ranks and len(ranks) > 1:
                 mesh.groups[dim], mesh.group_ranks[dim] = group, ranks
+    mesh.groups["io"] = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=io_timeout_s),
+                                       group_desc="io")
+    mesh.group_ranks["io"] = list(range(world))
     barrier(mesh)
     return mesh
 
@@ -198,10 +205,11 @@ def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
     cause = cause.split(". This is typically")[0][:300]
     waited = time.monotonic() - t0
     hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
-            if waited >= 0.9 * mesh.timeout_s or "timed out" in cause.lower() else
+            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" else mesh.timeout_s) or "timed out" in cause.lower() else
             "a rank in this group died or failed; its own log says why")
+    limit = f"--io-timeout {mesh.io_timeout_s:g} s" if dim == "io" else f"--dist-timeout {mesh.timeout_s:g} s"
     raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
-                    f"{mesh.rank} after {waited:.1f} s (--dist-timeout {mesh.timeout_s:g} s): {cause}; {hint}") from e
+                    f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
 
 
 class _Work:
@@ -251,10 +259,43 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, a
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
-def barrier(mesh: Mesh):
-    """Every rank of the job waits here for all the others (checkpoint commits, start-up)."""
+def barrier(mesh: Mesh, long: bool = False):
+    """Every rank of the job waits here for all the others. long=True: on the "io" group, for a wait that
+    is long by nature (others preparing data or writing a checkpoint), bounded by --io-timeout."""
     if mesh.world > 1:
-        _launch(("barrier", None), mesh, "world", dist.barrier)
+        dim = "io" if long else "world"
+        _launch(("barrier", None), mesh, dim, lambda: dist.barrier(group=mesh.groups.get(dim)))
+
+
+def on_rank0(fn, mesh: Mesh):
+    """fn() on global rank 0 alone; every rank returns its result, or raises the exception it raised. For
+    work one rank can do for all, such as verifying a checkpoint's checksums: done once, not world times.
+    The others wait on the "io" group."""
+    if mesh.world == 1:
+        return fn()
+    box = [None]
+    if mesh.rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # sent to the others, then raised here too
+            box[0] = ("error", e)
+    _launch(("broadcast_object", None), mesh, "io",
+            lambda: dist.broadcast_object_list(box, src=0, group=mesh.groups["io"], device=mesh.device))
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def all_gather_objects(obj, mesh: Mesh) -> list:
+    """Every rank's small picklable `obj`, in global rank order, on every rank (over the "io" group: some
+    ranks may arrive late, having written files the others did not)."""
+    if mesh.world == 1:
+        return [obj]
+    out = [None] * mesh.world
+    _launch(("all_gather_object", None), mesh, "io",
+            lambda: dist.all_gather_object(out, obj, group=mesh.groups["io"]))
+    return out
 
 
 # ====================================================================================================
@@ -930,11 +971,12 @@ def shard_file(mesh: Mesh) -> str:
     return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
 
 
-def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, extra: dict):
-    """Collective over dp (ZeRO-1 gathers its state to dp rank 0); dp rank 0 of each (pp, tp) writes one file."""
+def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, extra: dict) -> dict:
+    """Collective over dp (ZeRO-1 gathers its state to dp rank 0); dp rank 0 of each (pp, tp) writes one file
+    and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
     if mesh.dp_rank != 0:
-        return
+        return {}
     placement = getattr(model, "tp_placement", {})
     entries = {}
     for i, name in enumerate(opt.names):
@@ -949,10 +991,29 @@ def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, ext
             length = max(0, min(local, size - start))  # the vocabulary padding is not saved
             state = {k: v.narrow(dim, 0, length) for k, v in state.items()}
         entries[name] = {"dim": dim, "start": start, "full_size": size, **state}
+    folder.mkdir(parents=True, exist_ok=True)  # each writer makes what it writes (no shared disk assumed)
     with open(folder / shard_file(mesh), "wb") as f:  # through a file: a failed write keeps its OSError
-        torch.save({"params": entries, "step": opt.step_count, **extra}, f)
+        hashing = HashingWriter(f)
+        torch.save({"params": entries, "step": opt.step_count, **extra}, hashing)
         f.flush()
         os.fsync(f.fileno())  # each writer makes its own bytes durable
+    return {shard_file(mesh): {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}}
+
+
+class HashingWriter:
+    """A file being written, with the sha256 and size of what passed through: the checkpoint's manifest
+    comes from its writers, so no rank reads the files back to hash them."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha256.update(b)
+        self.bytes += memoryview(b).nbytes
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
 
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

@@ -95,6 +95,9 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: shard optimizer state over dp (ZeRO-1)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
     g.add_argument("--dist-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    g.add_argument("--io-timeout", type=float, default=3600.0,
+                   help="seconds ranks wait for others' disk work (rank 0 preparing data, a checkpoint being "
+                        "written or verified) before the job fails; longer than --dist-timeout, as such work is")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -161,6 +164,7 @@ def validate(args):
     need(0 <= args.grad_clip < math.inf, "grad_clip", "a number >= 0 (0: off)")
     need(args.skip_spikes == 0 or 1 < args.skip_spikes < math.inf, "skip_spikes", "0 (off) or a factor above 1")
     need(0 < args.dist_timeout < math.inf, "dist_timeout", "a positive number of seconds")
+    need(0 < args.io_timeout < math.inf, "io_timeout", "a positive number of seconds")
     need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
     need(0 <= args.seed < 2 ** 63, "seed", "in [0, 2^63)")
 
@@ -315,9 +319,10 @@ def lock_out_dir(out_dir: Path, mesh, log) -> C.RunLock:
     return lock
 
 
-def resume_point(out_dir: Path, args, log) -> Path | None:
-    """The checkpoint this run continues from (None: a fresh start). A fresh run never mixes into an
-    earlier one's folder: that takes --resume (continue it) or --overwrite (remove it first)."""
+def resume_point(out_dir: Path, args, margs, log) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run continues from and its meta.json (None, None: a fresh start). A fresh run
+    never mixes into an earlier one's folder: that takes --resume (continue it) or --overwrite (remove it
+    first)."""
     ckpt, skipped = C.find_latest(out_dir) if out_dir.is_dir() else (None, [])
     earlier = C.earlier_run(out_dir)
     if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
@@ -325,7 +330,7 @@ def resume_point(out_dir: Path, args, log) -> Path | None:
         raise ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue it, "
                           f"--overwrite to start afresh, or another --out-dir")
     if not args.resume:
-        return None
+        return None, None
     for name, why in skipped:
         log(f"checkpoint {name} is {why}; falling back to an older one")
     if ckpt is None and skipped and not args.overwrite:
@@ -333,7 +338,7 @@ def resume_point(out_dir: Path, args, log) -> Path | None:
                           f"nothing was overwritten")
     if ckpt is None and not skipped:
         log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
-    return ckpt
+    return ckpt, (read_meta(ckpt, margs) if ckpt else None)
 
 
 def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
@@ -507,7 +512,7 @@ def pretraining_data(args, tok, mesh):
     """Token shards: rank 0 prepares (and caches) them, the others then find them ready."""
     if mesh.rank == 0:
         data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
-    P.barrier(mesh)
+    P.barrier(mesh, long=True)  # a large corpus takes longer to tokenize than any collective should wait
     if mesh.rank != 0:
         data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
     train = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
@@ -598,11 +603,11 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     out_dir = Path(args.out_dir)
     C.check_out_dir(out_dir)
 
-    mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout)
+    mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout, args.io_timeout)
     lock, metrics = lock_out_dir(out_dir, mesh, log), None
     try:
-        resume = resume_point(out_dir, args, log)
-        meta = read_meta(resume, margs) if resume else None
+        # rank 0 alone checks the checkpoint against its manifest (hashing every shard) and reads its meta
+        resume, meta = P.on_rank0(lambda: resume_point(out_dir, args, margs, log), mesh)
         loader, make_val, data_desc = data_fn(args, tok, mesh)
         per_step = loader.batch_size * args.grad_accum * mesh.dp
         if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake

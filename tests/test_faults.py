@@ -284,3 +284,62 @@ def test_fp16_loss_scale_overflows_do_not_stop_the_run(tmp_path, monkeypatch):
     rows = records(tmp_path)
     overflows = [r for r in rows if "fp16 gradient overflow" in r.get("skipped", "")]
     assert len(overflows) > 3 and [r["step"] for r in rows if "loss" in r][-1] == 4
+
+
+@pytest.mark.parametrize("io_timeout", [60, 3])
+def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_path, io_timeout):
+    """Rank 0 takes 6 s to prepare the data and 6 s more to write its checkpoint shard, while rank 1, with
+    nothing to write, waits for it: longer than --dist-timeout 3, which bounds a collective, and within
+    --io-timeout, which bounds waits for disk work. With --io-timeout 3 the wait fails, naming it."""
+    script = tmp_path / "slow_disk.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        import data, parallel, train
+        slow = lambda real: (lambda *a, **k: (time.sleep(6) if os.environ["RANK"] == "0" else None, real(*a, **k))[1])
+        data.resolve_data = slow(data.resolve_data)
+        parallel.save_shards = slow(parallel.save_shards)
+        train.run(argv=sys.argv[1:])
+    """))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), *TINY, "--max-steps", "2", "--ckpt-every", "2", "--dist-timeout", "3",
+                        "--io-timeout", str(io_timeout), "--out-dir", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if io_timeout == 60:
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert checkpoint.find_latest(tmp_path / "o")[0].name == "step_000002"
+    else:
+        errors = [l for l in p.stderr.splitlines() if l.startswith("error (rank 1): ")]
+        assert p.returncode != 0 and len(errors) == 1, p.stderr[-3000:]
+        assert "barrier on the io group (global ranks [0, 1])" in errors[0] and "--io-timeout 3 s" in errors[0]
+
+
+def test_writers_hash_their_own_shards_and_rank_0_alone_verifies_a_resume(tmp_path, monkeypatch):
+    """Saving: no rank reads a shard back to hash it (at 70B that is hundreds of GB, while the others
+    wait). Resuming a 2-process job: only rank 0 hashes the checkpoint, once, and tells the other."""
+    real = data.sha256_file
+    def no_reading_back(path):  # downloads are still hashed: only a checkpoint's shards must not be
+        assert not Path(path).name.startswith("shard_"), f"{path} was read back to hash it"
+        return real(path)
+    monkeypatch.setattr(data, "sha256_file", no_reading_back)
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "o")])
+    monkeypatch.undo()
+    assert checkpoint.damage(tmp_path / "o" / "step_000002") is None  # the writer's manifest is right
+    script, log = tmp_path / "count.py", tmp_path / "hashed"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import data, train
+        real = data.sha256_file
+        def counted(path):
+            with open({str(log)!r}, "a") as f:
+                f.write(os.environ["RANK"] + "\\n")
+            return real(path)
+        data.sha256_file = counted
+        train.run(argv=sys.argv[1:])
+    """))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), *TINY, "--max-steps", "4", "--out-dir", str(tmp_path / "o"), "--resume"],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
+    assert log.read_text() == "0\n"  # one shard, hashed once, by rank 0
