@@ -114,10 +114,12 @@ class DPOTask:
 
     metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected")
+    rows_per_example = 2  # a pair: its chosen and its rejected row (train.py counts tokens and FLOPs by rows)
 
     def __init__(self, margs, mesh, args, reference=None, cached=None):
         self.vocab_size, self.mesh, self.args = margs.vocab_size, mesh, args
         self.reference, self.cached = reference, cached  # a model, or {pair index: (ref_c, ref_r)}
+        self.reference_forwards = 1 if reference is not None else 0  # its forward costs FLOPs every step
         self.total = None
         self._sums = torch.zeros(len(self.metric_names))
 

@@ -95,9 +95,8 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: shard optimizer state over dp (ZeRO-1)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
     g.add_argument("--dist-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
-    g.add_argument("--io-timeout", type=float, default=3600.0,
-                   help="seconds ranks wait for others' disk work (rank 0 preparing data, a checkpoint being "
-                        "written or verified) before the job fails; longer than --dist-timeout, as such work is")
+    g.add_argument("--io-timeout", type=float, default=3600.0, help="seconds ranks wait for others' disk work "
+                   "(data preparation, checkpoint writes and checks) before the job fails")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -445,6 +444,8 @@ class LMTask:
     gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing."""
 
     metric_names: tuple = ()
+    rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
+    reference_forwards = 0  # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
 
     def __init__(self, margs: M.ModelArgs, mesh):
         self.vocab_size, self.mesh = margs.vocab_size, mesh
@@ -461,6 +462,17 @@ class LMTask:
 
     def metrics(self) -> torch.Tensor:
         return torch.zeros(0)
+
+
+def step_tokens(args, task, mesh) -> int:
+    """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
+    return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
+
+
+def model_flops_per_token(margs, seq_len: int, task) -> float:
+    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
+    that for each forward of a frozen reference model the task runs alongside (DPO without a cache)."""
+    return M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
 
 
 def global_total(task, batches, mesh, device) -> torch.Tensor:
@@ -646,8 +658,8 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
         P.barrier(mesh)
         metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None
         n_params = M.count_params(margs)
-        tokens_per_step = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
-        flops_tok = M.flops_per_token(margs, args.seq_len)["palm"]
+        tokens_per_step = step_tokens(args, task, mesh)
+        flops_tok = model_flops_per_token(margs, args.seq_len, task)
         peak, peak_src = peak_flops(device, precision)
         log(f"model {getattr(args, 'init', None) or args.model}: {n_params:,} parameters "
             f"({M.count_params(margs, False):,} non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
@@ -656,8 +668,10 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
             + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
         log(f"data {data_desc}; {tokens_per_step:,} tokens/step "
-            f"({args.micro_batch} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
-        log(f"device {device}, {precision}; MFU uses the PaLM convention 6N+12LdT = {flops_tok / 1e6:.1f} MFLOP/token "
+            f"({args.micro_batch}{f' x {task.rows_per_example} rows' if task.rows_per_example > 1 else ''} x "
+            f"{args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
+        log(f"device {device}, {precision}; MFU uses the PaLM convention 6N+12LdT"
+            + (" plus the reference's forward" if task.reference_forwards else "") + f" = {flops_tok / 1e6:.1f} MFLOP/token "
             f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
         def write(record):

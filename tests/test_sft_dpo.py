@@ -196,3 +196,17 @@ def test_init_from_hf_grows_a_smaller_vocabulary(tmp_path):
         assert torch.allclose(state[name][200:], old.mean(0).expand(120, -1))
     grown = M.Transformer(margs)
     grown.load_state_dict(state)  # loads: the shapes agree with the grown arguments
+
+
+def test_dpo_counts_both_rows_of_a_pair_and_the_reference_forward():
+    """tokens/s and MFU count what the model computes: a DPO micro-batch of B pairs is 2B rows, and a
+    reference computed alongside adds its forward (a third of forward + backward) to the FLOPs."""
+    margs = M.PRESETS["tiny"]
+    args = train.get_parser().parse_args(["--micro-batch", "4", "--seq-len", "32", "--grad-accum", "3"])
+    mesh = P.Mesh(dp=2)
+    live, cached = dpo.DPOTask(margs, mesh, args, reference=object()), dpo.DPOTask(margs, mesh, args, cached={})
+    lm = train.LMTask(margs, mesh)
+    assert train.step_tokens(args, live, mesh) == 2 * train.step_tokens(args, lm, mesh) == 2 * 4 * 32 * 3 * 2
+    base = M.flops_per_token(margs, 32)["palm"]
+    assert train.model_flops_per_token(margs, 32, lm) == train.model_flops_per_token(margs, 32, cached) == base
+    assert train.model_flops_per_token(margs, 32, live) == pytest.approx(base * 4 / 3)
