@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import struct
 import sys
 import time
@@ -540,7 +541,9 @@ def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, work
     if not docs:
         raise DataError(f"{source}: no documents (empty files, or no non-empty {text_field!r} fields)")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".prepare-{os.getpid()}"  # beside the old shards, so the swap below is a rename
+    # beside the old shards, so the swap below is a rename; named by host and pid, so two jobs preparing
+    # into one shared cache at once never write into the same folder
+    tmp = out / f".prepare-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -552,7 +555,7 @@ def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, work
         # meta.json is the completion marker: removed first, moved in last, so a crash is always redone
         (out / "meta.json").unlink(missing_ok=True)
         for stale in [*out.glob("train_*.bin"), *out.glob("val_*.bin")]:
-            stale.unlink()
+            stale.unlink(missing_ok=True)  # (another process preparing the same shards may be here too)
         for shard in sorted(tmp.glob("*.bin")):
             os.replace(shard, out / shard.name)
         os.replace(tmp / "meta.json", out / "meta.json")

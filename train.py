@@ -521,12 +521,16 @@ def pretraining_model(args, tok):
 
 
 def pretraining_data(args, tok, mesh):
-    """Token shards: rank 0 prepares (and caches) them, the others then find them ready."""
-    if mesh.rank == 0:
-        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+    """Token shards, prepared (and cached) by one process per cache folder, never by two at once: global
+    rank 0 first; then the first process of every other node, which finds them ready where DATA_CACHE is
+    shared between nodes and prepares its node's own copy where it is not; then all the others."""
+    resolve = lambda: data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+    data_dir = resolve() if mesh.rank == 0 else None
     P.barrier(mesh, long=True)  # a large corpus takes longer to tokenize than any collective should wait
-    if mesh.rank != 0:
-        data_dir = data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+    if data_dir is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        data_dir = resolve()
+    P.barrier(mesh, long=True)
+    data_dir = data_dir or resolve()
     train = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
                         dp_size=mesh.dp, seed=args.seed, tokenizer=tok)
     make_val = lambda: data.Loader(data_dir, "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,

@@ -449,3 +449,40 @@ def test_one_failing_rank_ends_the_job(tmp_path):
     assert p.returncode != 0
     assert time.time() - t0 < 60
     assert "stage 1 exploded on rank 3" in p.stderr
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_data_cache_is_prepared_once_by_one_process(tmp_path, shared):
+    """Two nodes (two torchrun agents on this host, 2 processes each). With a DATA_CACHE per node, as nodes
+    without a shared disk have, each cache is tokenized once, by one process, while the other waits
+    (not by both at once into one folder); with one shared cache, it is tokenized once in all."""
+    script, log = tmp_path / "count.py", tmp_path / "tokenized"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import data, train
+        real = data._tokenize_split
+        def counted(docs, enc, out, split, *rest):
+            with open({str(log)!r}, "a") as f:
+                f.write(f"{{os.environ['DATA_CACHE']}} {{os.environ['RANK']}} {{split}}\\n")
+            return real(docs, enc, out, split, *rest)
+        data._tokenize_split = counted
+        train.run(argv=sys.argv[1:])
+    """))
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
+                               str(script), *TINY, "--micro-batch", "4", "--max-steps", "2",
+                               "--out-dir", str(tmp_path / "o")],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1",
+                                   "DATA_CACHE": str(tmp_path / f"cache{0 if shared else i}")})
+             for i in range(2)]
+    results = [node.communicate(timeout=240) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), results[0][1][-2000:] + results[1][1][-2000:]
+    calls = [line.split() for line in log.read_text().splitlines()]
+    for cache in [str(tmp_path / "cache0")] + ([] if shared else [str(tmp_path / "cache1")]):
+        tokenized_by = [(rank, split) for c, rank, split in calls if c == cache]
+        assert sorted(split for _, split in tokenized_by) == ["train", "val"], calls  # once per cache
+        assert len({rank for rank, _ in tokenized_by}) == 1, calls
+    assert len(calls) == (2 if shared else 4)
