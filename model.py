@@ -302,6 +302,9 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.act_ckpt = False  # activation checkpointing: recompute each block in backward (train.py sets)
+        # torch.compile'd blocks for training steps (train.py --compile), by layer key; a plain dict, so
+        # they are not registered twice as submodules. Evaluation and generation run the blocks eagerly.
+        self.compiled_blocks = {}
         if self.tok_embeddings.weight.device.type != "meta":  # on meta: no storage, initialized later
             self.init_weights()
 
@@ -347,6 +350,8 @@ class Transformer(nn.Module):
         """The residual stream h (B, T, dim) through every block this module holds, in global order."""
         for key, layer in self.layers.items():
             cache = caches[int(key)] if caches is not None else None
+            if self.training:
+                layer = self.compiled_blocks.get(key, layer)
             if self.act_ckpt and self.training:
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:

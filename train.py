@@ -568,6 +568,13 @@ def build_model(margs, state, args, mesh, device, dtype):
     return model
 
 
+def compile_blocks(model, backend="inductor"):
+    """--compile: torch.compile each transformer block (as torchtitan does) rather than the whole model. A
+    pipeline stage runs its blocks itself (parallel.stage_forward), never the top-level forward, so only
+    this reaches them under --pp; and every block has the same code, so it is compiled once."""
+    model.compiled_blocks = {key: torch.compile(layer, backend=backend) for key, layer in model.layers.items()}
+
+
 def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LMTask, what="train"):
     """The one training loop. Pretraining (main below), sft.py and dpo.py differ only in the three
     functions they pass: model_fn(args, tok) -> (model args, initial full state dict or None),
@@ -653,7 +660,8 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             start_step = meta["step"]
             old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
             log(f"resumed from {resume} at step {start_step} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
-        fwd_model = torch.compile(model) if args.compile else model
+        if args.compile:
+            compile_blocks(model)
 
         if rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
             gone = C.clear_run(out_dir)
@@ -710,14 +718,14 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             timer.mark("1 data")
             if mesh.pp > 1:
                 # 2-4. forward, loss, backward of every micro-batch, interleaved across stages by the schedule
-                loss_total = P.pipeline_step(fwd_model, batches, mesh, args.seq_len, margs.dim, micro_loss,
+                loss_total = P.pipeline_step(model, batches, mesh, args.seq_len, margs.dim, micro_loss,
                                              args.schedule, before_last_backward=sync.start, dtype=dtype)
                 timer.mark("2-4 pipeline")
             else:
                 loss_total = torch.zeros((), device=device)
                 for i, batch in enumerate(batches):
                     # 2. forward
-                    logits = fwd_model(batch[0], doc_ids=P._doc_ids(batch))  # (B, T, vocab[/tp])
+                    logits = model(batch[0], doc_ids=P._doc_ids(batch))  # (B, T, vocab[/tp])
                     timer.mark("2 forward")
                     # 3. loss: summed over the micro-batch, divided by the global normalizer (exact accumulation)
                     loss = micro_loss(logits, batch[1])
@@ -807,7 +815,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
                 comm_at_log = dict(mesh.comm_bytes)
             if args.eval_every >= 0 and ((args.eval_every and done % args.eval_every == 0) or done == args.max_steps):
                 t_eval = time.perf_counter()
-                val, val_metrics = evaluate(fwd_model, make_val, task, args, mesh, device, dtype)
+                val, val_metrics = evaluate(model, make_val, task, args, mesh, device, dtype)
                 extra = named(val_metrics, "val_")
                 log(f"step {done:6d} | val loss {val:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
                     + f" | train time {train_time:.1f} s | eval {time.perf_counter() - t_eval:.1f} s")

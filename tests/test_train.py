@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import checkpoint
+import model as M
 import parallel
 import train
 
@@ -226,3 +228,21 @@ def test_a_checkpoint_keeps_only_its_own_gpus_random_state(monkeypatch):
     train.restore_rng({**rng, "cuda": states[:2]}, torch.device("cuda", 4))  # ... from fewer GPUs: none
     assert restored == [(3, torch.device("cuda", 0)), (1, torch.device("cuda", 1))]
     assert "cuda" not in train.rng_state(torch.device("cpu"))
+
+
+def test_compile_reaches_the_blocks_a_pipeline_stage_runs():
+    """--compile compiles each block in place, so a pipeline stage, which runs its blocks itself (not the
+    top-level module's forward), runs them compiled too; the numbers stay those of the eager model."""
+    counter = CompileCounter()  # a torch.compile backend that counts the graphs it is given
+    stage = parallel.apply_pipeline(M.Transformer(M.PRESETS["tiny"]), parallel.Mesh(pp=2, pp_rank=1))
+    eager = M.Transformer(M.PRESETS["tiny"])
+    parallel.apply_pipeline(eager, parallel.Mesh(pp=2, pp_rank=1)).load_state_dict(stage.state_dict())
+    train.compile_blocks(stage, backend=counter)
+    h = torch.randn(2, 16, M.PRESETS["tiny"].dim)  # the residual stream stage 0 would send
+    last = parallel.Mesh(pp=2, pp_rank=1)
+    out = parallel.stage_forward(stage, h, last, 16)
+    assert counter.frame_count >= 1 and torch.equal(out, parallel.stage_forward(eager, h, last, 16))
+    frames = counter.frame_count
+    stage.eval()  # evaluation and generation run the blocks eagerly (a KV cache would recompile each step)
+    parallel.stage_forward(stage, h, last, 16)
+    assert counter.frame_count == frames
