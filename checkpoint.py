@@ -387,17 +387,19 @@ def is_checkpoint(path) -> bool:
             or ((path / "meta.json").is_file() and any(path.glob("shard_pp*_tp*.pt"))))
 
 
-def resolve(path, say=print) -> Path:
+def resolve(path, say=print, verify: bool = True) -> Path:
     """--init, evaluate.py or consolidate's checkpoint argument -> a verified step directory: the folder
     itself if it is one, else the out-dir's newest intact checkpoint (as --resume picks it, saying which
-    damaged ones it passed over). Refuses a damaged one, as --resume does."""
+    damaged ones it passed over). Refuses a damaged one, as --resume does. verify=False reads meta.json
+    alone, no checksums: the step a verified resolve picks too when nothing is damaged, cheap enough for
+    every rank of a large job (which then leaves the checksums to one rank: parallel.on_rank0)."""
     path = Path(path)
     if (path / "meta.json").is_file():
-        why = damage(path)
+        why = damage(path) if verify else _load_meta(path)[1]
         if why:
             raise CheckpointError(f"checkpoint {path} is damaged ({why})")
         return path
-    found, skipped = find_latest(path)
+    found, skipped = find_latest(path, verify)
     for name, why in skipped:
         say(f"checkpoint {name} is {why}; falling back to an older one")
     if found is None:

@@ -159,8 +159,12 @@ def main(argv=None):
     start = {}
 
     def model_fn(a, tok):
-        start["margs"], start["state"] = sft.model_fn(a, tok)
-        return start["margs"], start["state"]
+        margs, weights = sft.model_fn(a, tok)
+
+        def weights_kept(mesh):  # the reference model is built from the same weights (task_fn)
+            start["state"] = weights(mesh)
+            return start["state"]
+        return margs, weights_kept
 
     def data_fn(a, tok, mesh):
         pairs = data.read_preferences(a.data, mirror=a.mirror)
@@ -174,7 +178,7 @@ def main(argv=None):
 
     def task_fn(margs, mesh):
         device, precision = T.pick_device_and_precision(args)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        dtype = T.DTYPES[precision]
         reference = T.build_model(margs, start["state"], args, mesh, device, dtype).eval()
         for p in reference.parameters():
             p.requires_grad_(False)

@@ -71,10 +71,13 @@ def init_defaults(path) -> dict:
     return {}
 
 
-def load_model(path, tok, device, dtype) -> M.Transformer:
-    """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off."""
+def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
+    """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off. A checkpoint is verified
+    against its manifest by rank 0 alone, which tells the others which step folder to read."""
     with contextlib.redirect_stdout(sys.stderr):  # load_init may report a grown vocabulary; stdout is for results
-        margs, state = sft.load_init(path, tok)
+        if C.is_checkpoint(path):
+            path = P.on_rank0(lambda: C.resolve(path), mesh)
+        margs, state = sft.load_init(path, tok, verify=False)
     with torch.device("meta"):
         model = M.Transformer(margs)  # no random initialization: every weight comes from the state dict
     model.load_state_dict(state, assign=True)
@@ -555,13 +558,13 @@ def main(argv=None):
 
     if args.task or prompts:
         device, precision = T.pick_device_and_precision(args)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        dtype = T.DTYPES[precision]
         mesh = P.init_mesh(device=device)
         resolve = lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task}
         tasks = resolve() if mesh.rank == 0 else None  # rank 0 first: it prepares (and caches) the shards,
         P.barrier(mesh, long=True)                      # which the other ranks then find ready
         tasks = tasks or resolve()
-        model = load_model(args.init, tok, device, dtype)
+        model = load_model(args.init, tok, device, dtype, mesh)
         seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len, model.args.max_seq_len)
         if seq_len > model.args.max_seq_len:
             raise T.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.args.max_seq_len}")

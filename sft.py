@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 from pathlib import Path
 
 import torch
@@ -52,11 +51,12 @@ def get_parser() -> argparse.ArgumentParser:
 # The model to start from
 
 
-def load_init(path, tok) -> tuple[M.ModelArgs, dict]:
-    """--init -> (model args, full state dict), from any of the three formats."""
+def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
+    """--init -> (model args, full state dict), from any of the three formats. A checkpoint is verified
+    against its manifest, as --resume does, unless verify=False: for a job whose rank 0 has verified it."""
     path = Path(path)
-    if C.is_checkpoint(path):  # verified against its manifest, as --resume does
-        path = C.resolve(path, say=print if int(os.environ.get("RANK", "0")) == 0 else lambda msg: None)
+    if C.is_checkpoint(path):
+        path = C.resolve(path, verify=verify)
     try:
         if C.is_checkpoint(path):
             margs = M.ModelArgs(**C.read_meta(path)["model_args"])
@@ -96,10 +96,28 @@ def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelAr
 
 
 def model_fn(args, tok):
+    """(model args, weights(mesh)) for train.train: the shape at once, from the --init folder's config; the
+    weights once the job's processes can talk. A checkpoint's checksums are then checked by rank 0 alone,
+    which tells the others which step folder to read (every rank hashing every shard would take hours at
+    thousands of ranks); each rank reads only the weights it keeps, lazily."""
     if args.init is None:
         print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
         return T.pretraining_model(args, tok)
-    return load_init(args.init, tok)
+    picked = C.resolve(args.init, verify=False) if C.is_checkpoint(args.init) else args.init
+    margs, state = load_init(picked, tok, verify=False)
+
+    def weights(mesh):
+        if not C.is_checkpoint(args.init):
+            return state
+        verified = P.on_rank0(lambda: C.resolve(args.init), mesh)  # may fall back past a damaged step
+        if verified == picked:
+            return state
+        verified_margs, verified_state = load_init(verified, tok, verify=False)
+        if verified_margs != margs:
+            raise T.ConfigError(f"--init {args.init}: the intact checkpoint {verified.name} has another model shape "
+                                f"than {picked.name}; name the step folder to start from")
+        return verified_state
+    return margs, weights
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -177,6 +177,9 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
         raise ConfigError(f"--pp-layers {text!r}: expected the layers of each stage, e.g. 3,3,2") from None
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> compute dtype
+
+
 def pick_device_and_precision(args):
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -516,8 +519,8 @@ def evaluate(model, make_val, task, args, mesh, device, dtype) -> tuple[float, t
 
 
 def pretraining_model(args, tok):
-    """Pretraining starts from the preset (or dims) and a seeded random initialization."""
-    return model_args_from(args, tok.n_vocab), None
+    """Pretraining starts from the preset (or dims) and a seeded random initialization: no initial weights."""
+    return model_args_from(args, tok.n_vocab), lambda mesh: None
 
 
 def pretraining_data(args, tok, mesh):
@@ -577,7 +580,8 @@ def compile_blocks(model, backend="inductor"):
 
 def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LMTask, what="train"):
     """The one training loop. Pretraining (main below), sft.py and dpo.py differ only in the three
-    functions they pass: model_fn(args, tok) -> (model args, initial full state dict or None),
+    functions they pass: model_fn(args, tok) -> (model args, weights), where weights(mesh) gives the initial
+    full state dict (read lazily) or None once the processes can talk,
     data_fn(args, tok, mesh) -> (train loader, make_val_loader, description), and
     task_fn(margs, mesh[, ...]) -> the task (LMTask's four methods)."""
     validate(args)
@@ -585,7 +589,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     rank = int(os.environ.get("RANK", "0"))
     log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
     device, precision = pick_device_and_precision(args)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = DTYPES[precision]
     torch.manual_seed(args.seed)  # the same on every rank: every layout starts from the same full model
     random.seed(args.seed)
     # --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
@@ -612,7 +616,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
 
     # Validate everything that can be wrong before any communication and before touching --out-dir.
     tok = data.get_tokenizer(args.tokenizer)
-    margs, init_state = model_fn(args, tok)
+    margs, initial_weights = model_fn(args, tok)
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
     args.pp_split = parse_pp_layers(args.pp_layers)
@@ -631,6 +635,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     try:
         # rank 0 alone checks the checkpoint against its manifest (hashing every shard) and reads its meta
         resume, meta = P.on_rank0(lambda: resume_point(out_dir, args, margs, log), mesh)
+        init_state = initial_weights(mesh)  # --init: verified by rank 0 likewise
         loader, make_val, data_desc = data_fn(args, tok, mesh)
         per_step = loader.batch_size * args.grad_accum * mesh.dp
         if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake

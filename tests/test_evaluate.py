@@ -211,7 +211,7 @@ def test_defaults_come_from_the_checkpoint(checkpoint, tmp_path):
 def test_greedy_generation_equals_model_generate(checkpoint, capsys):
     tok = data.get_tokenizer("byte")
     [out] = cli(capsys, "--init", str(checkpoint), "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "20")
-    model = E.load_model(checkpoint, tok, torch.device("cpu"), torch.float32)
+    model = E.load_model(checkpoint, tok, torch.device("cpu"), torch.float32, P.Mesh())
     prompt = [data.bos_id(tok)] + tok.encode_ordinary("ROMEO:")
     expected = M.generate(model, prompt, 20, temperature=0, eos_id=data.eos_id(tok), n_vocab=tok.n_vocab)[0].tolist()
     assert out["tokens"] == expected and len(expected) == 20 and not out["stopped"]

@@ -325,21 +325,56 @@ def test_writers_hash_their_own_shards_and_rank_0_alone_verifies_a_resume(tmp_pa
     train.main(TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "o")])
     monkeypatch.undo()
     assert checkpoint.damage(tmp_path / "o" / "step_000002") is None  # the writer's manifest is right
+    p = counting_hashes(tmp_path, "train", TINY + ["--max-steps", "4", "--out-dir", str(tmp_path / "o"), "--resume"])
+    assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
+    assert (tmp_path / "hashed").read_text() == "0\n"  # one shard, hashed once, by rank 0
+
+
+def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`module`.main under torchrun with 2 processes; each file hash appends the hashing rank to tmp_path/hashed."""
     script, log = tmp_path / "count.py", tmp_path / "hashed"
+    log.unlink(missing_ok=True)
     script.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        import data, train
+        import data, train, {module}
         real = data.sha256_file
         def counted(path):
             with open({str(log)!r}, "a") as f:
                 f.write(os.environ["RANK"] + "\\n")
             return real(path)
         data.sha256_file = counted
-        train.run(argv=sys.argv[1:])
+        train.run({module}.main, argv=sys.argv[1:])
     """))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script), *TINY, "--max-steps", "4", "--out-dir", str(tmp_path / "o"), "--resume"],
-                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
-    assert log.read_text() == "0\n"  # one shard, hashed once, by rank 0
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), *argv], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_rank_0_alone_verifies_an_init_checkpoint(tmp_path):
+    """--init from a checkpoint in a 2-process sft.py or evaluate.py job: rank 0 hashes the shards, once, and
+    tells the other which step folder to read; falling back past a damaged newest step works the same way."""
+    base = tmp_path / "base"
+    train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(base)])
+    conversations = tmp_path / "c.jsonl"
+    conversations.write_text((json.dumps(CONVERSATION) + "\n") * 40)
+    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1", "--seq-len", "64",
+                        "--micro-batch", "1", "--init", str(base)]
+    p = counting_hashes(tmp_path, "sft", sft_flags + ["--out-dir", str(tmp_path / "s")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "hashed").read_text() == "0\n"  # the newest step's one shard, by rank 0
+    p = counting_hashes(tmp_path, "evaluate", ["--init", str(base), "--task", "tinyshakespeare", "--limit", "2"])
+    assert p.returncode == 0 and "tinyshakespeare" in p.stdout, p.stderr[-3000:]
+    assert "1" not in (tmp_path / "hashed").read_text()  # rank 1 hashed nothing (rank 0 the shard, and the data)
+    shard = base / "step_000004" / "shard_pp00_tp00.pt"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    p = counting_hashes(tmp_path, "sft", sft_flags + ["--out-dir", str(tmp_path / "s2")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt does not match its checksum); falling back" in p.stdout
+    assert (tmp_path / "hashed").read_text() == "0\n0\n"  # step 4 (damaged), then step 2: both by rank 0
+    named = [f if f != str(base) else str(base / "step_000002") for f in sft_flags]
+    assert counting_hashes(tmp_path, "sft", named + ["--out-dir", str(tmp_path / "s3")]).returncode == 0
+    losses = lambda out: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm")) for r in records(out)]
+    assert losses(tmp_path / "s2") == losses(tmp_path / "s3")  # every rank trained from step 2's weights
