@@ -59,7 +59,7 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
         path = C.resolve(path, verify=verify)
     try:
         if C.is_checkpoint(path):
-            margs = M.ModelArgs(**C.read_meta(path)["model_args"])
+            margs = checkpoint_args(path)
             full, _ = P.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
             master = lambda name: (lambda: full[name]["master"])
             state = M.LazyState({name: master(name) for name in full} |
@@ -81,42 +81,57 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
     return margs, state
 
 
+def checkpoint_args(step: Path) -> M.ModelArgs:
+    """A checkpoint's model args, from its meta.json alone."""
+    return M.ModelArgs(**C.read_meta(step)["model_args"])
+
+
+def with_room_for(margs: M.ModelArgs, n_vocab: int) -> M.ModelArgs:
+    """The model args with a row for every id of a tokenizer with n_vocab ids (rounded up to 64 rows)."""
+    if n_vocab <= margs.vocab_size:
+        return margs
+    return M.ModelArgs(**{**margs.__dict__, "vocab_size": 64 * ((n_vocab + 63) // 64)})
+
+
 def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelArgs, dict]:
     """Add embedding and output rows for ids the model has never seen (e.g. chat tokens appended to a base
     vocabulary). New rows start at the mean of the existing rows (Hewitt 2021): a new token begins as an
     'average' token, and its logit as the mean logit, rather than as noise of an unrelated scale."""
-    new = 64 * ((n_vocab + 63) // 64)
+    grown = with_room_for(margs, n_vocab)
     state = collections.ChainMap({}, state)  # the grown tensors over the rest (a lazy state stays lazy)
     for name in ("tok_embeddings.weight", "output.weight"):
         if name in state:
             w = state[name]
-            state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(new - w.shape[0], -1)])
-    print(f"vocabulary grown from {margs.vocab_size} to {new} rows (new rows = mean of the old)", flush=True)
-    return M.ModelArgs(**{**margs.__dict__, "vocab_size": new}), state
+            state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(grown.vocab_size - w.shape[0], -1)])
+    print(f"vocabulary grown from {margs.vocab_size} to {grown.vocab_size} rows (new rows = mean of the old)", flush=True)
+    return grown, state
 
 
 def model_fn(args, tok):
-    """(model args, weights(mesh)) for train.train: the shape at once, from the --init folder's config; the
-    weights once the job's processes can talk. A checkpoint's checksums are then checked by rank 0 alone,
-    which tells the others which step folder to read (every rank hashing every shard would take hours at
-    thousands of ranks); each rank reads only the weights it keeps, lazily."""
+    """(model args, weights(mesh)) for train.train: the shape at once, the weights once the job's processes
+    can talk. From a checkpoint the shape comes from meta.json alone, and no shard is opened until rank 0
+    has checked them all against the manifest and told the others which step folder to read (every rank
+    hashing every shard would take hours at thousands of ranks); each rank then reads only the weights it
+    keeps, lazily."""
     if args.init is None:
         print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
         return T.pretraining_model(args, tok)
-    picked = C.resolve(args.init, verify=False) if C.is_checkpoint(args.init) else args.init
-    margs, state = load_init(picked, tok, verify=False)
+    if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
+        margs, state = load_init(args.init, tok)
+        return margs, lambda mesh: state
+    picked = C.resolve(args.init, say=lambda msg: None, verify=False)  # rank 0 says what it passes over, later
+    try:
+        margs = with_room_for(checkpoint_args(picked), tok.n_vocab)
+    except (TypeError, ValueError) as e:
+        raise T.ConfigError(f"cannot read --init {picked}: {type(e).__name__}: {data.one_line(e)}") from None
 
     def weights(mesh):
-        if not C.is_checkpoint(args.init):
-            return state
         verified = P.on_rank0(lambda: C.resolve(args.init), mesh)  # may fall back past a damaged step
-        if verified == picked:
-            return state
-        verified_margs, verified_state = load_init(verified, tok, verify=False)
+        verified_margs, state = load_init(verified, tok, verify=False)
         if verified_margs != margs:
             raise T.ConfigError(f"--init {args.init}: the intact checkpoint {verified.name} has another model shape "
                                 f"than {picked.name}; name the step folder to start from")
-        return verified_state
+        return state
     return margs, weights
 
 

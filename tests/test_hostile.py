@@ -174,6 +174,10 @@ def test_init_checks_the_checkpoint_manifest(tmp_path, capsys):
     sft.main(sft_flags + ["--init", str(base), "--out-dir", str(tmp_path / "s2")])
     assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt does not match its checksum); falling back" \
         in capsys.readouterr().out
+    shard = base / "step_000004" / "shard_pp00_tp00.pt"  # a write cut short: torch cannot even open it
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    sft.main(sft_flags + ["--init", str(base), "--out-dir", str(tmp_path / "s3")])
+    assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt has" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------- data
