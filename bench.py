@@ -4,7 +4,7 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
   python bench.py [--model mini --micro-batch 8 --seq-len 128 ...]      (or under torchrun with --tp/--pp)
       train.py's own loop, timed: tokens/s (total and per device), step time split into the seven phases
       (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against the device's
-      peak, peak memory beside model.memory_estimate, and bytes sent per step for tp, pp and dp.
+      peak, peak memory beside parallel.memory_estimate, and bytes sent per step for tp, pp and dp.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1"
       several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, pp, mb,
       accum, seq_len, zero, sp, act_ckpt, deterministic).
@@ -42,57 +42,46 @@ import optim as O
 import parallel as P
 import train as T
 
-GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H200": 141, "B200": 192, "GB200": 186}
+GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200": 141, "H200 NVL": 141, "B200": 192,
+                 "GB200": 186}
 
 
 # ----------------------------------------------------------------------------------------------------
-# The plan: arithmetic only (GUIDE section 2)
+# The plan: arithmetic only (parallel.memory_estimate and comm_estimate, model.flops_per_token)
 
 
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
          grad_accum: int, mfu: float, zero: bool = True, act_ckpt: bool = False, precision: str = "bf16",
-         sp: bool = True) -> dict:
+         sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b") -> dict:
+    """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
+    (under each of ZeRO-1 on/off and activation checkpointing on/off, the chosen one marked), the bytes each
+    GPU sends per step, the bubble, and the step time and days at a stated MFU. The memory fits when it is
+    at most the GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and
+    kernels, NCCL's buffers (one set per process group) and the allocator's fragmentation."""
     margs = M.PRESETS[model]
-    if gpus % (tp * pp):
-        raise ValueError(f"--gpus {gpus} is not divisible by tp*pp = {tp * pp}")
+    P.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp)  # what train.py would refuse
     dp = gpus // (tp * pp)
     n = M.count_params(margs)
     tokens_micro = micro_batch * seq_len
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
     flops_tok = M.flops_per_token(margs, seq_len)
-    bubble = (pp - 1) / (grad_accum + pp - 1)
-
-    def memory(z, ck):
-        """The busiest stage: under 1F1B the first holds min(pp, m) micro-batches of activations, the last
-        one micro-batch plus the logits; with pp = 1 the one stage holds both."""
-        m = M.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp if z else 1, sp)
-        first = min(pp, grad_accum) * m["activations"]
-        if pp > 1 and first > m["activations"] + m["logits"]:  # the first stage is the busiest
-            m["activations"], m["logits"] = first, 0.0
-        m["total"] = sum(v for k, v in m.items() if k != "total")
-        return m
-
+    memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z), sp,
+                                             grad_accum, schedule)
     variants = {f"zero{int(z)}_ckpt{int(c)}": memory(z, c) for z in (False, True) for c in (False, True)}
     chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
-    b = M.BYTES[precision]
-    act = micro_batch * seq_len * margs.dim * b  # one micro-batch of the residual stream
-    layers_per_stage = math.ceil(margs.n_layers / pp)
-    comm = {  # bytes each GPU sends per optimizer step (ring algorithms)
-        "tp": grad_accum * layers_per_stage * 4 * 2 * (tp - 1) / tp * act,  # 2 fwd + 2 bwd all-reduces per layer
-        "pp": grad_accum * act * (2 if pp > 2 else 1) if pp > 1 else 0.0,  # forward to next, gradients back
-        "dp": 2 * (dp - 1) / dp * n / (tp * pp) * 4,  # fp32 gradients: all-reduce (ZeRO-1: same volume)
-    }
-    peak = T.GPU_PEAK_TFLOPS[gpu] * 1e12
+    comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp, grad_accum)
+    peak = T.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
     capacity = GPU_MEMORY_GB[gpu] * 1e9
     return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "pp": pp, "dp": dp,
             "gpus_per_replica": tp * pp, "micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
             "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
-            "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok,
+            "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok, "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
-            "comm_bytes_per_step": comm, "bubble": bubble, "mfu": mfu, "step_time_s": step_s,
-            "days": steps * step_s / 86400, "gpu_memory_bytes": capacity, "fits": chosen["total"] <= capacity,
+            "comm_bytes_per_step": comm, "bubble": (pp - 1) / (grad_accum + pp - 1), "mfu": mfu,
+            "peak_flops": peak, "step_time_s": step_s, "days": steps * step_s / 86400, "gpu_memory_bytes": capacity,
+            "reserve_bytes": reserve_gb * 1e9, "fits": chosen["total"] <= capacity - reserve_gb * 1e9,
             "zero": zero, "act_ckpt": act_ckpt, "sp": sp}
 
 
@@ -104,11 +93,13 @@ def print_plan(r: dict):
           f"x {r['grad_accum']} accumulation x {r['dp']} dp = {r['tokens_per_global_batch']:,} tokens per step")
     print(f"  {r['tokens']:.3g} tokens: {r['steps']:,} steps, 6ND = {r['flops']:.3g} FLOPs "
           f"({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, {r['flops_per_token']['megatron'] / 1e9:.1f} Megatron)")
-    print(f"  at {100 * r['mfu']:.0f}% MFU: {r['step_time_s']:.2f} s per step, {r['days']:.1f} days; "
-          f"pipeline bubble {r['bubble']:.3f}")
-    print(f"  memory per GPU ({'ZeRO-1' if r['zero'] else 'no ZeRO'}, {'' if r['act_ckpt'] else 'no '}activation "
-          f"checkpointing, {'' if r['sp'] else 'no '}sequence parallelism): " + ", ".join(f"{k} {gb(v)}" for k, v in r["memory_per_gpu"].items())
-          + f" -> {'fits in' if r['fits'] else 'does NOT fit in'} {gb(r['gpu_memory_bytes'])}")
+    print(f"  at {100 * r['mfu']:.0f}% MFU of {r['peak_flops'] / 1e12:,.0f} TFLOP/s ({r['precision']}): "
+          f"{r['step_time_s']:.2f} s per step, {r['days']:.1f} days; pipeline bubble {r['bubble']:.3f}")
+    print(f"  memory of the busiest GPU ({'ZeRO-1' if r['zero'] else 'no ZeRO'}, {'' if r['act_ckpt'] else 'no '}"
+          f"activation checkpointing, {'' if r['sp'] else 'no '}sequence parallelism): "
+          + ", ".join(f"{k} {gb(v)}" for k, v in r["memory_per_gpu"].items() if v)
+          + f" -> {'fits in' if r['fits'] else 'does NOT fit in'} {gb(r['gpu_memory_bytes'])} less a "
+          f"{gb(r['reserve_bytes'])} reserve (CUDA context, NCCL buffers, fragmentation)")
     for name, m in r["memory_variants"].items():
         print(f"    {name:12s} total {gb(m['total'])}")
     print("  bytes sent per GPU per step: " + ", ".join(f"{k} {gb(v)}" for k, v in r["comm_bytes_per_step"].items()))
@@ -126,14 +117,12 @@ def train_args(a, **over) -> argparse.Namespace:
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
             "--ckpt-every", str(a.warmup_steps + a.steps),  # one checkpoint, at the end: phase 7, timed apart
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", tempfile.mkdtemp(prefix="bench-"),
-            "--precision", a.precision, "--data", a.data]
+            "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
     argv += ["--act-ckpt"] if over.get("act_ckpt", a.act_ckpt) else []
     argv += ["--sp"] if over.get("sp", a.sp) else []
     argv += ["--compile"] if a.compile else []
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
-    args = T.get_parser().parse_args(argv)
-    args.time_phases = True
-    return args
+    return T.get_parser().parse_args(argv)
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,14 +131,16 @@ def peak_flops(device, precision):
     return T.peak_flops(device, precision)
 
 
-def measure(a, **over) -> dict:
-    """One timed train.py run; phases and step time are medians over the steps after the warm-up."""
+def measure(a, timing: str = "phases", **over) -> dict:
+    """One timed train.py run; phases and step time are medians over the steps after the warm-up. timing
+    "phases" synchronizes the device after every phase to split the step; "steps" only at each step's end,
+    as a plain run does (train.PhaseTimer)."""
     args = train_args(a, **over)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
     with contextlib.redirect_stdout(io.StringIO()):
-        run = T.train(args)
+        run = T.train(args, time_phases=timing)
     mesh, margs = run.mesh, run.margs
     ckpt = [s["7 checkpoint"] for s in run.phases if "7 checkpoint" in s]
     steps = [s for s in run.phases if "7 checkpoint" not in s][a.warmup_steps:]
@@ -159,8 +150,8 @@ def measure(a, **over) -> dict:
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     peak, peak_src = peak_flops(run.device, run.precision)
     flops = M.flops_per_token(margs, args.seq_len)
-    est = M.memory_estimate(margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp,
-                            mesh.dp if args.zero else 1, mesh.sp)
+    est = P.memory_estimate(margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp,
+                            mesh.dp, args.zero, mesh.sp, args.grad_accum, args.schedule, stage=mesh.pp_rank)
     return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic,
@@ -216,16 +207,17 @@ def parse_sweep(text: str) -> list[dict]:
 
 
 def compare_hf(a) -> dict:
+    """Both sides synchronize the device at each step's end only (ours: timing "steps"), on one device."""
     import transformers
     margs = M.PRESETS[a.model]
-    ours = [measure(a)["tokens_per_s"]]
+    ours = [measure(a, "steps")["tokens_per_s"]]
     cfg = transformers.LlamaConfig(hidden_size=margs.dim, intermediate_size=margs.hidden_dim,
                                    num_hidden_layers=margs.n_layers, num_attention_heads=margs.n_heads,
                                    num_key_value_heads=margs.n_kv_heads, vocab_size=margs.vocab_size,
                                    rms_norm_eps=margs.norm_eps, rope_theta=margs.rope_theta,
                                    max_position_embeddings=margs.max_seq_len, tie_word_embeddings=margs.tie_embeddings)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if a.precision == "bf16" or (a.precision == "auto" and device.type == "cuda") else torch.float32
+    device, precision = T.pick_device_and_precision(a)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # no loss scaling for fp16 on this side
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -252,34 +244,38 @@ def compare_hf(a) -> dict:
             times.append(time.perf_counter() - t0)
         theirs.append(a.micro_batch * a.seq_len * a.grad_accum / statistics.median(times))
         if round_ == 0:
-            ours.append(measure(a)["tokens_per_s"])
+            ours.append(measure(a, "steps")["tokens_per_s"])
     return {"ours_tokens_per_s": ours, "hf_tokens_per_s": theirs,
             "ratio_ours_over_hf": statistics.median(ours) / statistics.median(theirs),
             "transformers": transformers.__version__}
 
 
-def timed_steps(step, n: int, warmup: int = 2) -> list[float]:
+def timed_steps(step, n: int, device, warmup: int = 2) -> list[float]:
+    """Seconds of each of n steps, every rank starting together and the device's work included."""
     for _ in range(warmup):
         step()
     out = []
     for _ in range(n):
+        T.sync_device(device)
         dist.barrier()
         t0 = time.perf_counter()
         step()
+        T.sync_device(device)
         dist.barrier()
         out.append(time.perf_counter() - t0)
     return out
 
 
-def dp_vs_ddp(args, mesh, margs):
-    """Same seed, model, batch and optimizer settings; ours and DDP alternate in --blocks blocks."""
+def dp_vs_ddp(args, mesh, margs, device):
+    """Same seed, model, batch and optimizer settings, fp32, on this rank's device; ours and DDP alternate
+    in --blocks blocks."""
     torch.manual_seed(0)
-    x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len))
-    y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len))
+    x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
+    y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
     n_targets = y.numel() * mesh.dp
 
     torch.manual_seed(0)
-    ours = M.Transformer(margs)
+    ours = M.Transformer(margs).to(device)
     opt = O.AdamW(ours.named_parameters(), lr=1e-4, pad_to=mesh.dp)
     sync = P.GradSync(opt, mesh, args.bucket_mb)
 
@@ -294,7 +290,8 @@ def dp_vs_ddp(args, mesh, margs):
         opt.zero_grad()
 
     torch.manual_seed(0)
-    ref = torch.nn.parallel.DistributedDataParallel(M.Transformer(margs), bucket_cap_mb=args.bucket_mb)
+    ref = torch.nn.parallel.DistributedDataParallel(M.Transformer(margs).to(device), bucket_cap_mb=args.bucket_mb,
+                                                    device_ids=[device.index] if device.type == "cuda" else None)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
     def ddp_step():
@@ -307,23 +304,26 @@ def dp_vs_ddp(args, mesh, margs):
 
     times = {"parallel.py": [], "DDP": []}
     for _ in range(args.blocks):
-        times["parallel.py"] += timed_steps(our_step, args.steps)
-        times["DDP"] += timed_steps(ddp_step, args.steps)
+        times["parallel.py"] += timed_steps(our_step, args.steps, device)
+        times["DDP"] += timed_steps(ddp_step, args.steps, device)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"median_step_s": med, "ratio_ddp_over_ours": med["DDP"] / med["parallel.py"],
             "grad_mb": 4 * M.count_params(margs) / 2 ** 20, "steps_each": args.steps * args.blocks}
 
 
-def bubble(args, mesh, margs):
-    """1F1B at pp = world, for each m: step time, this stage's compute time, measured bubble."""
+def bubble(args, mesh, margs, device):
+    """1F1B at pp = world, for each m: step time, this stage's compute time, measured bubble (fp32, on this
+    rank's device)."""
     torch.manual_seed(0)
     model = M.Transformer(margs)
     P.apply_pipeline(model, mesh)
+    model.to(device)
     opt = O.AdamW(model.named_parameters(), lr=1e-4)
     rows = []
     for m in args.micro_batches:
-        batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len)),
-                    torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len))) for _ in range(m)]
+        batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device),
+                    torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device))
+                   for _ in range(m)]
         loss_fn = lambda logits, y: F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
         stats = {}
 
@@ -333,10 +333,10 @@ def bubble(args, mesh, margs):
 
         step()
         stats.clear()
-        t = timed_steps(step, args.steps, warmup=0)
-        busy = torch.tensor([stats["busy_s"] / args.steps])
+        t = timed_steps(step, args.steps, device, warmup=0)
+        busy = torch.tensor([stats["busy_s"] / args.steps], device=device)
         total = torch.tensor([statistics.median(t)])
-        every = [torch.zeros(1) for _ in range(mesh.world)]
+        every = [torch.zeros(1, device=device) for _ in range(mesh.world)]
         dist.all_gather(every, busy)
         measured = [1 - b.item() / total.item() for b in every]
         rows.append({"m": m, "step_s": total.item(), "bubble_measured_per_stage": measured,
@@ -349,42 +349,55 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sweep", default=None, help="';'-separated settings, e.g. 'tp=2,mb=8;act_ckpt=1'")
-    mode.add_argument("--compare-hf", action="store_true")
-    mode.add_argument("--plan", action="store_true")
-    mode.add_argument("--dp-vs-ddp", action="store_true")
-    mode.add_argument("--bubble", action="store_true")
-    p.add_argument("--model", default="mini")
-    p.add_argument("--data", default="tinyshakespeare")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--sp", action="store_true")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1])
-    p.add_argument("--act-ckpt", action="store_true")
-    p.add_argument("--compile", action="store_true")
+    mode.add_argument("--compare-hf", action="store_true",
+                      help="train transformers' LlamaForCausalLM on the same model and batch, alternating with ours")
+    mode.add_argument("--plan", action="store_true",
+                      help="no hardware: memory, bytes sent, bubble and time of a run on --gpus x --gpu")
+    mode.add_argument("--dp-vs-ddp", action="store_true",
+                      help="under torchrun: our data parallelism against torch's DistributedDataParallel")
+    mode.add_argument("--bubble", action="store_true",
+                      help="under torchrun: the pipeline bubble measured at pp = processes, beside (p-1)/(m+p-1)")
+    p.add_argument("--model", default="mini", choices=sorted(M.PRESETS), help="a model.py preset")
+    p.add_argument("--data", default="tinyshakespeare", help="train.py --data")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 on a GPU, fp32 on a CPU (--dp-vs-ddp and --bubble run fp32)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: this rank's GPU if any, else cpu)")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: m)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp; --plan assumes it when tp > 1)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: shard the optimizer state over dp (ZeRO-1)")
+    p.add_argument("--act-ckpt", action="store_true", help="activation checkpointing: recompute each block in backward")
+    p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")
     p.add_argument("--deterministic", action="store_true", help="train.py --deterministic (sweep key: deterministic)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
-    p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps run before timing starts")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (--dp-vs-ddp, both sides)")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
-    p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"])
+    p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16],
+                   help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule (--bubble, --plan)")
     g = p.add_argument_group("--plan")
-    g.add_argument("--tokens", type=float, default=15e12)
-    g.add_argument("--gpu", default="H100", choices=sorted(T.GPU_PEAK_TFLOPS))
-    g.add_argument("--gpus", type=int, default=8)
+    g.add_argument("--tokens", type=float, default=15e12, help="training tokens (Llama 3: 15e12)")
+    g.add_argument("--gpu", default="H100", choices=sorted(T.GPU_PEAK_TFLOPS), help="GPU model (H100 is the SXM part)")
+    g.add_argument("--gpus", type=int, default=8, help="GPUs in all (= tp x pp x dp)")
     g.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilization")
-    p.add_argument("--json", action="store_true")
+    g.add_argument("--reserve-gb", type=float, default=4.0,
+                   help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, fragmentation")
+    p.add_argument("--json", action="store_true", help="print one JSON object (settings and versions included)")
     a = p.parse_args()
     versions = {"torch": torch.__version__, "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{os.cpu_count()}"}
 
     if a.plan:
-        r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
-                 bool(a.zero), a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1)
+        try:
+            r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
+                     bool(a.zero), a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
+                     a.reserve_gb, a.schedule)
+        except P.LayoutError as e:
+            raise SystemExit(f"error: invalid parallel layout: {e}") from None
         print(json.dumps(r)) if a.json else print_plan(r)
         return
 
@@ -393,15 +406,18 @@ def main():
     if a.dp_vs_ddp or a.bubble:
         if world < 2:
             raise SystemExit("run under torchrun with --nproc_per_node=2 or more")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        device = T.pick_device_and_precision(a)[0]  # this rank's GPU (LOCAL_RANK), else the CPU
+        if device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         margs = M.PRESETS[a.model]
-        mesh = P.init_mesh(pp=world if a.bubble else 1)
+        mesh = P.init_mesh(pp=world if a.bubble else 1, device=device)
         result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world, "model": a.model,
                   "params": M.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len}
+        result["torch_device"] = str(device)
         if a.dp_vs_ddp:
-            result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs)
+            result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs, device)
         else:
-            result["bubble"] = bubble(a, mesh, margs)
+            result["bubble"] = bubble(a, mesh, margs, device)
             result["schedule"] = a.schedule
         if rank == 0:
             print_comparison(result, a, world)

@@ -8,7 +8,8 @@ Read top to bottom:
   5. generate                     sampling with a KV cache (temperature, top-k, top-p; 0 = greedy)
   6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
                                  hf_state reads a Hugging Face folder lazily, tensor by tensor
-  7. count_params, flops_per_token, memory_estimate   the arithmetic bench.py and the README use
+  7. count_params, flops_per_token   the arithmetic bench.py and the README use (the memory and the
+                                   bytes a parallel layout costs: parallel.py, section 9)
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
 outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the
@@ -686,7 +687,7 @@ def load_meta(path, dtype=torch.float32) -> Transformer:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 7. Counting: parameters, FLOPs, memory
+# 7. Counting: parameters, FLOPs
 
 
 def count_params(args: ModelArgs, embedding: bool = True) -> int:
@@ -708,47 +709,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
     n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings else 0)
     attn = 12 * args.n_layers * args.dim * seq_len
     return {"palm": 6 * n_matmul + attn, "megatron": 6 * n_matmul + attn / 2}
-
-
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def memory_estimate(args: ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
-                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, zero_dp: int = 1,
-                    sp: bool = False) -> dict[str, float]:
-    """Bytes per device while training one micro-batch on one pipeline stage, split by kind.
-
-    weights: params in the training precision; grads: an fp32 gradient buffer; master: fp32 master copy
-    (only when training in bf16/fp16); optimizer: AdamW m and v in fp32 (master and Adam state divided by
-    zero_dp under ZeRO-1). Model states divide by tp*pp.
-    activations: what backward keeps, per layer and token, in the compute precision with fused (flash)
-    attention: the block input and the two norm outputs (3d, replicated over tp unless sequence-parallel),
-    q, k, v and the attention output (2d + 2*kv_dim) and three FFN hidden tensors (3*hidden), split over tp.
-    With activation checkpointing only each block's input is kept, plus one block being recomputed.
-    logits: fp32 logits and their gradient, B*T*V/tp, on the last stage only.
-    A pipeline schedule multiplies activations by the micro-batches in flight (bench.py's plan does).
-    """
-    n = count_params(args) / (tp * pp)
-    b = BYTES[precision]
-    weights = n * b
-    grads = n * 4
-    master = n * 4 / zero_dp if precision != "fp32" else 0.0
-    optimizer = n * 8 / zero_dp
-    tokens = micro_batch * seq_len
-    kv = args.n_kv_heads * args.head_dim
-    replicated = 3 * args.dim / (tp if sp else 1)
-    sharded = (2 * args.dim + 2 * kv + 3 * args.hidden_dim) / tp
-    per_layer = tokens * (replicated + sharded) * b
-    layers = math.ceil(args.n_layers / pp)
-    if act_ckpt:
-        acts = layers * tokens * args.dim / (tp if sp else 1) * b + per_layer
-    else:
-        acts = layers * per_layer
-    logits = tokens * args.vocab_size * 4 * 2 / tp
-    out = {"weights": weights, "grads": grads, "master": master, "optimizer": optimizer, "activations": acts,
-           "logits": logits}
-    out["total"] = sum(out.values())
-    return out
 
 
 if __name__ == "__main__":  # python model.py: list the presets with their sizes

@@ -26,6 +26,9 @@ by a function in this file, and counted. Contents, in reading order:
   8. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
                            tensor; loadable into any layout; `python parallel.py consolidate` writes one file
                            or a Hugging Face folder
+  9. Costs                 memory_estimate and comm_estimate: the memory a rank holds at its peak, by kind,
+                           and the bytes it sends per step, from the shapes alone (train.py's check before
+                           allocating, bench.py's planner)
 
 model.py knows nothing of this: apply_tensor_parallel and apply_pipeline change a model built on the meta
 device, and materialize() fills each rank's pieces from one seed (each parameter from its own generator),
@@ -336,7 +339,9 @@ def _gather_seq(x, mesh):
     xt = x.transpose(0, 1).contiguous()  # collectives concatenate along dim 0: put the sequence there
     out = xt.new_empty((xt.shape[0] * mesh.tp, *xt.shape[1:]))
     all_gather(out, xt, mesh, "tp")
-    return out.transpose(0, 1)
+    # contiguous once, here: a transposed view would be copied by each linear that reads it (wq, wk and wv;
+    # w1 and w3), and every copy kept for backward
+    return out.transpose(0, 1).contiguous()
 
 
 def _scatter_seq(x, mesh):
@@ -694,9 +699,11 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
         def run(*a):
             if stats is None:
                 return fn(*a)
+            if device.type == "cuda":  # kernels run asynchronously: count from when earlier work is done ...
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             out = fn(*a)
-            if device.type == "cuda":  # kernels run asynchronously: wait for them to count their time
+            if device.type == "cuda":  # ... to when this work is
                 torch.cuda.synchronize(device)
             stats["busy_s"] = stats.get("busy_s", 0.0) + time.perf_counter() - t0
             return out
@@ -1097,6 +1104,140 @@ def consolidate(folder: Path, out: Path | None = None, hf: Path | None = None):
     if hf is not None:
         M.save_hf(model, hf)
     return model
+
+
+# ====================================================================================================
+# 9. What a layout costs, from the shapes alone: the memory one rank holds at its peak and the bytes it
+#    sends per step. train.py checks the memory before allocating anything; bench.py --plan sizes runs on
+#    machines we don't have. Each term is a buffer this code allocates; tests/test_memory.py holds the
+#    totals against a census of a CPU run's allocations and the bytes against the collectives' own count.
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0, split: list[int] | None = None) -> int:
+    """Parameters one rank of pipeline stage `stage` holds: its layers (linears split over tp, norms
+    whole), the embedding on the first stage, the final norm and the head on the last (vocab padded to tp)."""
+    d, hd, V = args.dim, args.head_dim, padded_vocab(args.vocab_size, tp)
+    per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 3 * d * args.hidden_dim) // tp + 2 * d
+    start, end = stage_layers(args.n_layers, pp, split)[stage]
+    n = (end - start) * per_layer
+    n += V // tp * d if stage == 0 else 0  # embedding
+    n += d + (V // tp * d if not args.tie_embeddings else 0) if stage == pp - 1 else 0  # final norm, head
+    return n
+
+
+def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False) -> dict:
+    """Bytes of one micro-batch of `tokens` tokens, as model.py's forward and the loss keep them (b bytes
+    per number in the compute precision; V the vocabulary rows of one TP rank):
+      layer: what backward keeps of one block. Each RMSNorm: its input in fp32 and the normalized values,
+        (4 + b) per number, split over tp under SP; the two normalized inputs of the linears after the
+        norms, b each (whole, or gathered under SP); attention: q, k and v repeated to every query head
+        (GQA) and the output, 4 * dim split over tp, and SDPA's fp32 log-sum-exp per head; SwiGLU: w1 x,
+        silu(w1 x), w3 x and their product, 4 * hidden split over tp.
+      layer_input: the block's input alone (what activation checkpointing keeps).
+      head: the final norm and the head's input. logits: b per row. loss_saved: what the loss keeps for
+        backward, fp32 per row (the log-softmax; the vocab-parallel loss: the softmax).
+      loss_forward / loss_backward: what the loss holds on top of that while it runs: an fp32 copy of the
+        logits (bf16, or the vocab-parallel loss on a rank with padding), the vocab-parallel loss's shifted
+        logits and their exponentials; in backward two fp32 gradients (one and a cast under TP).
+      layer_backward: one block's backward (3 hidden-sized gradients).
+      weight_grad: the embedding's or the head's weight gradient, made whole before it joins the fp32
+        buffer."""
+    d, b, s = args.dim, BYTES[precision], tp if sp else 1
+    V = padded_vocab(args.vocab_size, tp) // tp
+    rows = tokens * V
+    norm = tokens * d * (4 + b) / s
+    copy = 4 if b < 4 or padded_vocab(args.vocab_size, tp) != args.vocab_size else 0
+    return {"layer": 2 * norm + 2 * tokens * d * b + tokens * (4 * d * b + 4 * args.hidden_dim * b) / tp
+                     + tokens * args.n_heads // tp * 4,
+            "layer_input": tokens * d * b / s, "head": norm + tokens * d * b, "logits": rows * b,
+            "loss_saved": rows * 4,
+            "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
+            "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
+            "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
+
+
+def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
+                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False,
+                    grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
+                    split: list[int] | None = None) -> dict[str, float]:
+    """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
+    busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
+    of dp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them: the
+    weights are the master), m, v and the update's denominator (fp32), all three and the master divided
+    over dp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket.
+    activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
+    (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
+    their inputs only) and on the last stage the head and what the loss keeps; without a pipeline the
+    training loop also holds the logits until backward.
+    temporaries: what comes and goes on top of them at the peak: the largest of the loss's, a layer's
+    backward (with the layer recomputed under checkpointing) and the embedding's or head's weight gradient;
+    or the optimizer step's packed ZeRO shard, which comes when the activations are gone, if that is more.
+    Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps a
+    reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (one byte per
+    parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference."""
+    if stage is None:
+        return max((memory_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
+                                    grad_accum, schedule, s, split) for s in range(pp)), key=lambda m: m["total"])
+    b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
+    n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
+    out = {"weights": n * b, "grads": n * 4,
+           "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
+           "optimizer": 3 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
+    a = activation_bytes(args, micro_batch * seq_len, precision, tp, sp)
+    start, end = stage_layers(args.n_layers, pp, split)[stage]
+    first, last = stage == 0, stage == pp - 1
+    in_flight = 1 if pp == 1 else grad_accum if schedule == "afab" else min(pp - stage, grad_accum)
+    per_micro_batch = (end - start) * (a["layer_input"] if act_ckpt else a["layer"])
+    per_micro_batch += a["head"] + a["loss_saved"] if last else 0.0
+    out["activations"] = in_flight * per_micro_batch + (a["logits"] if pp == 1 else 0.0)
+    loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
+    head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
+    layer = a["layer_backward"] + (a["layer"] if act_ckpt else 0.0) - head_done
+    during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
+    during_step = n * 4 / zdp if zdp > 1 else 0.0  # AdamW.step's packed gradient shard, activations gone
+    out["temporaries"] = max(during_backward, during_step - out["activations"])
+    out["total"] = sum(out.values())
+    return out
+
+
+def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
+                  act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False,
+                  grad_accum: int = 1, stage: int | None = None, split: list[int] | None = None) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
+    all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage`
+    (None: per dimension, the most any stage sends). Scalars (the loss normalizer, the gradient norm, the
+    stop flag) are left out.
+      tp: per layer and micro-batch, 2 all-reduces of the residual stream forward (after wo and w2) and 2
+          backward (the norms' f); one for the embedding (first stage), one for the head (last) and the
+          vocab-parallel cross-entropy's 3 of one fp32 number per token. Sequence parallelism swaps each
+          all-reduce for an all-gather and a reduce-scatter (the same bytes) and adds, once per step, the
+          norm weights' gradients. Activation checkpointing recomputes a block only as far as its last
+          saved tensor, w2's input (torch's checkpoint stops early): wo's all-reduce runs again, w2's does
+          not; under SP that is the two norms' all-gathers and wo's reduce-scatter.
+      pp: each micro-batch's activations to the next stage and their gradient back (sequence-split under SP).
+      dp: the fp32 gradients all-reduced; under ZeRO-1 reduce-scattered, then the updated weights
+          all-gathered in the training precision (0.75 of an all-reduce in bf16)."""
+    if stage is None:  # per dimension, the most any stage sends
+        stages = [comm_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp, grad_accum,
+                                s, split) for s in range(pp)]
+        return {dim: max(c[dim] for c in stages) for dim in ("tp", "pp", "dp")}
+    b, tokens = BYTES[precision], micro_batch * seq_len
+    stream = tokens * args.dim * b  # one micro-batch of the residual stream
+    start, end = stage_layers(args.n_layers, pp, split)[stage]
+    first, last = stage == 0, stage == pp - 1
+    ring = lambda n: (n - 1) / n
+    recomputed = (1.5 if sp and tp > 1 else 1) if act_ckpt else 0  # in all-reduces' worth of bytes
+    all_reduces = (end - start) * (4 + recomputed) + first + last
+    tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (3 * 2 * ring(tp) * tokens * 4 if last else 0))
+    if sp:  # the norms' weight gradients are partial sums over the sequence chunks: all-reduced once per step
+        tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * (end - start) + last)
+    boundary = stream / tp if sp and tp > 1 else stream  # under SP a stage sends only its sequence chunk
+    pp_bytes = grad_accum * boundary * ((not last) + (not first)) if pp > 1 else 0.0
+    n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
+    dp_bytes = ring(dp) * n * (4 + b) if zero else 2 * ring(dp) * n * 4
+    return {"tp": tp_bytes if tp > 1 else 0.0, "pp": pp_bytes, "dp": dp_bytes if dp > 1 else 0.0}
 
 
 def main(argv=None) -> int:

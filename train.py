@@ -208,17 +208,30 @@ def pick_device_and_precision(args):
 # Measuring: peak FLOP/s for MFU, memory
 
 
-GPU_PEAK_TFLOPS = {"A100": 312, "H100 PCIe": 756, "H100": 989, "H200": 989, "B200": 2250, "GB200": 2500}
+# Dense tensor-core peaks in TFLOP/s (datasheets, without sparsity): bf16 and fp16, and TF32, which is what
+# fp32 matmuls run on here (train() allows TF32). NVL parts run at lower clocks than SXM ones.
+GPU_PEAK_TFLOPS = {"A100": {"bf16": 312, "tf32": 156}, "H100 PCIe": {"bf16": 756, "tf32": 378},
+                   "H100 NVL": {"bf16": 835, "tf32": 417.5}, "H100": {"bf16": 989, "tf32": 494.5},
+                   "H200 NVL": {"bf16": 835, "tf32": 417.5}, "H200": {"bf16": 989, "tf32": 494.5},
+                   "B200": {"bf16": 2250, "tf32": 1100}, "GB200": {"bf16": 2500, "tf32": 1250}}
+
+
+def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
+    """(FLOP/s, which figure) for a GPU named like torch.cuda.get_device_name(), or None if unknown."""
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # 'H100 NVL' before 'H100', 'GB200' before 'B200'
+        if key in name:
+            kind = "tf32" if precision == "fp32" else "bf16"
+            return GPU_PEAK_TFLOPS[key][kind] * 1e12, f"{name} ({key}, dense {kind.upper()}, table)"
+    return None
 
 
 def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
-    """Peak dense FLOP/s of the device: the table above for known GPUs (bf16 dense), else a measured matmul."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # 'H100 PCIe' before 'H100'
-            if key in name:
-                return GPU_PEAK_TFLOPS[key] * 1e12, f"{name} (table)"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    """Peak dense FLOP/s of the device in the run's precision: the table above for known GPUs, else a
+    measured matmul."""
+    known = gpu_peak(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
+    if known:
+        return known
+    dtype = DTYPES[precision]
     n = 1024 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -260,10 +273,11 @@ def available_memory(device) -> float | None:
 
 def check_memory(margs, args, world: int, device, precision: str):
     """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
-    (model states and activations, model.memory_estimate) against what its device has free."""
-    dp = world // (args.tp * args.pp)
-    est = M.memory_estimate(margs, precision, args.micro_batch, args.seq_len, args.act_ckpt, args.tp, args.pp,
-                            dp if args.zero else 1, args.sp)
+    (model states, activations and temporaries of its busiest pipeline stage, parallel.memory_estimate)
+    against what its device has free."""
+    est = P.memory_estimate(margs, precision, args.micro_batch, args.seq_len, args.act_ckpt, args.tp, args.pp,
+                            world // (args.tp * args.pp), args.zero, args.sp, args.grad_accum, args.schedule,
+                            split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None)
     have = available_memory(device)
     if have is not None and est["total"] > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
@@ -402,23 +416,30 @@ def stop_requested(stop: dict, mesh) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Phase timing (bench.py): seconds per phase of every step, measured between device synchronizations.
-# Off by default: synchronizing after each phase costs throughput.
+# Step timing for bench.py. Off by default.
 
 
 class PhaseTimer:
-    def __init__(self, device, enabled: bool):
-        self.device, self.enabled, self.steps = device, enabled, []
+    """Seconds per phase of every step. mode "phases": measured between device synchronizations, one after
+    each phase (which costs throughput); "steps": the device is synchronized only where any run does, at
+    each step's end, so the phases' sum is the step's time as a plain run spends it (the split between them
+    is then host time); None: off."""
+
+    def __init__(self, device, mode: str | None = None):
+        if mode not in (None, "phases", "steps"):
+            raise ValueError(f"PhaseTimer mode {mode!r}: use None, 'phases' or 'steps'")
+        self.device, self.mode, self.steps = device, mode, []
 
     def start(self):
-        if self.enabled:
+        if self.mode:
             sync_device(self.device)
             self.steps.append({})
             self.t = time.perf_counter()
 
     def mark(self, phase: str):
-        if self.enabled:
-            sync_device(self.device)
+        if self.mode:
+            if self.mode == "phases":
+                sync_device(self.device)
             now = time.perf_counter()
             self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self.t
             self.t = now
@@ -433,7 +454,7 @@ class Run:
     device: torch.device
     margs: M.ModelArgs
     precision: str
-    phases: list  # per step {phase: seconds} when args.time_phases, else []
+    phases: list  # per step {phase: seconds} when train() was asked to time them, else []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -557,7 +578,7 @@ def build_model(margs, state, args, mesh, device, dtype):
     with torch.device("meta"):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
-    P.apply_pipeline(model, mesh, args.pp_split)
+    P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers))
     if state is None:  # drawn on the CPU, so one seed gives one model on any device
         full_value = lambda name, shape: M.init_tensor(margs, name, shape, args.seed)
     else:
@@ -578,12 +599,13 @@ def compile_blocks(model, backend="inductor"):
     model.compiled_blocks = {key: torch.compile(layer, backend=backend) for key, layer in model.layers.items()}
 
 
-def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LMTask, what="train"):
+def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LMTask,
+          time_phases: str | None = None):
     """The one training loop. Pretraining (main below), sft.py and dpo.py differ only in the three
     functions they pass: model_fn(args, tok) -> (model args, weights), where weights(mesh) gives the initial
     full state dict (read lazily) or None once the processes can talk,
     data_fn(args, tok, mesh) -> (train loader, make_val_loader, description), and
-    task_fn(margs, mesh[, ...]) -> the task (LMTask's four methods)."""
+    task_fn(margs, mesh[, ...]) -> the task (LMTask's four methods). time_phases: bench.py's PhaseTimer mode."""
     validate(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -619,11 +641,11 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
     margs, initial_weights = model_fn(args, tok)
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
-    args.pp_split = parse_pp_layers(args.pp_layers)
+    split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
     try:
         P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp)
         if args.pp > 1:
-            P.stage_layers(margs.n_layers, args.pp, args.pp_split)
+            P.stage_layers(margs.n_layers, args.pp, split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout: {e}") from None
     check_memory(margs, args, world, device, precision)
@@ -708,7 +730,7 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
         metric_acc = torch.zeros(len(task.metric_names), device=device)
         comm_at_log = dict(mesh.comm_bytes)
         train_time = 0.0
-        timer = PhaseTimer(device, getattr(args, "time_phases", False))
+        timer = PhaseTimer(device, time_phases)
         stop = watch_signals()
         recent, skipped, consecutive, saved_at = [], 0, 0, start_step
         step = start_step
@@ -790,8 +812,8 @@ def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LM
             opt.step(lr)
             sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
             opt.zero_grad()
+            sync_device(device)  # the step's end: its time is the device's, not only the host's
             timer.mark("6 optimizer")
-            sync_device(device)
             train_time += time.perf_counter() - t0
             loss_acc += loss_total
             metric_acc += task.metrics().to(device)

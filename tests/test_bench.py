@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import bench
+import model as M
+import parallel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,19 +27,27 @@ def test_plan_reproduces_the_llama3_70b_reference_example():
     assert r["bubble"] == pytest.approx(3 / 7)
     assert r["fits"] and 0 < r["memory_per_gpu_bytes"] < 80e9
     assert not r["memory_variants"]["zero1_ckpt0"]["total"] < 80e9  # 4 micro-batches of activations in flight
-    assert r["comm_bytes_per_step"]["dp"] == pytest.approx(2 * 511 / 512 * 70_553_706_496 / 32 * 4)
+    # ZeRO-1: an fp32 reduce-scatter and a bf16 all-gather of the largest stage's parameters (0.75 of an all-reduce)
+    largest = max(parallel.stage_params(M.PRESETS["llama3-70b"], tp=8, pp=4, stage=s) for s in range(4))
+    assert r["comm_bytes_per_step"]["dp"] == pytest.approx(511 / 512 * largest * (4 + 2))
 
 
-def test_plan_memory_arithmetic_for_llama31_8b():
-    r = bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, tp=1, pp=1, micro_batch=1, grad_accum=1, mfu=0.4,
-                   zero=False)
-    m, n = r["memory_per_gpu"], 8_030_261_248
-    assert m["weights"] == 2 * n  # bf16 weights: 16 GB
-    assert m["optimizer"] == 8 * n  # fp32 Adam m and v: 64 GB
-    assert m["grads"] == 4 * n and m["master"] == 4 * n
-    assert not r["fits"]  # 8B does not train on one 80 GB GPU without sharding
-    z = bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, tp=1, pp=1, micro_batch=1, grad_accum=1, mfu=0.4, zero=True)
-    assert z["memory_per_gpu"]["optimizer"] == 8 * n / 8
+def test_plan_llama31_8b_on_eight_h100():
+    """Llama 3.1 8B, 8,192-token sequences on 8 x 80 GB: with ZeRO-1 and activation checkpointing the model
+    states alone are 68 GB (2 + 4 bytes of bf16 weights and fp32 gradients per parameter on every GPU, 16
+    sharded 8 ways), and the cross-entropy's 12.6 GB at its peak on 1 x 8,192 x 128,256 logits does not fit
+    on top; tensor parallelism over 2 GPUs halves both."""
+    n = 8_030_261_248
+    r = bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, tp=1, pp=1, micro_batch=1, grad_accum=4, mfu=0.4,
+                   zero=True, act_ckpt=True)
+    m = r["memory_per_gpu"]
+    assert (m["weights"], m["grads"], m["master"] + m["optimizer"] + m["zero_buffers"]) == (2 * n, 4 * n, 16 * n / 8 + n / 2)
+    rows = 8192 * 128_256  # the loss keeps a 4-byte log-softmax per logit and makes two 4-byte gradients
+    assert m["temporaries"] == 8 * rows and not r["fits"]
+    assert r["memory_variants"]["zero0_ckpt0"]["total"] > 2.5 * r["memory_per_gpu_bytes"]
+    tp2 = bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, tp=2, pp=1, micro_batch=1, grad_accum=8, mfu=0.4,
+                     zero=True, act_ckpt=True)
+    assert tp2["fits"] and tp2["memory_per_gpu_bytes"] < 0.7 * r["memory_per_gpu_bytes"]
 
 
 def test_plan_json_cli_carries_the_required_keys():
@@ -65,3 +75,66 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
     hf = json.loads(subprocess.run(cmd + ["--compare-hf"], capture_output=True, text=True, check=True,
                                    env=env).stdout.splitlines()[-1])["compare_hf"]
     assert len(hf["ours_tokens_per_s"]) == len(hf["hf_tokens_per_s"]) == 2 and hf["ratio_ours_over_hf"] > 0
+
+
+def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
+    """No GPU here: the calls a GPU run makes are recorded. Each rank takes its own GPU (LOCAL_RANK) and the
+    mesh is built for it (NCCL, bound to it), not for the CPU under a GPU banner."""
+    import parallel
+    import torch
+    bound, meshes = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+
+    class Stop(Exception):
+        pass
+
+    def init_mesh(**kwargs):
+        meshes.append(kwargs)
+        raise Stop
+    monkeypatch.setattr(parallel, "init_mesh", init_mesh)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for mode in ("--dp-vs-ddp", "--bubble"):
+        monkeypatch.setattr(sys, "argv", ["bench.py", mode])
+        with pytest.raises(Stop):
+            bench.main()
+    assert bound == [torch.device("cuda", 1)] * 2
+    assert [m["device"] for m in meshes] == [torch.device("cuda", 1)] * 2 and meshes[1]["pp"] == 2
+
+
+def test_dp_vs_ddp_and_bubble_run_end_to_end():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "bench.py"),
+            "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2", "--json"]
+    ddp = json.loads(subprocess.run(base + ["--dp-vs-ddp", "--blocks", "1"], capture_output=True, text=True,
+                                    check=True, env=env).stdout.splitlines()[-1])
+    assert ddp["torch_device"] == "cpu" and ddp["dp_vs_ddp"]["ratio_ddp_over_ours"] > 0
+    rows = json.loads(subprocess.run(base + ["--bubble", "--micro-batches", "2,4"], capture_output=True, text=True,
+                                     check=True, env=env).stdout.splitlines()[-1])["bubble"]
+    assert [r["m"] for r in rows] == [2, 4] and [r["bubble_formula"] for r in rows] == [1 / 3, 1 / 5]
+    assert all(0 <= b < 1 for r in rows for b in r["bubble_measured_per_stage"])
+
+
+@pytest.mark.parametrize("timing", ["phases", "steps"])
+def test_step_timing_synchronizes_where_its_mode_says(tmp_path, monkeypatch, timing):
+    """--compare-hf times transformers with a device synchronization at each step's start and end only; ours
+    ("steps") must be timed the same way, while the phase table ("phases") synchronizes after every phase."""
+    import train
+    events = []
+    monkeypatch.setattr(train, "sync_device", lambda device: events.append("sync"))
+    mark = train.PhaseTimer.mark
+    monkeypatch.setattr(train.PhaseTimer, "mark", lambda self, phase: (mark(self, phase), events.append(phase)))
+    monkeypatch.setattr(train, "peak_flops", lambda device, precision: (1e12, "test"))
+    args = train.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--max-steps",
+                                          "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens", "0",
+                                          "--out-dir", str(tmp_path / "o")])
+    run = train.train(args, time_phases=timing)
+    phases = ["1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer"]
+    if timing == "phases":  # after each phase; the loop's own at the step's end, then the last mark's
+        step = ["sync"] + [e for ph in phases[:-1] for e in ("sync", ph)] + ["sync", "sync", "6 optimizer"]
+    else:
+        step = ["sync"] + phases[:-1] + ["sync", "6 optimizer"]
+    assert events == step * 2 and len(run.phases) == 2 and set(run.phases[0]) == set(phases)
