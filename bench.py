@@ -140,6 +140,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
         torch.cuda.reset_peak_memory_stats()
     import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
     with contextlib.redirect_stdout(io.StringIO()):
+        T.configure_process(args)  # as train.py's command line does: seeds, TF32, --deterministic
         run = T.train(args, time_phases=timing)
     mesh, margs = run.mesh, run.margs
     ckpt = [s["7 checkpoint"] for s in run.phases if "7 checkpoint" in s]

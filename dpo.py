@@ -152,55 +152,60 @@ class DPOTask:
         return out
 
 
-def main(argv=None):
-    args = get_parser().parse_args(argv)
-    if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
-        raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
-    start = {}
+def cached_reference(reference, loaders, mesh, args, device) -> torch.Tensor:
+    """--precompute-ref: the reference's log-probs of every pair, from <out-dir>/ref_logps.pt when it holds
+    them for these settings, else computed (collectively) and written there, whole, then renamed."""
+    cache = Path(args.out_dir) / "ref_logps.pt"
+    key = {"init": str(args.init), "data": str(args.data), "seq_len": args.seq_len,
+           "pairs": sum(len(loader) for loader in loaders)}
+    cached = read_cache(cache, key)
+    # every rank must take the same branch (precomputing is collective): use the cache only if all can
+    if mesh.world > 1 and not P.all_true(torch.tensor(cached is not None, device=device), mesh):
+        cached = None
+    if cached is None:
+        cached = precompute_reference(reference, loaders, mesh, args, device)
+        if mesh.last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"key": key, "logps": cached}, cache.with_suffix(".tmp"))
+            os.replace(cache.with_suffix(".tmp"), cache)
+    return cached
 
-    def model_fn(a, tok):
-        margs, weights = sft.model_fn(a, tok)
 
-        def weights_kept(mesh):  # the reference model is built from the same weights (task_fn)
-            start["state"] = weights(mesh)
-            return start["state"]
-        return margs, weights_kept
+class DPO(sft.SFT):
+    """train.py's recipe with SFT's model (from --init), preference pairs as the data, and DPOTask as the
+    loss, against a frozen reference built from the same initial weights."""
 
-    def data_fn(a, tok, mesh):
+    def weights(self, mesh) -> dict | None:
+        self.initial = super().weights(mesh)  # kept: the reference is built from them too (task)
+        return self.initial
+
+    def data(self, tok, mesh):
+        a = self.args
         pairs = data.read_preferences(a.data, mirror=a.mirror)
         examples, counts = data.preference_examples(tok, pairs, a.seq_len)
         train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
         make = lambda ex, seed, offset: data.PreferenceLoader(
             ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
             pad_id=data.pad_id(tok), with_index=a.precompute_ref, index_offset=offset)
-        start["loaders"] = make(train_ex, a.seed, 0), make(val_ex, 0, len(train_ex))
-        return start["loaders"][0], lambda: make(val_ex, 0, len(train_ex)), f"{len(train_ex):,} train pairs"
+        self.loaders = make(train_ex, a.seed, 0), make(val_ex, 0, len(train_ex))  # precomputing scores both
+        return self.loaders[0], lambda: make(val_ex, 0, len(train_ex)), f"{len(train_ex):,} train pairs"
 
-    def task_fn(margs, mesh):
-        device, precision = T.pick_device_and_precision(args)
-        dtype = T.DTYPES[precision]
-        reference = T.build_model(margs, start["state"], args, mesh, device, dtype).eval()
+    def task(self, margs, mesh, device, dtype):
+        reference = T.build_model(margs, self.initial, self.args, mesh, device, dtype).eval()
         for p in reference.parameters():
             p.requires_grad_(False)
-        if not args.precompute_ref:
-            return DPOTask(margs, mesh, args, reference=reference)
-        cache = Path(args.out_dir) / "ref_logps.pt"
-        key = {"init": str(args.init), "data": str(args.data), "seq_len": args.seq_len,
-               "pairs": sum(len(l) for l in start["loaders"])}
-        cached = read_cache(cache, key)
-        # every rank must take the same branch (precomputing is collective): use the cache only if all can
-        if mesh.world > 1 and not P.all_true(torch.tensor(cached is not None, device=device), mesh):
-            cached = None
-        if cached is None:
-            cached = precompute_reference(reference, start["loaders"], mesh, args, device)
-            if mesh.last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0:  # written whole, then renamed
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"key": key, "logps": cached}, cache.with_suffix(".tmp"))
-                os.replace(cache.with_suffix(".tmp"), cache)
-        del reference  # the point of precomputing: no second model in memory while training
-        return DPOTask(margs, mesh, args, cached=cached)
+        if not self.args.precompute_ref:
+            return DPOTask(margs, mesh, self.args, reference=reference)
+        # the point of precomputing: the reference is freed when this returns, before training starts
+        return DPOTask(margs, mesh, self.args, cached=cached_reference(reference, self.loaders, mesh, self.args, device))
 
-    run = T.train(args, model_fn=model_fn, data_fn=data_fn, task_fn=task_fn)
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
+        raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+    T.configure_process(args)
+    run = T.train(args, DPO(args))
     model, tok, mesh = run.model, run.tok, run.mesh
     if mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
         prompt = "How do I make a cup of tea?"

@@ -560,10 +560,7 @@ def main(argv=None):
         device, precision = T.pick_device_and_precision(args)
         dtype = T.DTYPES[precision]
         mesh = P.init_mesh(device=device)
-        resolve = lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task}
-        tasks = resolve() if mesh.rank == 0 else None  # rank 0 first: it prepares (and caches) the shards,
-        P.barrier(mesh, long=True)                      # which the other ranks then find ready
-        tasks = tasks or resolve()
+        tasks = P.on_rank0_first(lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task}, mesh)
         model = load_model(args.init, tok, device, dtype, mesh)
         seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len, model.args.max_seq_len)
         if seq_len > model.args.max_seq_len:

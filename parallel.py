@@ -290,6 +290,19 @@ def on_rank0(fn, mesh: Mesh):
     return value
 
 
+def on_rank0_first(fn, mesh: Mesh):
+    """fn() on every rank in three waves: global rank 0, then the first process of every other node, then
+    the rest. For work that fills a cache folder (tokenized shards), which two processes must never fill
+    at once: a node that shares rank 0's cache finds it ready, one with its own fills it once. The waves
+    wait on the "io" group (a large corpus takes longer to tokenize than any collective should wait)."""
+    result = fn() if mesh.rank == 0 else None
+    barrier(mesh, long=True)
+    if mesh.rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        result = fn()
+    barrier(mesh, long=True)
+    return result if result is not None else fn()
+
+
 def all_gather_objects(obj, mesh: Mesh) -> list:
     """Every rank's small picklable `obj`, in global rank order, on every rank (over the "io" group: some
     ranks may arrive late, having written files the others did not)."""

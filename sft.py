@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=8 sft.py --init Llama-3.2-1B --tokenizer llama3 --tp 2   # from HF weights
 
 The same training loop as train.py (its seven phases, flags, parallel layouts, checkpoints and --resume);
-only three things differ, passed to train.train():
+only its recipe differs (the SFT class):
   - the model: loaded from --init (a train.py/sft.py checkpoint folder, a Hugging Face folder, or a Meta
     folder); a tokenizer with more ids than the model grows its embedding and output rows;
   - the data: conversations in the Llama 3 chat format (data.py), whose targets are the assistant's tokens
@@ -107,34 +107,6 @@ def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelAr
     return grown, state
 
 
-def model_fn(args, tok):
-    """(model args, weights(mesh)) for train.train: the shape at once, the weights once the job's processes
-    can talk. From a checkpoint the shape comes from meta.json alone, and no shard is opened until rank 0
-    has checked them all against the manifest and told the others which step folder to read (every rank
-    hashing every shard would take hours at thousands of ranks); each rank then reads only the weights it
-    keeps, lazily."""
-    if args.init is None:
-        print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
-        return T.pretraining_model(args, tok)
-    if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
-        margs, state = load_init(args.init, tok)
-        return margs, lambda mesh: state
-    picked = C.resolve(args.init, say=lambda msg: None, verify=False)  # rank 0 says what it passes over, later
-    try:
-        margs = with_room_for(checkpoint_args(picked), tok.n_vocab)
-    except (TypeError, ValueError) as e:
-        raise T.ConfigError(f"cannot read --init {picked}: {type(e).__name__}: {data.one_line(e)}") from None
-
-    def weights(mesh):
-        verified = P.on_rank0(lambda: C.resolve(args.init), mesh)  # may fall back past a damaged step
-        verified_margs, state = load_init(verified, tok, verify=False)
-        if verified_margs != margs:
-            raise T.ConfigError(f"--init {args.init}: the intact checkpoint {verified.name} has another model shape "
-                                f"than {picked.name}; name the step folder to start from")
-        return state
-    return margs, weights
-
-
 # ----------------------------------------------------------------------------------------------------
 # The data
 
@@ -152,15 +124,56 @@ def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
     return train_ex, val_ex
 
 
-def data_fn(args, tok, mesh):
-    conversations = data.read_sft(args.data, mirror=args.mirror)
-    examples, counts = data.sft_examples(tok, conversations, args.seq_len)
-    train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)
-    make = lambda ex, seed: data.SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                                           dp_size=mesh.dp, seed=seed, pack=args.pack, pad_id=data.pad_id(tok))
-    train = make(train_ex, args.seed)
-    make(val_ex, 0)  # fail now, not at the first evaluation
-    return train, lambda: make(val_ex, 0), f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
+# ----------------------------------------------------------------------------------------------------
+# The recipe: train.py's, with these three answers
+
+
+class SFT(T.Pretraining):
+    """train.py's recipe with the model from --init and conversations as the data."""
+
+    def name(self) -> str:
+        return self.args.init or self.args.model
+
+    def model_args(self, tok) -> M.ModelArgs:
+        """The shape at once; the weights (below) once the job's processes can talk. From a checkpoint the
+        shape comes from meta.json alone, and no shard is opened until rank 0 has checked them all against
+        the manifest and told the others which step folder to read (every rank hashing every shard would
+        take hours at thousands of ranks); each rank then reads only the weights it keeps, lazily."""
+        args, self.state = self.args, None
+        if args.init is None:
+            print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
+            return super().model_args(tok)
+        if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
+            margs, self.state = load_init(args.init, tok)
+            return margs
+        self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)  # rank 0 says what it skips, later
+        try:
+            self.margs = with_room_for(checkpoint_args(self.picked), tok.n_vocab)
+        except (TypeError, ValueError) as e:
+            raise T.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: {data.one_line(e)}") from None
+        self.tok = tok
+        return self.margs
+
+    def weights(self, mesh) -> dict | None:
+        if self.args.init is None or not C.is_checkpoint(self.args.init):
+            return self.state
+        verified = P.on_rank0(lambda: C.resolve(self.args.init), mesh)  # may fall back past a damaged step
+        verified_margs, state = load_init(verified, self.tok, verify=False)
+        if verified_margs != self.margs:
+            raise T.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has another model "
+                                f"shape than {self.picked.name}; name the step folder to start from")
+        return state
+
+    def data(self, tok, mesh):
+        args = self.args
+        conversations = data.read_sft(args.data, mirror=args.mirror)
+        examples, counts = data.sft_examples(tok, conversations, args.seq_len)
+        train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)
+        make = lambda ex, seed: data.SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+                                               dp_size=mesh.dp, seed=seed, pack=args.pack, pad_id=data.pad_id(tok))
+        train = make(train_ex, args.seed)
+        make(val_ex, 0)  # fail now, not at the first evaluation
+        return train, lambda: make(val_ex, 0), f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,7 +198,8 @@ def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperatur
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    run = T.train(args, model_fn=model_fn, data_fn=data_fn)
+    T.configure_process(args)
+    run = T.train(args, SFT(args))
     model, tok, mesh = run.model, run.tok, run.mesh
     if args.sample_prompt and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
         reply = chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)

@@ -1,18 +1,19 @@
 """Pretrain a Llama 3 model: `python train.py` (or `torchrun --standalone --nproc_per_node=1 train.py`).
 
 With no arguments it trains a small Llama on TinyShakespeare with the byte tokenizer, bf16 on a GPU and
-fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same seven phases:
+fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same seven phases (train_step):
 
   1 data loading      grad_accum micro-batches (B, T) from the Loader
   2 forward           tokens -> logits, one micro-batch at a time
   3 loss              sum of token losses / number of target tokens in the whole global batch
   4 backward          gradients accumulate, in fp32, in the optimizer's flat gradient buffer
   5 gradient sync     the seam where data parallelism reduces gradients across replicas (parallel.py)
-  6 optimizer step    loss-scale check (fp16), clip by global norm, AdamW on fp32 master weights
-  7 checkpoint        every --ckpt-every steps: atomic write to a step directory, `latest` pointer last
+  6 optimizer step    unless the SkipGuard rejects the step: clip by global norm, AdamW on fp32 masters
+  7 checkpoint        Checkpointer: atomic write to a step directory, `latest` pointer last
 
-Around the loop: configuration and validation (every bad input fails before anything is written),
-validation loss, logging to the console and to <out-dir>/metrics.jsonl, checkpoint save and resume.
+Read in this order: the recipe (what is trained: Pretraining, LMTask), train_step, the pieces around the
+steps that each decide their own "when" (Meter, evaluate, Checkpointer, StopFlag), then train(), which
+checks the configuration, sets the run up and loops. sft.py and dpo.py bring their own recipes.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ import random
 import resource
 import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from typing import Callable, NamedTuple
 from pathlib import Path
 
 import torch
@@ -191,17 +195,515 @@ def pick_device_and_precision(args):
         raise ConfigError("--device cuda was asked for but CUDA is not available")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("--device mps was asked for but MPS is not available")
-    if device.type == "cuda":  # one GPU per process: torchrun's LOCAL_RANK, unless --device names one
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        if device.index >= torch.cuda.device_count():
-            raise ConfigError(f"GPU {device.index} asked for (--device or LOCAL_RANK), but this process sees "
-                              f"{torch.cuda.device_count()}; start at most that many processes per node")
-        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
+    if device.type == "cuda" and device.index is None:  # one GPU per process: torchrun's LOCAL_RANK
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"GPU {device.index} asked for (--device or LOCAL_RANK), but this process sees "
+                          f"{torch.cuda.device_count()}; start at most that many processes per node")
     precision = args.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     return device, precision
+
+
+def configure_process(args):
+    """The process-wide settings, made once by the command line before train(): seeds, this process's GPU,
+    TF32 matmuls on CUDA, and --deterministic.
+
+    --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
+    with a fixed workspace, no cuDNN autotuning. On an x86 CPU, runs repeat bit for bit without it on one
+    kind of CPU, but MKL and ATen choose kernels by the host's vector unit (AVX-512, AVX2), and other
+    kernels sum in another order: the flag pins both to AVX2. Both read these variables at their first
+    use: effective in a fresh process, as the command line is."""
+    validate(args)
+    device, _ = pick_device_and_precision(args)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.use_deterministic_algorithms(args.deterministic)  # set or unset: bench.py times both in one process
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        if device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
+            os.environ.setdefault("MKL_CBWR", "AVX2")
+            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+            say("--deterministic: CPU kernels pinned to AVX2 (MKL_CBWR, ATEN_CPU_CAPABILITY); this costs "
+                "throughput: `python bench.py --deterministic` against `python bench.py` measures it")
+        elif device.type == "cuda":
+            say("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this "
+                "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
+
+
+def say(msg: str):
+    """Print on global rank 0 only (torchrun's RANK): one line per job, not one per process."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+def check_config(args, recipe) -> Spec:
+    """Everything that can be wrong, refused before any process talks and before --out-dir is touched:
+    the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
+    validate(args)
+    device, precision = pick_device_and_precision(args)
+    tok = data.get_tokenizer(args.tokenizer)
+    margs = recipe.model_args(tok)
+    if args.seq_len > margs.max_seq_len:
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
+    split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp)
+        if args.pp > 1:
+            P.stage_layers(margs.n_layers, args.pp, split)
+    except P.LayoutError as e:
+        raise ConfigError(f"invalid parallel layout: {e}") from None
+    check_memory(margs, args, world, device, precision)
+    C.check_out_dir(Path(args.out_dir))
+    return Spec(device, precision, tok, margs)
+
+
+class Spec(NamedTuple):
+    """What check_config found: the run's device, precision, tokenizer and model shape."""
+    device: torch.device
+    precision: str
+    tok: object  # a tiktoken Encoding
+    margs: M.ModelArgs
+
+
+# ----------------------------------------------------------------------------------------------------
+# The recipe: what a run trains. The loop asks it four things, in this order: the model's shape (before
+# any process talks, so a wrong one fails fast), the initial weights and the data (once the processes
+# can talk), and the task, the loss of a micro-batch (once the model is built). sft.py and dpo.py
+# subclass it.
+
+
+class Pretraining:
+    """Pretraining: the preset (or --dim ...) from a seeded random initialization, token shards, and
+    next-token prediction (LMTask)."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def name(self) -> str:
+        return self.args.model
+
+    def model_args(self, tok) -> M.ModelArgs:
+        return model_args_from(self.args, tok.n_vocab)
+
+    def weights(self, mesh) -> dict | None:
+        """The full initial state dict (each rank reads only what it keeps), or None: initialize from --seed."""
+        return None
+
+    def data(self, tok, mesh):
+        """(train loader, make_val_loader, description). Token shards are prepared (and cached) by one
+        process per cache folder, never by two at once (parallel.on_rank0_first)."""
+        args = self.args
+        data_dir = P.on_rank0_first(lambda: data.resolve_data(args.data, args.tokenizer, mirror=args.mirror), mesh)
+        make = lambda split, seed: data.Loader(data_dir, split, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+                                               dp_size=mesh.dp, seed=seed, tokenizer=tok)
+        train = make("train", args.seed)
+        make("val", 0)  # fail now, not at the first evaluation
+        return train, lambda: make("val", 0), f"{data_dir}: {train.num_tokens:,} train tokens"
+
+    def task(self, margs, mesh, device, dtype):
+        return LMTask(margs, mesh)
+
+
+class LMTask:
+    """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
+    whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
+    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing. The loop knows only these
+    four methods."""
+
+    metric_names: tuple = ()
+    rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
+    reference_forwards = 0  # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
+
+    def __init__(self, margs: M.ModelArgs, mesh):
+        self.vocab_size, self.mesh = margs.vocab_size, mesh
+        self.total = None  # the global normalizer, set by load_batches before each step
+
+    def prepare(self, batches):
+        return batches
+
+    def count(self, batch) -> torch.Tensor:
+        return (batch[1] != IGNORE_INDEX).sum()
+
+    def loss(self, logits, targets) -> torch.Tensor:
+        return P.loss_sum(logits, targets, self.vocab_size, self.mesh) / self.total
+
+    def metrics(self) -> torch.Tensor:
+        return torch.zeros(0)
+
+
+def global_total(task, batches, mesh, device) -> torch.Tensor:
+    total = sum(task.count(b) for b in batches).float().to(device)
+    P.all_reduce(total, mesh, "dp")
+    return total
+
+
+def sum_over_replicas(tensors: list[torch.Tensor], mesh):
+    """Sum in place over pp (a loss lives on the last stage) and dp (each replica saw its own batches)."""
+    for dim in ("pp", "dp"):
+        for t in tensors:
+            P.all_reduce(t, mesh, dim)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One step
+
+
+@dataclass
+class Run:
+    """A training run's pieces: what train_step works on, and what train() returns to its callers."""
+    args: argparse.Namespace
+    mesh: P.Mesh
+    device: torch.device
+    precision: str
+    tok: object  # the tiktoken Encoding
+    margs: M.ModelArgs
+    model: M.Transformer
+    opt: O.AdamW
+    sync: P.GradSync
+    scaler: O.LossScaler | None  # fp16 only
+    task: LMTask
+    loader: data.Loader
+    make_val: Callable  # a fresh validation loader, from its start
+    timer: PhaseTimer
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @property
+    def phases(self) -> list:
+        return self.timer.steps
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # this rank's share of the global batch's mean loss
+    lr: float
+    grad_norm: torch.Tensor  # global, before clipping
+    metrics: torch.Tensor  # the task's metric sums
+
+
+def train_step(run: Run, guard: SkipGuard, step: int) -> StepResult | None:
+    """One optimizer step, phases 1 to 6 (the loop does 7). None if the guard rejected it: weights,
+    optimizer state and loader position are then as they were."""
+    args, mesh, timer = run.args, run.mesh, run.timer
+    timer.start()
+    rewind = run.loader.state_dict()
+    batches = load_batches(run)  # 1. data loading: the whole step's, so the normalizer is known up front
+    timer.mark("1 data")
+    if mesh.pp > 1:  # 2-4. forward, loss, backward of every micro-batch, interleaved across stages
+        loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim, lambda *a: scaled_loss(run, *a),
+                               args.schedule, before_last_backward=run.sync.start, dtype=run.dtype)
+        timer.mark("2-4 pipeline")
+    else:
+        loss = torch.zeros((), device=run.device)
+        for i, batch in enumerate(batches):
+            logits = run.model(batch[0], doc_ids=P._doc_ids(batch))  # 2. forward: (B, T, vocab / tp)
+            timer.mark("2 forward")
+            micro_loss = scaled_loss(run, logits, batch[1])  # 3. loss: its share of the global batch's mean
+            loss += micro_loss.detach()
+            timer.mark("3 loss")
+            if i == len(batches) - 1:  # the last micro-batch's gradients are reduced over dp as they come
+                run.sync.start()
+            micro_loss.backward()  # 4. backward: gradients accumulate in the optimizer's fp32 buffer
+            timer.mark("4 backward")
+    if run.scaler:
+        loss /= run.scaler.scale
+    run.sync.finish()  # 5. gradient sync: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
+    timer.mark("5 grad sync")
+    grad_norm = guard.check(run, loss, step)  # 6. optimizer step, unless the guard finds the step bad
+    if grad_norm is None:  # then nothing changes, and the same data comes again
+        run.opt.zero_grad()
+        run.loader.load_state_dict(rewind)
+        run.task.metrics()  # the rejected step's metric sums go too
+        return None
+    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
+    grad_norm = run.opt.clip_grad_norm(args.grad_clip, grad_norm)
+    run.opt.step(lr)
+    run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
+    run.opt.zero_grad()
+    sync_device(run.device)  # the step's end: its time is the device's, not only the host's
+    timer.mark("6 optimizer")
+    return StepResult(loss, lr, grad_norm, run.task.metrics().to(run.device))
+
+
+def load_batches(run: Run) -> list:
+    """Phase 1: the step's --grad-accum micro-batches on the device, prepared by the task (DPO adds the
+    reference's log-probs), and the task's normalizer over the global batch."""
+    batches = [tuple(t.to(run.device, non_blocking=True) for t in run.loader.next())
+               for _ in range(run.args.grad_accum)]
+    batches = run.task.prepare(batches)
+    run.task.total = global_total(run.task, batches, run.mesh, run.device)
+    return batches
+
+
+def scaled_loss(run: Run, logits, targets) -> torch.Tensor:
+    """Phase 3: the task's loss, scaled up under fp16 so that small gradients survive."""
+    loss = run.task.loss(logits, targets)
+    return loss * run.scaler.scale if run.scaler else loss
+
+
+class SkipGuard:
+    """Phase 6's gate. A step whose gradients are not finite (an fp16 overflow included) or whose loss
+    spikes (--skip-spikes) is not applied; every rank reaches the same verdict (the norm and the loss are
+    global). --max-skips bad steps in a row stop the run."""
+
+    def __init__(self, args, meter: Meter):
+        self.max_skips, self.spike_factor, self.zero, self.meter = args.max_skips, args.skip_spikes, args.zero, meter
+        self.recent, self.skipped, self.in_a_row = [], 0, 0
+
+    def check(self, run: Run, loss: torch.Tensor, step: int) -> torch.Tensor | None:
+        """The global gradient norm if the step may be applied; else None, said and counted."""
+        bad, norm = self.problem(run, loss)
+        if bad is None:
+            self.in_a_row = 0
+            return norm
+        # An fp16 overflow is the loss scaler searching for its scale (normal while it settles down from
+        # 2^16): it counts toward --max-skips only once the scale is below 1, where gradients overflow alone.
+        searching = bad.startswith("fp16") and run.scaler.scale >= 1
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + (not searching)
+        say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
+        self.meter.write({"step": step + 1, "skipped": bad, "skipped_total": self.skipped})
+        if self.in_a_row >= self.max_skips:
+            raise TrainingError(f"stopped: {self.in_a_row} consecutive steps skipped, the last for {bad}; "
+                                f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
+        return None
+
+    def problem(self, run: Run, loss: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
+        """(what is wrong with this step or None, its global gradient norm)."""
+        mesh, scaler = run.mesh, run.scaler
+        if scaler is not None and not scaler.unscale_and_check(run.opt, lambda ok: P.all_true(ok, mesh)):
+            return f"fp16 gradient overflow, loss scale -> {scaler.scale:g}", None
+        norm = P.grad_norm(run.sync, run.model)
+        # The global norm sums each dp rank's own piece of the gradients. Under plain DP every rank also
+        # applies the pieces it did not sum: a second, local check catches a rank whose copy of the reduced
+        # gradients went bad (replicas must never apply different updates). ZeRO-1 ranks apply only their
+        # own piece, and one replica has no other pieces: the global norm suffices.
+        replicas_apply_all = mesh.dp > 1 and not self.zero
+        if not (torch.isfinite(norm) and
+                (not replicas_apply_all or P.all_true(torch.isfinite(run.opt.grad_norm()), mesh))):
+            return f"non-finite gradient norm ({norm.item()})", None
+        if self.spike_factor > 0:
+            global_loss = loss.clone()
+            sum_over_replicas([global_loss], mesh)
+            mean = sum(self.recent) / len(self.recent) if len(self.recent) >= 10 else None
+            if mean is not None and global_loss.item() > self.spike_factor * mean:
+                return f"loss spike: {global_loss.item():.4f} > {self.spike_factor} x recent mean {mean:.4f}", None
+            self.recent = (self.recent + [global_loss.item()])[-50:]
+        return None, norm
+
+
+# ----------------------------------------------------------------------------------------------------
+# Around the steps: logging, validation, checkpoints, preemption. Each decides its own "when".
+
+
+class Meter:
+    """The console and <out-dir>/metrics.jsonl, written by rank 0. Every --log-every steps and at the last
+    it logs the mean loss (and the task's metrics) since the previous line, the last gradient norm,
+    tokens/s and MFU, peak memory and the bytes sent per step. Its clock stops while paused: validation
+    and checkpoints are not training time, and their bytes are not a step's."""
+
+    def __init__(self, run: Run):
+        self.run, self.args, self.mesh = run, run.args, run.mesh
+        self.file = open(Path(run.args.out_dir) / "metrics.jsonl", "a") if run.mesh.rank == 0 else None
+        self.tokens_per_step = step_tokens(run.args, run.task, run.mesh)
+        self.flops_per_token = model_flops_per_token(run.margs, run.args.seq_len, run.task)
+        self.peak, self.peak_source = peak_flops(run.device, run.precision)
+        self.began, self.paused_s, self.paused_at = time.perf_counter(), 0.0, None
+        self.restart()
+
+    def restart(self):
+        """A new window: the steps, loss and metric sums, time and bytes since the last line."""
+        self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
+        self.loss = torch.zeros((), device=self.run.device)
+        self.metrics = torch.zeros(len(self.run.task.metric_names), device=self.run.device)
+
+    def clock(self) -> float:
+        """Seconds spent training so far: wall time less the pauses."""
+        return (self.paused_at or time.perf_counter()) - self.began - self.paused_s
+
+    @contextmanager
+    def paused(self):
+        self.paused_at, comm = time.perf_counter(), dict(self.mesh.comm_bytes)
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - self.paused_at
+            self.paused_at = None
+            self.comm_at = {k: v + self.mesh.comm_bytes[k] - comm[k] for k, v in self.comm_at.items()}
+
+    def write(self, record: dict):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def named(self, values: torch.Tensor, prefix="") -> dict:
+        return {prefix + k: v for k, v in zip(self.run.task.metric_names, values.tolist())}
+
+    def step(self, step: int, result: StepResult):
+        """Add a finished step; log when due."""
+        self.steps, self.loss, self.metrics = self.steps + 1, self.loss + result.loss, self.metrics + result.metrics
+        if step % self.args.log_every == 0 or step == self.args.max_steps:
+            self.log(step, result)
+            self.restart()
+
+    def log(self, step: int, result: StepResult):
+        sum_over_replicas([self.loss, self.metrics], self.mesh)
+        n, now, mesh = self.steps, self.clock(), self.mesh
+        tps = n * self.tokens_per_step / (now - self.window_start)
+        comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
+        rec = {"step": step, "loss": self.loss.item() / n, "lr": result.lr, "grad_norm": result.grad_norm.item(),
+               "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
+               "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
+               **self.named(self.metrics / n)}
+        comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
+            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
+        extra_txt = "".join(f" | {k} {v:.3f}" for k, v in self.named(self.metrics / n).items())
+        say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f} | "
+            f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
+        self.write(rec)
+
+    def validation(self, step: int, loss: float, metrics: torch.Tensor):
+        """Log a validation (called while paused: the pause so far is its time)."""
+        extra = self.named(metrics, "val_")
+        say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
+            + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
+        self.write({"step": step, "val_loss": loss, **extra, "time_s": self.clock()})
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+def step_tokens(args, task, mesh) -> int:
+    """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
+    return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
+
+
+def model_flops_per_token(margs, seq_len: int, task) -> float:
+    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
+    that for each forward of a frozen reference model the task runs alongside (DPO without a cache)."""
+    return M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
+
+
+def validation_due(step: int, args) -> bool:
+    """Every --eval-every steps and at the last (0: only at the last, -1: never)."""
+    return args.eval_every >= 0 and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps)
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> tuple[float, torch.Tensor]:
+    """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
+    successive values are comparable; at most one pass over the split), split over dp ranks and run
+    through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
+    targets (the normalizer, as in training), once for the losses; memory never holds more than that."""
+    args, mesh, task, device = run.args, run.mesh, run.task, run.device
+    run.model.eval()
+    counting, scoring = run.make_val(), run.make_val()
+    one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
+    n = max(1, min(args.eval_batches // mesh.dp, one_pass))
+    task.total = global_total(task, (counting.next() for _ in range(n)), mesh, device)
+    task.metrics()  # start the metric sums afresh
+    loss = torch.zeros((), device=device)
+    for size in [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]:
+        batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
+        for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, task.loss,
+                                             run.dtype):
+            loss = loss + chunk_loss
+    metrics = task.metrics().to(device)
+    sum_over_replicas([loss, metrics], mesh)
+    run.model.train()
+    return loss.item(), metrics
+
+
+class Checkpointer:
+    """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
+    checkpoint holds every rank's shards with global names (parallel.py, section 8), so it loads into any
+    layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
+    the flags and the model's shape. checkpoint.py keeps the folder: atomic save, manifest, rotation."""
+
+    def __init__(self, run: Run, start_step: int):
+        self.run, self.saved_at = run, start_step
+
+    def due(self, step: int) -> bool:
+        every = self.run.args.ckpt_every
+        return every > 0 and (step % every == 0 or step == self.run.args.max_steps)
+
+    def save(self, step: int):
+        run = self.run
+        if step == self.saved_at:
+            return
+        run.timer.start()  # timed as an entry of its own, apart from the training step
+        extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
+        meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
+                "model_args": asdict(run.margs), "layout": {"tp": run.mesh.tp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
+        write = lambda folder: P.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
+        C.save(Path(run.args.out_dir), step, run.mesh, write, meta, run.args.keep_ckpts)
+        run.timer.mark("7 checkpoint")
+        self.saved_at = step
+
+
+def rng_state(device) -> dict:
+    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
+    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict, device):
+    torch.set_rng_state(rng["torch"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in rng["python"]))
+    state = rng.get("cuda") if device.type == "cuda" else None
+    if isinstance(state, (list, tuple)):  # an older checkpoint's list of every visible GPU's state
+        state = state[device.index or 0] if (device.index or 0) < len(state) else None
+    if state is not None:
+        torch.cuda.set_rng_state(state, device)
+
+
+class StopFlag:
+    """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raises a
+    flag; the loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough), a
+    checkpoint is written, and the process exits normally. A second signal to the same process, 2 s or more
+    after the first, means "now": KeyboardInterrupt wherever the process is (the last complete checkpoint
+    stays the good one). Sooner, it is the same event delivered twice (the scheduler signals every process
+    and torchrun forwards its own copy; a terminal's Ctrl-C reaches torchrun and the workers alike)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, mesh):
+        self.mesh, self.signal, self.at, self.previous = mesh, None, None, {}
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.previous = {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
+
+    def handler(self, signum, frame):
+        if self.at is not None and time.monotonic() - self.at >= 2.0:
+            raise KeyboardInterrupt
+        if self.at is None:
+            self.signal, self.at = signal.Signals(signum).name, time.monotonic()
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled (a collective: every rank calls it after every step)."""
+        flag = torch.tensor([1.0 if self.signal else 0.0], device=self.mesh.device)
+        if self.mesh.world > 1:
+            for dim in ("tp", "pp", "dp"):
+                P.all_reduce(flag, self.mesh, dim, op=dist.ReduceOp.MAX)
+            if flag.item() and not self.signal:
+                self.signal = "(on another rank)"
+        return bool(flag.item())
+
+    def release(self):
+        """Give the signals back to whoever had them before the run."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -286,139 +788,6 @@ def check_memory(margs, args, world: int, device, precision: str):
                             f"over more processes (--tp, --pp, --zero 1) or a device with more memory")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints (checkpoint.py keeps the folder: lock, atomic save, manifest, rotation, finding the newest).
-# What goes into one is decided here: every rank's shards with global names (parallel.py, section 8), so a
-# checkpoint loads into any layout, plus the random states, the loss scale and, in meta.json, the step,
-# the loader's position, the flags and the model's shape.
-
-
-def rng_state(device) -> dict:
-    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
-    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    return rng
-
-
-def restore_rng(rng: dict, device):
-    torch.set_rng_state(rng["torch"])
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in rng["python"]))
-    state = rng.get("cuda") if device.type == "cuda" else None
-    if isinstance(state, (list, tuple)):  # an older checkpoint's list of every visible GPU's state
-        state = state[device.index or 0] if (device.index or 0) < len(state) else None
-    if state is not None:
-        torch.cuda.set_rng_state(state, device)
-
-
-def save_checkpoint(out_dir: Path, step: int, model, opt, sync, scaler, loader, args, margs, mesh):
-    extra = {"rng": rng_state(mesh.device), "scaler": scaler.state_dict() if scaler else None}
-    meta = {"step": step, "loader": loader.state_dict(), "args": vars(args), "model_args": asdict(margs),
-            "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp}}
-    C.save(out_dir, step, mesh, lambda folder: P.save_shards(folder, model, opt, mesh, sync, extra), meta,
-           args.keep_ckpts)
-
-
-def lock_out_dir(out_dir: Path, mesh, log) -> C.RunLock:
-    """Global rank 0 takes the out-dir's lock; every rank stops if it could not (rank 0 says why)."""
-    lock, error = C.RunLock(out_dir), None
-    if mesh.rank == 0:
-        try:
-            lock.acquire(log)
-        except C.CheckpointError as e:
-            error = e
-    if mesh.world > 1 and not P.all_true(error is None, mesh):
-        error = error or C.CheckpointError(f"{out_dir} could not be locked")
-    if error is not None:
-        raise error
-    return lock
-
-
-def resume_point(out_dir: Path, args, margs, log) -> tuple[Path | None, dict | None]:
-    """The checkpoint this run continues from and its meta.json (None, None: a fresh start). A fresh run
-    never mixes into an earlier one's folder: that takes --resume (continue it) or --overwrite (remove it
-    first)."""
-    ckpt, skipped = C.find_latest(out_dir) if out_dir.is_dir() else (None, [])
-    earlier = C.earlier_run(out_dir)
-    if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
-        what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
-        raise ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue it, "
-                          f"--overwrite to start afresh, or another --out-dir")
-    if not args.resume:
-        return None, None
-    for name, why in skipped:
-        log(f"checkpoint {name} is {why}; falling back to an older one")
-    if ckpt is None and skipped and not args.overwrite:
-        raise ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
-                          f"nothing was overwritten")
-    if ckpt is None and not skipped:
-        log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
-    return ckpt, (read_meta(ckpt, margs) if ckpt else None)
-
-
-def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
-    meta = C.read_meta(ckpt)
-    try:
-        saved = M.ModelArgs(**meta["model_args"])
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: {data.one_line(e)}")
-    if saved != margs:
-        diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
-        raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
-    return meta
-
-
-def load_checkpoint(ckpt: Path, model, opt, mesh) -> dict:
-    try:
-        return P.load_shards(ckpt, model, opt, mesh)
-    except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
-        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Preemption: SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raise a flag; the
-# loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough), a checkpoint
-# is written, and the process exits normally. A second signal to the same process, 2 s or more after the
-# first, means "now": it raises KeyboardInterrupt wherever the process is (the last complete checkpoint
-# stays the good one). Sooner, it is the same event delivered twice (the scheduler signals every process
-# and torchrun forwards its own copy; a terminal's Ctrl-C reaches torchrun and the workers alike).
-
-
-def watch_signals() -> dict:
-    stop = {"signal": None}
-
-    def handler(signum, frame):
-        if stop.get("at") is not None and time.monotonic() - stop["at"] >= 2.0:
-            raise KeyboardInterrupt
-        if stop.get("at") is None:
-            stop["signal"], stop["at"] = signal.Signals(signum).name, time.monotonic()
-
-    if threading_main():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, handler)
-    return stop
-
-
-def threading_main() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
-def stop_requested(stop: dict, mesh) -> bool:
-    flag = torch.tensor([1.0 if stop["signal"] else 0.0], device=mesh.device)
-    if mesh.world > 1:
-        for dim in ("tp", "pp", "dp"):
-            P.all_reduce(flag, mesh, dim, op=dist.ReduceOp.MAX)
-        if flag.item() and not stop["signal"]:
-            stop["signal"] = "(on another rank)"
-    return bool(flag.item())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Step timing for bench.py. Off by default.
-
-
 class PhaseTimer:
     """Seconds per phase of every step. mode "phases": measured between device synchronizations, one after
     each phase (which costs throughput); "steps": the device is synchronized only where any run does, at
@@ -445,130 +814,8 @@ class PhaseTimer:
             self.t = now
 
 
-@dataclass
-class Run:
-    """What train() returns to its callers (main, sft.py, dpo.py, bench.py)."""
-    model: M.Transformer
-    tok: object  # the tiktoken Encoding
-    mesh: P.Mesh
-    device: torch.device
-    margs: M.ModelArgs
-    precision: str
-    phases: list  # per step {phase: seconds} when train() was asked to time them, else []
-
-
 # ----------------------------------------------------------------------------------------------------
-# The task: what a micro-batch's loss is. Language modelling here (pretraining and SFT); dpo.py brings
-# another. The loop below knows only these four methods.
-
-
-class LMTask:
-    """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
-    whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
-    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing."""
-
-    metric_names: tuple = ()
-    rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
-    reference_forwards = 0  # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
-
-    def __init__(self, margs: M.ModelArgs, mesh):
-        self.vocab_size, self.mesh = margs.vocab_size, mesh
-        self.total = None  # the global normalizer, set by the loop before each step
-
-    def prepare(self, batches):
-        return batches
-
-    def count(self, batch) -> torch.Tensor:
-        return (batch[1] != IGNORE_INDEX).sum()
-
-    def loss(self, logits, targets) -> torch.Tensor:
-        return P.loss_sum(logits, targets, self.vocab_size, self.mesh) / self.total
-
-    def metrics(self) -> torch.Tensor:
-        return torch.zeros(0)
-
-
-def step_tokens(args, task, mesh) -> int:
-    """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
-    return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
-
-
-def model_flops_per_token(margs, seq_len: int, task) -> float:
-    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
-    that for each forward of a frozen reference model the task runs alongside (DPO without a cache)."""
-    return M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
-
-
-def global_total(task, batches, mesh, device) -> torch.Tensor:
-    total = sum(task.count(b) for b in batches).float().to(device)
-    P.all_reduce(total, mesh, "dp")
-    return total
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation
-
-
-@torch.no_grad()
-def evaluate(model, make_val, task, args, mesh, device, dtype) -> tuple[float, torch.Tensor]:
-    """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
-    successive values are comparable; at most one pass over the split), split over dp ranks and run
-    through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
-    targets (the normalizer, as in training), once for the losses; memory never holds more than that."""
-    model.eval()
-    counting, scoring = make_val(), make_val()
-    one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
-    n = max(1, min(args.eval_batches // mesh.dp, one_pass))
-    chunks = [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]
-    task.total = global_total(task, (counting.next() for _ in range(n)), mesh, device)
-    task.metrics()  # start the metric sums afresh
-    loss = torch.zeros((), device=device)
-    for size in chunks:
-        batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
-        for chunk_loss in P.pipeline_forward(model, batches, mesh, args.seq_len, model.args.dim, task.loss, dtype):
-            loss = loss + chunk_loss
-    metrics = task.metrics().to(device)
-    for dim in ("pp", "dp"):  # the loss lives on the last stage; each dp rank saw its own batches
-        P.all_reduce(loss, mesh, dim)
-        P.all_reduce(metrics, mesh, dim)
-    model.train()
-    return loss.item(), metrics
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training
-
-
-def pretraining_model(args, tok):
-    """Pretraining starts from the preset (or dims) and a seeded random initialization: no initial weights."""
-    return model_args_from(args, tok.n_vocab), lambda mesh: None
-
-
-def pretraining_data(args, tok, mesh):
-    """Token shards, prepared (and cached) by one process per cache folder, never by two at once: global
-    rank 0 first; then the first process of every other node, which finds them ready where DATA_CACHE is
-    shared between nodes and prepares its node's own copy where it is not; then all the others."""
-    resolve = lambda: data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
-    data_dir = resolve() if mesh.rank == 0 else None
-    P.barrier(mesh, long=True)  # a large corpus takes longer to tokenize than any collective should wait
-    if data_dir is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        data_dir = resolve()
-    P.barrier(mesh, long=True)
-    data_dir = data_dir or resolve()
-    train = data.Loader(data_dir, "train", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                        dp_size=mesh.dp, seed=args.seed, tokenizer=tok)
-    make_val = lambda: data.Loader(data_dir, "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                                   dp_size=mesh.dp, seed=0, tokenizer=tok)
-    make_val()  # fail now, not at the first evaluation
-    return train, make_val, f"{data_dir}: {train.num_tokens:,} train tokens"
-
-
-def read_initial(state, name: str) -> torch.Tensor:
-    """One initial weight from a (lazy) state dict: a truncated or unreadable file is read only now."""
-    try:
-        return state[name]
-    except Exception as e:
-        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: {data.one_line(e)}") from None
+# Setting up: the model, the optimizer, the resume point
 
 
 def build_model(margs, state, args, mesh, device, dtype):
@@ -592,6 +839,14 @@ def build_model(margs, state, args, mesh, device, dtype):
     return model
 
 
+def read_initial(state, name: str) -> torch.Tensor:
+    """One initial weight from a (lazy) state dict: a truncated or unreadable file is read only now."""
+    try:
+        return state[name]
+    except Exception as e:
+        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: {data.one_line(e)}") from None
+
+
 def compile_blocks(model, backend="inductor"):
     """--compile: torch.compile each transformer block (as torchtitan does) rather than the whole model. A
     pipeline stage runs its blocks itself (parallel.stage_forward), never the top-level forward, so only
@@ -599,280 +854,176 @@ def compile_blocks(model, backend="inductor"):
     model.compiled_blocks = {key: torch.compile(layer, backend=backend) for key, layer in model.layers.items()}
 
 
-def train(args, model_fn=pretraining_model, data_fn=pretraining_data, task_fn=LMTask,
-          time_phases: str | None = None):
-    """The one training loop. Pretraining (main below), sft.py and dpo.py differ only in the three
-    functions they pass: model_fn(args, tok) -> (model args, weights), where weights(mesh) gives the initial
-    full state dict (read lazily) or None once the processes can talk,
-    data_fn(args, tok, mesh) -> (train loader, make_val_loader, description), and
-    task_fn(margs, mesh[, ...]) -> the task (LMTask's four methods). time_phases: bench.py's PhaseTimer mode."""
-    validate(args)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)
-    device, precision = pick_device_and_precision(args)
-    dtype = DTYPES[precision]
-    torch.manual_seed(args.seed)  # the same on every rank: every layout starts from the same full model
-    random.seed(args.seed)
-    # --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
-    # with a fixed workspace, no cuDNN autotuning. On an x86 CPU, runs repeat bit for bit without it on one
-    # kind of CPU, but MKL and ATen choose kernels by the host's vector unit (AVX-512, AVX2), and other
-    # kernels sum in another order: the flag pins both to AVX2. (Both read these variables at their first
-    # use: effective in a fresh process, as the CLI is, not after other work in the same process.)
-    # Set (or unset) for every run: bench.py times runs with and without it in one process.
-    torch.use_deterministic_algorithms(args.deterministic)
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-        if device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
-            os.environ.setdefault("MKL_CBWR", "AVX2")
-            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-            log("--deterministic: CPU kernels pinned to AVX2 (MKL_CBWR, ATEN_CPU_CAPABILITY); this costs "
-                "throughput: `python bench.py --deterministic` against `python bench.py` measures it")
-        elif device.type == "cuda":
-            log("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this costs "
-                "throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    # Validate everything that can be wrong before any communication and before touching --out-dir.
-    tok = data.get_tokenizer(args.tokenizer)
-    margs, initial_weights = model_fn(args, tok)
-    if args.seq_len > margs.max_seq_len:
-        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
-    split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
-    try:
-        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp)
-        if args.pp > 1:
-            P.stage_layers(margs.n_layers, args.pp, split)
-    except P.LayoutError as e:
-        raise ConfigError(f"invalid parallel layout: {e}") from None
-    check_memory(margs, args, world, device, precision)
+def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
+    """The run's pieces, in the order they may fail: the checkpoint to resume (rank 0 verifies it), the
+    initial weights, the data, the model, its optimizer and gradient sync, the task; then the resumed
+    state. The earlier run's files (--overwrite) go only after all of that worked.
+    Returns (the run, the step it starts from, the data's description)."""
     out_dir = Path(args.out_dir)
-    C.check_out_dir(out_dir)
+    resume, meta = P.on_rank0(lambda: resume_point(out_dir, args, spec.margs), mesh)
+    initial = recipe.weights(mesh)  # --init: verified by rank 0 likewise
+    loader, make_val, data_desc = recipe.data(spec.tok, mesh)
+    per_step = loader.batch_size * args.grad_accum * mesh.dp
+    if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
+        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len {args.seq_len}, "
+                             f"fewer than one global batch of {per_step:,} (--micro-batch {loader.batch_size} x "
+                             f"--grad-accum {args.grad_accum} x dp {mesh.dp}); use more data or a smaller batch")
+    dtype = DTYPES[spec.precision]
+    try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
+        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype)
+    except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
+        raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
+    opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                  weight_decay=args.weight_decay, pad_to=mesh.dp, allocate_state=False)  # GradSync shards it
+    sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
+    sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
+    scaler = O.LossScaler() if spec.precision == "fp16" else None
+    task = recipe.task(spec.margs, mesh, spec.device, dtype)
+    run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task, loader,
+              make_val, PhaseTimer(spec.device, time_phases))
+    start_step = restore(run, resume, meta) if resume else 0
+    if args.compile:
+        compile_blocks(model)
+    if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
+        gone = C.clear_run(out_dir)
+        if gone:
+            say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
+    P.barrier(mesh)
+    return run, start_step, data_desc
 
-    mesh = P.init_mesh(args.tp, args.pp, args.sp, device, args.dist_timeout, args.io_timeout)
-    lock, metrics = lock_out_dir(out_dir, mesh, log), None
-    try:
-        # rank 0 alone checks the checkpoint against its manifest (hashing every shard) and reads its meta
-        resume, meta = P.on_rank0(lambda: resume_point(out_dir, args, margs, log), mesh)
-        init_state = initial_weights(mesh)  # --init: verified by rank 0 likewise
-        loader, make_val, data_desc = data_fn(args, tok, mesh)
-        per_step = loader.batch_size * args.grad_accum * mesh.dp
-        if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
-            raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len {args.seq_len}, "
-                                 f"fewer than one global batch of {per_step:,} (--micro-batch {loader.batch_size} x "
-                                 f"--grad-accum {args.grad_accum} x dp {mesh.dp}); use more data or a smaller batch")
 
-        # Model and optimizer: the model's storage is handed to the optimizer; then the data-parallel
-        # gradient reduction hooks into the optimizer.
+def lock_out_dir(out_dir: Path, mesh) -> C.RunLock:
+    """Global rank 0 takes the out-dir's lock; every rank stops if it could not (rank 0 says why)."""
+    lock, error = C.RunLock(out_dir), None
+    if mesh.rank == 0:
         try:
-            model = build_model(margs, init_state, args, mesh, device, dtype)
-        except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
-            raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
-        opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                      weight_decay=args.weight_decay, pad_to=mesh.dp, allocate_state=False)  # GradSync shards it
-        sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
-        sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
-        scaler = O.LossScaler() if precision == "fp16" else None
-        task = task_fn(margs, mesh)
-        start_step = 0
-        if resume:
-            extra = load_checkpoint(resume, model, opt, mesh)
-            if scaler and extra.get("scaler"):
-                scaler.load_state_dict(extra["scaler"])
-            loader.load_state_dict(meta["loader"])
-            restore_rng(extra["rng"], device)
-            start_step = meta["step"]
-            old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
-            log(f"resumed from {resume} at step {start_step} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
-        if args.compile:
-            compile_blocks(model)
+            lock.acquire(say)
+        except C.CheckpointError as e:
+            error = e
+    if mesh.world > 1 and not P.all_true(error is None, mesh):
+        error = error or C.CheckpointError(f"{out_dir} could not be locked")
+    if error is not None:
+        raise error
+    return lock
 
-        if rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
-            gone = C.clear_run(out_dir)
-            if gone:
-                log(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
-        P.barrier(mesh)
-        metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None
-        n_params = M.count_params(margs)
-        tokens_per_step = step_tokens(args, task, mesh)
-        flops_tok = model_flops_per_token(margs, args.seq_len, task)
-        peak, peak_src = peak_flops(device, precision)
-        log(f"model {getattr(args, 'init', None) or args.model}: {n_params:,} parameters "
-            f"({M.count_params(margs, False):,} non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
-            f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
-        log(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
-            + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
-            + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
-        log(f"data {data_desc}; {tokens_per_step:,} tokens/step "
-            f"({args.micro_batch}{f' x {task.rows_per_example} rows' if task.rows_per_example > 1 else ''} x "
-            f"{args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
-        log(f"device {device}, {precision}; MFU uses the PaLM convention 6N+12LdT"
-            + (" plus the reference's forward" if task.reference_forwards else "") + f" = {flops_tok / 1e6:.1f} MFLOP/token "
-            f"against {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
-        def write(record):
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+def resume_point(out_dir: Path, args, margs) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run continues from and its meta.json (None, None: a fresh start). A fresh run
+    never mixes into an earlier one's folder: that takes --resume (continue it) or --overwrite (remove it
+    first)."""
+    ckpt, skipped = C.find_latest(out_dir) if out_dir.is_dir() else (None, [])
+    earlier = C.earlier_run(out_dir)
+    if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
+        what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
+        raise ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue it, "
+                          f"--overwrite to start afresh, or another --out-dir")
+    if not args.resume:
+        return None, None
+    for name, why in skipped:
+        say(f"checkpoint {name} is {why}; falling back to an older one")
+    if ckpt is None and skipped and not args.overwrite:
+        raise ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
+                          f"nothing was overwritten")
+    if ckpt is None and not skipped:
+        say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+    return ckpt, (read_meta(ckpt, margs) if ckpt else None)
 
-        def named(values: torch.Tensor, prefix="") -> dict:
-            return {prefix + k: v for k, v in zip(task.metric_names, values.tolist())}
 
-        def micro_loss(logits, targets):  # 3. loss (the task's), scaled for fp16 so small gradients survive
-            loss = task.loss(logits, targets)
-            return loss * scaler.scale if scaler else loss
+def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
+    meta = C.read_meta(ckpt)
+    try:
+        saved = M.ModelArgs(**meta["model_args"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: {data.one_line(e)}")
+    if saved != margs:
+        diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
+        raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
+    return meta
 
-        model.train()
-        t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
-        metric_acc = torch.zeros(len(task.metric_names), device=device)
-        comm_at_log = dict(mesh.comm_bytes)
-        train_time = 0.0
-        timer = PhaseTimer(device, time_phases)
-        stop = watch_signals()
-        recent, skipped, consecutive, saved_at = [], 0, 0, start_step
-        step = start_step
+
+def restore(run: Run, ckpt: Path, meta: dict) -> int:
+    """Load a checkpoint (written under any layout) into the run; returns its step."""
+    try:
+        extra = P.load_shards(ckpt, run.model, run.opt, run.mesh)
+    except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
+        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
+    if run.scaler and extra.get("scaler"):
+        run.scaler.load_state_dict(extra["scaler"])
+    run.loader.load_state_dict(meta["loader"])
+    restore_rng(extra["rng"], run.device)
+    old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
+    say(f"resumed from {ckpt} at step {meta['step']} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
+    return meta["step"]
+
+
+def announce(run: Run, meter: Meter, name: str, data_desc: str):
+    """The run's banner: the model, the layout, the data and what MFU is measured against."""
+    margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
+    say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} non-embedding), "
+        f"dim {margs.dim}, layers {margs.n_layers}, heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+    say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
+        + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
+        + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
+    rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
+    say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step "
+        f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
+    say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
+        + (" plus the reference's forward" if task.reference_forwards else "")
+        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {meter.peak / 1e12:.2f} TFLOP/s per device "
+        f"({meter.peak_source})")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(args, recipe: Pretraining | None = None, time_phases: str | None = None) -> Run:
+    """The one training loop; pretraining (main below), sft.py and dpo.py differ only in their recipe.
+    time_phases: bench.py's PhaseTimer mode. Every bad input is refused by check_config, before the
+    processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
+    recipe = recipe or Pretraining(args)
+    spec = check_config(args, recipe)
+    mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout)
+    lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
+    try:
+        run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
+        meter, stop = Meter(run), StopFlag(mesh)
+        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step)
+        announce(run, meter, recipe.name(), data_desc)
+        run.model.train()
         while step < args.max_steps:
-            t0 = time.perf_counter()
-            timer.start()
-            before = loader.state_dict()  # a skipped step rewinds to here
-            # 1. data loading: every micro-batch of this step, so the global normalizer is known up front
-            batches = [tuple(t.to(device, non_blocking=True) for t in loader.next()) for _ in range(args.grad_accum)]
-            batches = task.prepare(batches)
-            task.total = global_total(task, batches, mesh, device)
-            timer.mark("1 data")
-            if mesh.pp > 1:
-                # 2-4. forward, loss, backward of every micro-batch, interleaved across stages by the schedule
-                loss_total = P.pipeline_step(model, batches, mesh, args.seq_len, margs.dim, micro_loss,
-                                             args.schedule, before_last_backward=sync.start, dtype=dtype)
-                timer.mark("2-4 pipeline")
-            else:
-                loss_total = torch.zeros((), device=device)
-                for i, batch in enumerate(batches):
-                    # 2. forward
-                    logits = model(batch[0], doc_ids=P._doc_ids(batch))  # (B, T, vocab[/tp])
-                    timer.mark("2 forward")
-                    # 3. loss: summed over the micro-batch, divided by the global normalizer (exact accumulation)
-                    loss = micro_loss(logits, batch[1])
-                    loss_total += loss.detach()
-                    timer.mark("3 loss")
-                    # 4. backward; the last micro-batch's gradients are reduced over dp as they are produced
-                    if i == len(batches) - 1:
-                        sync.start()
-                    loss.backward()
-                    timer.mark("4 backward")
-            if scaler:
-                loss_total /= scaler.scale
-            # 5. gradient synchronization: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
-            sync.finish()
-            timer.mark("5 grad sync")
-            # 6. optimizer step, unless the step is bad: then weights, optimizer state and loader position stay
-            #    as they were (every rank reaches the same verdict: the norm and the loss are global)
-            lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
-            bad = None
-            overflow = scaler is not None and not scaler.unscale_and_check(opt, lambda ok: P.all_true(ok, mesh))
-            if overflow:
-                bad = f"fp16 gradient overflow, loss scale -> {scaler.scale:g}"
-            else:
-                grad_norm = P.grad_norm(sync, model)
-                # The global norm sums each dp rank's own piece of the gradients. Under plain DP every rank
-                # also applies the pieces it did not sum: a second, local check catches a rank whose copy of
-                # the reduced gradients went bad (replicas must never apply different updates). ZeRO-1 ranks
-                # apply only their own piece, and one replica has no other pieces: the global norm suffices.
-                replicas_apply_all = mesh.dp > 1 and not args.zero
-                if not (torch.isfinite(grad_norm) and
-                        (not replicas_apply_all or P.all_true(torch.isfinite(opt.grad_norm()), mesh))):
-                    bad = f"non-finite gradient norm ({grad_norm.item()})"
-                elif args.skip_spikes > 0:
-                    global_loss = loss_total.clone()
-                    for dim in ("pp", "dp"):
-                        P.all_reduce(global_loss, mesh, dim)
-                    mean = sum(recent) / len(recent) if len(recent) >= 10 else None
-                    if mean is not None and global_loss.item() > args.skip_spikes * mean:
-                        bad = f"loss spike: {global_loss.item():.4f} > {args.skip_spikes} x recent mean {mean:.4f}"
-                    else:
-                        recent = (recent + [global_loss.item()])[-50:]
-            if bad is not None:
-                opt.zero_grad()
-                loader.load_state_dict(before)
-                # An fp16 overflow is the loss scaler searching for its scale (normal while it settles down
-                # from 2^16): it counts toward --max-skips only once the scale is below 1, where the gradients
-                # overflow by themselves.
-                skipped, consecutive = skipped + 1, consecutive + (not overflow or scaler.scale < 1)
-                log(f"step {step + 1}: skipped ({bad}); {consecutive} in a row, {skipped} in all")
-                write({"step": step + 1, "skipped": bad, "skipped_total": skipped})
-                if consecutive >= args.max_skips:
-                    raise TrainingError(f"stopped: {consecutive} consecutive steps skipped, the last for {bad}; "
-                                        f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
+            result = train_step(run, guard, step)  # phases 1-6
+            if result is None:  # skipped by the guard
                 continue
-            consecutive = 0
-            grad_norm = opt.clip_grad_norm(args.grad_clip, grad_norm)
-            opt.step(lr)
-            sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
-            opt.zero_grad()
-            sync_device(device)  # the step's end: its time is the device's, not only the host's
-            timer.mark("6 optimizer")
-            train_time += time.perf_counter() - t0
-            loss_acc += loss_total
-            metric_acc += task.metrics().to(device)
-            tokens_since += tokens_per_step
-            step = done = step + 1
-            if done % args.log_every == 0 or done == args.max_steps:
-                for dim in ("pp", "dp"):  # the loss lives on the last stage; dp ranks hold parts of it
-                    P.all_reduce(loss_acc, mesh, dim)
-                    P.all_reduce(metric_acc, mesh, dim)
-                dt = time.perf_counter() - t_log
-                n_logged = (done - start_step - 1) % args.log_every + 1
-                tps = tokens_since / dt
-                comm = {k: (mesh.comm_bytes[k] - comm_at_log[k]) / n_logged for k in mesh.comm_bytes}
-                rec = {"step": done, "loss": loss_acc.item() / n_logged, "lr": lr, "grad_norm": grad_norm.item(),
-                       "tokens_per_s": tps, "mfu": tps * flops_tok / (peak * mesh.world),
-                       "peak_mem_gb": peak_memory_gb(device), "time_s": train_time,
-                       "comm_bytes_per_step": comm, **named(metric_acc / n_logged)}
-                comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
-                    f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
-                extra_txt = "".join(f" | {k} {v:.3f}" for k, v in named(metric_acc / n_logged).items())
-                log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {lr:.2e} | grad norm {rec['grad_norm']:.3f} | "
-                    f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
-                write(rec)
-                t_log, tokens_since, loss_acc = time.perf_counter(), 0, torch.zeros((), device=device)
-                metric_acc = torch.zeros(len(task.metric_names), device=device)
-                comm_at_log = dict(mesh.comm_bytes)
-            if args.eval_every >= 0 and ((args.eval_every and done % args.eval_every == 0) or done == args.max_steps):
-                t_eval = time.perf_counter()
-                val, val_metrics = evaluate(model, make_val, task, args, mesh, device, dtype)
-                extra = named(val_metrics, "val_")
-                log(f"step {done:6d} | val loss {val:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
-                    + f" | train time {train_time:.1f} s | eval {time.perf_counter() - t_eval:.1f} s")
-                write({"step": done, "val_loss": val, **extra, "time_s": train_time})
-                t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
-                comm_at_log = dict(mesh.comm_bytes)
-            # 7. checkpoint
-            if args.ckpt_every > 0 and (done % args.ckpt_every == 0 or done == args.max_steps):
-                t_ck = time.perf_counter()
-                timer.start()  # the checkpoint is timed as an entry of its own, apart from the training step
-                save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
-                saved_at = done
-                timer.mark("7 checkpoint")
-                t_log += time.perf_counter() - t_ck
-                comm_at_log = dict(mesh.comm_bytes)
-            if stop_requested(stop, mesh):  # preemption: finish this step, save, leave
-                if saved_at != done:
-                    save_checkpoint(out_dir, done, model, opt, sync, scaler, loader, args, margs, mesh)
-                log(f"stopped by signal {stop['signal']} after step {done}; checkpoint step_{done:06d} written, "
+            step += 1
+            meter.step(step, result)
+            if validation_due(step, args):
+                with meter.paused():
+                    meter.validation(step, *evaluate(run))
+            if checkpointer.due(step):
+                with meter.paused():
+                    checkpointer.save(step)  # 7. checkpoint
+            if stop.requested():  # preemption: this step is finished; save it and leave
+                checkpointer.save(step)
+                say(f"stopped by signal {stop.signal} after step {step}; checkpoint step_{step:06d} written, "
                     f"--resume continues from it")
                 break
     finally:
-        if metrics:
-            metrics.close()
+        if meter:
+            meter.close()
+        if stop:
+            stop.release()
         lock.release()
-    return Run(model, tok, mesh, device, margs, precision, timer.steps)
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
 
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
+    configure_process(args)
     run = train(args)
     model, tok, mesh, device = run.model, run.tok, run.mesh, run.device
     if args.sample_tokens > 0 and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
@@ -885,6 +1036,7 @@ def main(argv=None):
         print(f"(no sample under tp/pp: `python parallel.py consolidate {args.out_dir}` merges the checkpoint)")
     if mesh.world > 1:
         dist.destroy_process_group()
+
 
 
 def run(main_fn=main, argv=None):
