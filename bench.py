@@ -346,8 +346,9 @@ def bubble(args, mesh, margs, device):
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sweep", default=None, help="';'-separated settings, e.g. 'tp=2,mb=8;act_ckpt=1'")
     mode.add_argument("--compare-hf", action="store_true",
@@ -388,61 +389,70 @@ def main():
     g.add_argument("--reserve-gb", type=float, default=4.0,
                    help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, fragmentation")
     p.add_argument("--json", action="store_true", help="print one JSON object (settings and versions included)")
-    a = p.parse_args()
+    return p
+
+
+def main():
+    a = get_parser().parse_args()
     versions = {"torch": torch.__version__, "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{os.cpu_count()}"}
-
     if a.plan:
-        try:
-            r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
-                     bool(a.zero), a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
-                     a.reserve_gb, a.schedule)
-        except P.LayoutError as e:
-            raise SystemExit(f"error: invalid parallel layout: {e}") from None
-        print(json.dumps(r)) if a.json else print_plan(r)
-        return
+        run_plan(a)
+    elif a.dp_vs_ddp or a.bubble:
+        run_comparison(a, versions)
+    elif a.compare_hf:
+        run_compare_hf(a, versions)
+    else:
+        rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep else [{}])]
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps({**versions, "model": a.model, "rows": rows})) if a.json else print_measurement(rows, a)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
+
+def run_plan(a):
+    try:
+        r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
+                 bool(a.zero), a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
+                 a.reserve_gb, a.schedule)
+    except P.LayoutError as e:
+        raise SystemExit(f"error: invalid parallel layout: {e}") from None
+    print(json.dumps(r)) if a.json else print_plan(r)
+
+
+def run_comparison(a, versions: dict):
+    """--dp-vs-ddp or --bubble, under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if a.dp_vs_ddp or a.bubble:
-        if world < 2:
-            raise SystemExit("run under torchrun with --nproc_per_node=2 or more")
-        device = T.pick_device_and_precision(a)[0]  # this rank's GPU (LOCAL_RANK), else the CPU
-        if device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        margs = M.PRESETS[a.model]
-        mesh = P.init_mesh(pp=world if a.bubble else 1, device=device)
-        result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world, "model": a.model,
-                  "params": M.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len}
-        result["torch_device"] = str(device)
-        if a.dp_vs_ddp:
-            result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs, device)
-        else:
-            result["bubble"] = bubble(a, mesh, margs, device)
-            result["schedule"] = a.schedule
-        if rank == 0:
-            print_comparison(result, a, world)
-        dist.destroy_process_group()
-        return
+    if world < 2:
+        raise SystemExit("run under torchrun with --nproc_per_node=2 or more")
+    device = T.pick_device_and_precision(a)[0]  # this rank's GPU (LOCAL_RANK), else the CPU
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    margs = M.PRESETS[a.model]
+    mesh = P.init_mesh(pp=world if a.bubble else 1, device=device)
+    result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world, "model": a.model,
+              "params": M.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len,
+              "torch_device": str(device)}
+    if a.dp_vs_ddp:
+        result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs, device)
+    else:
+        result["bubble"] = bubble(a, mesh, margs, device)
+        result["schedule"] = a.schedule
+    if mesh.rank == 0:
+        print_comparison(result, a, world)
+    dist.destroy_process_group()
 
-    if a.compare_hf:
-        result = {**versions, "model": a.model, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
-                  "compare_hf": compare_hf(a)}
-        r = result["compare_hf"]
-        if a.json:
-            print(json.dumps(result))
-        else:
-            print(f"{a.model}, batch {a.micro_batch}x{a.seq_len} x {a.grad_accum}: ours "
-                  + " / ".join(f"{t:,.0f}" for t in r["ours_tokens_per_s"]) + " tok/s, transformers "
-                  + " / ".join(f"{t:,.0f}" for t in r["hf_tokens_per_s"])
-                  + f" tok/s -> ours / transformers = {r['ratio_ours_over_hf']:.2f}")
-        return
 
-    rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep else [{}])]
-    if rank == 0:
-        print(json.dumps({**versions, "model": a.model, "rows": rows})) if a.json else print_measurement(rows, a)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def run_compare_hf(a, versions: dict):
+    r = compare_hf(a)
+    if a.json:
+        print(json.dumps({**versions, "model": a.model, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
+                          "compare_hf": r}))
+        return
+    print(f"{a.model}, batch {a.micro_batch}x{a.seq_len} x {a.grad_accum}: ours "
+          + " / ".join(f"{t:,.0f}" for t in r["ours_tokens_per_s"]) + " tok/s, transformers "
+          + " / ".join(f"{t:,.0f}" for t in r["hf_tokens_per_s"])
+          + f" tok/s -> ours / transformers = {r['ratio_ours_over_hf']:.2f}")
 
 
 def print_comparison(result, a, world):

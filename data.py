@@ -15,9 +15,7 @@ The data path of the project, in the order the bytes travel through this file:
                  position, so a run resumes exactly under any dp. Loader: shards -> windows -> (inputs,
                  targets) for each data-parallel rank.
   7. Chat        encode_chat(): the Llama 3 chat format, with a mask of the tokens the model learns to say.
-                 read_sft() / read_preferences(): conversations and chosen/rejected pairs from JSON(L) files.
-                 SFTLoader (packed rows with document ids) and PreferenceLoader: Positions over a fixed list
-                 of rows, for sft.py and dpo.py.
+                 sft.py reads conversations and dpo.py preference pairs with it (json_records, named_file).
   8. CLI         python data.py prepare | download | info
 
 Every failure a user can cause ends in DataError, whose message is one line saying what to do.
@@ -78,8 +76,8 @@ def one_line(error) -> str:
 
 # ======== 1. Sources and download =================================================================
 # Each entry: a public URL, the sha256 that URL must deliver, the license, where the same file lies in
-# a mirror folder laid out like shared/data (see its MANIFEST.md), and how to cut it into documents.
-# URLs are pinned to the commits MANIFEST.md names, so the content (and its hash) cannot drift; the
+# a local mirror folder (DATA_MIRROR), and how to cut it into documents.
+# URLs are pinned to commits, so the content (and its hash) cannot drift; the
 # TinyShakespeare file has never changed on char-rnn's master branch.
 
 _GH = "https://raw.githubusercontent.com"
@@ -108,7 +106,7 @@ DATASETS.update({  # Project Gutenberg books from a repository snapshot: Windows
         ("moby_dick", "pg2701", "eb1a1ca16369a025021459cf71bf5c4de1e05852bc1d83160c08484adffab73f"),
         ("frankenstein", "pg84", "4eaa0bd8cf407530e42d99ed95b61b9a4bb8492a3a9c0c9a41cd017bfed7bcd7")]})
 
-# Chat data for section 7: read with read_sft / read_preferences, not prepare (they are not plain text).
+# Chat data: read by sft.read_sft and dpo.read_preferences, not by prepare (they are not plain text).
 SFT_DATASETS = {
     "alpaca_5000": dict(  # a random 5,000 of Alpaca's 52k, from a pull request of the Alpaca repository
         url=f"{_GH}/tatsu-lab/stanford_alpaca/5e69c50054c48cd3b919c46d13bb2d92a62f4498/data/alpaca_5000.json",
@@ -811,18 +809,17 @@ class Loader(Positions):
         return torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
 
 
-# ======== 7. Chat format, SFT and preference data =================================================
+# ======== 7. Chat format ==========================================================================
 # A conversation is a list of {"role": "system" | "user" | "assistant", "content": str}. Llama 3 writes it as
 #   <|begin_of_text|> then, per message, <|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>
 # and the model learns only what the assistant says: its content and the <|eot_id|> that ends its turn (so
-# it learns to stop). Everything else is context. A row of seq_len + 1 tokens gives seq_len (input, target)
-# pairs, as in the Loader; a target that is not learned is IGNORE_INDEX, which cross_entropy skips.
+# it learns to stop). Everything else is context: its targets are IGNORE_INDEX, which cross_entropy skips.
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def _check_messages(messages):
+def check_messages(messages):
     if not isinstance(messages, list):
         raise DataError(f"a conversation must be a list of messages, got {type(messages).__name__}")
     for i, message in enumerate(messages):
@@ -841,7 +838,7 @@ def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:
     "<|eot_id|>" inside a message stays text. Header and content are encoded separately, as Meta's reference
     does, so the tokens of one message never depend on its neighbours.
     """
-    _check_messages(messages)
+    check_messages(messages)
     start, end = enc.encode_single_token("<|start_header_id|>"), enc.encode_single_token("<|end_header_id|>")
     ids, mask = [bos_id(enc)], [False]
     for message in messages + ([{"role": "assistant"}] if add_generation_prompt else []):
@@ -855,7 +852,7 @@ def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:
     return ids, mask
 
 
-def _chat_file(path_or_name, registered, mirror) -> Path:
+def named_file(path_or_name, registered, mirror) -> Path:
     name = str(path_or_name)
     if name in registered:
         return fetch(name, mirror)
@@ -865,7 +862,7 @@ def _chat_file(path_or_name, registered, mirror) -> Path:
     return path
 
 
-def _json_records(path) -> list:
+def json_records(path) -> list:
     """A JSON array or a JSONL file -> [(where, record)], where = "file:line" or "file: record i" (from 0)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -887,276 +884,6 @@ def _json_records(path) -> list:
     return records
 
 
-def _strings(record, *keys):
-    values = [(record.get(key) or "") if key == "input" else record.get(key) for key in keys]  # input: optional
-    bad = [key for key, value in zip(keys, values) if not isinstance(value, str)]
-    if bad:
-        raise DataError(f"field(s) {', '.join(bad)} must be strings")
-    return values
-
-
-def _conversation(record) -> list:
-    """One SFT record, in any of the layouts read_sft accepts -> a list of messages."""
-    if isinstance(record, dict) and "messages" in record:
-        messages = record["messages"]
-    elif isinstance(record, dict) and "instances" in record and "instruction" in record:
-        # a Self-Instruct seed task: the instruction with its first instance's input, answered by its output
-        instances = record["instances"]
-        if not (isinstance(instances, list) and instances and isinstance(instances[0], dict)):
-            raise DataError("'instances' must be a non-empty list of {input, output}")
-        [instruction], [task_input, output] = _strings(record, "instruction"), _strings(instances[0], "input", "output")
-        messages = [{"role": "user", "content": instruction + (f"\n\n{task_input}" if task_input else "")},
-                    {"role": "assistant", "content": output}]
-    elif isinstance(record, dict) and "instruction" in record and "output" in record:  # Alpaca
-        instruction, task_input, output = _strings(record, "instruction", "input", "output")
-        messages = [{"role": "user", "content": instruction + (f"\n\n{task_input}" if task_input else "")},
-                    {"role": "assistant", "content": output}]
-    elif isinstance(record, dict) and "prompt" in record and "response" in record:
-        prompt, response = _strings(record, "prompt", "response")
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-    else:
-        fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-        raise DataError(f"unknown SFT record {fields}: expected {{messages}}, {{instruction, input, output}}, "
-                        f"{{prompt, response}} or a Self-Instruct task {{instruction, instances}}")
-    _check_messages(messages)
-    return messages
-
-
-def read_sft(path_or_name, mirror=None) -> list:
-    """A registered name (SFT_DATASETS) or a JSON array / JSONL file -> a list of conversations."""
-    path = _chat_file(path_or_name, SFT_DATASETS, mirror)
-    conversations = []
-    for where, record in _json_records(path):
-        try:
-            conversations.append(_conversation(record))
-        except DataError as e:
-            raise DataError(f"{where}: {e}") from None
-    if not conversations:
-        raise DataError(f"{path}: no conversations")
-    return conversations
-
-
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
-
-
-def _parse_hh(text) -> tuple:
-    """An HH-RLHF dialogue "\\n\\nHuman: ...\\n\\nAssistant: ..." -> (messages before the last reply, last reply)."""
-    cut = text.rfind("\n\nAssistant:")
-    if cut < 0:
-        raise DataError('an HH-RLHF dialogue without "\\n\\nAssistant:"')
-    pieces = _HH_TURN.split(text[:cut])  # ["", "Human", " text", "Assistant", " text", ...]
-    if pieces[0].strip():
-        raise DataError('an HH-RLHF dialogue must start with "\\n\\nHuman:"')
-    messages = []
-    for speaker, content in zip(pieces[1::2], pieces[2::2]):
-        role = "user" if speaker == "Human" else "assistant"
-        if messages and messages[-1]["role"] == role:  # a few dialogues hold two turns in a row: join them
-            messages[-1]["content"] += "\n\n" + content.strip()
-        else:
-            messages.append({"role": role, "content": content.strip()})
-    return messages, text[cut + len("\n\nAssistant:"):].strip()
-
-
-def _preference_side(value, prompt) -> tuple:
-    """One of "chosen" / "rejected" -> (the conversation before the reply, the reply)."""
-    if isinstance(value, str):
-        return (prompt, value) if prompt is not None else _parse_hh(value)
-    _check_messages(value)
-    if not value or value[-1]["role"] != "assistant":
-        raise DataError("a chosen/rejected message list must end with an assistant message")
-    prefix, prompt = value[:-1], prompt or []
-    # the list may repeat the prompt (chosen = [user, assistant]) or continue it (chosen = [assistant])
-    return (prefix if prefix[:len(prompt)] == prompt else prompt + prefix), value[-1]["content"]
-
-
-def read_preferences(path_or_name, mirror=None) -> list:
-    """A registered name (PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen", "rejected"}].
-
-    Records: {"prompt", "chosen", "rejected"}, each a string (a prompt string is one user message) or a message
-    list, or HH-RLHF's {"chosen", "rejected"} full dialogues. Pairs whose two prompts differ, with an empty
-    reply or with identical replies are skipped, and the counts printed (stderr).
-    """
-    path = _chat_file(path_or_name, PREFERENCE_DATASETS, mirror)
-    pairs, skipped = [], {"different prompts": 0, "an empty reply": 0, "identical replies": 0}
-    for where, record in _json_records(path):
-        try:
-            if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
-                fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"unknown preference record {fields}: expected {{prompt, chosen, rejected}} "
-                                f"or HH-RLHF {{chosen, rejected}}")
-            prompt = record.get("prompt")
-            if isinstance(prompt, str):
-                prompt = [{"role": "user", "content": prompt}]
-            elif prompt is not None:
-                _check_messages(prompt)
-            (prompt, chosen), (other, rejected) = (_preference_side(record[k], prompt) for k in ("chosen", "rejected"))
-        except DataError as e:
-            raise DataError(f"{where}: {e}") from None
-        if prompt != other:
-            skipped["different prompts"] += 1
-        elif not (chosen.strip() and rejected.strip()):
-            skipped["an empty reply"] += 1
-        elif chosen == rejected:  # no preference to learn from
-            skipped["identical replies"] += 1
-        else:
-            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    print(f"{path}: {len(pairs):,} preference pairs; skipped " +
-          ", ".join(f"{n:,} with {reason}" for reason, n in skipped.items()), file=sys.stderr)
-    if not pairs:
-        raise DataError(f"{path}: no usable preference pairs")
-    return pairs
-
-
-def _fit(ids, mask, seq_len):
-    """The length rule: keep the first seq_len + 1 tokens if a learned token is among them, else drop (None)."""
-    ids, mask = np.asarray(ids, dtype=np.int32)[:seq_len + 1], np.asarray(mask, dtype=bool)[:seq_len + 1]
-    return (ids, mask) if mask.any() else None
-
-
-def _counts(kept, truncated, dropped) -> dict:
-    return {"examples": len(kept), "truncated": truncated, "dropped": dropped,
-            "tokens": sum(len(ids) for ids, _ in kept), "target_tokens": sum(int(mask.sum()) for _, mask in kept)}
-
-
-def sft_examples(enc, conversations, seq_len) -> tuple:
-    """Conversations -> ([(ids int32, mask bool)], counts). An example longer than seq_len + 1 tokens keeps
-    its first seq_len + 1 if a learned token survives; it is dropped if none does, or if it has no assistant
-    message at all. counts: {"examples", "truncated", "dropped", "tokens", "target_tokens"}."""
-    examples, truncated, dropped = [], 0, 0
-    for conversation in conversations:
-        ids, mask = encode_chat(enc, conversation)
-        example = _fit(ids, mask, seq_len)
-        if example is None:
-            dropped += 1
-            continue
-        truncated += len(ids) > seq_len + 1
-        examples.append(example)
-    return examples, _counts(examples, truncated, dropped)
-
-
-def preference_examples(enc, pairs, seq_len) -> tuple:
-    """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side encoded as
-    prompt + [assistant reply] with the mask on the reply (and its eot) only. The SFT length rule applies
-    to each side; a pair is dropped if either side is. counts as in sft_examples, tokens over both sides."""
-    examples, truncated, dropped = [], 0, 0
-    for pair in pairs:
-        prompt_len = len(encode_chat(enc, pair["prompt"])[0])
-        sides = {}
-        for key in ("chosen", "rejected"):
-            ids, mask = encode_chat(enc, pair["prompt"] + [{"role": "assistant", "content": pair[key]}])
-            mask[:prompt_len] = [False] * prompt_len  # earlier assistant turns of the prompt are context here
-            sides[key] = (_fit(ids, mask, seq_len), len(ids) > seq_len + 1)
-        if any(example is None for example, _ in sides.values()):
-            dropped += 1
-            continue
-        truncated += any(cut for _, cut in sides.values())
-        examples.append({key: example for key, (example, _) in sides.items()})
-    both = [side for example in examples for side in example.values()]
-    return examples, {**_counts(both, truncated, dropped), "examples": len(examples)}
-
-
-def split_examples(examples, val_fraction, seed) -> tuple:
-    """-> (train, val): a seeded random val_fraction of the examples validates (at least one if > 0)."""
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    n_val = max(1, int(len(examples) * val_fraction)) if val_fraction else 0
-    if not examples or n_val >= len(examples):
-        raise DataError(f"{len(examples)} example(s) are too few to split off a validation fraction of {val_fraction}")
-    is_val = np.zeros(len(examples), dtype=bool)
-    is_val[np.random.default_rng(seed).permutation(len(examples))[:n_val]] = True
-    return [e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v]
-
-
-def _rows(examples, seq_len, pad_id, pack) -> tuple:
-    """(ids, mask) examples -> inputs, targets, doc_ids arrays of shape (rows, seq_len), int32.
-
-    Each row holds seq_len + 1 tokens: whole examples one after another (all of them that fit, in the order
-    given, when packing; one otherwise), then padding. doc_ids number the examples of a row 0, 1, ... and give
-    the padding the next number. A target is the next token where that token is learned, else IGNORE_INDEX;
-    BOS is never learned, so no target crosses from one example into the next.
-    """
-    rows, row, used = [], [], 0
-    for ids, mask in examples:
-        if len(ids) > seq_len + 1:
-            raise DataError(f"an example of {len(ids):,} tokens does not fit seq_len + 1 = {seq_len + 1:,}; "
-                            f"make the examples with sft_examples / preference_examples and the same seq_len")
-        if row and (not pack or used + len(ids) > seq_len + 1):
-            rows.append(row)
-            row, used = [], 0
-        row.append((ids, mask))
-        used += len(ids)
-    rows += [row] if row else []
-    ids = np.full((len(rows), seq_len + 1), pad_id, dtype=np.int32)
-    mask = np.zeros((len(rows), seq_len + 1), dtype=bool)
-    doc = np.empty((len(rows), seq_len + 1), dtype=np.int32)
-    for r, row in enumerate(rows):
-        start = 0
-        for k, (example_ids, example_mask) in enumerate(row):
-            end = start + len(example_ids)
-            ids[r, start:end], mask[r, start:end], doc[r, start:end] = example_ids, example_mask, k
-            start = end
-        doc[r, start:] = len(row)  # the padding: a document of its own
-    targets = np.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX).astype(np.int32)
-    targets[doc[:, 1:] != doc[:, :-1]] = IGNORE_INDEX  # true already; kept for examples made elsewhere
-    return ids[:, :-1], targets, doc[:, :-1]
-
-
-NO_EXAMPLES = "no examples to load (all dropped? see the counts of sft_examples / preference_examples)"
-
-
-def _tensor(array):
-    return torch.from_numpy(array.astype(np.int64))
-
-
-class SFTLoader(Positions):
-    """(inputs, targets, doc_ids) int64 batches of shape (batch_size, seq_len) for one data-parallel rank.
-
-    pack=True: the examples, in an order drawn once from the seed, fill rows of seq_len + 1 tokens greedily;
-    an example that does not fit the current row starts the next, so none is ever split. pack=False: one
-    example per row. doc_ids tell the model where each example begins (attend within it, restart positions).
-    The list of rows is then fixed, and batches follow the Loader's scheme; state: consumed, seed, seq_len, pack.
-    pad_id only fills the tails of rows (never a target, its own document): pass pad_id(enc).
-    """
-
-    def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pack=True, pad_id=0):
-        order = np.random.default_rng(seed).permutation(len(examples)) if pack else range(len(examples))
-        self.pack = pack
-        self.inputs, self.targets, self.doc_ids = _rows([examples[i] for i in order], seq_len, pad_id, pack)
-        super().__init__(len(self.inputs), batch_size, seq_len, dp_rank, dp_size, seed, empty=NO_EXAMPLES)
-
-    def next(self):
-        rows, _ = self._next_items()
-        return _tensor(self.inputs[rows]), _tensor(self.targets[rows]), _tensor(self.doc_ids[rows])
-
-    def _settings(self) -> dict:
-        return {**super()._settings(), "pack": self.pack}
-
-
-class PreferenceLoader(Positions):
-    """(inputs, targets) int64 batches of shape (2 * batch_size, seq_len): rows 0..B-1 the chosen sequences,
-    rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are IGNORE_INDEX
-    outside the reply tokens. One global sequence is one pair; positions and state as in SFTLoader."""
-
-    def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pad_id=0,
-                 with_index=False, index_offset=0):
-        self.chosen = _rows([e["chosen"] for e in examples], seq_len, pad_id, pack=False)[:2]
-        self.rejected = _rows([e["rejected"] for e in examples], seq_len, pad_id, pack=False)[:2]
-        self.with_index, self.index_offset = with_index, index_offset
-        super().__init__(len(examples), batch_size, seq_len, dp_rank, dp_size, seed, empty=NO_EXAMPLES)
-
-    def pairs(self, rows):
-        """The (2B, T) inputs and targets of the given pairs (rows), chosen first."""
-        inputs, targets = (np.concatenate([c[rows], r[rows]]) for c, r in zip(self.chosen, self.rejected))
-        return _tensor(inputs), _tensor(targets)
-
-    def next(self):
-        """(inputs, targets), plus (B,) pair indices + index_offset with with_index (dpo.py's cached
-        reference log-probs are looked up by them)."""
-        rows, _ = self._next_items()
-        batch = self.pairs(rows)
-        return (*batch, torch.from_numpy(rows + self.index_offset)) if self.with_index else batch
-
-
 # ======== 8. Command line =========================================================================
 
 def _print_info(path):
@@ -1175,20 +902,23 @@ def _print_info(path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Download, tokenize and inspect training data.")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenize a source into train/val shards")
+    p = commands.add_parser("prepare", help="tokenize a source into train/val shards",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--source", required=True, help=f"{' | '.join(DATASETS)} | a file, folder or glob")
     p.add_argument("--tokenizer", default="byte", help=f"{' | '.join(TOKENIZERS)} | path to tokenizer.model")
     p.add_argument("--out", help="output folder (default: <DATA_CACHE>/shards/<source>-<tokenizer>)")
-    p.add_argument("--mirror", help="local mirror folder laid out like shared/data (or env DATA_MIRROR)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--mirror", help="local mirror folder holding the registry's files (default: $DATA_MIRROR)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents held out")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
     p.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    d = commands.add_parser("download", help="fetch a registry file into the cache")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    d = commands.add_parser("download", help="fetch a registry file into the cache",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d.add_argument("name", help=" | ".join(registry()))
-    d.add_argument("--mirror")
-    i = commands.add_parser("info", help="print the header of a shard, or of every shard in a folder")
-    i.add_argument("path")
+    d.add_argument("--mirror", help="local mirror folder (default: $DATA_MIRROR)")
+    i = commands.add_parser("info", help="print the header of a shard, or of every shard in a folder",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    i.add_argument("path", help="a shard (.bin) or a folder of them")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":

@@ -24,8 +24,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,15 +44,141 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("preference optimization")
     g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
     g.add_argument("--beta", type=float, default=0.1, help="strength of the pull towards the reference")
-    g.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge"])
+    g.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge"],
+                   help="sigmoid: DPO; ipo: Azar et al. 2023; hinge: SLiC (formulas in the module docstring)")
     g.add_argument("--label-smoothing", type=float, default=0.0, help="conservative DPO: assumed label noise")
     g.add_argument("--precompute-ref", action="store_true",
                    help="score the whole dataset with the reference once, cache it, and free the reference")
-    g.add_argument("--val-fraction", type=float, default=0.05)
+    g.add_argument("--val-fraction", type=float, default=0.05, help="share of pairs held out")
     p.set_defaults(data="hh_rlhf_harmless_test", out_dir="out-dpo", lr=1e-5, warmup=10, max_steps=200,
                    eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256, micro_batch=4,
                    weight_decay=0.0)
     return p
+
+
+# ----------------------------------------------------------------------------------------------------
+# The data: preference pairs, each side encoded with the chat format and SFT's length rule (sft.py)
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def _parse_hh(text) -> tuple:
+    """An HH-RLHF dialogue "\\n\\nHuman: ...\\n\\nAssistant: ..." -> (messages before the last reply, last reply)."""
+    cut = text.rfind("\n\nAssistant:")
+    if cut < 0:
+        raise data.DataError('an HH-RLHF dialogue without "\\n\\nAssistant:"')
+    pieces = _HH_TURN.split(text[:cut])  # ["", "Human", " text", "Assistant", " text", ...]
+    if pieces[0].strip():
+        raise data.DataError('an HH-RLHF dialogue must start with "\\n\\nHuman:"')
+    messages = []
+    for speaker, content in zip(pieces[1::2], pieces[2::2]):
+        role = "user" if speaker == "Human" else "assistant"
+        if messages and messages[-1]["role"] == role:  # a few dialogues hold two turns in a row: join them
+            messages[-1]["content"] += "\n\n" + content.strip()
+        else:
+            messages.append({"role": role, "content": content.strip()})
+    return messages, text[cut + len("\n\nAssistant:"):].strip()
+
+
+def _preference_side(value, prompt) -> tuple:
+    """One of "chosen" / "rejected" -> (the conversation before the reply, the reply)."""
+    if isinstance(value, str):
+        return (prompt, value) if prompt is not None else _parse_hh(value)
+    data.check_messages(value)
+    if not value or value[-1]["role"] != "assistant":
+        raise data.DataError("a chosen/rejected message list must end with an assistant message")
+    prefix, prompt = value[:-1], prompt or []
+    # the list may repeat the prompt (chosen = [user, assistant]) or continue it (chosen = [assistant])
+    return (prefix if prefix[:len(prompt)] == prompt else prompt + prefix), value[-1]["content"]
+
+
+def read_preferences(path_or_name, mirror=None) -> list:
+    """A registered name (data.PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen", "rejected"}].
+
+    Records: {"prompt", "chosen", "rejected"}, each a string (a prompt string is one user message) or a message
+    list, or HH-RLHF's {"chosen", "rejected"} full dialogues. Pairs whose two prompts differ, with an empty
+    reply or with identical replies are skipped, and the counts printed (stderr).
+    """
+    path = data.named_file(path_or_name, data.PREFERENCE_DATASETS, mirror)
+    pairs, skipped = [], {"different prompts": 0, "an empty reply": 0, "identical replies": 0}
+    for where, record in data.json_records(path):
+        try:
+            if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
+                fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+                raise data.DataError(f"unknown preference record {fields}: expected {{prompt, chosen, rejected}} "
+                                f"or HH-RLHF {{chosen, rejected}}")
+            prompt = record.get("prompt")
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            elif prompt is not None:
+                data.check_messages(prompt)
+            (prompt, chosen), (other, rejected) = (_preference_side(record[k], prompt) for k in ("chosen", "rejected"))
+        except data.DataError as e:
+            raise data.DataError(f"{where}: {e}") from None
+        if prompt != other:
+            skipped["different prompts"] += 1
+        elif not (chosen.strip() and rejected.strip()):
+            skipped["an empty reply"] += 1
+        elif chosen == rejected:  # no preference to learn from
+            skipped["identical replies"] += 1
+        else:
+            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    print(f"{path}: {len(pairs):,} preference pairs; skipped " +
+          ", ".join(f"{n:,} with {reason}" for reason, n in skipped.items()), file=sys.stderr)
+    if not pairs:
+        raise data.DataError(f"{path}: no usable preference pairs")
+    return pairs
+
+
+def preference_examples(enc, pairs, seq_len) -> tuple:
+    """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side encoded as
+    prompt + [assistant reply] with the mask on the reply (and its eot) only. The SFT length rule applies
+    to each side; a pair is dropped if either side is. counts as in sft_examples, tokens over both sides."""
+    examples, truncated, dropped = [], 0, 0
+    for pair in pairs:
+        prompt_len = len(data.encode_chat(enc, pair["prompt"])[0])
+        sides = {}
+        for key in ("chosen", "rejected"):
+            ids, mask = data.encode_chat(enc, pair["prompt"] + [{"role": "assistant", "content": pair[key]}])
+            mask[:prompt_len] = [False] * prompt_len  # earlier assistant turns of the prompt are context here
+            sides[key] = (sft.fit_example(ids, mask, seq_len), len(ids) > seq_len + 1)
+        if any(example is None for example, _ in sides.values()):
+            dropped += 1
+            continue
+        truncated += any(cut for _, cut in sides.values())
+        examples.append({key: example for key, (example, _) in sides.items()})
+    both = [side for example in examples for side in example.values()]
+    return examples, {**sft.example_counts(both, truncated, dropped), "examples": len(examples)}
+
+
+class PreferenceLoader(data.Positions):
+    """(inputs, targets) int64 batches of shape (2 * batch_size, seq_len): rows 0..B-1 the chosen sequences,
+    rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are data.IGNORE_INDEX
+    outside the reply tokens. One global sequence is one pair; positions and state as in SFTLoader."""
+
+    def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pad_id=0,
+                 with_index=False, index_offset=0):
+        self.chosen = sft.pack_rows([e["chosen"] for e in examples], seq_len, pad_id, pack=False)[:2]
+        self.rejected = sft.pack_rows([e["rejected"] for e in examples], seq_len, pad_id, pack=False)[:2]
+        self.with_index, self.index_offset = with_index, index_offset
+        super().__init__(len(examples), batch_size, seq_len, dp_rank, dp_size, seed, empty=sft.NO_EXAMPLES)
+
+    def pairs(self, rows):
+        """The (2B, T) inputs and targets of the given pairs (rows), chosen first."""
+        inputs, targets = (np.concatenate([c[rows], r[rows]]) for c, r in zip(self.chosen, self.rejected))
+        return sft.as_int64(inputs), sft.as_int64(targets)
+
+    def next(self):
+        """(inputs, targets), plus (B,) pair indices + index_offset with with_index (dpo.py's cached
+        reference log-probs are looked up by them)."""
+        rows, _ = self._next_items()
+        batch = self.pairs(rows)
+        return (*batch, torch.from_numpy(rows + self.index_offset)) if self.with_index else batch
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loss
 
 
 def dpo_loss(pc, pr, rc, rr, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0):
@@ -181,10 +310,10 @@ class DPO(sft.SFT):
 
     def data(self, tok, mesh):
         a = self.args
-        pairs = data.read_preferences(a.data, mirror=a.mirror)
-        examples, counts = data.preference_examples(tok, pairs, a.seq_len)
+        pairs = read_preferences(a.data, mirror=a.mirror)
+        examples, counts = preference_examples(tok, pairs, a.seq_len)
         train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
-        make = lambda ex, seed, offset: data.PreferenceLoader(
+        make = lambda ex, seed, offset: PreferenceLoader(
             ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
             pad_id=data.pad_id(tok), with_index=a.precompute_ref, index_offset=offset)
         self.loaders = make(train_ex, a.seed, 0), make(val_ex, 0, len(train_ex))  # precomputing scores both

@@ -175,7 +175,7 @@ def perplexity(model, tok, arrays, seq_len, batch_size, mesh, limit=None) -> dic
 
 _GH = "https://raw.githubusercontent.com"
 _PIQA = f"{_GH}/ybisk/ybisk.github.io/21edab439af693b961be2f069e8690a88d3b4e37/piqa/data"
-BENCHMARKS = {  # pinned URLs, sha256, and the path in a mirror laid out like shared/data (MANIFEST.md)
+BENCHMARKS = {  # pinned URLs, sha256, and the path of the same file in a local mirror (DATA_MIRROR)
     "hellaswag": dict(  # validation, 10,042 items: klosax's 6-line text form of rowanz/hellaswag, markup removed
         url=f"{_GH}/klosax/hellaswag_text_data/1105d370f8340eac3c63a91fd1fa58e8999f9505/hellaswag_val_full.txt.bz2",
         sha256="50b637899e4263c2bc456c2dc726c95d2c8cd8e2a552ea5bd7719ce3cb03fe5b",
@@ -240,7 +240,7 @@ def read_items(task, mirror=None) -> list[dict]:
         with bz2.open(path, "rt", encoding="utf-8") as f:
             lines = f.read().split("\n")
         return [_item(lines[i], lines[i + 2:i + 6], lines[i + 1], f"{path}:{i + 1}") for i in range(0, len(lines) - 5, 6)]
-    records = data._json_records(path)
+    records = data.json_records(path)
     first = records[0][1] if records else {}
     keys = next((k for k in FORMATS if isinstance(first, dict) and set(k) <= set(first)), None)
     if keys is None:
@@ -280,7 +280,7 @@ def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
     if path.is_file() and path.suffix == ".txt":
         return "perplexity", [text_tokens(data.read_documents(path), tok)]
     if path.is_file() and path.suffix in (".jsonl", ".json"):
-        records = data._json_records(path)
+        records = data.json_records(path)
         if path.suffix == ".jsonl" and records and isinstance(records[0][1], dict) and "text" in records[0][1]:
             return "perplexity", [text_tokens(data.read_documents(path, "jsonl"), tok)]
         return "multiple_choice", read_items(path)
@@ -494,7 +494,8 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("system")
     g.add_argument("--mirror", help="local mirror folder for downloads (default: $DATA_MIRROR)")
     g.add_argument("--device", help="cuda, cpu, ... (default: cuda if available)")
-    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 on CUDA, fp32 elsewhere")
     return p
 
 

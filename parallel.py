@@ -45,6 +45,7 @@ import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -700,106 +701,119 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
     stats, if given, accumulates "busy_s": the seconds this stage computed rather than waited (bench.py
     measures the bubble with it).
     """
-    m = len(batches)
-    B = batches[0][0].shape[0]
-    T_local = seq_len // mesh.tp if mesh.sp else seq_len
-    shape = (B, T_local, dim)
-    device = batches[0][0].device
-    inputs, outputs = [None] * m, [None] * m
-    total = torch.zeros((), device=device)
+    stage = PipelineStage(model, batches, mesh, seq_len, dim, loss_fn, before_last_backward, dtype, stats)
+    (_afab if schedule == "afab" else _one_f_one_b)(stage)
+    return stage.total
 
-    def timed(fn):
-        def run(*a):
-            if stats is None:
-                return fn(*a)
-            if device.type == "cuda":  # kernels run asynchronously: count from when earlier work is done ...
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            out = fn(*a)
-            if device.type == "cuda":  # ... to when this work is
-                torch.cuda.synchronize(device)
-            stats["busy_s"] = stats.get("busy_s", 0.0) + time.perf_counter() - t0
-            return out
-        return run
 
-    @timed
-    def forward(i, x):
-        nonlocal total
-        if mesh.first_stage:
-            x = batches[i][0]
-        else:
-            x.requires_grad_()
-        inputs[i] = x
-        out = stage_forward(model, x, mesh, seq_len, _doc_ids(batches[i]))
-        if mesh.last_stage:
-            out = loss_fn(out, batches[i][1])
-            total += out.detach()
-        outputs[i] = out
-        return out
+def _afab(s: PipelineStage):
+    for i in range(s.m):
+        s.send_forward(s.forward(i, s.recv_forward()))
+    for i in range(s.m):
+        s.send_backward(s.backward(i, s.recv_backward()))
 
-    @timed
-    def backward(i, grad):
-        if i == m - 1 and before_last_backward is not None:
-            before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
-        _backward(outputs[i], grad) if grad is not None else outputs[i].backward()
-        grad_in = None if mesh.first_stage else inputs[i].grad
-        inputs[i] = outputs[i] = None  # nothing of micro-batch i is needed any more
-        return grad_in
 
-    def recv_forward():
-        if mesh.first_stage:
-            return None
-        buf = torch.empty(shape, device=device, dtype=dtype)
-        _p2p(mesh, recv_prev=buf)
-        return buf
-
-    def send_forward(out):
-        if not mesh.last_stage:
-            _p2p(mesh, send_next=out)
-            _free(out)
-
-    def recv_backward():
-        if mesh.last_stage:
-            return None
-        buf = torch.empty(shape, device=device, dtype=dtype)
-        _p2p(mesh, recv_next=buf)
-        return buf
-
-    def send_backward(grad):
-        if not mesh.first_stage:
-            _p2p(mesh, send_prev=grad)
-
-    if schedule == "afab":
-        for i in range(m):
-            send_forward(forward(i, recv_forward()))
-        for i in range(m):
-            send_backward(backward(i, recv_backward()))
-        return total
-
-    # 1F1B
-    warmup = min(mesh.pp - mesh.pp_rank - 1, m)
+def _one_f_one_b(s: PipelineStage):
+    mesh = s.mesh
+    warmup = min(mesh.pp - mesh.pp_rank - 1, s.m)
     for i in range(warmup):
-        send_forward(forward(i, recv_forward()))
-    steady = m - warmup
-    x = recv_forward() if steady else None
+        s.send_forward(s.forward(i, s.recv_forward()))
+    steady = s.m - warmup
+    x = s.recv_forward() if steady else None
     for j in range(steady):
-        out = forward(warmup + j, x)
+        out = s.forward(warmup + j, x)
         grad = None
         if not mesh.last_stage:  # send this output, receive the gradient of the oldest one, together
-            grad = torch.empty(shape, device=device, dtype=dtype)
+            grad = s.empty()
             _p2p(mesh, send_next=out, recv_next=grad)
             _free(out)
-        grad_in = backward(j, grad)
+        grad_in = s.backward(j, grad)
         if j == steady - 1:
-            send_backward(grad_in)
+            s.send_backward(grad_in)
         elif mesh.first_stage:
             x = None
         else:  # send this gradient back, receive the next micro-batch's input, together
-            x = torch.empty(shape, device=device, dtype=dtype)
+            x = s.empty()
             _p2p(mesh, send_prev=grad_in, recv_prev=x)
-    for i in range(steady, m):
-        send_backward(backward(i, recv_backward()))
-    return total
+    for i in range(steady, s.m):
+        s.send_backward(s.backward(i, s.recv_backward()))
+
+
+class PipelineStage:
+    """One step's work on this stage: the forward and the backward of micro-batch i, and the transfers
+    around them. The schedules above only decide their order."""
+
+    def __init__(self, model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, before_last_backward,
+                 dtype, stats: dict | None):
+        self.model, self.batches, self.mesh, self.seq_len, self.loss_fn = model, batches, mesh, seq_len, loss_fn
+        self.before_last_backward, self.dtype, self.stats = before_last_backward, dtype, stats
+        self.m, self.device = len(batches), batches[0][0].device
+        # what crosses between stages: the residual stream, (B, T, dim), (B, T / tp, dim) under SP
+        self.shape = (batches[0][0].shape[0], seq_len // mesh.tp if mesh.sp else seq_len, dim)
+        self.inputs, self.outputs = [None] * self.m, [None] * self.m
+        self.total = torch.zeros((), device=self.device)
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(self.shape, device=self.device, dtype=self.dtype)
+
+    @contextmanager
+    def busy(self):
+        """Time counted as this stage's compute when stats is given. Kernels run asynchronously on CUDA:
+        from when earlier work is done to when this work is."""
+        if self.stats is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.stats is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + time.perf_counter() - t0
+
+    def forward(self, i: int, x):
+        with self.busy():
+            if self.mesh.first_stage:
+                x = self.batches[i][0]
+            else:
+                x.requires_grad_()
+            self.inputs[i] = x
+            out = stage_forward(self.model, x, self.mesh, self.seq_len, _doc_ids(self.batches[i]))
+            if self.mesh.last_stage:
+                out = self.loss_fn(out, self.batches[i][1])
+                self.total += out.detach()
+            self.outputs[i] = out
+        return out
+
+    def backward(self, i: int, grad):
+        with self.busy():
+            if i == self.m - 1 and self.before_last_backward is not None:
+                self.before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
+            _backward(self.outputs[i], grad) if grad is not None else self.outputs[i].backward()
+            grad_in = None if self.mesh.first_stage else self.inputs[i].grad
+            self.inputs[i] = self.outputs[i] = None  # nothing of micro-batch i is needed any more
+        return grad_in
+
+    def recv_forward(self):
+        if self.mesh.first_stage:
+            return None
+        buf = self.empty()
+        _p2p(self.mesh, recv_prev=buf)
+        return buf
+
+    def send_forward(self, out):
+        if not self.mesh.last_stage:
+            _p2p(self.mesh, send_next=out)
+            _free(out)
+
+    def recv_backward(self):
+        if self.mesh.last_stage:
+            return None
+        buf = self.empty()
+        _p2p(self.mesh, recv_next=buf)
+        return buf
+
+    def send_backward(self, grad):
+        if not self.mesh.first_stage:
+            _p2p(self.mesh, send_prev=grad)
 
 
 def _doc_ids(batch):

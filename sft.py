@@ -21,6 +21,7 @@ import argparse
 import collections
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import checkpoint as C
@@ -108,14 +109,170 @@ def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelAr
 
 
 # ----------------------------------------------------------------------------------------------------
-# The data
+# The data: conversations in the Llama 3 chat format (data.encode_chat), whose targets are what the
+# assistant says. A row of seq_len + 1 tokens gives seq_len (input, target) pairs, as in data.Loader; a
+# target that is not learned is IGNORE_INDEX, which cross_entropy skips. dpo.py reuses the length rule,
+# the split and the rows.
+
+
+def _strings(record, *keys):
+    values = [(record.get(key) or "") if key == "input" else record.get(key) for key in keys]  # input: optional
+    bad = [key for key, value in zip(keys, values) if not isinstance(value, str)]
+    if bad:
+        raise data.DataError(f"field(s) {', '.join(bad)} must be strings")
+    return values
+
+
+def _conversation(record) -> list:
+    """One SFT record, in any of the layouts read_sft accepts -> a list of messages."""
+    if isinstance(record, dict) and "messages" in record:
+        messages = record["messages"]
+    elif isinstance(record, dict) and "instances" in record and "instruction" in record:
+        # a Self-Instruct seed task: the instruction with its first instance's input, answered by its output
+        instances = record["instances"]
+        if not (isinstance(instances, list) and instances and isinstance(instances[0], dict)):
+            raise data.DataError("'instances' must be a non-empty list of {input, output}")
+        [instruction], [task_input, output] = _strings(record, "instruction"), _strings(instances[0], "input", "output")
+        messages = [{"role": "user", "content": instruction + (f"\n\n{task_input}" if task_input else "")},
+                    {"role": "assistant", "content": output}]
+    elif isinstance(record, dict) and "instruction" in record and "output" in record:  # Alpaca
+        instruction, task_input, output = _strings(record, "instruction", "input", "output")
+        messages = [{"role": "user", "content": instruction + (f"\n\n{task_input}" if task_input else "")},
+                    {"role": "assistant", "content": output}]
+    elif isinstance(record, dict) and "prompt" in record and "response" in record:
+        prompt, response = _strings(record, "prompt", "response")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    else:
+        fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+        raise data.DataError(f"unknown SFT record {fields}: expected {{messages}}, {{instruction, input, output}}, "
+                        f"{{prompt, response}} or a Self-Instruct task {{instruction, instances}}")
+    data.check_messages(messages)
+    return messages
+
+
+def read_sft(path_or_name, mirror=None) -> list:
+    """A registered name (data.SFT_DATASETS) or a JSON array / JSONL file -> a list of conversations."""
+    path = data.named_file(path_or_name, data.SFT_DATASETS, mirror)
+    conversations = []
+    for where, record in data.json_records(path):
+        try:
+            conversations.append(_conversation(record))
+        except data.DataError as e:
+            raise data.DataError(f"{where}: {e}") from None
+    if not conversations:
+        raise data.DataError(f"{path}: no conversations")
+    return conversations
+
+
+def fit_example(ids, mask, seq_len):
+    """The length rule: keep the first seq_len + 1 tokens if a learned token is among them, else drop (None)."""
+    ids, mask = np.asarray(ids, dtype=np.int32)[:seq_len + 1], np.asarray(mask, dtype=bool)[:seq_len + 1]
+    return (ids, mask) if mask.any() else None
+
+
+def example_counts(kept, truncated, dropped) -> dict:
+    return {"examples": len(kept), "truncated": truncated, "dropped": dropped,
+            "tokens": sum(len(ids) for ids, _ in kept), "target_tokens": sum(int(mask.sum()) for _, mask in kept)}
+
+
+def sft_examples(enc, conversations, seq_len) -> tuple:
+    """Conversations -> ([(ids int32, mask bool)], counts). An example longer than seq_len + 1 tokens keeps
+    its first seq_len + 1 if a learned token survives; it is dropped if none does, or if it has no assistant
+    message at all. counts: {"examples", "truncated", "dropped", "tokens", "target_tokens"}."""
+    examples, truncated, dropped = [], 0, 0
+    for conversation in conversations:
+        ids, mask = data.encode_chat(enc, conversation)
+        example = fit_example(ids, mask, seq_len)
+        if example is None:
+            dropped += 1
+            continue
+        truncated += len(ids) > seq_len + 1
+        examples.append(example)
+    return examples, example_counts(examples, truncated, dropped)
+
+
+def split_examples(examples, val_fraction, seed) -> tuple:
+    """-> (train, val): a seeded random val_fraction of the examples validates (at least one if > 0)."""
+    if not 0 <= val_fraction < 1:
+        raise data.DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = max(1, int(len(examples) * val_fraction)) if val_fraction else 0
+    if not examples or n_val >= len(examples):
+        raise data.DataError(f"{len(examples)} example(s) are too few to split off a validation fraction of {val_fraction}")
+    is_val = np.zeros(len(examples), dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(len(examples))[:n_val]] = True
+    return [e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v]
+
+
+def pack_rows(examples, seq_len, pad_id, pack) -> tuple:
+    """(ids, mask) examples -> inputs, targets, doc_ids arrays of shape (rows, seq_len), int32.
+
+    Each row holds seq_len + 1 tokens: whole examples one after another (all of them that fit, in the order
+    given, when packing; one otherwise), then padding. doc_ids number the examples of a row 0, 1, ... and give
+    the padding the next number. A target is the next token where that token is learned, else data.IGNORE_INDEX;
+    BOS is never learned, so no target crosses from one example into the next.
+    """
+    rows, row, used = [], [], 0
+    for ids, mask in examples:
+        if len(ids) > seq_len + 1:
+            raise data.DataError(f"an example of {len(ids):,} tokens does not fit seq_len + 1 = {seq_len + 1:,}; "
+                            f"make the examples with sft_examples / preference_examples and the same seq_len")
+        if row and (not pack or used + len(ids) > seq_len + 1):
+            rows.append(row)
+            row, used = [], 0
+        row.append((ids, mask))
+        used += len(ids)
+    rows += [row] if row else []
+    ids = np.full((len(rows), seq_len + 1), pad_id, dtype=np.int32)
+    mask = np.zeros((len(rows), seq_len + 1), dtype=bool)
+    doc = np.empty((len(rows), seq_len + 1), dtype=np.int32)
+    for r, row in enumerate(rows):
+        start = 0
+        for k, (example_ids, example_mask) in enumerate(row):
+            end = start + len(example_ids)
+            ids[r, start:end], mask[r, start:end], doc[r, start:end] = example_ids, example_mask, k
+            start = end
+        doc[r, start:] = len(row)  # the padding: a document of its own
+    targets = np.where(mask[:, 1:], ids[:, 1:], data.IGNORE_INDEX).astype(np.int32)
+    targets[doc[:, 1:] != doc[:, :-1]] = data.IGNORE_INDEX  # true already; kept for examples made elsewhere
+    return ids[:, :-1], targets, doc[:, :-1]
+
+
+NO_EXAMPLES = "no examples to load (all dropped? see the counts of sft_examples / preference_examples)"
+
+
+def as_int64(array):
+    return torch.from_numpy(array.astype(np.int64))
+
+
+class SFTLoader(data.Positions):
+    """(inputs, targets, doc_ids) int64 batches of shape (batch_size, seq_len) for one data-parallel rank.
+
+    pack=True: the examples, in an order drawn once from the seed, fill rows of seq_len + 1 tokens greedily;
+    an example that does not fit the current row starts the next, so none is ever split. pack=False: one
+    example per row. doc_ids tell the model where each example begins (attend within it, restart positions).
+    The list of rows is then fixed, and batches follow the Loader's scheme; state: consumed, seed, seq_len, pack.
+    pad_id only fills the tails of rows (never a target, its own document): pass pad_id(enc).
+    """
+
+    def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pack=True, pad_id=0):
+        order = np.random.default_rng(seed).permutation(len(examples)) if pack else range(len(examples))
+        self.pack = pack
+        self.inputs, self.targets, self.doc_ids = pack_rows([examples[i] for i in order], seq_len, pad_id, pack)
+        super().__init__(len(self.inputs), batch_size, seq_len, dp_rank, dp_size, seed, empty=NO_EXAMPLES)
+
+    def next(self):
+        rows, _ = self._next_items()
+        return as_int64(self.inputs[rows]), as_int64(self.targets[rows]), as_int64(self.doc_ids[rows])
+
+    def _settings(self) -> dict:
+        return {**super()._settings(), "pack": self.pack}
 
 
 def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
     """Train/val split of tokenized examples, with the length rule's counts printed once."""
     if not examples:
         raise data.DataError(f"{args.data}: no usable {what} (all dropped: {counts})")
-    train_ex, val_ex = data.split_examples(examples, args.val_fraction, args.seed)
+    train_ex, val_ex = split_examples(examples, args.val_fraction, args.seed)
     if mesh.rank == 0:
         print(f"{args.data}: {n_read:,} {what}s -> {counts['examples']:,} examples ({counts['truncated']:,} "
               f"truncated to {args.seq_len + 1} tokens keeping their first targets, {counts['dropped']:,} dropped "
@@ -125,7 +282,7 @@ def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The recipe: train.py's, with these three answers
+# The recipe: train.py's loop with this model and this data
 
 
 class SFT(T.Pretraining):
@@ -166,10 +323,10 @@ class SFT(T.Pretraining):
 
     def data(self, tok, mesh):
         args = self.args
-        conversations = data.read_sft(args.data, mirror=args.mirror)
-        examples, counts = data.sft_examples(tok, conversations, args.seq_len)
+        conversations = read_sft(args.data, mirror=args.mirror)
+        examples, counts = sft_examples(tok, conversations, args.seq_len)
         train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)
-        make = lambda ex, seed: data.SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
+        make = lambda ex, seed: SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
                                                dp_size=mesh.dp, seed=seed, pack=args.pack, pad_id=data.pad_id(tok))
         train = make(train_ex, args.seed)
         make(val_ex, 0)  # fail now, not at the first evaluation

@@ -74,17 +74,17 @@ def get_parser() -> argparse.ArgumentParser:
                    help="registry name, text/JSONL file or glob, or a folder of prepared shards")
     g.add_argument("--tokenizer", default="byte", help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path")
     g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
-    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (T)")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
     g.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    g.add_argument("--max-steps", type=int, default=2400)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--max-steps", type=int, default=2400, help="optimizer steps in all (the cosine ends here)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (matrices only)")
+    g.add_argument("--beta1", type=float, default=0.9, help="AdamW first-moment decay")
+    g.add_argument("--beta2", type=float, default=0.95, help="AdamW second-moment decay")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on CUDA, fp32 elsewhere")
@@ -102,7 +102,7 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--io-timeout", type=float, default=3600.0, help="seconds ranks wait for others' disk work "
                    "(data preparation, checkpoint writes and checks) before the job fails")
     g = p.add_argument_group("run")
-    g.add_argument("--out-dir", default="out")
+    g.add_argument("--out-dir", default="out", help="checkpoints and metrics.jsonl")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     g.add_argument("--overwrite", action="store_true", help="start afresh even if --out-dir has checkpoints")
     g.add_argument("--eval-every", type=int, default=600,
@@ -110,10 +110,10 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
     g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps and at the end (0: never)")
     g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
-    g.add_argument("--log-every", type=int, default=100)
+    g.add_argument("--log-every", type=int, default=100, help="log the mean of the last N steps")
     g.add_argument("--sample-tokens", type=int, default=300,
                    help="length of the sample printed at the end (at most --seq-len: RoPE was trained on no more)")
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--seed", type=int, default=1337, help="initialization and data order")
     g.add_argument("--deterministic", action="store_true",
                    help="bit-identical reruns: deterministic kernels on CUDA (slower); CPU runs already are")
     g.add_argument("--max-skips", type=int, default=5,

@@ -376,4 +376,4 @@ def test_pretty_printed_json_is_named_as_such(tmp_path):
         data.read_documents(pretty, "jsonl")
     pretty.write_text("\n".join(json.dumps({"instruction": "a", "output": "b"}, indent=2) for _ in range(2)))
     with pytest.raises(data.DataError, match="JSON records spread over several lines"):
-        data.read_sft(str(pretty))
+        sft.read_sft(str(pretty))

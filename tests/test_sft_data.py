@@ -1,4 +1,4 @@
-"""Tests for data.py section 7: the Llama 3 chat format and its loss mask, the SFT and preference readers
+"""Tests for the Llama 3 chat format and its loss mask (data.py), the SFT (sft.py) and preference (dpo.py) readers
 (crafted files and the mirror's Alpaca, Self-Instruct and HH-RLHF files), the length rule, and the SFT /
 preference loaders: targets, document ids, packing, data-parallel split, resume. No test touches the network."""
 import collections
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import data
-from data import (IGNORE_INDEX, DataError, PreferenceLoader, SFTLoader, encode_chat, get_tokenizer,
-                  preference_examples, read_preferences, read_sft, sft_examples, split_examples)
+from data import IGNORE_INDEX, DataError, encode_chat, get_tokenizer
+from dpo import PreferenceLoader, preference_examples, read_preferences
+from sft import SFTLoader, read_sft, sft_examples, split_examples
 
 
 @pytest.fixture(autouse=True)

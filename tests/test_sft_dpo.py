@@ -51,9 +51,9 @@ def tiny_model(vocab=320):
 
 def sft_rows(tmp_path, pack, batch_size=1, seq_len=256):
     tok = data.get_tokenizer("byte")
-    convs = data.read_sft(write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS))
-    examples, _ = data.sft_examples(tok, convs, seq_len)
-    return data.SFTLoader(examples, batch_size, seq_len, seed=0, pack=pack, pad_id=data.pad_id(tok))
+    convs = sft.read_sft(write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS))
+    examples, _ = sft.sft_examples(tok, convs, seq_len)
+    return sft.SFTLoader(examples, batch_size, seq_len, seed=0, pack=pack, pad_id=data.pad_id(tok))
 
 
 def test_prompt_positions_get_exactly_zero_gradient(tmp_path):
