@@ -42,8 +42,8 @@ import optim as O
 import parallel as P
 import train as T
 
-GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200": 141, "H200 NVL": 141, "B200": 192,
-                 "GB200": 186}
+GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200": 141, "H200 NVL": 141,
+                 "B200": 192, "GB200": 186}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -66,21 +66,24 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
     flops_tok = M.flops_per_token(margs, seq_len)
-    memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z), sp,
-                                             grad_accum, schedule)
+    memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
+                                             sp, grad_accum, schedule)
     variants = {f"zero{int(z)}_ckpt{int(c)}": memory(z, c) for z in (False, True) for c in (False, True)}
     chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
-    comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp, grad_accum)
+    comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
+                           grad_accum)
     peak = T.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
     capacity = GPU_MEMORY_GB[gpu] * 1e9
     return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "pp": pp, "dp": dp,
-            "gpus_per_replica": tp * pp, "micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+            "gpus_per_replica": tp * pp, "micro_batch": micro_batch, "seq_len": seq_len,
+            "grad_accum": grad_accum,
             "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
             "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok, "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
             "comm_bytes_per_step": comm, "bubble": (pp - 1) / (grad_accum + pp - 1), "mfu": mfu,
-            "peak_flops": peak, "step_time_s": step_s, "days": steps * step_s / 86400, "gpu_memory_bytes": capacity,
+            "peak_flops": peak, "step_time_s": step_s, "days": steps * step_s / 86400,
+            "gpu_memory_bytes": capacity,
             "reserve_bytes": reserve_gb * 1e9, "fits": chosen["total"] <= capacity - reserve_gb * 1e9,
             "zero": zero, "act_ckpt": act_ckpt, "sp": sp}
 
@@ -89,20 +92,24 @@ def print_plan(r: dict):
     gb = lambda x: f"{x / 1e9:,.2f} GB"
     print(f"{r['model']}: {r['params']:,} parameters on {r['gpus']:,} {r['gpu']} = {r['dp']} replicas x "
           f"{r['gpus_per_replica']} GPUs (tp {r['tp']} x pp {r['pp']})")
-    print(f"  batch: {r['micro_batch']} x {r['seq_len']:,} = {r['tokens_per_micro_batch']:,} tokens per micro-batch, "
-          f"x {r['grad_accum']} accumulation x {r['dp']} dp = {r['tokens_per_global_batch']:,} tokens per step")
+    print(f"  batch: {r['micro_batch']} x {r['seq_len']:,} = {r['tokens_per_micro_batch']:,} tokens per "
+          f"micro-batch, x {r['grad_accum']} accumulation x {r['dp']} dp = {r['tokens_per_global_batch']:,} "
+          "tokens per step")
     print(f"  {r['tokens']:.3g} tokens: {r['steps']:,} steps, 6ND = {r['flops']:.3g} FLOPs "
-          f"({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, {r['flops_per_token']['megatron'] / 1e9:.1f} Megatron)")
+          f"({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, "
+          f"{r['flops_per_token']['megatron'] / 1e9:.1f} Megatron)")
     print(f"  at {100 * r['mfu']:.0f}% MFU of {r['peak_flops'] / 1e12:,.0f} TFLOP/s ({r['precision']}): "
           f"{r['step_time_s']:.2f} s per step, {r['days']:.1f} days; pipeline bubble {r['bubble']:.3f}")
-    print(f"  memory of the busiest GPU ({'ZeRO-1' if r['zero'] else 'no ZeRO'}, {'' if r['act_ckpt'] else 'no '}"
+    print(f"  memory of the busiest GPU ({'ZeRO-1' if r['zero'] else 'no ZeRO'}, "
+          f"{'' if r['act_ckpt'] else 'no '}"
           f"activation checkpointing, {'' if r['sp'] else 'no '}sequence parallelism): "
           + ", ".join(f"{k} {gb(v)}" for k, v in r["memory_per_gpu"].items() if v)
           + f" -> {'fits in' if r['fits'] else 'does NOT fit in'} {gb(r['gpu_memory_bytes'])} less a "
           f"{gb(r['reserve_bytes'])} reserve (CUDA context, NCCL buffers, fragmentation)")
     for name, m in r["memory_variants"].items():
         print(f"    {name:12s} total {gb(m['total'])}")
-    print("  bytes sent per GPU per step: " + ", ".join(f"{k} {gb(v)}" for k, v in r["comm_bytes_per_step"].items()))
+    print("  bytes sent per GPU per step: " + ", ".join(f"{k} {gb(v)}" for k,
+                                                        v in r["comm_bytes_per_step"].items()))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -112,11 +119,14 @@ def print_plan(r: dict):
 def train_args(a, **over) -> argparse.Namespace:
     """train.py's arguments for a timed run: no validation, one final checkpoint, a throwaway --out-dir."""
     argv = ["--model", a.model, "--seq-len", str(over.get("seq_len", a.seq_len)),
-            "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum", a.grad_accum)),
-            "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)), "--zero", str(over.get("zero", a.zero)),
+            "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum",
+                                                                                              a.grad_accum)),
+            "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)), "--zero",
+            str(over.get("zero", a.zero)),
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
             "--ckpt-every", str(a.warmup_steps + a.steps),  # one checkpoint, at the end: phase 7, timed apart
-            "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", tempfile.mkdtemp(prefix="bench-"),
+            "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir",
+            tempfile.mkdtemp(prefix="bench-"),
             "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
     argv += ["--act-ckpt"] if over.get("act_ckpt", a.act_ckpt) else []
     argv += ["--sp"] if over.get("sp", a.sp) else []
@@ -151,9 +161,11 @@ def measure(a, timing: str = "phases", **over) -> dict:
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     peak, peak_src = peak_flops(run.device, run.precision)
     flops = M.flops_per_token(margs, args.seq_len)
-    est = P.memory_estimate(margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp,
+    est = P.memory_estimate(margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp,
+                            mesh.pp,
                             mesh.dp, args.zero, mesh.sp, args.grad_accum, args.schedule, stage=mesh.pp_rank)
-    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
+            "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic,
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
@@ -167,9 +179,10 @@ def measure(a, timing: str = "phases", **over) -> dict:
 def print_measurement(rows: list[dict], a):
     r0 = rows[0]
     print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
-          f"{r0['peak_flops'] / 1e12:.2f} TFLOP/s per device ({r0['peak_flops_source']}); medians of {a.steps} steps "
-          f"after {a.warmup_steps} warm-up")
-    head = f"  {'tp pp dp':>8s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "            f"{'MFU palm':>8s} {'megatron':>8s} {'mem GB':>7s} {'est GB':>7s}  phases (ms)"
+          f"{r0['peak_flops'] / 1e12:.2f} TFLOP/s per device ({r0['peak_flops_source']}); medians of "
+          f"{a.steps} steps after {a.warmup_steps} warm-up")
+    head = (f"  {'tp pp dp':>8s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
+            f"{'MFU palm':>8s} {'megatron':>8s} {'mem GB':>7s} {'est GB':>7s}  phases (ms)")
     print(head)
     for r in rows:
         ph = " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items())
@@ -180,9 +193,11 @@ def print_measurement(rows: list[dict], a):
               + "".join(f"  {k}" for k in ("sp", "zero", "deterministic") if r[k]))
         comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v}
         if comm:
-            print("       bytes sent per step: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in comm.items()))
+            print("       bytes sent per step: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k,
+                                                             v in comm.items()))
     if r0["peak_flops_source"].startswith("cpu"):
-        print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts tensors)")
+        print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts "
+              "tensors)")
 
 
 SWEEP_KEYS = ("tp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "deterministic")
@@ -195,10 +210,12 @@ def parse_sweep(text: str) -> list[dict]:
         try:
             row = {k.strip(): int(v) for k, v in (kv.split("=") for kv in item.split(",") if kv.strip())}
         except ValueError:
-            raise SystemExit(f"error: bad --sweep item {item!r}: expected key=integer pairs, e.g. 'tp=2,mb=8'")
+            raise SystemExit(f"error: bad --sweep item {item!r}: expected key=integer pairs, e.g. "
+                             "'tp=2,mb=8'")
         unknown = sorted(set(row) - set(SWEEP_KEYS))
         if unknown:
-            raise SystemExit(f"error: unknown --sweep key(s) {', '.join(unknown)}; known: {', '.join(SWEEP_KEYS)}")
+            raise SystemExit(f"error: unknown --sweep key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(SWEEP_KEYS)}")
         out.append(row)
     return out
 
@@ -216,7 +233,8 @@ def compare_hf(a) -> dict:
                                    num_hidden_layers=margs.n_layers, num_attention_heads=margs.n_heads,
                                    num_key_value_heads=margs.n_kv_heads, vocab_size=margs.vocab_size,
                                    rms_norm_eps=margs.norm_eps, rope_theta=margs.rope_theta,
-                                   max_position_embeddings=margs.max_seq_len, tie_word_embeddings=margs.tie_embeddings)
+                                   max_position_embeddings=margs.max_seq_len,
+                                   tie_word_embeddings=margs.tie_embeddings)
     device, precision = T.pick_device_and_precision(a)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # no loss scaling for fp16 on this side
     torch.manual_seed(0)
@@ -291,8 +309,10 @@ def dp_vs_ddp(args, mesh, margs, device):
         opt.zero_grad()
 
     torch.manual_seed(0)
-    ref = torch.nn.parallel.DistributedDataParallel(M.Transformer(margs).to(device), bucket_cap_mb=args.bucket_mb,
-                                                    device_ids=[device.index] if device.type == "cuda" else None)
+    ref = torch.nn.parallel.DistributedDataParallel(M.Transformer(margs).to(device),
+                                                    bucket_cap_mb=args.bucket_mb,
+                                                    device_ids=[device.index] if device.type == "cuda"
+                                                    else None)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
     def ddp_step():
@@ -325,11 +345,13 @@ def bubble(args, mesh, margs, device):
         batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device),
                     torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device))
                    for _ in range(m)]
-        loss_fn = lambda logits, y: F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+        loss_fn = lambda logits, y: F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1),
+                                                    reduction="sum")
         stats = {}
 
         def step():
-            P.pipeline_step(model, batches, mesh, args.seq_len, margs.dim, loss_fn, args.schedule, stats=stats)
+            P.pipeline_step(model, batches, mesh, args.seq_len, margs.dim, loss_fn, args.schedule,
+                            stats=stats)
             opt.zero_grad()
 
         step()
@@ -352,50 +374,63 @@ def get_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sweep", default=None, help="';'-separated settings, e.g. 'tp=2,mb=8;act_ckpt=1'")
     mode.add_argument("--compare-hf", action="store_true",
-                      help="train transformers' LlamaForCausalLM on the same model and batch, alternating with ours")
+                      help="train transformers' LlamaForCausalLM on the same model and batch, alternating "
+                      "with ours")
     mode.add_argument("--plan", action="store_true",
                       help="no hardware: memory, bytes sent, bubble and time of a run on --gpus x --gpu")
     mode.add_argument("--dp-vs-ddp", action="store_true",
                       help="under torchrun: our data parallelism against torch's DistributedDataParallel")
     mode.add_argument("--bubble", action="store_true",
-                      help="under torchrun: the pipeline bubble measured at pp = processes, beside (p-1)/(m+p-1)")
+                      help="under torchrun: the pipeline bubble measured at pp = processes, beside "
+                      "(p-1)/(m+p-1)")
     p.add_argument("--model", default="mini", choices=sorted(M.PRESETS), help="a model.py preset")
     p.add_argument("--data", default="tinyshakespeare", help="train.py --data")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on a GPU, fp32 on a CPU (--dp-vs-ddp and --bubble run fp32)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: this rank's GPU if any, else cpu)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N, mps (default: this rank's GPU if any, else cpu)")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: m)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp; --plan assumes it when tp > 1)")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: shard the optimizer state over dp (ZeRO-1)")
-    p.add_argument("--act-ckpt", action="store_true", help="activation checkpointing: recompute each block in backward")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism (with --tp; --plan assumes it when tp > 1)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                   help="1: shard the optimizer state over dp (ZeRO-1)")
+    p.add_argument("--act-ckpt", action="store_true",
+                   help="activation checkpointing: recompute each block in backward")
     p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")
-    p.add_argument("--deterministic", action="store_true", help="train.py --deterministic (sweep key: deterministic)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="train.py --deterministic (sweep key: deterministic)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps run before timing starts")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (--dp-vs-ddp, both sides)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient bucket size (--dp-vs-ddp, both sides)")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
     p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule (--bubble, --plan)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"],
+                   help="pipeline schedule (--bubble, --plan)")
     g = p.add_argument_group("--plan")
     g.add_argument("--tokens", type=float, default=15e12, help="training tokens (Llama 3: 15e12)")
-    g.add_argument("--gpu", default="H100", choices=sorted(T.GPU_PEAK_TFLOPS), help="GPU model (H100 is the SXM part)")
+    g.add_argument("--gpu", default="H100", choices=sorted(T.GPU_PEAK_TFLOPS),
+                   help="GPU model (H100 is the SXM part)")
     g.add_argument("--gpus", type=int, default=8, help="GPUs in all (= tp x pp x dp)")
     g.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilization")
     g.add_argument("--reserve-gb", type=float, default=4.0,
-                   help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, fragmentation")
-    p.add_argument("--json", action="store_true", help="print one JSON object (settings and versions included)")
+                   help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, "
+                   "fragmentation")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (settings and versions included)")
     return p
 
 
 def main():
     a = get_parser().parse_args()
     versions = {"torch": torch.__version__, "python": platform.python_version(),
-                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{os.cpu_count()}"}
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                else f"cpu x{os.cpu_count()}"}
     if a.plan:
         run_plan(a)
     elif a.dp_vs_ddp or a.bubble:
@@ -405,7 +440,8 @@ def main():
     else:
         rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep else [{}])]
         if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps({**versions, "model": a.model, "rows": rows})) if a.json else print_measurement(rows, a)
+            print(json.dumps({**versions, "model": a.model,
+                              "rows": rows})) if a.json else print_measurement(rows, a)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -430,7 +466,8 @@ def run_comparison(a, versions: dict):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     margs = M.PRESETS[a.model]
     mesh = P.init_mesh(pp=world if a.bubble else 1, device=device)
-    result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world, "model": a.model,
+    result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world,
+              "model": a.model,
               "params": M.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len,
               "torch_device": str(device)}
     if a.dp_vs_ddp:
@@ -466,10 +503,12 @@ def print_comparison(result, a, world):
             print(f"  {k:12s} median step {1000 * v:8.1f} ms")
         print(f"  DDP / parallel.py step time: {r['ratio_ddp_over_ours']:.3f} (> 1: ours is faster)")
     else:
-        print(f"pipeline bubble, {a.schedule}, pp {world}, {a.model}, micro-batch {a.micro_batch}x{a.seq_len}")
+        print(f"pipeline bubble, {a.schedule}, pp {world}, {a.model}, micro-batch "
+              f"{a.micro_batch}x{a.seq_len}")
         print(f"  {'m':>3s} {'step ms':>9s} {'measured':>9s} {'(p-1)/(m+p-1)':>14s}   per stage")
         for r in result["bubble"]:
-            print(f"  {r['m']:3d} {1000 * r['step_s']:9.1f} {r['bubble_measured']:9.3f} {r['bubble_formula']:14.3f}   "
+            print(f"  {r['m']:3d} {1000 * r['step_s']:9.1f} {r['bubble_measured']:9.3f} "
+                  f"{r['bubble_formula']:14.3f}   "
                   + " ".join(f"{b:.3f}" for b in r["bubble_measured_per_stage"]))
 
 

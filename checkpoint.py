@@ -73,7 +73,8 @@ class RunLock:
 
     def __init__(self, out_dir: Path):
         self.out_dir, self.path = Path(out_dir), Path(out_dir) / ".lock"
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(),
+                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.held, self.made_dir = False, False
 
     def acquire(self, say=print):
@@ -334,7 +335,8 @@ def _meta_problem(meta) -> str | None:
     for name, info in meta["files"].items():
         if not SHARD_RE.fullmatch(name):  # a name such as ../../x would make the check read outside
             return f"the manifest names {name!r:.60}, not a shard file"
-        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
+        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int)
+                and isinstance(info.get("sha256"), str)):
             return f"the manifest entry of {name} is not {{bytes, sha256}}"
     return None
 

@@ -121,14 +121,16 @@ PREFERENCE_DATASETS = {
     "hh_rlhf_harmless_test": dict(  # red-teaming dialogues: offensive requests by design, paired replies
         url=f"{_GH}/anthropics/hh-rlhf/354e5c3cb8960630860dd5774a6ac2a58313bf4d/harmless-base/test.jsonl.gz",
         gzip_sha256="ebfaaed21162a4de120ae85366075b34425e2a6303fac59b99555002f7016f03",  # what the URL serves
-        sha256="14d765196c9f18d84f9bb3a78bac608c8f2915110ebcbd74ec95db7b7198b008",  # unpacked, as in the mirror
+        # unpacked, as in the mirror
+        sha256="14d765196c9f18d84f9bb3a78bac608c8f2915110ebcbd74ec95db7b7198b008",
         license="MIT (Anthropic)", mirror="dpo/hh_rlhf_harmless_base_test.jsonl"),
 }
 
 LLAMA3_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 TOKENIZER_FILES = {  # files a tokenizer needs; fetched through the same machinery as the datasets
     "llama3": dict(
-        url=f"{_GH}/meta-llama/llama-models/a9c89c471f793423afd4cc3ca8671d6e56fe64cb/models/llama3/tokenizer.model",
+        url=f"{_GH}/meta-llama/llama-models/a9c89c471f793423afd4cc3ca8671d6e56fe64cb"
+            "/models/llama3/tokenizer.model",
         sha256=LLAMA3_SHA256, license="Meta Llama 3 Community License", mirror="llama3/tokenizer.model"),
 }
 
@@ -248,7 +250,8 @@ SPECIAL_TOKENS = [
     "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>",
     "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|image|>",
 ]
-LLAMA3_SPECIAL_TOKENS = SPECIAL_TOKENS + [f"<|reserved_special_token_{i}|>" for i in range(2, 246)]  # Llama 3.1
+# Llama 3.1
+LLAMA3_SPECIAL_TOKENS = SPECIAL_TOKENS + [f"<|reserved_special_token_{i}|>" for i in range(2, 246)]
 LLAMA3_RANKS = 128_000
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -306,7 +309,8 @@ def _openai_encoding(name, mirror):
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:
-        raise DataError(f"could not load the {name} tokenizer ({one_line(e)}); offline, set TIKTOKEN_CACHE_DIR "
+        raise DataError(f"could not load the {name} tokenizer ({one_line(e)}); offline, set "
+                        "TIKTOKEN_CACHE_DIR "
                         f"or DATA_MIRROR/--mirror to a folder holding tiktoken's cache files") from None
     finally:
         if unset:
@@ -329,7 +333,8 @@ def _read_rank_file(path) -> dict:
                             f"note a Llama 2 SentencePiece tokenizer.model does not work here") from None
     # A file other than the official one is accepted if it has the Llama 3 shape: ranks 0..127,999.
     if not official and sorted(ranks.values()) != list(range(LLAMA3_RANKS)):
-        raise DataError(f"{path} holds {len(ranks):,} ranks, but a Llama 3 tokenizer.model has 128,000 (0..127,999)")
+        raise DataError(f"{path} holds {len(ranks):,} ranks, but a Llama 3 tokenizer.model has 128,000 "
+                        "(0..127,999)")
     return ranks
 
 
@@ -411,8 +416,8 @@ def jsonl_error(path, lineno, line, text, e: json.JSONDecodeError) -> DataError:
         whole = None
     if isinstance(whole, (dict, list)) or line.strip() in ("{", "["):
         what = {dict: "one JSON object", list: "a JSON array"}.get(type(whole), "JSON records")
-        return DataError(f"{path}: {what} spread over several lines (pretty-printed), not JSON Lines: write one "
-                         f"record per line")
+        return DataError(f"{path}: {what} spread over several lines (pretty-printed), not JSON Lines: write "
+                         "one record per line")
     return DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
 
 
@@ -453,7 +458,8 @@ def write_shard(path, tokens, tokenizer_name, vocab_size=None) -> Path:
     top = vocab_size - 1 if vocab_size else int(tokens.max(initial=0))
     dtype = _DTYPES[2] if top <= 0xFFFF else _DTYPES[4]
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
-        raise DataError(f"{path}: token ids outside [0, {np.iinfo(dtype).max}] cannot be stored as {dtype.name}")
+        raise DataError(f"{path}: token ids outside [0, {np.iinfo(dtype).max}] cannot be stored as "
+                        f"{dtype.name}")
     name = tokenizer_name.encode("utf-8")
     if len(name) > 64:
         raise DataError(f"tokenizer name {tokenizer_name!r} is longer than the 64 bytes a shard header holds")
@@ -480,8 +486,8 @@ def shard_info(path) -> dict:
         raise DataError(f"{path}: unsupported shard format version {version} / dtype code {itemsize}")
     size, expected = path.stat().st_size, HEADER_BYTES + count * itemsize
     if size != expected:
-        raise DataError(f"{path} is truncated or corrupt: its header says {count:,} tokens ({expected:,} bytes), "
-                        f"the file has {size:,} bytes; re-run prepare")
+        raise DataError(f"{path} is truncated or corrupt: its header says {count:,} tokens ({expected:,} "
+                        f"bytes), the file has {size:,} bytes; re-run prepare")
     return {"tokenizer": name.rstrip(b"\0").decode("utf-8", errors="replace"), "tokens": count,
             "dtype": _DTYPES[itemsize], "version": version, "max_id": max_id if version >= 2 else None}
 
@@ -491,17 +497,17 @@ def read_shard(path, tokenizer_name=None, n_vocab=None) -> np.memmap:
     holds an id the tokenizer does not have."""
     info = shard_info(path)
     if tokenizer_name is not None and info["tokenizer"] != tokenizer_name:
-        raise DataError(f"{path} was tokenized with {info['tokenizer']!r}, but {tokenizer_name!r} is expected; "
-                        f"prepare the data again with --tokenizer {tokenizer_name}")
+        raise DataError(f"{path} was tokenized with {info['tokenizer']!r}, but {tokenizer_name!r} is "
+                        f"expected; prepare the data again with --tokenizer {tokenizer_name}")
     if info["tokens"] == 0:  # mmap cannot map zero bytes
         return np.zeros(0, dtype=info["dtype"])
     tokens = np.memmap(path, dtype=info["dtype"], mode="r", offset=HEADER_BYTES, shape=(info["tokens"],))
     if n_vocab is not None:
         top = info["max_id"] if info["max_id"] is not None else int(tokens.max())  # version 1: read them all
         if top >= n_vocab:
-            raise DataError(f"{path} holds token id {top:,}, but the {info['tokenizer']} tokenizer has {n_vocab:,} "
-                            f"ids (0..{n_vocab - 1:,}): the shard is corrupt or was not written by this tokenizer; "
-                            f"prepare the data again")
+            raise DataError(f"{path} holds token id {top:,}, but the {info['tokenizer']} tokenizer has "
+                            f"{n_vocab:,} ids (0..{n_vocab - 1:,}): the shard is corrupt or was not written "
+                            "by this tokenizer; prepare the data again")
     return tokens
 
 
@@ -529,7 +535,8 @@ def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, work
         raise DataError(f"{out} exists and is not a folder")
     settings = {"source": str(source), "tokenizer": enc.name, "val_fraction": val_fraction,
                 "text_field": text_field, "shard_tokens": shard_tokens, "format": SHARD_VERSION,
-                "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size,
+                            "mtime_ns": p.stat().st_mtime_ns}
                            for p, *_ in inputs]}
     old = _read_json_object(out / "meta.json")
     if all(old.get(key) == value for key, value in settings.items()):
@@ -594,7 +601,8 @@ def _tokenize_split(docs, enc, out, split, workers, shard_tokens) -> dict:
         shards.append(write_shard(path, flat[:n], enc.name, vocab_size=enc.n_vocab).name)
         buffer, buffered = [flat[n:]], len(flat) - n
 
-    # a document becomes BOS + its tokens + EOS; encode_ordinary never turns "<|...|>" in raw text into a special
+    # a document becomes BOS + its tokens + EOS; encode_ordinary never turns "<|...|>" in raw text into a
+    # special
     for first, last, ids in _encode_pieces(docs, enc, workers, progress):
         for tokens in ([bos] if first else []) + [np.asarray(ids, np.uint32)] + ([eos] if last else []):
             buffer.append(tokens)
@@ -629,7 +637,10 @@ def _encode_pieces(docs, enc, workers, progress):
 
 def _encode_batch(batch, enc, workers, progress):
     texts = [text for _, _, text in batch]
-    encoded = enc.encode_ordinary_batch(texts, num_threads=workers) if workers > 1 else map(enc.encode_ordinary, texts)
+    if workers > 1:
+        encoded = enc.encode_ordinary_batch(texts, num_threads=workers)
+    else:
+        encoded = map(enc.encode_ordinary, texts)
     for (first, last, text), ids in zip(batch, encoded):
         progress.update(len(text.encode("utf-8")))
         yield first, last, ids
@@ -779,7 +790,8 @@ class Loader(Positions):
         """tokenizer: a name, or an Encoding (then every id must also be below its n_vocab)."""
         paths = sorted(Path(data_dir).glob(f"{split}_*.bin"))
         if not paths:
-            raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}; run: python data.py prepare ...")
+            raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}; run: python data.py prepare "
+                            "...")
         name = _tokenizer_name(tokenizer)
         n_vocab = tokenizer.n_vocab if isinstance(tokenizer, tiktoken.Encoding) else None
         self.shards = [read_shard(p, name, n_vocab) for p in paths]
@@ -789,8 +801,9 @@ class Loader(Positions):
         self.offsets = np.concatenate([[0], np.cumsum(counts)])  # window index where each shard starts
         self.num_tokens = int(n.sum())
         super().__init__(int(self.offsets[-1]), batch_size, seq_len, dp_rank, dp_size, seed, empty=(
-            f"the {split} split in {data_dir} has {self.num_tokens:,} tokens (largest shard {int(n.max()):,}), "
-            f"too few for one sequence of seq_len + 1 = {seq_len + 1:,} tokens; lower seq_len or use more data"))
+            f"the {split} split in {data_dir} has {self.num_tokens:,} tokens (largest shard "
+            f"{int(n.max()):,}), too few for one sequence of seq_len + 1 = {seq_len + 1:,} tokens; lower "
+            "seq_len or use more data"))
         self._cols = np.arange(seq_len + 1)
 
     def _draw(self, rng) -> tuple:
@@ -827,8 +840,8 @@ def check_messages(messages):
         if role not in CHAT_ROLES:
             raise DataError(f"message {i} has role {role!r}; the roles are {', '.join(CHAT_ROLES)}")
         if not isinstance(message.get("content"), str):
-            raise DataError(f"message {i} ({role}) has content of type {type(message.get('content')).__name__}, "
-                            f"not a string")
+            raise DataError(f"message {i} ({role}) has content of type "
+                            f"{type(message.get('content')).__name__}, not a string")
 
 
 def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:
@@ -907,7 +920,8 @@ def main(argv=None) -> int:
     p.add_argument("--source", required=True, help=f"{' | '.join(DATASETS)} | a file, folder or glob")
     p.add_argument("--tokenizer", default="byte", help=f"{' | '.join(TOKENIZERS)} | path to tokenizer.model")
     p.add_argument("--out", help="output folder (default: <DATA_CACHE>/shards/<source>-<tokenizer>)")
-    p.add_argument("--mirror", help="local mirror folder holding the registry's files (default: $DATA_MIRROR)")
+    p.add_argument("--mirror",
+                   help="local mirror folder holding the registry's files (default: $DATA_MIRROR)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents held out")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
     p.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
@@ -922,8 +936,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
-            out = prepare(args.source, args.tokenizer, out_dir=args.out, mirror=args.mirror, workers=args.workers,
-                          val_fraction=args.val_fraction, text_field=args.text_field, shard_tokens=args.shard_tokens)
+            out = prepare(args.source, args.tokenizer, out_dir=args.out, mirror=args.mirror,
+                          workers=args.workers,
+                          val_fraction=args.val_fraction, text_field=args.text_field,
+                          shard_tokens=args.shard_tokens)
             meta = json.loads((out / "meta.json").read_text())
             print(f"shards in {out} (tokenizer {meta['tokenizer']}, vocab {meta['n_vocab']:,})")
             for split, s in meta["splits"].items():

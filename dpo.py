@@ -64,7 +64,8 @@ _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 
 
 def _parse_hh(text) -> tuple:
-    """An HH-RLHF dialogue "\\n\\nHuman: ...\\n\\nAssistant: ..." -> (messages before the last reply, last reply)."""
+    """An HH-RLHF dialogue "\\n\\nHuman: ...\\n\\nAssistant: ..." -> (messages before the last reply, last
+    reply)."""
     cut = text.rfind("\n\nAssistant:")
     if cut < 0:
         raise data.DataError('an HH-RLHF dialogue without "\\n\\nAssistant:"')
@@ -94,9 +95,11 @@ def _preference_side(value, prompt) -> tuple:
 
 
 def read_preferences(path_or_name, mirror=None) -> list:
-    """A registered name (data.PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen", "rejected"}].
+    """A registered name (data.PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen",
+    "rejected"}].
 
-    Records: {"prompt", "chosen", "rejected"}, each a string (a prompt string is one user message) or a message
+    Records: {"prompt", "chosen", "rejected"}, each a string (a prompt string is one user message) or a
+    message
     list, or HH-RLHF's {"chosen", "rejected"} full dialogues. Pairs whose two prompts differ, with an empty
     reply or with identical replies are skipped, and the counts printed (stderr).
     """
@@ -106,14 +109,16 @@ def read_preferences(path_or_name, mirror=None) -> list:
         try:
             if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
                 fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-                raise data.DataError(f"unknown preference record {fields}: expected {{prompt, chosen, rejected}} "
+                raise data.DataError(f"unknown preference record {fields}: expected "
+                                     f"{{prompt, chosen, rejected}} "
                                 f"or HH-RLHF {{chosen, rejected}}")
             prompt = record.get("prompt")
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
             elif prompt is not None:
                 data.check_messages(prompt)
-            (prompt, chosen), (other, rejected) = (_preference_side(record[k], prompt) for k in ("chosen", "rejected"))
+            (prompt, chosen), (other, rejected) = (_preference_side(record[k], prompt) for k in ("chosen",
+                                                                                                 "rejected"))
         except data.DataError as e:
             raise data.DataError(f"{where}: {e}") from None
         if prompt != other:
@@ -154,7 +159,8 @@ def preference_examples(enc, pairs, seq_len) -> tuple:
 
 class PreferenceLoader(data.Positions):
     """(inputs, targets) int64 batches of shape (2 * batch_size, seq_len): rows 0..B-1 the chosen sequences,
-    rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are data.IGNORE_INDEX
+    rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are
+    data.IGNORE_INDEX
     outside the reply tokens. One global sequence is one pair; positions and state as in SFTLoader."""
 
     def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pad_id=0,
@@ -185,7 +191,8 @@ def dpo_loss(pc, pr, rc, rr, beta: float, kind: str = "sigmoid", label_smoothing
     """Per-pair losses from policy (pc, pr) and reference (rc, rr) sequence log-probs, chosen / rejected."""
     logits = (pc - rc) - (pr - rr)  # difference of the two log-ratios
     if kind == "sigmoid":
-        return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
+        return (-(1 - label_smoothing) * F.logsigmoid(beta * logits)
+                - label_smoothing * F.logsigmoid(-beta * logits))
     if kind == "ipo":
         return (logits - 1 / (2 * beta)) ** 2
     if kind == "hinge":
@@ -326,7 +333,8 @@ class DPO(sft.SFT):
         if not self.args.precompute_ref:
             return DPOTask(margs, mesh, self.args, reference=reference)
         # the point of precomputing: the reference is freed when this returns, before training starts
-        return DPOTask(margs, mesh, self.args, cached=cached_reference(reference, self.loaders, mesh, self.args, device))
+        return DPOTask(margs, mesh, self.args, cached=cached_reference(reference, self.loaders, mesh,
+                                                                       self.args, device))
 
 
 def main(argv=None):

@@ -2,12 +2,14 @@
 
     python evaluate.py --init out --task tinyshakespeare             # val loss, perplexity, bits per byte
     python evaluate.py --init out --task hellaswag --task piqa --limit 500 --json
-    torchrun --standalone --nproc_per_node=8 evaluate.py --init Llama-3.2-1B --tokenizer llama3 --task hellaswag
+    torchrun --standalone --nproc_per_node=8 evaluate.py --init Llama-3.2-1B --tokenizer llama3 --task
+    hellaswag
     python evaluate.py --init out-sft --chat --prompt "How do I make tea?" --temperature 0
     python evaluate.py --contamination piqa --train ~/.cache/llama3-train/shards/c4_demo-gpt2
 
 Read top to bottom:
-  1. Model           --init (a train/sft/dpo checkpoint, a Hugging Face or a Meta folder) -> eval-mode Transformer
+  1. Model           --init (a train/sft/dpo checkpoint, a Hugging Face or a Meta folder) -> eval-mode
+  Transformer
   2. Log-likelihood  token_logprobs: log p(each token | the tokens before it), the primitive of 3 and 5
   3. Perplexity      token shards or raw text -> loss, perplexity, bits per byte
   4. Benchmarks      a small registry (URL, sha256, mirror path, as in data.py) and readers that turn a
@@ -65,7 +67,8 @@ def init_defaults(path) -> dict:
             return {}
         if name == "meta.json":
             args = found.get("args") if isinstance(found.get("args"), dict) else {}
-            return {k: args[k] for k, kind in (("tokenizer", str), ("seq_len", int)) if isinstance(args.get(k), kind)}
+            return {k: args[k] for k, kind in (("tokenizer", str), ("seq_len", int))
+                    if isinstance(args.get(k), kind)}
         vocab = found.get("vocab_size")
         return {"tokenizer": "llama3"} if isinstance(vocab, int) and vocab >= data.LLAMA3_RANKS else {}
     return {}
@@ -74,7 +77,8 @@ def init_defaults(path) -> dict:
 def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
     """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off. A checkpoint is verified
     against its manifest by rank 0 alone, which tells the others which step folder to read."""
-    with contextlib.redirect_stdout(sys.stderr):  # load_init may report a grown vocabulary; stdout is for results
+    # load_init may report a grown vocabulary; stdout is for results
+    with contextlib.redirect_stdout(sys.stderr):
         if C.is_checkpoint(path):
             path = P.on_rank0(lambda: C.resolve(path), mesh)
         margs, state = sft.load_init(path, tok, verify=False)
@@ -176,8 +180,10 @@ def perplexity(model, tok, arrays, seq_len, batch_size, mesh, limit=None) -> dic
 _GH = "https://raw.githubusercontent.com"
 _PIQA = f"{_GH}/ybisk/ybisk.github.io/21edab439af693b961be2f069e8690a88d3b4e37/piqa/data"
 BENCHMARKS = {  # pinned URLs, sha256, and the path of the same file in a local mirror (DATA_MIRROR)
-    "hellaswag": dict(  # validation, 10,042 items: klosax's 6-line text form of rowanz/hellaswag, markup removed
-        url=f"{_GH}/klosax/hellaswag_text_data/1105d370f8340eac3c63a91fd1fa58e8999f9505/hellaswag_val_full.txt.bz2",
+    # validation, 10,042 items: klosax's 6-line text form of rowanz/hellaswag, markup removed
+    "hellaswag": dict(
+        url=f"{_GH}/klosax/hellaswag_text_data/1105d370f8340eac3c63a91fd1fa58e8999f9505"
+            "/hellaswag_val_full.txt.bz2",
         sha256="50b637899e4263c2bc456c2dc726c95d2c8cd8e2a552ea5bd7719ce3cb03fe5b",
         mirror="eval/hellaswag_val_full.txt.bz2", license="MIT"),
     "piqa": dict(  # validation, 1,838 items; the gold labels are a separate file
@@ -235,16 +241,19 @@ def read_items(task, mirror=None) -> list[dict]:
         path = Path(task).expanduser()
         if not path.is_file():
             raise T.ConfigError(f"{task!r} is neither a benchmark ({', '.join(BENCHMARKS)}) nor a file")
-        labels = path.with_name(path.stem + "-labels.lst")  # where PIQA keeps them: valid.jsonl, valid-labels.lst
+        # where PIQA keeps them: valid.jsonl, valid-labels.lst
+        labels = path.with_name(path.stem + "-labels.lst")
     if path.suffix == ".bz2":  # 6 lines per item: context, gold label, 4 endings
         with bz2.open(path, "rt", encoding="utf-8") as f:
             lines = f.read().split("\n")
-        return [_item(lines[i], lines[i + 2:i + 6], lines[i + 1], f"{path}:{i + 1}") for i in range(0, len(lines) - 5, 6)]
+        return [_item(lines[i], lines[i + 2:i + 6], lines[i + 1], f"{path}:{i + 1}")
+                for i in range(0, len(lines) - 5, 6)]
     records = data.json_records(path)
     first = records[0][1] if records else {}
     keys = next((k for k in FORMATS if isinstance(first, dict) and set(k) <= set(first)), None)
     if keys is None:
-        raise data.DataError(f"{path}: unknown benchmark record, expected the fields of one of {list(FORMATS)}")
+        raise data.DataError(f"{path}: unknown benchmark record, expected the fields of one of "
+                             f"{list(FORMATS)}")
     gold = [None] * len(records)
     if keys == ("goal", "sol1", "sol2") and "label" not in first:
         if not (labels and labels.is_file()):
@@ -281,7 +290,8 @@ def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
         return "perplexity", [text_tokens(data.read_documents(path), tok)]
     if path.is_file() and path.suffix in (".jsonl", ".json"):
         records = data.json_records(path)
-        if path.suffix == ".jsonl" and records and isinstance(records[0][1], dict) and "text" in records[0][1]:
+        if path.suffix == ".jsonl" and records and isinstance(records[0][1],
+                                                              dict) and "text" in records[0][1]:
             return "perplexity", [text_tokens(data.read_documents(path, "jsonl"), tok)]
         return "multiple_choice", read_items(path)
     raise T.ConfigError(f"unknown --task {task!r}: not a benchmark ({', '.join(BENCHMARKS)}), a dataset "
@@ -312,7 +322,8 @@ def multiple_choice(model, tok, items, seq_len, batch_size, mesh) -> dict:
     scores = []
     for k in range(0, len(requests), batch_size):
         batch = requests[k:k + batch_size]
-        scores += [logp[-n:].sum() for (_, n), logp in zip(batch, token_logprobs(model, [s for s, _ in batch]))]
+        scores += [logp[-n:].sum() for (_, n), logp in zip(batch, token_logprobs(model, [s for s,
+                                                                                         _ in batch]))]
     sums, k = np.zeros(4), 0  # right by acc, acc_norm, acc_token; items
     for i in mine:
         choices, label = items[i]["choices"], items[i]["label"]
@@ -320,7 +331,8 @@ def multiple_choice(model, tok, items, seq_len, batch_size, mesh) -> dict:
         n_tokens = np.array([n for _, n in requests[k:k + len(choices)]])
         n_chars = np.array([max(len(c), 1) for c in choices])
         k += len(choices)
-        sums += [logp.argmax() == label, (logp / n_chars).argmax() == label, (logp / n_tokens).argmax() == label, 1]
+        sums += [logp.argmax() == label, (logp / n_chars).argmax() == label, (logp / n_tokens).argmax()
+                 == label, 1]
     right, right_norm, right_token, n = _all_reduce(sums.tolist(), mesh, model.tok_embeddings.weight.device)
     return {"acc": right / n, "acc_norm": right_norm / n, "acc_token": right_token / n, "items": int(n),
             "seq_len": seq_len}
@@ -340,8 +352,10 @@ def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, *
     stop = data.eot_id(tok) if chat else data.eos_id(tok)
     limit = seq_len or model.args.max_seq_len
     if len(ids) >= limit:
-        raise T.ConfigError(f"a prompt of {len(ids)} tokens leaves no room to generate under --seq-len {limit}")
-    new = M.generate(model, ids, min(max_new_tokens, limit - len(ids)), eos_id=stop, n_vocab=tok.n_vocab, **sampling)
+        raise T.ConfigError(f"a prompt of {len(ids)} tokens leaves no room to generate under --seq-len "
+                            f"{limit}")
+    new = M.generate(model, ids, min(max_new_tokens, limit - len(ids)), eos_id=stop, n_vocab=tok.n_vocab,
+                     **sampling)
     new = new[0].tolist()
     stopped = stop in new
     new = new[:new.index(stop)] if stopped else new
@@ -393,7 +407,8 @@ class NgramIndex:
     def __init__(self, sequences, n):
         grams = [np.unique(ngram_hashes(s, n)) for s in sequences]
         self.table = np.unique(np.concatenate(grams))  # sorted; the only n-grams held in memory
-        self.of_item = [np.searchsorted(self.table, g) for g in grams]  # each item's n-grams, as table indices
+        # each item's n-grams, as table indices
+        self.of_item = [np.searchsorted(self.table, g) for g in grams]
         self.found = np.zeros(len(self.table), dtype=bool)
         self.n, self.carry = n, np.zeros(0, dtype=np.uint64)
 
@@ -438,10 +453,11 @@ def training_pieces(source, tok, mirror=None):
         with open(file, encoding=encoding) as f:
             while lines := f.readlines(CHUNK):  # whole lines, about CHUNK characters
                 try:
-                    text = "".join(json.loads(line)["text"] + "\n" if fmt == "jsonl" and line.strip() else line
-                                   for line in lines)
+                    text = "".join(json.loads(line)["text"] + "\n" if fmt == "jsonl" and line.strip()
+                                   else line for line in lines)
                 except (ValueError, KeyError, TypeError):
-                    raise data.DataError(f"{file}: a line is not a JSON record with a \"text\" field") from None
+                    raise data.DataError(f"{file}: a line is not a JSON record with a \"text\" "
+                                         "field") from None
                 yield np.array(tok.encode_ordinary(text), dtype=np.int64), text
 
 
@@ -455,7 +471,8 @@ def contamination(items, source, tok, n_words=13, n_tokens=8, examples=3, mirror
         index["words"].feed(words)
         index["tokens"].feed(ids)
         train_tokens, train_words = train_tokens + len(ids), train_words + len(words)
-    return {"train": str(source), "items": len(items), "train_tokens": train_tokens, "train_words": train_words,
+    return {"train": str(source), "items": len(items), "train_tokens": train_tokens,
+            "train_words": train_words,
             "tokenizer": tok.name, **{kind: ix.report(texts, examples) for kind, ix in index.items()}}
 
 
@@ -466,30 +483,37 @@ def contamination(items, source, tok, n_words=13, n_tokens=8, examples=3, mirror
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--init", help="a train.py/sft.py/dpo.py --out-dir or step folder, a Hugging Face or a Meta folder")
+    p.add_argument("--init",
+                   help="a train.py/sft.py/dpo.py --out-dir or step folder, a Hugging Face or a Meta folder")
     p.add_argument("--task", action="append", default=[],
                    help=f"repeatable: a benchmark ({', '.join(BENCHMARKS)}) or a {{context, choices, label}} "
                         f"JSONL; a dataset ({', '.join(data.DATASETS)}: its val split), a folder of shards, "
                         f"a .bin, .txt or {{text}} .jsonl file (loss, perplexity, bits per byte)")
     p.add_argument("--tokenizer", help="default: the one the checkpoint was trained with, else byte")
-    p.add_argument("--seq-len", type=int, help="longest sequence; default: the training --seq-len, else max_seq_len")
+    p.add_argument("--seq-len", type=int,
+                   help="longest sequence; default: the training --seq-len, else max_seq_len")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--limit", type=int, help="only the first N items (benchmarks) or windows (text)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per task (summaries go to stderr)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per task (summaries go to stderr)")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=[], help="repeatable")
     g.add_argument("--prompts-file", help="one prompt per line")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template; stop at <|eot_id|>")
-    g.add_argument("--max-new-tokens", type=int, default=200, help="per prompt (fewer if --seq-len ends first)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the chat template; stop at <|eot_id|>")
+    g.add_argument("--max-new-tokens", type=int, default=200,
+                   help="per prompt (fewer if --seq-len ends first)")
     g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
     g.add_argument("--top-p", type=float, help="sample among the likeliest tokens holding this probability")
     g.add_argument("--seed", type=int, default=1337, help="of the sampling")
     g = p.add_argument_group("contamination")
     g.add_argument("--contamination", help="a benchmark name or file to look for in --train")
-    g.add_argument("--train", help="training data: a dataset name, .txt/.jsonl files (glob, folder) or shards")
+    g.add_argument("--train",
+                   help="training data: a dataset name, .txt/.jsonl files (glob, folder) or shards")
     g.add_argument("--ngram-words", type=int, default=13, help="n of the word n-grams (lowercased \\w+ runs)")
-    g.add_argument("--ngram-tokens", type=int, default=8, help="in --tokenizer's tokens (the shards' own for shards)")
+    g.add_argument("--ngram-tokens", type=int, default=8,
+                   help="in --tokenizer's tokens (the shards' own for shards)")
     g.add_argument("--examples", type=int, default=3, help="contaminated items shown per kind")
     g = p.add_argument_group("system")
     g.add_argument("--mirror", help="local mirror folder for downloads (default: $DATA_MIRROR)")
@@ -503,10 +527,11 @@ def describe(r) -> str:
     """The one-paragraph summary of a task's result."""
     if r["kind"] == "perplexity":
         return (f"{r['task']}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | bits per byte "
-                f"{r['bits_per_byte']:.4f} | {r['tokens']:,} tokens, {r['bytes']:,} bytes, {r['windows']:,} windows")
+                f"{r['bits_per_byte']:.4f} | {r['tokens']:,} tokens, {r['bytes']:,} bytes, {r['windows']:,} "
+                "windows")
     if r["kind"] == "multiple_choice":
-        return (f"{r['task']}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | acc_token {r['acc_token']:.4f} "
-                f"| {r['items']:,} items")
+        return (f"{r['task']}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | acc_token "
+                f"{r['acc_token']:.4f} | {r['items']:,} items")
     if r["kind"] == "generate":
         return f"prompt: {r['prompt']}\n{r['completion']}" + ("" if r["stopped"] else " [...]")
     lines = [f"contamination of {r['task']} ({r['items']:,} items) in {r['train']} "
@@ -515,7 +540,8 @@ def describe(r) -> str:
         c = r[kind]
         lines.append(f"  {c['n']}-{kind[:-1]} n-grams: {c['contaminated']:,} items ({100 * c['share']:.2f}%) "
                      f"contaminated; {c['checkable']:,} items long enough to check")
-        lines += [f"    #{e['index']} ({100 * e['overlap']:.0f}% of its n-grams): {e['text'][:100]!r}" for e in c["examples"]]
+        lines += [f"    #{e['index']} ({100 * e['overlap']:.0f}% of its n-grams): {e['text'][:100]!r}"
+                  for e in c["examples"]]
     return "\n".join(lines)
 
 
@@ -531,7 +557,8 @@ def check_flags(args) -> list[str]:
     if not (args.task or prompts or args.contamination):
         raise T.ConfigError("nothing to do: give --task, --prompt / --prompts-file or --contamination")
     if (args.task or prompts) and not args.init:
-        raise T.ConfigError("--init (a checkpoint, Hugging Face or Meta folder) is needed for --task and --prompt")
+        raise T.ConfigError("--init (a checkpoint, Hugging Face or Meta folder) is needed for --task and "
+                            "--prompt")
     if args.contamination and not args.train:
         raise T.ConfigError("--contamination needs --train: the training data to search")
     for flag in ("batch_size", "limit", "seq_len", "max_new_tokens", "ngram_words", "ngram_tokens"):
@@ -561,11 +588,14 @@ def main(argv=None):
         device, precision = T.pick_device_and_precision(args)
         dtype = T.DTYPES[precision]
         mesh = P.init_mesh(device=device)
-        tasks = P.on_rank0_first(lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task}, mesh)
+        tasks = P.on_rank0_first(lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task},
+                                 mesh)
         model = load_model(args.init, tok, device, dtype, mesh)
-        seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len, model.args.max_seq_len)
+        seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len,
+                                      model.args.max_seq_len)
         if seq_len > model.args.max_seq_len:
-            raise T.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.args.max_seq_len}")
+            raise T.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
+                                f"{model.args.max_seq_len}")
         for task, (kind, payload) in tasks.items():
             if kind == "perplexity":
                 result = perplexity(model, tok, payload, seq_len, args.batch_size, mesh, args.limit)
@@ -577,14 +607,16 @@ def main(argv=None):
             for prompt in prompts:
                 emit({"task": "generate", "kind": "generate",
                       **complete(model, tok, prompt, args.chat, args.max_new_tokens, seq_len,
-                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=g)})
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                 generator=g)})
     if args.contamination and mesh.rank == 0:
         items = read_items(args.contamination, args.mirror)[:args.limit]
         shards = shard_paths(args.train)  # token n-grams must be in the shards' own tokenizer
-        train_tok = data.get_tokenizer(data.shard_info(shards[0])["tokenizer"], args.mirror) if shards else tok
+        train_tok = data.get_tokenizer(data.shard_info(shards[0])["tokenizer"],
+                                       args.mirror) if shards else tok
         emit({"task": args.contamination, "kind": "contamination",
-              **contamination(items, args.train, train_tok, args.ngram_words, args.ngram_tokens, args.examples,
-                              args.mirror)})
+              **contamination(items, args.train, train_tok, args.ngram_words, args.ngram_tokens,
+                              args.examples, args.mirror)})
     if mesh.world > 1:
         dist.destroy_process_group()
 

@@ -53,7 +53,8 @@ class ModelArgs:
     ffn_hidden: Optional[int] = None  # explicit FFN hidden size (HF's intermediate_size); overrides the rule
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: Optional[dict] = None  # Llama 3.1: factor, low_freq_factor, high_freq_factor, original_max_seq_len
+    # Llama 3.1: factor, low_freq_factor, high_freq_factor, original_max_seq_len
+    rope_scaling: Optional[dict] = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
 
@@ -280,9 +281,7 @@ def init_tensor(args: ModelArgs, name: str, shape, seed: int, device="cpu") -> t
     Each parameter draws from its own generator, seeded by (seed, name): a process can make any one
     parameter without making the others, so a tensor- or pipeline-parallel rank builds only its own pieces
     and still holds exactly the weights the whole model would have (parallel.materialize). Drawn on the
-    CPU by default, so a seed gives the same model on any device. A CPU generator keeps 32 bits of its
-    seed: two same-shaped weights of a model start equal only if their digests collide (odds ~ n^2 / 2^33
-    for n weights: 1e-4 for the 1,100 of 405B)."""
+    CPU by default, so a seed gives the same model on any device."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device)
     std = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
@@ -342,7 +341,8 @@ class Transformer(nn.Module):
             mask = (same_doc & causal)[:, None]  # (B, 1, T, T), broadcast over heads
         else:
             positions = torch.arange(start_pos, start_pos + T, device=device)
-            if caches is not None and start_pos > 0 and T > 1:  # prefill after a prefix: query i sees keys <= start_pos+i
+            # prefill after a prefix: query i sees keys <= start_pos+i
+            if caches is not None and start_pos > 0 and T > 1:
                 mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=device).tril(start_pos)
         cos, sin = rope_cos_sin(positions, rope_frequencies(self.args, device))
         return cos, sin, mask
@@ -462,7 +462,8 @@ def read_safetensors(path, names=None) -> dict[str, torch.Tensor]:
     files can be large)."""
     base, header = _safetensors_header(path)
     out = {}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:  # copy-on-write: torch wants writable memory
+    # copy-on-write: torch wants writable memory
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
         for name in header if names is None else names:
             info = header[name]
             start, end = info["data_offsets"]
@@ -481,7 +482,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path):
     for name, t in tensors.items():
         t = t.detach().contiguous().cpu()
         b = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset
+                                                                                          + len(b)]}
         blobs.append(b)
         offset += len(b)
     h = json.dumps(header).encode()
@@ -521,10 +523,12 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
                        original_max_seq_len=rope["original_max_position_embeddings"])
     elif rope.get("rope_type", "default") not in ("default", None):
         raise ValueError(f"unsupported rope type {rope.get('rope_type')!r}")
-    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+                     n_heads=cfg["num_attention_heads"],
                      n_kv_heads=cfg.get("num_key_value_heads"), vocab_size=cfg["vocab_size"],
                      ffn_hidden=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
-                     rope_theta=theta, rope_scaling=scaling, max_seq_len=cfg.get("max_position_embeddings", 2048),
+                     rope_theta=theta, rope_scaling=scaling, max_seq_len=cfg.get("max_position_embeddings",
+                                                                                 2048),
                      tie_embeddings=cfg.get("tie_word_embeddings", False))
 
 
@@ -538,7 +542,8 @@ def hf_config(args: ModelArgs) -> dict:
            "torch_dtype": "float32"}
     if args.rope_scaling:
         s = args.rope_scaling
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s["factor"], "low_freq_factor": s["low_freq_factor"],
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s["factor"],
+                               "low_freq_factor": s["low_freq_factor"],
                                "high_freq_factor": s["high_freq_factor"],
                                "original_max_position_embeddings": s["original_max_seq_len"]}
     return cfg
@@ -555,7 +560,8 @@ def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: str)
         raise ValueError(f"{source}: missing {missing[:4]} unexpected {unexpected[:4]}")
     for k, shape in expected.items():
         if tuple(state[k].shape) != tuple(shape):
-            raise ValueError(f"{source}: {k} has shape {tuple(state[k].shape)}, the config says {tuple(shape)}")
+            raise ValueError(f"{source}: {k} has shape {tuple(state[k].shape)}, the config says "
+                             f"{tuple(shape)}")
     model.load_state_dict(state, strict=False)
     return model
 
@@ -645,15 +651,16 @@ def hf_to_meta_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 # In Meta's model-parallel checkpoints each consolidated.NN.pth holds one slice: column-parallel weights
 # (and the vocab-parallel embedding) are split along dim 0, row-parallel ones (wo, w2) along dim 1.
-_META_CAT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0, "wo": 1, "w2": 1}
+_META_CAT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0, "wo": 1,
+                 "w2": 1}
 
 
 def load_meta(path, dtype=torch.float32) -> Transformer:
     """A Meta Llama 3 checkpoint directory (params.json + consolidated.*.pth) -> Transformer."""
     path = Path(path)
     p = json.loads((path / "params.json").read_text())
-    args = ModelArgs(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"], n_kv_heads=p.get("n_kv_heads"),
-                     vocab_size=p["vocab_size"], multiple_of=p["multiple_of"],
+    args = ModelArgs(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"],
+                     n_kv_heads=p.get("n_kv_heads"), vocab_size=p["vocab_size"], multiple_of=p["multiple_of"],
                      ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p["norm_eps"],
                      rope_theta=p.get("rope_theta", 500000.0),
                      rope_scaling=dict(LLAMA31_ROPE) if p.get("use_scaled_rope") else None,
@@ -670,7 +677,8 @@ def load_meta(path, dtype=torch.float32) -> Transformer:
             continue  # some releases store RoPE frequencies; we recompute them
         parts = [s[name] for s in shards]
         kind = name.split(".")[-2]
-        t = torch.cat(parts, dim=_META_CAT_DIM[kind]) if len(parts) > 1 and kind in _META_CAT_DIM else parts[0]
+        t = torch.cat(parts,
+                      dim=_META_CAT_DIM[kind]) if len(parts) > 1 and kind in _META_CAT_DIM else parts[0]
         if kind == "wq":
             t = meta_to_hf_rope_permute(t, args.n_heads)
         elif kind == "wk":
@@ -706,7 +714,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
     'megatron' (Megatron-LM, llm.c): the attention term halved, since causal masking skips half of it.
     N_matmul counts every weight that takes part in a matmul: all but the embedding table, the output head
     included (when tied, the shared matrix is still used once as the head)."""
-    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings
+                                                      else 0)
     attn = 12 * args.n_layers * args.dim * seq_len
     return {"palm": 6 * n_matmul + attn, "megatron": 6 * n_matmul + attn / 2}
 
@@ -714,6 +723,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
 if __name__ == "__main__":  # python model.py: list the presets with their sizes
     for name, a in PRESETS.items():
         f = flops_per_token(a, a.max_seq_len if a.max_seq_len <= 8192 else 8192)
-        print(f"{name:14s} params {count_params(a):>16,d}  non-embedding {count_params(a, False):>16,d}  "
-              f"dim {a.dim:5d} layers {a.n_layers:3d} heads {a.n_heads:3d}/{a.n_kv_heads:<2d} ffn {a.hidden_dim:6d}  "
-              f"GFLOP/token {f['palm'] / 1e9:9.2f}")
+        print(f"{name:14s} params {count_params(a):>16,d}  non-embedding {count_params(a, False):>16,d}  dim "
+              f"{a.dim:5d} layers {a.n_layers:3d} heads {a.n_heads:3d}/{a.n_kv_heads:<2d} ffn "
+              f"{a.hidden_dim:6d}  GFLOP/token {f['palm'] / 1e9:9.2f}")

@@ -79,9 +79,11 @@ class Mesh:
     groups: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" -> ProcessGroup (absent when size 1)
     pp_peers: list = field(default_factory=list)  # global ranks of my pipeline, stage order
     sp: bool = False  # sequence parallelism inside the TP group
-    group_ranks: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" / "world" -> global ranks, for messages
+    # "tp" / "pp" / "dp" / "world" -> global ranks, for messages
+    group_ranks: dict = field(default_factory=dict)
     timeout_s: float = 300.0  # how long any collective may wait for its peers
-    io_timeout_s: float = 3600.0  # ... and the "io" group's waits for one rank's disk work (data, checkpoints)
+    # ... and the "io" group's waits for one rank's disk work (data, checkpoints)
+    io_timeout_s: float = 3600.0
     device: torch.device = torch.device("cpu")  # where small flags live for a collective (NCCL: the GPU)
     comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0})
 
@@ -120,7 +122,8 @@ def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches:
         errors.append("tied embeddings across pipeline stages are not supported (the embedding lives on the "
                       "first stage, the head on the last); use pp 1 or an untied model")
     if pp > 1 and schedule == "1f1b" and micro_batches < pp:
-        errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages (pp {pp})")
+        errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages "
+                      f"(pp {pp})")
     if sp and tp > 1 and seq_len % tp:
         errors.append(f"sequence parallelism needs --seq-len {seq_len} divisible by tp {tp}")
     if errors:
@@ -147,7 +150,8 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dp = world // (tp * pp)
-    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s, io_timeout_s=io_timeout_s,
+    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
+                io_timeout_s=io_timeout_s,
                 device=device if device is not None and device.type == "cuda" else torch.device("cpu"))
     grid = torch.arange(world).view(dp, pp, tp)
     mesh.dp_rank, mesh.pp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
@@ -199,7 +203,8 @@ class CommError(RuntimeError):
 
 def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
     """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
-    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised as is."""
+    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised as
+    is."""
     if isinstance(e, torch.OutOfMemoryError):
         raise e
     op, t = what
@@ -209,8 +214,8 @@ def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
     cause = cause.split(". This is typically")[0][:300]
     waited = time.monotonic() - t0
     hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
-            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" else mesh.timeout_s) or "timed out" in cause.lower() else
-            "a rank in this group died or failed; its own log says why")
+            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" else mesh.timeout_s)
+            or "timed out" in cause.lower() else "a rank in this group died or failed; its own log says why")
     limit = f"--io-timeout {mesh.io_timeout_s:g} s" if dim == "io" else f"--dist-timeout {mesh.timeout_s:g} s"
     raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
                     f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
@@ -512,7 +517,8 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: Mesh):
     Vl = logits.shape[-1]
     start = mesh.tp_rank * Vl
     n_valid = max(0, min(Vl, vocab_size - start))
-    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1), start, n_valid, mesh)
+    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1), start, n_valid,
+                                              mesh)
     return losses.view(targets.shape)
 
 
@@ -551,8 +557,10 @@ def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
         p = f"layers.{key}."
         a = model.args
         model.tp_placement.update({
-            p + "attention.wq.weight": (0, a.n_heads * a.head_dim), p + "attention.wk.weight": (0, a.n_kv_heads * a.head_dim),
-            p + "attention.wv.weight": (0, a.n_kv_heads * a.head_dim), p + "attention.wo.weight": (1, a.n_heads * a.head_dim),
+            p + "attention.wq.weight": (0, a.n_heads * a.head_dim), p
+            + "attention.wk.weight": (0, a.n_kv_heads * a.head_dim),
+            p + "attention.wv.weight": (0, a.n_kv_heads * a.head_dim), p
+            + "attention.wo.weight": (1, a.n_heads * a.head_dim),
             p + "feed_forward.w1.weight": (0, a.hidden_dim), p + "feed_forward.w3.weight": (0, a.hidden_dim),
             p + "feed_forward.w2.weight": (1, a.hidden_dim)})
     model.norm = ParallelNorm(model.norm, mesh)
@@ -745,7 +753,8 @@ class PipelineStage:
 
     def __init__(self, model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, before_last_backward,
                  dtype, stats: dict | None):
-        self.model, self.batches, self.mesh, self.seq_len, self.loss_fn = model, batches, mesh, seq_len, loss_fn
+        self.model, self.batches, self.mesh, self.seq_len = model, batches, mesh, seq_len
+        self.loss_fn = loss_fn
         self.before_last_backward, self.dtype, self.stats = before_last_backward, dtype, stats
         self.m, self.device = len(batches), batches[0][0].device
         # what crosses between stages: the residual stream, (B, T, dim), (B, T / tp, dim) under SP
@@ -871,7 +880,8 @@ class GradSync:
         self.partial_tp = list(partial_tp)  # params whose gradient is a partial sum over tp (SP norms)
         dp = mesh.dp
         if opt.numel % dp:
-            raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp {dp}")
+            raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp "
+                             f"{dp}")
         # The flat buffer holds parameters in reverse model order, so it fills front to back during
         # backward. A small first bucket (1 MB, as DDP does) starts communication as early as possible.
         size = lambda mb: max(dp, int(mb * 2 ** 20 / 4) // dp * dp)
@@ -916,7 +926,8 @@ class GradSync:
     def _launch(self, b: int):
         lo, hi = self.buckets[b]
         if self.zero:
-            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, "dp", async_op=True)
+            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, "dp",
+                                             async_op=True)
         else:
             self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, "dp", async_op=True)
 
@@ -932,7 +943,8 @@ class GradSync:
                 if self.zero:
                     lo, hi = self.buckets[b]
                     piece = (hi - lo) // self.mesh.dp
-                    self.opt.grad[lo + self.mesh.dp_rank * piece:lo + (self.mesh.dp_rank + 1) * piece].copy_(self.pieces[b])
+                    self.opt.grad[lo + self.mesh.dp_rank * piece:lo + (self.mesh.dp_rank
+                                                                       + 1) * piece].copy_(self.pieces[b])
             self.handles, self.enabled = {}, False
         for i in self.partial_tp:
             all_reduce(self.opt.grad_view(i), self.mesh, "tp")
@@ -979,7 +991,8 @@ def grad_norm(sync: GradSync, model) -> torch.Tensor:
     order: their updates are bitwise identical. Shards are summed over tp and pp; parameters replicated
     across tp (norm weights) are counted by tp rank 0 only."""
     opt, mesh = sync.opt, sync.mesh
-    sq = torch.stack([torch.linalg.vector_norm(opt.grad[lo:hi]) for lo, hi in sync.norm_ranges]).square().sum()
+    sq = torch.stack([torch.linalg.vector_norm(opt.grad[lo:hi]) for lo,
+                      hi in sync.norm_ranges]).square().sum()
     if mesh.tp > 1 and mesh.tp_rank > 0:
         placement = getattr(model, "tp_placement", {})
         for i, name in enumerate(opt.names):
@@ -1142,11 +1155,13 @@ def consolidate(folder: Path, out: Path | None = None, hf: Path | None = None):
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0, split: list[int] | None = None) -> int:
+def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
+                 split: list[int] | None = None) -> int:
     """Parameters one rank of pipeline stage `stage` holds: its layers (linears split over tp, norms
     whole), the embedding on the first stage, the final norm and the head on the last (vocab padded to tp)."""
     d, hd, V = args.dim, args.head_dim, padded_vocab(args.vocab_size, tp)
-    per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 3 * d * args.hidden_dim) // tp + 2 * d
+    per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd
+                 + 3 * d * args.hidden_dim) // tp + 2 * d
     start, end = stage_layers(args.n_layers, pp, split)[stage]
     n = (end - start) * per_layer
     n += V // tp * d if stage == 0 else 0  # embedding
@@ -1186,8 +1201,8 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
 
 
 def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
-                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False,
-                    grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
+                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
+                    sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
                     split: list[int] | None = None) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
@@ -1206,7 +1221,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference."""
     if stage is None:
         return max((memory_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
-                                    grad_accum, schedule, s, split) for s in range(pp)), key=lambda m: m["total"])
+                                    grad_accum, schedule, s, split) for s in range(pp)),
+                                    key=lambda m: m["total"])
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
     n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
     out = {"weights": n * b, "grads": n * 4,
@@ -1230,8 +1246,10 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
 
 
 def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
-                  act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, sp: bool = False,
-                  grad_accum: int = 1, stage: int | None = None, split: list[int] | None = None) -> dict[str, float]:
+                  act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
+                  sp: bool = False,
+                  grad_accum: int = 1, stage: int | None = None,
+                  split: list[int] | None = None) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
     all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage`
     (None: per dimension, the most any stage sends). Scalars (the loss normalizer, the gradient norm, the
@@ -1247,8 +1265,8 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
       dp: the fp32 gradients all-reduced; under ZeRO-1 reduce-scattered, then the updated weights
           all-gathered in the training precision (0.75 of an all-reduce in bf16)."""
     if stage is None:  # per dimension, the most any stage sends
-        stages = [comm_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp, grad_accum,
-                                s, split) for s in range(pp)]
+        stages = [comm_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
+                                grad_accum, s, split) for s in range(pp)]
         return {dim: max(c[dim] for c in stages) for dim in ("tp", "pp", "dp")}
     b, tokens = BYTES[precision], micro_batch * seq_len
     stream = tokens * args.dim * b  # one micro-batch of the residual stream
@@ -1257,7 +1275,8 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     ring = lambda n: (n - 1) / n
     recomputed = (1.5 if sp and tp > 1 else 1) if act_ckpt else 0  # in all-reduces' worth of bytes
     all_reduces = (end - start) * (4 + recomputed) + first + last
-    tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (3 * 2 * ring(tp) * tokens * 4 if last else 0))
+    tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (3 * 2 * ring(tp) * tokens * 4 if last
+                                                                    else 0))
     if sp:  # the norms' weight gradients are partial sums over the sequence chunks: all-reduced once per step
         tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * (end - start) + last)
     boundary = stream / tp if sp and tp > 1 else stream  # under SP a stage sends only its sequence chunk
@@ -1286,7 +1305,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (OSError, RuntimeError, ValueError) as e:  # unreadable shards, an unwritable --out: the reason
-        print(f"error: cannot consolidate {a.checkpoint}: {type(e).__name__}: {data.one_line(e)}", file=sys.stderr)
+        print(f"error: cannot consolidate {a.checkpoint}: {type(e).__name__}: {data.one_line(e)}",
+              file=sys.stderr)
         return 1
     print(f"consolidated {ckpt}" + (f" -> {a.out}" if a.out else "") + (f" -> {a.hf}" if a.hf else ""))
     return 0

@@ -64,15 +64,16 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
             full, _ = P.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
             master = lambda name: (lambda: full[name]["master"])
             state = M.LazyState({name: master(name) for name in full} |
-                                ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings else {}))
+                                ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings
+                                 else {}))
         elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
             margs, state = M.hf_state(path)
         elif (path / "params.json").exists():
             model = M.load_meta(path)
             margs, state = model.args, model.state_dict()
         else:
-            raise T.ConfigError(f"--init {path}: not a checkpoint folder, a Hugging Face folder (config.json) "
-                                f"or a Meta folder (params.json)")
+            raise T.ConfigError(f"--init {path}: not a checkpoint folder, a Hugging Face folder "
+                                "(config.json) or a Meta folder (params.json)")
     except (T.ConfigError, C.CheckpointError):
         raise
     except Exception as e:
@@ -103,8 +104,10 @@ def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelAr
     for name in ("tok_embeddings.weight", "output.weight"):
         if name in state:
             w = state[name]
-            state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(grown.vocab_size - w.shape[0], -1)])
-    print(f"vocabulary grown from {margs.vocab_size} to {grown.vocab_size} rows (new rows = mean of the old)", flush=True)
+            state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(grown.vocab_size - w.shape[0],
+                                                                           -1)])
+    print(f"vocabulary grown from {margs.vocab_size} to {grown.vocab_size} rows (new rows = mean of the old)",
+          flush=True)
     return grown, state
 
 
@@ -116,7 +119,8 @@ def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelAr
 
 
 def _strings(record, *keys):
-    values = [(record.get(key) or "") if key == "input" else record.get(key) for key in keys]  # input: optional
+    # input: optional
+    values = [(record.get(key) or "") if key == "input" else record.get(key) for key in keys]
     bad = [key for key, value in zip(keys, values) if not isinstance(value, str)]
     if bad:
         raise data.DataError(f"field(s) {', '.join(bad)} must be strings")
@@ -132,7 +136,8 @@ def _conversation(record) -> list:
         instances = record["instances"]
         if not (isinstance(instances, list) and instances and isinstance(instances[0], dict)):
             raise data.DataError("'instances' must be a non-empty list of {input, output}")
-        [instruction], [task_input, output] = _strings(record, "instruction"), _strings(instances[0], "input", "output")
+        [instruction], [task_input, output] = _strings(record, "instruction"), _strings(instances[0], "input",
+                                                                                        "output")
         messages = [{"role": "user", "content": instruction + (f"\n\n{task_input}" if task_input else "")},
                     {"role": "assistant", "content": output}]
     elif isinstance(record, dict) and "instruction" in record and "output" in record:  # Alpaca
@@ -144,7 +149,8 @@ def _conversation(record) -> list:
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     else:
         fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-        raise data.DataError(f"unknown SFT record {fields}: expected {{messages}}, {{instruction, input, output}}, "
+        raise data.DataError(f"unknown SFT record {fields}: expected {{messages}}, "
+                             f"{{instruction, input, output}}, "
                         f"{{prompt, response}} or a Self-Instruct task {{instruction, instances}}")
     data.check_messages(messages)
     return messages
@@ -165,14 +171,16 @@ def read_sft(path_or_name, mirror=None) -> list:
 
 
 def fit_example(ids, mask, seq_len):
-    """The length rule: keep the first seq_len + 1 tokens if a learned token is among them, else drop (None)."""
+    """The length rule: keep the first seq_len + 1 tokens if a learned token is among them, else drop
+    (None)."""
     ids, mask = np.asarray(ids, dtype=np.int32)[:seq_len + 1], np.asarray(mask, dtype=bool)[:seq_len + 1]
     return (ids, mask) if mask.any() else None
 
 
 def example_counts(kept, truncated, dropped) -> dict:
     return {"examples": len(kept), "truncated": truncated, "dropped": dropped,
-            "tokens": sum(len(ids) for ids, _ in kept), "target_tokens": sum(int(mask.sum()) for _, mask in kept)}
+            "tokens": sum(len(ids) for ids, _ in kept), "target_tokens": sum(int(mask.sum()) for _,
+                                                                             mask in kept)}
 
 
 def sft_examples(enc, conversations, seq_len) -> tuple:
@@ -197,7 +205,8 @@ def split_examples(examples, val_fraction, seed) -> tuple:
         raise data.DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n_val = max(1, int(len(examples) * val_fraction)) if val_fraction else 0
     if not examples or n_val >= len(examples):
-        raise data.DataError(f"{len(examples)} example(s) are too few to split off a validation fraction of {val_fraction}")
+        raise data.DataError(f"{len(examples)} example(s) are too few to split off a validation fraction of "
+                             f"{val_fraction}")
     is_val = np.zeros(len(examples), dtype=bool)
     is_val[np.random.default_rng(seed).permutation(len(examples))[:n_val]] = True
     return [e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v]
@@ -208,13 +217,15 @@ def pack_rows(examples, seq_len, pad_id, pack) -> tuple:
 
     Each row holds seq_len + 1 tokens: whole examples one after another (all of them that fit, in the order
     given, when packing; one otherwise), then padding. doc_ids number the examples of a row 0, 1, ... and give
-    the padding the next number. A target is the next token where that token is learned, else data.IGNORE_INDEX;
+    the padding the next number. A target is the next token where that token is learned, else
+    data.IGNORE_INDEX;
     BOS is never learned, so no target crosses from one example into the next.
     """
     rows, row, used = [], [], 0
     for ids, mask in examples:
         if len(ids) > seq_len + 1:
-            raise data.DataError(f"an example of {len(ids):,} tokens does not fit seq_len + 1 = {seq_len + 1:,}; "
+            raise data.DataError(f"an example of {len(ids):,} tokens does not fit seq_len + 1 = "
+                                 f"{seq_len + 1:,}; "
                             f"make the examples with sft_examples / preference_examples and the same seq_len")
         if row and (not pack or used + len(ids) > seq_len + 1):
             rows.append(row)
@@ -250,14 +261,16 @@ class SFTLoader(data.Positions):
     pack=True: the examples, in an order drawn once from the seed, fill rows of seq_len + 1 tokens greedily;
     an example that does not fit the current row starts the next, so none is ever split. pack=False: one
     example per row. doc_ids tell the model where each example begins (attend within it, restart positions).
-    The list of rows is then fixed, and batches follow the Loader's scheme; state: consumed, seed, seq_len, pack.
+    The list of rows is then fixed, and batches follow the Loader's scheme; state: consumed, seed, seq_len,
+    pack.
     pad_id only fills the tails of rows (never a target, its own document): pass pad_id(enc).
     """
 
     def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pack=True, pad_id=0):
         order = np.random.default_rng(seed).permutation(len(examples)) if pack else range(len(examples))
         self.pack = pack
-        self.inputs, self.targets, self.doc_ids = pack_rows([examples[i] for i in order], seq_len, pad_id, pack)
+        self.inputs, self.targets, self.doc_ids = pack_rows([examples[i] for i in order], seq_len, pad_id,
+                                                            pack)
         super().__init__(len(self.inputs), batch_size, seq_len, dp_rank, dp_size, seed, empty=NO_EXAMPLES)
 
     def next(self):
@@ -275,9 +288,9 @@ def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
     train_ex, val_ex = split_examples(examples, args.val_fraction, args.seed)
     if mesh.rank == 0:
         print(f"{args.data}: {n_read:,} {what}s -> {counts['examples']:,} examples ({counts['truncated']:,} "
-              f"truncated to {args.seq_len + 1} tokens keeping their first targets, {counts['dropped']:,} dropped "
-              f"with no target left), {counts['target_tokens']:,} target tokens; {len(train_ex):,} train / "
-              f"{len(val_ex):,} val", flush=True)
+              f"truncated to {args.seq_len + 1} tokens keeping their first targets, {counts['dropped']:,} "
+              f"dropped with no target left), {counts['target_tokens']:,} target tokens; {len(train_ex):,} "
+              f"train / {len(val_ex):,} val", flush=True)
     return train_ex, val_ex
 
 
@@ -303,11 +316,13 @@ class SFT(T.Pretraining):
         if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
             margs, self.state = load_init(args.init, tok)
             return margs
-        self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)  # rank 0 says what it skips, later
+        # rank 0 says what it skips, later
+        self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)
         try:
             self.margs = with_room_for(checkpoint_args(self.picked), tok.n_vocab)
         except (TypeError, ValueError) as e:
-            raise T.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: {data.one_line(e)}") from None
+            raise T.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
+                                f"{data.one_line(e)}") from None
         self.tok = tok
         return self.margs
 
@@ -317,8 +332,8 @@ class SFT(T.Pretraining):
         verified = P.on_rank0(lambda: C.resolve(self.args.init), mesh)  # may fall back past a damaged step
         verified_margs, state = load_init(verified, self.tok, verify=False)
         if verified_margs != self.margs:
-            raise T.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has another model "
-                                f"shape than {self.picked.name}; name the step folder to start from")
+            raise T.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has another "
+                                f"model shape than {self.picked.name}; name the step folder to start from")
         return state
 
     def data(self, tok, mesh):
@@ -327,10 +342,12 @@ class SFT(T.Pretraining):
         examples, counts = sft_examples(tok, conversations, args.seq_len)
         train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)
         make = lambda ex, seed: SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                                               dp_size=mesh.dp, seed=seed, pack=args.pack, pad_id=data.pad_id(tok))
+                                               dp_size=mesh.dp, seed=seed, pack=args.pack,
+                                               pad_id=data.pad_id(tok))
         train = make(train_ex, args.seed)
         make(val_ex, 0)  # fail now, not at the first evaluation
-        return train, lambda: make(val_ex, 0), f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
+        return train, lambda: make(val_ex,
+                                   0), f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
 
 
 # ----------------------------------------------------------------------------------------------------

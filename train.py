@@ -72,7 +72,8 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data", default="tinyshakespeare",
                    help="registry name, text/JSONL file or glob, or a folder of prepared shards")
-    g.add_argument("--tokenizer", default="byte", help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path")
+    g.add_argument("--tokenizer", default="byte",
+                   help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path")
     g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
     g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (T)")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
@@ -81,7 +82,8 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
     g.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    g.add_argument("--max-steps", type=int, default=2400, help="optimizer steps in all (the cosine ends here)")
+    g.add_argument("--max-steps", type=int, default=2400,
+                   help="optimizer steps in all (the cosine ends here)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (matrices only)")
     g.add_argument("--beta1", type=float, default=0.9, help="AdamW first-moment decay")
     g.add_argument("--beta2", type=float, default=0.95, help="AdamW second-moment decay")
@@ -96,10 +98,13 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
     g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule")
     g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: shard optimizer state over dp (ZeRO-1)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                   help="1: shard optimizer state over dp (ZeRO-1)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
-    g.add_argument("--dist-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
-    g.add_argument("--io-timeout", type=float, default=3600.0, help="seconds ranks wait for others' disk work "
+    g.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds before a stuck collective fails")
+    g.add_argument("--io-timeout", type=float, default=3600.0,
+                   help="seconds ranks wait for others' disk work "
                    "(data preparation, checkpoint writes and checks) before the job fails")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out", help="checkpoints and metrics.jsonl")
@@ -108,16 +113,19 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=int, default=600,
                    help="validation every N steps (0: only at the end, -1: never)")
     g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
-    g.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps and at the end (0: never)")
+    g.add_argument("--ckpt-every", type=int, default=1000,
+                   help="checkpoint every N steps and at the end (0: never)")
     g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
     g.add_argument("--log-every", type=int, default=100, help="log the mean of the last N steps")
     g.add_argument("--sample-tokens", type=int, default=300,
-                   help="length of the sample printed at the end (at most --seq-len: RoPE was trained on no more)")
+                   help="length of the sample printed at the end "
+                        "(at most --seq-len: RoPE was trained on no more)")
     g.add_argument("--seed", type=int, default=1337, help="initialization and data order")
     g.add_argument("--deterministic", action="store_true",
                    help="bit-identical reruns: deterministic kernels on CUDA (slower); CPU runs already are")
     g.add_argument("--max-skips", type=int, default=5,
-                   help="stop after this many consecutive skipped steps (non-finite loss or gradient, spikes)")
+                   help="stop after this many consecutive skipped steps "
+                        "(non-finite loss or gradient, spikes)")
     g.add_argument("--skip-spikes", type=float, default=0.0,
                    help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
     g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
@@ -153,8 +161,8 @@ def validate(args):
     def need(ok: bool, name: str, rule: str):
         if not ok:
             raise ConfigError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "log_every", "keep_ckpts", "eval_batches",
-                 "max_skips"):
+    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "log_every", "keep_ckpts",
+                 "eval_batches", "max_skips"):
         need(getattr(args, name) >= 1, name, "at least 1")
     for name in ("warmup", "ckpt_every", "sample_tokens"):
         need(getattr(args, name) >= 0, name, "at least 0")
@@ -165,7 +173,8 @@ def validate(args):
     need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
     need(0 <= args.weight_decay < math.inf, "weight_decay", "a number >= 0")
     need(0 <= args.grad_clip < math.inf, "grad_clip", "a number >= 0 (0: off)")
-    need(args.skip_spikes == 0 or 1 < args.skip_spikes < math.inf, "skip_spikes", "0 (off) or a factor above 1")
+    need(args.skip_spikes == 0 or 1 < args.skip_spikes < math.inf, "skip_spikes",
+         "0 (off) or a factor above 1")
     need(0 < args.dist_timeout < math.inf, "dist_timeout", "a positive number of seconds")
     need(0 < args.io_timeout < math.inf, "io_timeout", "a positive number of seconds")
     need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
@@ -181,7 +190,8 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
         raise ConfigError(f"--pp-layers {text!r}: expected the layers of each stage, e.g. 3,3,2") from None
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> compute dtype
+# --precision -> compute dtype
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def pick_device_and_precision(args):
@@ -294,16 +304,17 @@ class Pretraining:
         return model_args_from(self.args, tok.n_vocab)
 
     def weights(self, mesh) -> dict | None:
-        """The full initial state dict (each rank reads only what it keeps), or None: initialize from --seed."""
+        """The full initial state dict (each rank reads only what it keeps), or None: from --seed."""
         return None
 
     def data(self, tok, mesh):
         """(train loader, make_val_loader, description). Token shards are prepared (and cached) by one
         process per cache folder, never by two at once (parallel.on_rank0_first)."""
         args = self.args
-        data_dir = P.on_rank0_first(lambda: data.resolve_data(args.data, args.tokenizer, mirror=args.mirror), mesh)
-        make = lambda split, seed: data.Loader(data_dir, split, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
-                                               dp_size=mesh.dp, seed=seed, tokenizer=tok)
+        prepare = lambda: data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+        data_dir = P.on_rank0_first(prepare, mesh)
+        make = lambda split, seed: data.Loader(data_dir, split, args.micro_batch, args.seq_len, seed=seed,
+                                               dp_rank=mesh.dp_rank, dp_size=mesh.dp, tokenizer=tok)
         train = make("train", args.seed)
         make("val", 0)  # fail now, not at the first evaluation
         return train, lambda: make("val", 0), f"{data_dir}: {train.num_tokens:,} train tokens"
@@ -320,7 +331,8 @@ class LMTask:
 
     metric_names: tuple = ()
     rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
-    reference_forwards = 0  # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
+    # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
+    reference_forwards = 0
 
     def __init__(self, margs: M.ModelArgs, mesh):
         self.vocab_size, self.mesh = margs.vocab_size, mesh
@@ -399,7 +411,8 @@ def train_step(run: Run, guard: SkipGuard, step: int) -> StepResult | None:
     batches = load_batches(run)  # 1. data loading: the whole step's, so the normalizer is known up front
     timer.mark("1 data")
     if mesh.pp > 1:  # 2-4. forward, loss, backward of every micro-batch, interleaved across stages
-        loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim, lambda *a: scaled_loss(run, *a),
+        loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
+                               lambda *a: scaled_loss(run, *a),
                                args.schedule, before_last_backward=run.sync.start, dtype=run.dtype)
         timer.mark("2-4 pipeline")
     else:
@@ -456,7 +469,8 @@ class SkipGuard:
     global). --max-skips bad steps in a row stop the run."""
 
     def __init__(self, args, meter: Meter):
-        self.max_skips, self.spike_factor, self.zero, self.meter = args.max_skips, args.skip_spikes, args.zero, meter
+        self.max_skips, self.spike_factor, self.zero = args.max_skips, args.skip_spikes, args.zero
+        self.meter = meter
         self.recent, self.skipped, self.in_a_row = [], 0, 0
 
     def check(self, run: Run, loss: torch.Tensor, step: int) -> torch.Tensor | None:
@@ -495,7 +509,8 @@ class SkipGuard:
             sum_over_replicas([global_loss], mesh)
             mean = sum(self.recent) / len(self.recent) if len(self.recent) >= 10 else None
             if mean is not None and global_loss.item() > self.spike_factor * mean:
-                return f"loss spike: {global_loss.item():.4f} > {self.spike_factor} x recent mean {mean:.4f}", None
+                return (f"loss spike: {global_loss.item():.4f} > {self.spike_factor} x recent mean "
+                        f"{mean:.4f}"), None
             self.recent = (self.recent + [global_loss.item()])[-50:]
         return None, norm
 
@@ -549,7 +564,8 @@ class Meter:
 
     def step(self, step: int, result: StepResult):
         """Add a finished step; log when due."""
-        self.steps, self.loss, self.metrics = self.steps + 1, self.loss + result.loss, self.metrics + result.metrics
+        self.steps += 1
+        self.loss, self.metrics = self.loss + result.loss, self.metrics + result.metrics
         if step % self.args.log_every == 0 or step == self.args.max_steps:
             self.log(step, result)
             self.restart()
@@ -559,15 +575,17 @@ class Meter:
         n, now, mesh = self.steps, self.clock(), self.mesh
         tps = n * self.tokens_per_step / (now - self.window_start)
         comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
-        rec = {"step": step, "loss": self.loss.item() / n, "lr": result.lr, "grad_norm": result.grad_norm.item(),
+        rec = {"step": step, "loss": self.loss.item() / n, "lr": result.lr,
+               "grad_norm": result.grad_norm.item(),
                "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
                "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
                **self.named(self.metrics / n)}
         comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
             f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
         extra_txt = "".join(f" | {k} {v:.3f}" for k, v in self.named(self.metrics / n).items())
-        say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f} | "
-            f"{tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
+        say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f}"
+            f" | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB"
+            f"{comm_txt}{extra_txt}")
         self.write(rec)
 
     def validation(self, step: int, loss: float, metrics: torch.Tensor):
@@ -595,7 +613,8 @@ def model_flops_per_token(margs, seq_len: int, task) -> float:
 
 def validation_due(step: int, args) -> bool:
     """Every --eval-every steps and at the last (0: only at the last, -1: never)."""
-    return args.eval_every >= 0 and ((args.eval_every and step % args.eval_every == 0) or step == args.max_steps)
+    every = args.eval_every
+    return every >= 0 and ((every and step % every == 0) or step == args.max_steps)
 
 
 @torch.no_grad()
@@ -643,7 +662,8 @@ class Checkpointer:
         run.timer.start()  # timed as an entry of its own, apart from the training step
         extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
         meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
-                "model_args": asdict(run.margs), "layout": {"tp": run.mesh.tp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
+                "model_args": asdict(run.margs),
+                "layout": {"tp": run.mesh.tp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
         write = lambda folder: P.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
         C.save(Path(run.args.out_dir), step, run.mesh, write, meta, run.args.keep_ckpts)
         run.timer.mark("7 checkpoint")
@@ -720,7 +740,8 @@ GPU_PEAK_TFLOPS = {"A100": {"bf16": 312, "tf32": 156}, "H100 PCIe": {"bf16": 756
 
 def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
     """(FLOP/s, which figure) for a GPU named like torch.cuda.get_device_name(), or None if unknown."""
-    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):  # 'H100 NVL' before 'H100', 'GB200' before 'B200'
+    # 'H100 NVL' before 'H100', 'GB200' before 'B200'
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
         if key in name:
             kind = "tf32" if precision == "fp32" else "bf16"
             return GPU_PEAK_TFLOPS[key][kind] * 1e12, f"{name} ({key}, dense {kind.upper()}, table)"
@@ -783,8 +804,9 @@ def check_memory(margs, args, world: int, device, precision: str):
     have = available_memory(device)
     if have is not None and est["total"] > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
-        raise ResourceError(f"model {args.model} needs about {est['total'] / 1e9:.1f} GB per process ({parts} GB) "
-                            f"but {device.type} has {have / 1e9:.1f} GB available; use a smaller model, shard it "
+        raise ResourceError(f"model {args.model} needs about {est['total'] / 1e9:.1f} GB per process "
+                            f"({parts} GB) but {device.type} has {have / 1e9:.1f} GB available; "
+                            "use a smaller model, shard it "
                             f"over more processes (--tp, --pp, --zero 1) or a device with more memory")
 
 
@@ -831,7 +853,8 @@ def build_model(margs, state, args, mesh, device, dtype):
     else:
         missing = sorted({n for n, _ in model.named_parameters()} - set(state))
         if missing:
-            raise ValueError(f"the initial state has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+            raise ValueError("the initial state has no "
+                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
         full_value = lambda name, shape: read_initial(state, name)
     P.materialize(model, mesh, device, full_value)
     model.to(dtype)
@@ -844,14 +867,16 @@ def read_initial(state, name: str) -> torch.Tensor:
     try:
         return state[name]
     except Exception as e:
-        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: {data.one_line(e)}") from None
+        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: "
+                          f"{data.one_line(e)}") from None
 
 
 def compile_blocks(model, backend="inductor"):
     """--compile: torch.compile each transformer block (as torchtitan does) rather than the whole model. A
     pipeline stage runs its blocks itself (parallel.stage_forward), never the top-level forward, so only
     this reaches them under --pp; and every block has the same code, so it is compiled once."""
-    model.compiled_blocks = {key: torch.compile(layer, backend=backend) for key, layer in model.layers.items()}
+    model.compiled_blocks = {key: torch.compile(layer, backend=backend)
+                             for key, layer in model.layers.items()}
 
 
 def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
@@ -865,9 +890,10 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
     per_step = loader.batch_size * args.grad_accum * mesh.dp
     if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
-        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len {args.seq_len}, "
-                             f"fewer than one global batch of {per_step:,} (--micro-batch {loader.batch_size} x "
-                             f"--grad-accum {args.grad_accum} x dp {mesh.dp}); use more data or a smaller batch")
+        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len "
+                             f"{args.seq_len}, fewer than one global batch of {per_step:,} "
+                             f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
+                             f"dp {mesh.dp}); use more data or a smaller batch")
     dtype = DTYPES[spec.precision]
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype)
@@ -879,8 +905,8 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
     scaler = O.LossScaler() if spec.precision == "fp16" else None
     task = recipe.task(spec.margs, mesh, spec.device, dtype)
-    run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task, loader,
-              make_val, PhaseTimer(spec.device, time_phases))
+    run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
+              loader, make_val, PhaseTimer(spec.device, time_phases))
     start_step = restore(run, resume, meta) if resume else 0
     if args.compile:
         compile_blocks(model)
@@ -952,15 +978,17 @@ def restore(run: Run, ckpt: Path, meta: dict) -> int:
     run.loader.load_state_dict(meta["loader"])
     restore_rng(extra["rng"], run.device)
     old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
-    say(f"resumed from {ckpt} at step {meta['step']} (written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
+    say(f"resumed from {ckpt} at step {meta['step']} "
+        f"(written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
     return meta["step"]
 
 
 def announce(run: Run, meter: Meter, name: str, data_desc: str):
     """The run's banner: the model, the layout, the data and what MFU is measured against."""
     margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
-    say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} non-embedding), "
-        f"dim {margs.dim}, layers {margs.n_layers}, heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+    say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} "
+        f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
+        f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
     say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
         + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
         + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
@@ -969,8 +997,8 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
         f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
     say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
         + (" plus the reference's forward" if task.reference_forwards else "")
-        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {meter.peak / 1e12:.2f} TFLOP/s per device "
-        f"({meter.peak_source})")
+        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {meter.peak / 1e12:.2f} TFLOP/s "
+        f"per device ({meter.peak_source})")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1033,7 +1061,8 @@ def main(argv=None):
                          temperature=0.8, top_k=200, generator=g, n_vocab=tok.n_vocab)
         print("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60, flush=True)
     elif args.sample_tokens > 0 and mesh.rank == 0:
-        print(f"(no sample under tp/pp: `python parallel.py consolidate {args.out_dir}` merges the checkpoint)")
+        print(f"(no sample under tp/pp: `python parallel.py consolidate {args.out_dir}` "
+              "merges the checkpoint)")
     if mesh.world > 1:
         dist.destroy_process_group()
 

@@ -27,7 +27,8 @@ def test_plan_reproduces_the_llama3_70b_reference_example():
     assert r["bubble"] == pytest.approx(3 / 7)
     assert r["fits"] and 0 < r["memory_per_gpu_bytes"] < 80e9
     assert not r["memory_variants"]["zero1_ckpt0"]["total"] < 80e9  # 4 micro-batches of activations in flight
-    # ZeRO-1: an fp32 reduce-scatter and a bf16 all-gather of the largest stage's parameters (0.75 of an all-reduce)
+    # ZeRO-1: an fp32 reduce-scatter and a bf16 all-gather of the largest stage's parameters (0.75 of an
+    # all-reduce)
     largest = max(parallel.stage_params(M.PRESETS["llama3-70b"], tp=8, pp=4, stage=s) for s in range(4))
     assert r["comm_bytes_per_step"]["dp"] == pytest.approx(511 / 512 * largest * (4 + 2))
 
@@ -41,7 +42,8 @@ def test_plan_llama31_8b_on_eight_h100():
     r = bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, tp=1, pp=1, micro_batch=1, grad_accum=4, mfu=0.4,
                    zero=True, act_ckpt=True)
     m = r["memory_per_gpu"]
-    assert (m["weights"], m["grads"], m["master"] + m["optimizer"] + m["zero_buffers"]) == (2 * n, 4 * n, 16 * n / 8 + n / 2)
+    assert (m["weights"], m["grads"], m["master"] + m["optimizer"]
+            + m["zero_buffers"]) == (2 * n, 4 * n, 16 * n / 8 + n / 2)
     rows = 8192 * 128_256  # the loss keeps a 4-byte log-softmax per logit and makes two 4-byte gradients
     assert m["temporaries"] == 8 * rows and not r["fits"]
     assert r["memory_variants"]["zero0_ckpt0"]["total"] > 2.5 * r["memory_per_gpu_bytes"]
@@ -51,11 +53,11 @@ def test_plan_llama31_8b_on_eight_h100():
 
 
 def test_plan_json_cli_carries_the_required_keys():
-    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--model", "llama3-8b", "--gpus", "64",
-                          "--tp", "8", "--json"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--model", "llama3-8b", "--gpus",
+                          "64", "--tp", "8", "--json"], capture_output=True, text=True, check=True).stdout
     r = json.loads(out)
-    for key in ("gpus_per_replica", "dp", "tokens_per_micro_batch", "tokens_per_global_batch", "steps", "flops",
-                "memory_per_gpu_bytes", "bubble", "fits"):
+    for key in ("gpus_per_replica", "dp", "tokens_per_micro_batch", "tokens_per_global_batch", "steps",
+                "flops", "memory_per_gpu_bytes", "bubble", "fits"):
         assert key in r
     assert r["dp"] == 8
 
@@ -64,12 +66,12 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
            "--steps", "2", "--warmup-steps", "1", "--json"]
-    rows = json.loads(subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1"], capture_output=True, text=True,
-                                     check=True, env=env).stdout.splitlines()[-1])["rows"]
+    rows = json.loads(subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1"], capture_output=True,
+                                     text=True, check=True, env=env).stdout.splitlines()[-1])["rows"]
     assert len(rows) == 2 and rows[1]["act_ckpt"]
     for r in rows:
-        assert set(r["phases_s"]) == {"1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer",
-                                      "7 checkpoint"}
+        assert set(r["phases_s"]) == {"1 data", "2 forward", "3 loss", "4 backward", "5 grad sync",
+                                      "6 optimizer", "7 checkpoint"}
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"]["megatron"] < r["mfu"]["palm"]
         assert r["memory_estimate_gb"]["total"] > 0
     hf = json.loads(subprocess.run(cmd + ["--compare-hf"], capture_output=True, text=True, check=True,
@@ -107,13 +109,14 @@ def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
 
 def test_dp_vs_ddp_and_bubble_run_end_to_end():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "bench.py"),
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(REPO / "bench.py"),
             "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2", "--json"]
     ddp = json.loads(subprocess.run(base + ["--dp-vs-ddp", "--blocks", "1"], capture_output=True, text=True,
                                     check=True, env=env).stdout.splitlines()[-1])
     assert ddp["torch_device"] == "cpu" and ddp["dp_vs_ddp"]["ratio_ddp_over_ours"] > 0
-    rows = json.loads(subprocess.run(base + ["--bubble", "--micro-batches", "2,4"], capture_output=True, text=True,
-                                     check=True, env=env).stdout.splitlines()[-1])["bubble"]
+    rows = json.loads(subprocess.run(base + ["--bubble", "--micro-batches", "2,4"], capture_output=True,
+                                     text=True, check=True, env=env).stdout.splitlines()[-1])["bubble"]
     assert [r["m"] for r in rows] == [2, 4] and [r["bubble_formula"] for r in rows] == [1 / 3, 1 / 5]
     assert all(0 <= b < 1 for r in rows for b in r["bubble_measured_per_stage"])
 
@@ -126,11 +129,13 @@ def test_step_timing_synchronizes_where_its_mode_says(tmp_path, monkeypatch, tim
     events = []
     monkeypatch.setattr(train, "sync_device", lambda device: events.append("sync"))
     mark = train.PhaseTimer.mark
-    monkeypatch.setattr(train.PhaseTimer, "mark", lambda self, phase: (mark(self, phase), events.append(phase)))
+    monkeypatch.setattr(train.PhaseTimer, "mark", lambda self, phase: (mark(self, phase),
+                                                                       events.append(phase)))
     monkeypatch.setattr(train, "peak_flops", lambda device, precision: (1e12, "test"))
-    args = train.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--max-steps",
-                                          "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens", "0",
-                                          "--out-dir", str(tmp_path / "o")])
+    args = train.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
+                                          "--max-steps",
+                                          "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens",
+                                          "0", "--out-dir", str(tmp_path / "o")])
     run = train.train(args, time_phases=timing)
     phases = ["1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer"]
     if timing == "phases":  # after each phase; the loop's own at the step's end, then the last mark's

@@ -13,12 +13,11 @@ import torch
 
 import checkpoint
 import parallel
-import train
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--lr", "3e-3",
-         "--warmup", "2", "--eval-every", "-1", "--log-every", "1", "--sample-tokens", "0", "--max-steps", "12",
-         "--ckpt-every", "2", "--resume"]
+         "--warmup", "2", "--eval-every", "-1", "--log-every", "1", "--sample-tokens", "0", "--max-steps",
+         "12", "--ckpt-every", "2", "--resume"]
 
 # attempt (torchrun's restart count) -> (rank to kill, where): "step N" = at the N-th optimizer step of that
 # attempt, "save N" = inside the N-th torch.save of that attempt (a checkpoint half written)
@@ -68,7 +67,8 @@ def test_killed_three_times_ends_bit_identical(tmp_path):
     runs = {}
     for name, program, restarts in (("chaos", script, 3), ("clean", REPO / "train.py", 0)):
         out = tmp_path / name
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=2",
                             f"--max-restarts={restarts}", str(program), *FLAGS, "--out-dir", str(out)],
                            capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]

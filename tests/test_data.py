@@ -32,7 +32,8 @@ LLAMA3_GOLDEN = [128000, 2028, 374, 264, 1296, 11914, 13, 128001]
 SHAKESPEARE_CHARS = 1_115_394
 
 
-# ---------------------------------------------------------------------------------------------------- tokenizers
+# ----------------------------------------------------------------------------------------------------
+# tokenizers
 
 def test_llama3_golden(mirror):
     enc = get_tokenizer("llama3")  # through the registry: copied from <mirror>/llama3/tokenizer.model
@@ -75,12 +76,14 @@ def test_byte_tokenizer():
 
 
 @pytest.mark.parametrize("name, base_vocab, hello", [
-    ("gpt2", 50_257, [31373, 995]), ("cl100k_base", 100_277, [15339, 1917]), ("o200k_base", 200_019, [24912, 2375])])
+    ("gpt2", 50_257, [31373, 995]), ("cl100k_base", 100_277, [15339, 1917]), ("o200k_base", 200_019, [24912,
+                                                                                                      2375])])
 def test_openai_tokenizers(name, base_vocab, hello, mirror):
     enc = get_tokenizer(name)
     assert enc.name == name and enc.encode_ordinary("hello world") == hello
     assert enc.n_vocab == base_vocab + 12
-    assert [enc.encode_single_token(t) for t in data.SPECIAL_TOKENS] == list(range(base_vocab, base_vocab + 12))
+    assert [enc.encode_single_token(t) for t in data.SPECIAL_TOKENS] == list(range(base_vocab, base_vocab
+                                                                                   + 12))
     assert "<|endoftext|>" in enc.special_tokens_set  # its own specials are kept
 
 
@@ -94,7 +97,8 @@ def test_split_text_keeps_tokens_identical(mirror):
         assert sum((enc.encode_ordinary(p) for p in pieces), []) == enc.encode_ordinary(text), name
 
 
-# ---------------------------------------------------------------------------------------------------- download
+# ----------------------------------------------------------------------------------------------------
+# download
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Serves server.files; honours "Range: bytes=N-"; paths in server.truncate promise all, send half."""
@@ -174,7 +178,8 @@ def test_download_wrong_checksum(server, tmp_path):
 def test_download_truncated_is_retried_then_fails(server, tmp_path):
     srv, base = server
     srv.files["/blob"], srv.truncate = BLOB, {"/blob"}
-    with pytest.raises(DataError, match=r"could not download .*/blob after 3 tries .*DATA_MIRROR or --mirror"):
+    with pytest.raises(DataError,
+                       match=r"could not download .*/blob after 3 tries .*DATA_MIRROR or --mirror"):
         download(f"{base}/blob", BLOB_SHA, tmp_path / "blob.bin", **FAST)
     assert len(srv.log) == 3 and not (tmp_path / "blob.bin").exists()
 
@@ -184,7 +189,8 @@ def test_download_unreachable_and_404(server, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.time()
-    with pytest.raises(DataError, match=rf"could not download http://127.0.0.1:{port}/x after 3 tries.*--mirror"):
+    with pytest.raises(DataError,
+                       match=rf"could not download http://127.0.0.1:{port}/x after 3 tries.*--mirror"):
         download(f"http://127.0.0.1:{port}/x", BLOB_SHA, tmp_path / "x", **FAST)
     assert time.time() - start < 5
     srv, base = server
@@ -207,7 +213,8 @@ def test_download_rules_and_mirror(tmp_path):
     dest = download("https://unreachable.invalid/blob", BLOB_SHA, tmp_path / "c" / "blob", mirror=mirror,
                     mirror_path="sub/blob.bin")
     assert dest.read_bytes() == BLOB
-    with pytest.raises(DataError, match=r"checksum mismatch for https://unreachable.invalid/blob \(mirror copy"):
+    with pytest.raises(DataError,
+                       match=r"checksum mismatch for https://unreachable.invalid/blob \(mirror copy"):
         download("https://unreachable.invalid/blob", "1" * 64, tmp_path / "c" / "other", mirror=mirror,
                  mirror_path="sub/blob.bin")
 
@@ -222,7 +229,8 @@ def test_prepare_tinyshakespeare_matches_nanogpt_split(mirror):
     train_text, val_text = text[:int(n * 0.9)], text[int(n * 0.9):]  # nanoGPT's prepare.py
     train, val = read_shard(out / "train_000000.bin", "byte"), read_shard(out / "val_000000.bin", "byte")
     assert (len(train), len(val)) == (1_003_854 + 2, 111_540 + 2)
-    assert train.dtype == np.uint16 and train[0] == 256 and train[-1] == 257 and val[0] == 256 and val[-1] == 257
+    assert train.dtype == np.uint16 and train[0] == 256 and train[-1] == 257
+    assert val[0] == 256 and val[-1] == 257
     assert np.array_equal(train[1:-1], np.frombuffer(train_text.encode(), np.uint8))
     assert np.array_equal(val[1:-1], np.frombuffer(val_text.encode(), np.uint8))
     meta = json.loads((out / "meta.json").read_text())
@@ -238,7 +246,8 @@ def test_prepare_tinyshakespeare_matches_nanogpt_split(mirror):
     (out / "meta.json").unlink()  # an interrupted run (no completion marker, a half-written shard) is redone
     with open(out / "train_000000.bin", "r+b") as f:
         f.truncate(1000)
-    assert prepare("tinyshakespeare", "byte") == out and len(read_shard(out / "train_000000.bin")) == 1_003_856
+    assert prepare("tinyshakespeare",
+                   "byte") == out and len(read_shard(out / "train_000000.bin")) == 1_003_856
 
 
 def test_prepare_parallel_pieces_and_shards(mirror, tmp_path, monkeypatch):
@@ -302,7 +311,8 @@ def test_resolve_data(tmp_path):
     path.write_text("some text " * 100)
     out = data.resolve_data(str(path), "byte")
     assert (out / "meta.json").is_file() and data.resolve_data(out, "byte") == out  # a shard folder as is
-    with pytest.raises(DataError, match=r"train_000000.bin was tokenized with 'byte', but 'gpt2' is expected"):
+    with pytest.raises(DataError,
+                       match=r"train_000000.bin was tokenized with 'byte', but 'gpt2' is expected"):
         data.resolve_data(out, "gpt2")
     (out / "meta.json").unlink()
     with pytest.raises(DataError, match="no meta.json"):
@@ -313,14 +323,15 @@ def test_resolve_data(tmp_path):
 
 def test_shard_dtype_and_round_trip(tmp_path):
     small, big = np.array([0, 5, 65535]), np.array([0, 5, 65536, 128255])
-    for tokens, vocab, dtype in [(small, None, np.uint16), (big, None, np.uint32), (small, 128_256, np.uint32),
+    for tokens, vocab, dtype in [(small, None, np.uint16), (big, None, np.uint32), (small, 128_256,
+                                                                                    np.uint32),
                                  (small, 268, np.uint16)]:
         path = write_shard(tmp_path / "s.bin", tokens, "llama3", vocab_size=vocab)
         shard = read_shard(path, "llama3")
         assert shard.dtype == dtype and shard.tolist() == tokens.tolist()
         assert path.stat().st_size == data.HEADER_BYTES + len(tokens) * np.dtype(dtype).itemsize
-    assert data.shard_info(path) == {"tokenizer": "llama3", "tokens": 3, "dtype": np.dtype("<u2"), "version": 2,
-                                     "max_id": 65535}
+    assert data.shard_info(path) == {"tokenizer": "llama3", "tokens": 3, "dtype": np.dtype("<u2"),
+                                     "version": 2, "max_id": 65535}
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -358,7 +369,8 @@ def take(loader, steps):
 
 def test_loader_windows_cover_an_epoch(shard_dir):
     loader = Loader(shard_dir, "train", batch_size=9, seq_len=16, seed=1)
-    assert len(loader) == (1000 // 16 - 1) + (600 // 16 - 1) + (50 // 16 - 1) == 99 and loader.num_tokens == 1650
+    assert len(loader) == (1000 // 16 - 1) + (600 // 16 - 1) + (50 // 16 - 1) == 99
+    assert loader.num_tokens == 1650
     batches = take(loader, 11)  # 99 sequences: exactly one epoch
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])

@@ -1,4 +1,5 @@
-"""evaluate.py: multiple choice scores 1.0 / 0.0 with models rigged for the right / a wrong answer, bits per byte
+"""evaluate.py: multiple choice scores 1.0 / 0.0 with models rigged for the right / a wrong answer, bits per
+byte
 against an independent computation, contamination finds exactly the planted items, the benchmark readers on
 the mirror's files, generation (greedy equals model.generate, chat stops at <|eot_id|>), the CLI on a
 train.py checkpoint, two processes give the numbers of one, and bad input ends in one error line."""
@@ -25,12 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def rigged_model(favourite, then=None, vocab=320):
-    """A model that always predicts `favourite` (log-prob ~0, every other token ~-32), whatever the input; with
-    `then`, the token after `favourite` is `then`. Its blocks add nothing to the residual stream (wo = w2 = 0),
+    """A model that always predicts `favourite` (log-prob ~0, every other token ~-32), whatever the input;
+    with
+    `then`, the token after `favourite` is `then`. Its blocks add nothing to the residual stream (wo = w2 =
+    0),
     so the logits are output(norm(embedding of the last token)): every token embeds as u, `favourite` as v
     (u, v orthogonal, rms 1), and the output rows of `favourite` and `then` are 0.5 u and 0.5 v."""
     torch.manual_seed(0)
-    m = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab, max_seq_len=256))
+    m = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab,
+                                  max_seq_len=256))
     u, v = torch.ones(64), torch.tensor([1.0, -1.0] * 32)
     with torch.no_grad():
         for layer in m.layers.values():
@@ -69,14 +73,17 @@ def test_multiple_choice_right_and_wrong_models(tmp_path, capsys):
     z, y = tok.encode_ordinary("z")[0], tok.encode_ordinary("y")[0]
     right = E.multiple_choice(rigged_model(z), tok, ITEMS, 64, 3, P.Mesh())
     assert right == {"acc": 1.0, "acc_norm": 1.0, "acc_token": 1.0, "items": 4, "seq_len": 64}
-    wrong_items = [{**it, "choices": ["y" * len(c) if k != it["label"] else c for k, c in enumerate(it["choices"])]}
+    wrong_items = [{**it, "choices": ["y" * len(c) if k != it["label"] else c for k,
+                                      c in enumerate(it["choices"])]}
                    for it in ITEMS]  # every wrong choice all "y"s
     wrong = E.multiple_choice(rigged_model(y), tok, wrong_items, 64, 3, P.Mesh())
     assert wrong == {"acc": 0.0, "acc_norm": 0.0, "acc_token": 0.0, "items": 4, "seq_len": 64}
     # the same through the CLI, from a Hugging Face folder
     M.save_hf(rigged_model(z), tmp_path / "hf")
-    [out] = cli(capsys, "--init", str(tmp_path / "hf"), "--task", str(write_jsonl(tmp_path / "mc.jsonl", ITEMS)))
-    assert (out["kind"], out["acc"], out["acc_norm"], out["acc_token"], out["items"]) == ("multiple_choice", 1, 1, 1, 4)
+    [out] = cli(capsys, "--init", str(tmp_path / "hf"), "--task", str(write_jsonl(tmp_path / "mc.jsonl",
+                                                                                  ITEMS)))
+    assert (out["kind"], out["acc"], out["acc_norm"], out["acc_token"], out["items"]) == ("multiple_choice",
+                                                                                          1, 1, 1, 4)
 
 
 def test_multiple_choice_scores_follow_their_definitions(mirror):
@@ -92,7 +99,8 @@ def test_multiple_choice_scores_follow_their_definitions(mirror):
             context, cont = [data.bos_id(tok), *item["context"].encode()], list((" " + choice).encode())
             seq = torch.tensor((context + cont)[-(seq_len + 1):])  # truncated from the left
             with torch.no_grad():
-                logp = torch.log_softmax(model(seq[None, :-1])[0].double(), -1)[torch.arange(len(seq) - 1), seq[1:]]
+                logp = torch.log_softmax(model(seq[None, :-1])[0].double(), -1)[torch.arange(len(seq) - 1),
+                                                                                seq[1:]]
             n = min(len(cont), len(seq) - 1)
             scores.append([logp[-n:].sum().item(), len(choice), n])
         s = np.array(scores)
@@ -107,10 +115,10 @@ def test_multiple_choice_scores_follow_their_definitions(mirror):
 @pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
 def test_bits_per_byte_matches_an_independent_computation(tokenizer):
     tok = data.get_tokenizer(tokenizer)
-    text = "Naïve café owners — «très bien» — sell crème brûlée.\nThe end of 日本語 text.\n" * 3
+    text = ("Naïve café owners — «très bien» — sell crème brûlée.\nThe end of 日本語 text.\n") * 3
     torch.manual_seed(1)  # a model whose three scores differ on these items (checked below)
-    model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=64 * math.ceil(tok.n_vocab / 64),
-                                      max_seq_len=64)).eval()
+    model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2,
+                                      vocab_size=64 * math.ceil(tok.n_vocab / 64), max_seq_len=64)).eval()
     seq_len = 16
     got = E.perplexity(model, tok, [E.text_tokens([text], tok)], seq_len, 3, P.Mesh())
     # independently: BOS text EOS, windows of seq_len + 1 at stride seq_len; bits per byte leaves out EOS
@@ -136,7 +144,8 @@ def random_items(n, seed=0):
     rng = np.random.default_rng(seed)
     word = lambda: "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(3, 8)))
     sentence = lambda k: " ".join(word() for _ in range(k))
-    return [{"context": sentence(18).capitalize() + "?", "choices": [sentence(6), sentence(6)], "label": i % 2}
+    return [{"context": sentence(18).capitalize() + "?", "choices": [sentence(6), sentence(6)],
+             "label": i % 2}
             for i in range(n)]
 
 
@@ -144,7 +153,8 @@ def test_contamination_finds_exactly_the_planted_items(tmp_path, capsys, mirror,
     items, planted = random_items(20), [2, 9, 15]
     bench = write_jsonl(tmp_path / "bench.jsonl", items)
     lines = (mirror / "text" / "tinyshakespeare.txt").read_text()[:60_000].split("\n")
-    for k, i in enumerate(planted):  # verbatim: the context, a space (the last one: a newline), the right answer
+    # verbatim: the context, a space (the last one: a newline), the right answer
+    for k, i in enumerate(planted):
         gap = " " if k < 2 else "\n"
         lines.insert(500 + 700 * k, f"{items[i]['context']}{gap}{items[i]['choices'][items[i]['label']]}")
     train_txt = tmp_path / "train.txt"
@@ -159,7 +169,8 @@ def test_contamination_finds_exactly_the_planted_items(tmp_path, capsys, mirror,
             assert report["n"] == n and report["indices"] == planted and report["contaminated"] == 3
             assert report["share"] == pytest.approx(3 / 20)
             assert [e["index"] for e in report["examples"]] == planted
-            # every n-gram of a planted item is found, but for the token n-grams across the third one's newline
+            # every n-gram of a planted item is found, but for the token n-grams across the third one's
+            # newline
             overlap = [e["overlap"] for e in report["examples"]]
             assert overlap[:2] == [1.0, 1.0] and (overlap[2] == 1.0) == (kind == "words")
     [clean] = cli(capsys, "--contamination", str(bench), "--train", "tinyshakespeare", "--ngram-words", "5")
@@ -174,7 +185,8 @@ def test_readers_parse_the_mirror_benchmarks(mirror):
     assert hellaswag[0]["label"] == 3 and sorted({it["label"] for it in hellaswag}) == [0, 1, 2, 3]
     piqa = E.read_items("piqa")
     assert len(piqa) == 1_838 and {it["label"] for it in piqa} == {0, 1}
-    assert piqa[0]["context"].startswith("Question: How do I ready a guinea pig cage") and piqa[0]["label"] == 0
+    assert piqa[0]["context"].startswith("Question: How do I ready a guinea pig "
+                                         "cage") and piqa[0]["label"] == 0
     assert E.read_items(str(mirror / "eval" / "piqa_valid.jsonl")) == piqa  # labels found next to the file
 
 
@@ -186,7 +198,8 @@ def test_arc_reader(tmp_path, mirror):
             {"text": "3", "label": "1"}, {"text": "4", "label": "2"}, {"text": "5", "label": "3"},
             {"text": "6", "label": "4"}]}, "answerKey": "2"}]
     items = E.read_items(str(write_jsonl(tmp_path / "arc.jsonl", records)))
-    assert items == [{"context": "Question: Which is a metal?\nAnswer:", "choices": ["iron", "wood", "glass"], "label": 0},
+    assert items == [{"context": "Question: Which is a metal?\nAnswer:", "choices": ["iron", "wood", "glass"],
+                      "label": 0},
                      {"context": "Question: 2 + 2?\nAnswer:", "choices": ["3", "4", "5", "6"], "label": 1}]
     # (the mirror's MANIFEST.md lists eval/arc_easy_dev.jsonl, but the file is absent from ../shared/data, so
     # the 570-item count cannot be checked offline; the reader is pinned by the records above)
@@ -201,7 +214,8 @@ def checkpoint(tmp_path_factory):
 
 
 def test_defaults_come_from_the_checkpoint(checkpoint, tmp_path):
-    assert {k: E.init_defaults(checkpoint)[k] for k in ("tokenizer", "seq_len")} == {"tokenizer": "byte", "seq_len": 64}
+    assert {k: E.init_defaults(checkpoint)[k] for k in ("tokenizer", "seq_len")} == {"tokenizer": "byte",
+                                                                                     "seq_len": 64}
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 128_256}))  # a Llama 3 HF folder
     assert E.init_defaults(tmp_path) == {"tokenizer": "llama3"}
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 320}))
@@ -210,10 +224,12 @@ def test_defaults_come_from_the_checkpoint(checkpoint, tmp_path):
 
 def test_greedy_generation_equals_model_generate(checkpoint, capsys):
     tok = data.get_tokenizer("byte")
-    [out] = cli(capsys, "--init", str(checkpoint), "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "20")
+    [out] = cli(capsys, "--init", str(checkpoint), "--prompt", "ROMEO:", "--temperature", "0",
+                "--max-new-tokens", "20")
     model = E.load_model(checkpoint, tok, torch.device("cpu"), torch.float32, P.Mesh())
     prompt = [data.bos_id(tok)] + tok.encode_ordinary("ROMEO:")
-    expected = M.generate(model, prompt, 20, temperature=0, eos_id=data.eos_id(tok), n_vocab=tok.n_vocab)[0].tolist()
+    expected = M.generate(model, prompt, 20, temperature=0, eos_id=data.eos_id(tok),
+                          n_vocab=tok.n_vocab)[0].tolist()
     assert out["tokens"] == expected and len(expected) == 20 and not out["stopped"]
     assert out["completion"] == tok.decode(expected)
 
@@ -224,12 +240,14 @@ def test_chat_generation_stops_at_eot(tmp_path, capsys):
     M.save_hf(rigged_model(x, then=eot), tmp_path / "hf")  # says "x", then <|eot_id|>, then "x" again ...
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\nHow are you?\n")
-    chat = cli(capsys, "--init", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--chat", "--temperature", "0")
+    chat = cli(capsys, "--init", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--chat",
+               "--temperature", "0")
     assert [(r["prompt"], r["completion"], r["tokens"], r["stopped"]) for r in chat] == \
         [("Hello", "x", [x], True), ("How are you?", "x", [x], True)]
     [plain] = cli(capsys, "--init", str(tmp_path / "hf"), "--prompt", "Hello", "--temperature", "0",
                   "--max-new-tokens", "6")
-    assert plain["tokens"] == [x, eot] * 3 and not plain["stopped"]  # without --chat only <|end_of_text|> stops
+    # without --chat only <|end_of_text|> stops
+    assert plain["tokens"] == [x, eot] * 3 and not plain["stopped"]
 
 
 def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsys, mirror):
@@ -237,10 +255,12 @@ def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsy
     assert ts["task"] == "tinyshakespeare" and ts["seq_len"] == 64  # the checkpoint's training --seq-len
     assert ts["perplexity"] == pytest.approx(math.exp(ts["loss"]))
     assert 3 < ts["loss"] < 6 and ts["tokens"] > 100_000  # the whole val split; byte vocab: 5.6 = ln 268
-    assert ts["bits_per_byte"] == pytest.approx(ts["loss"] / math.log(2), rel=1e-3)  # byte tokens: 1 byte each
+    # byte tokens: 1 byte each
+    assert ts["bits_per_byte"] == pytest.approx(ts["loss"] / math.log(2), rel=1e-3)
     hellaswag = E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl"))[:9]  # odd: the ranks get 5 and 4
     mc = write_jsonl(tmp_path / "mc.jsonl", hellaswag)
-    argv = ["--init", str(checkpoint), "--task", str(mc), "--task", "tinyshakespeare", "--limit", "7", "--json"]
+    argv = ["--init", str(checkpoint), "--task", str(mc), "--task", "tinyshakespeare", "--limit", "7",
+            "--json"]
     one = cli(capsys, *argv[:-1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "evaluate.py"), *argv]

@@ -36,13 +36,15 @@ def masters(out):
     return {k: v["master"] for k, v in parallel.read_full_state(d)[0].items()}
 
 
-CONVERSATION = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}
+CONVERSATION = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant",
+                                                                             "content": "Blue."}]}
 PAIR = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "I will not."}
 
 
 @pytest.mark.parametrize("script,record", [("train.py", None), ("sft.py", CONVERSATION), ("dpo.py", PAIR)])
 def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, script, record):
-    """Every script that trains: SIGTERM mid-run -> the step finishes, a checkpoint, exit 0; --resume goes on."""
+    """Every script that trains: SIGTERM mid-run -> the step finishes, a checkpoint, exit 0; --resume goes
+    on."""
     out, flags = tmp_path / "o", list(TINY)
     if record is not None:  # sft.py / dpo.py: a small dataset of their own kind
         (tmp_path / "d.jsonl").write_text((json.dumps(record) + "\n") * 40)
@@ -93,7 +95,8 @@ def test_nan_loss_skips_the_step_and_leaves_nothing_changed(tmp_path, monkeypatc
 def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
     inject_nan(monkeypatch, set(range(3, 100)))
     with pytest.raises(train.TrainingError, match="3 consecutive steps skipped"):
-        train.main(TINY + ["--max-steps", "10", "--max-skips", "3", "--ckpt-every", "2", "--out-dir", str(tmp_path)])
+        train.main(TINY + ["--max-steps", "10", "--max-skips", "3", "--ckpt-every", "2", "--out-dir",
+                           str(tmp_path)])
     assert checkpoint.find_latest(tmp_path)[0].name == "step_000002"  # the last good checkpoint
 
 
@@ -131,7 +134,8 @@ def test_nan_gradient_on_one_rank_makes_every_rank_skip(tmp_path, when):
     common = [*TINY, "--max-steps", "4", "--grad-accum", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, cmd in (("nan", [str(script)]), ("clean", [str(REPO / "train.py")])):
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=2",
                             *cmd, *common, "--out-dir", str(tmp_path / name)], capture_output=True, text=True,
                            env=env, timeout=240)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -192,7 +196,8 @@ def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
 def test_deterministic_flag_gives_identical_runs(tmp_path):
     """Fresh processes, as a user runs them: the flag's kernel pinning only acts before the first matmul."""
     for name in ("a", "b"):
-        p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "5", "--deterministic",
+        p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "5",
+                            "--deterministic",
                             "--out-dir", str(tmp_path / name)], capture_output=True, text=True, cwd=REPO)
         assert p.returncode == 0 and "--deterministic: " in p.stdout, p.stderr[-2000:]
     assert [r["loss"] for r in records(tmp_path / "a")] == [r["loss"] for r in records(tmp_path / "b")]
@@ -268,7 +273,8 @@ def test_a_second_signal_interrupts_at_once():
 def test_malformed_jsonl_names_its_line_in_every_training_script(tmp_path, script, good):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good) + "\n" + json.dumps(good)[:20] + "\n")
-    p = subprocess.run([sys.executable, str(REPO / script), "--model", "tiny", "--data", str(bad), "--max-steps",
+    p = subprocess.run([sys.executable, str(REPO / script), "--model", "tiny", "--data", str(bad),
+                        "--max-steps",
                         "2", "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO)
     errors = [l for l in p.stderr.splitlines() if l.startswith("error")]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
@@ -281,7 +287,8 @@ def test_fp16_loss_scale_overflows_do_not_stop_the_run(tmp_path, monkeypatch):
     its normal search, not a run going bad, so --max-skips does not end the run."""
     real_init = O.LossScaler.__init__
     monkeypatch.setattr(O.LossScaler, "__init__", lambda self: real_init(self, init_scale=2.0 ** 24))
-    train.main(TINY + ["--max-steps", "4", "--max-skips", "3", "--precision", "fp16", "--out-dir", str(tmp_path)])
+    train.main(TINY + ["--max-steps", "4", "--max-skips", "3", "--precision", "fp16", "--out-dir",
+                       str(tmp_path)])
     rows = records(tmp_path)
     overflows = [r for r in rows if "fp16 gradient overflow" in r.get("skipped", "")]
     assert len(overflows) > 3 and [r["step"] for r in rows if "loss" in r][-1] == 4
@@ -297,7 +304,8 @@ def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_
         import os, sys, time
         sys.path.insert(0, {str(REPO)!r})
         import data, parallel, train
-        slow = lambda real: (lambda *a, **k: (time.sleep(6) if os.environ["RANK"] == "0" else None, real(*a, **k))[1])
+        slow = lambda real: (lambda *a, **k: (time.sleep(6) if os.environ["RANK"] == "0" else None,
+                                              real(*a, **k))[1])
         data.resolve_data = slow(data.resolve_data)
         parallel.save_shards = slow(parallel.save_shards)
         train.run(argv=sys.argv[1:])
@@ -305,14 +313,16 @@ def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script), *TINY, "--max-steps", "2", "--ckpt-every", "2", "--dist-timeout", "3",
                         "--io-timeout", str(io_timeout), "--out-dir", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True, timeout=240, env={**os.environ,
+                                                                         "OMP_NUM_THREADS": "1"})
     if io_timeout == 60:
         assert p.returncode == 0, p.stderr[-3000:]
         assert checkpoint.find_latest(tmp_path / "o")[0].name == "step_000002"
     else:
         errors = [l for l in p.stderr.splitlines() if l.startswith("error (rank 1): ")]
         assert p.returncode != 0 and len(errors) == 1, p.stderr[-3000:]
-        assert "barrier on the io group (global ranks [0, 1])" in errors[0] and "--io-timeout 3 s" in errors[0]
+        assert "barrier on the io group (global ranks [0, 1])" in errors[0]
+        assert "--io-timeout 3 s" in errors[0]
 
 
 def test_writers_hash_their_own_shards_and_rank_0_alone_verifies_a_resume(tmp_path, monkeypatch):
@@ -326,13 +336,15 @@ def test_writers_hash_their_own_shards_and_rank_0_alone_verifies_a_resume(tmp_pa
     train.main(TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "o")])
     monkeypatch.undo()
     assert checkpoint.damage(tmp_path / "o" / "step_000002") is None  # the writer's manifest is right
-    p = counting_hashes(tmp_path, "train", TINY + ["--max-steps", "4", "--out-dir", str(tmp_path / "o"), "--resume"])
+    p = counting_hashes(tmp_path, "train", TINY + ["--max-steps", "4", "--out-dir", str(tmp_path / "o"),
+                                                   "--resume"])
     assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
     assert (tmp_path / "hashed").read_text() == "0\n"  # one shard, hashed once, by rank 0
 
 
 def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """`module`.main under torchrun with 2 processes; each file hash appends the hashing rank to tmp_path/hashed."""
+    """`module`.main under torchrun with 2 processes; each file hash appends the hashing rank to
+    tmp_path/hashed."""
     script, log = tmp_path / "count.py", tmp_path / "hashed"
     log.unlink(missing_ok=True)
     script.write_text(textwrap.dedent(f"""
@@ -347,7 +359,8 @@ def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.Comple
         data.sha256_file = counted
         train.run({module}.main, argv=sys.argv[1:])
     """))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2",
                            str(script), *argv], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -359,23 +372,27 @@ def test_rank_0_alone_verifies_an_init_checkpoint(tmp_path):
     train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(base)])
     conversations = tmp_path / "c.jsonl"
     conversations.write_text((json.dumps(CONVERSATION) + "\n") * 40)
-    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1", "--seq-len", "64",
-                        "--micro-batch", "1", "--init", str(base)]
+    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1",
+                        "--seq-len", "64", "--micro-batch", "1", "--init", str(base)]
     p = counting_hashes(tmp_path, "sft", sft_flags + ["--out-dir", str(tmp_path / "s")])
     assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / "hashed").read_text() == "0\n"  # the newest step's one shard, by rank 0
-    p = counting_hashes(tmp_path, "evaluate", ["--init", str(base), "--task", "tinyshakespeare", "--limit", "2"])
+    p = counting_hashes(tmp_path, "evaluate", ["--init", str(base), "--task", "tinyshakespeare", "--limit",
+                                               "2"])
     assert p.returncode == 0 and "tinyshakespeare" in p.stdout, p.stderr[-3000:]
-    assert "1" not in (tmp_path / "hashed").read_text()  # rank 1 hashed nothing (rank 0 the shard, and the data)
+    # rank 1 hashed nothing (rank 0 the shard, and the data)
+    assert "1" not in (tmp_path / "hashed").read_text()
     shard = base / "step_000004" / "shard_pp00_tp00.pt"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw))
     p = counting_hashes(tmp_path, "sft", sft_flags + ["--out-dir", str(tmp_path / "s2")])
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt does not match its checksum); falling back" in p.stdout
+    assert ("checkpoint step_000004 is damaged (shard_pp00_tp00.pt does not match its checksum); falling back"
+            in p.stdout)
     assert (tmp_path / "hashed").read_text() == "0\n0\n"  # step 4 (damaged), then step 2: both by rank 0
     named = [f if f != str(base) else str(base / "step_000002") for f in sft_flags]
     assert counting_hashes(tmp_path, "sft", named + ["--out-dir", str(tmp_path / "s3")]).returncode == 0
-    losses = lambda out: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm")) for r in records(out)]
+    losses = lambda out: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
+                          for r in records(out)]
     assert losses(tmp_path / "s2") == losses(tmp_path / "s3")  # every rank trained from step 2's weights

@@ -55,11 +55,12 @@ def refused(capsys, main, argv) -> str:
 
 
 def cli(script, *args, **kwargs):
-    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, timeout=kwargs.pop("timeout", 300), **kwargs)
+    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, timeout=kwargs.pop("timeout", 300), **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------------------------------
+# checkpoints
 
 def test_overwrite_removes_the_old_run_whole(tmp_path):
     out = tmp_path / "o"
@@ -83,8 +84,8 @@ def test_rotation_sorts_steps_by_number_and_keeps_the_newest(tmp_path):
     meta = json.loads((old / "meta.json").read_text())
     (old / "meta.json").write_text(json.dumps({**meta, "step": 999_999}))
     (out / "latest").write_text("step_999999\n")
-    train.main(TINY + ["--max-steps", "1000001", "--ckpt-every", "1", "--keep-ckpts", "1", "--out-dir", str(out),
-                       "--resume"])
+    train.main(TINY + ["--max-steps", "1000001", "--ckpt-every", "1", "--keep-ckpts", "1", "--out-dir",
+                       str(out), "--resume"])
     assert [d.name for d in checkpoint.step_dirs(out)] == ["step_1000001"]
     assert checkpoint.find_latest(out) == (out / "step_1000001", [])
 
@@ -102,7 +103,8 @@ def test_a_dangling_latest_is_said_out_loud(tmp_path):
 def test_a_second_run_on_the_same_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path):
     out = tmp_path / "o"
     first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "100000",
-                              "--ckpt-every", "100000", "--out-dir", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                              "--ckpt-every", "100000", "--out-dir", str(out)], cwd=REPO,
+                              stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(records(out)) >= 2):
@@ -115,7 +117,8 @@ def test_a_second_run_on_the_same_out_dir_is_refused_and_a_stale_lock_taken_over
     assert first.returncode == 0 and "stopped by signal SIGTERM" in stdout, stderr[-2000:]
     assert not (out / ".lock").exists()
     # a lock left by a process that is gone (a crash) is taken over, saying so
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
     pid = int(dead.stdout)
     (out / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "since": "x"}))
     p = cli("train.py", *TINY, "--max-steps", "4", "--out-dir", out, "--overwrite")
@@ -161,19 +164,21 @@ def test_init_checks_the_checkpoint_manifest(tmp_path, capsys):
     train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(base)])
     flip_a_byte(base / "step_000004" / "shard_pp00_tp00.pt")
     message = refused(capsys, evaluate.main, ["--init", str(base / "step_000004"), "--prompt", "a"])
-    assert "checkpoint" in message and "is damaged (shard_pp00_tp00.pt does not match its checksum)" in message
+    assert "checkpoint" in message
+    assert "is damaged (shard_pp00_tp00.pt does not match its checksum)" in message
     conversations = tmp_path / "c.jsonl"
     conversations.write_text((json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                       {"role": "assistant", "content": "hello"}]}) + "\n") * 10)
-    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1", "--seq-len",
-                        "128", "--micro-batch", "1"]
+                                                       {"role": "assistant", "content": "hello"}]})
+                                                       + "\n") * 10)
+    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1",
+                        "--seq-len", "128", "--micro-batch", "1"]
     message = refused(capsys, sft.main, sft_flags + ["--init", str(base / "step_000004"), "--out-dir",
                                                      str(tmp_path / "s")])
     assert "does not match its checksum" in message
     # an out-dir falls back to its newest intact checkpoint, saying so, as --resume does
     sft.main(sft_flags + ["--init", str(base), "--out-dir", str(tmp_path / "s2")])
-    assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt does not match its checksum); falling back" \
-        in capsys.readouterr().out
+    assert ("checkpoint step_000004 is damaged (shard_pp00_tp00.pt does not match its checksum); falling back"
+            in capsys.readouterr().out)
     shard = base / "step_000004" / "shard_pp00_tp00.pt"  # a write cut short: torch cannot even open it
     shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
     sft.main(sft_flags + ["--init", str(base), "--out-dir", str(tmp_path / "s3")])
@@ -186,13 +191,15 @@ def test_a_failed_prepare_leaves_the_prepared_folder_as_it_was(tmp_path):
     prepared = tmp_path / "P"
     assert data.main(["prepare", "--source", "tinyshakespeare", "--out", str(prepared)]) == 0
     before = {f.name: f.read_bytes() for f in prepared.iterdir()}
-    for bad in (["--source", "tinyshakespeare", "--val-fraction", "1.5"], ["--source", str(tmp_path / "none.txt")],
+    for bad in (["--source", "tinyshakespeare", "--val-fraction", "1.5"], ["--source",
+                                                                           str(tmp_path / "none.txt")],
                 ["--source", "tinyshakespeare", "--shard-tokens", "0"]):
         p = cli("data.py", "prepare", "--out", prepared, *bad, timeout=120)
         assert p.returncode == 1 and error_line(p.stderr), p.stderr
         assert {f.name: f.read_bytes() for f in prepared.iterdir()} == before
     # a good new source replaces the old shards whole: fewer shards leave none of the old behind
-    assert data.main(["prepare", "--source", "wiki_demo", "--out", str(prepared), "--shard-tokens", "10000000"]) == 0
+    assert data.main(["prepare", "--source", "wiki_demo", "--out", str(prepared), "--shard-tokens",
+                      "10000000"]) == 0
     assert sorted(f.name for f in prepared.iterdir()) == ["meta.json", "train_000000.bin", "val_000000.bin"]
 
 
@@ -206,7 +213,8 @@ def test_a_custom_tokenizer_model_gets_its_own_name_and_cache(tmp_path, mirror):
     custom.write_bytes(b"\n".join(lines) + b"\n")
     official, mine = data.get_tokenizer("llama3"), data.get_tokenizer(str(custom))
     assert data.get_tokenizer(str(same)).name == official.name == "llama3"
-    assert mine.name.startswith("llama3-") and mine.encode_ordinary("and the") != official.encode_ordinary("and the")
+    assert mine.name.startswith("llama3-")
+    assert mine.encode_ordinary("and the") != official.encode_ordinary("and the")
     text = tmp_path / "t.txt"
     text.write_text("and the " * 200)
     folders = {data.resolve_data(str(text), tok) for tok in ("llama3", str(custom))}
@@ -220,7 +228,8 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_training(tmp_path, c
         data.write_shard(shards / f"{split}_000000.bin", np.arange(2000) % 1000, "byte")  # byte has 268 ids
     (shards / "meta.json").write_text("{}")
     out = tmp_path / "o"
-    message = refused(capsys, train.main, TINY + ["--max-steps", "2", "--data", str(shards), "--out-dir", str(out)])
+    message = refused(capsys, train.main, TINY + ["--max-steps", "2", "--data", str(shards), "--out-dir",
+                                                  str(out)])
     assert "holds token id 999, but the byte tokenizer has 268 ids" in message
     assert not out.exists()
 
@@ -237,7 +246,8 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     assert losses[0] == losses[1] and len(losses[0]) == 1
 
 
-# ---------------------------------------------------------------------------------------------------- refusals
+# ----------------------------------------------------------------------------------------------------
+# refusals
 
 @pytest.mark.parametrize("flags,message", [
     (["--min-lr-ratio", "-5"], "--min-lr-ratio must be in [0, 1], got -5.0"),
@@ -287,9 +297,11 @@ def readonly_folder(path: Path):
     if os.geteuid() != 0:
         path.chmod(0o555)
         return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                             capture_output=True)
     if mounted.returncode != 0:
-        pytest.skip("running as root without the right to mount: no folder can be made read-only for this test")
+        pytest.skip("running as root without the right to mount: no folder can be made read-only for this "
+                    "test")
 
 
 @pytest.mark.parametrize("case", ["file", "read-only", "latest is a folder", "metrics.jsonl is a folder",
@@ -297,8 +309,10 @@ def readonly_folder(path: Path):
 def test_unusable_out_dirs_are_refused_with_one_line(tmp_path, capsys, case):
     out, flags = tmp_path / "o", TINY + ["--max-steps", "4"]
     expected = {"file": "exists and is not a folder", "read-only": "cannot write to --out-dir",
-                "latest is a folder": "latest is not a file", "metrics.jsonl is a folder": "metrics.jsonl is not a file",
-                "meta.json wrong types": "'step' is '2', not an int", "manifest not a dict": "'files' is"}[case]
+                "latest is a folder": "latest is not a file",
+                "metrics.jsonl is a folder": "metrics.jsonl is not a file",
+                "meta.json wrong types": "'step' is '2', not an int",
+                "manifest not a dict": "'files' is"}[case]
     if case == "file":
         out.write_text("not a folder")
     elif case == "read-only":
@@ -340,7 +354,8 @@ def test_consolidate_and_info_failures_are_one_line(tmp_path, capsys):
     flip_a_byte(out / "step_000002" / "shard_pp00_tp00.pt")
     for argv, message in ((["consolidate", str(tmp_path / "nowhere"), "--out", str(tmp_path / "m.pt")],
                            "no intact checkpoint"),
-                          (["consolidate", str(out), "--out", str(tmp_path / "m.pt")], "does not match its checksum")):
+                          (["consolidate", str(out), "--out", str(tmp_path / "m.pt")],
+                           "does not match its checksum")):
         assert parallel.main(argv) == 1 and message in error_line(capsys.readouterr().err)
     assert not (tmp_path / "m.pt").exists()
     for argv, message in ((["info", str(tmp_path / "nowhere.bin")], "no file or folder"),
@@ -348,7 +363,8 @@ def test_consolidate_and_info_failures_are_one_line(tmp_path, capsys):
         assert data.main(argv) == 1 and message in error_line(capsys.readouterr().err)
 
 
-# ---------------------------------------------------------------------------------------------------- messages
+# ----------------------------------------------------------------------------------------------------
+# messages
 
 class Exploit:
     def __reduce__(self):

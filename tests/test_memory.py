@@ -53,12 +53,14 @@ GPT2 = ["--tokenizer", "gpt2"]  # a 50K vocabulary: the logits, the loss and the
 LAYOUTS = {  # name: (processes, flags, estimate's keywords); TP's memory: see the test after this one
     "fp32": (1, [], {}),
     "gpt2 vocabulary": (1, GPT2, {}),
-    "AFAB without a pipeline": (1, ["--schedule", "afab", "--grad-accum", "4"], dict(schedule="afab", grad_accum=4)),
+    "AFAB without a pipeline": (1, ["--schedule", "afab", "--grad-accum", "4"], dict(schedule="afab",
+                                                                                     grad_accum=4)),
     "bf16": (1, ["--precision", "bf16"], dict(precision="bf16")),
     "activation checkpointing": (1, ["--act-ckpt"], dict(act_ckpt=True)),
     "dp 2": (2, SMALL_BUCKETS, dict(dp=2)),
     "dp 2 ZeRO-1": (2, SMALL_BUCKETS + ["--zero", "1"], dict(dp=2, zero=1)),
-    "dp 2 ZeRO-1 bf16": (2, SMALL_BUCKETS + ["--zero", "1", "--precision", "bf16"], dict(dp=2, zero=1, precision="bf16")),
+    "dp 2 ZeRO-1 bf16": (2, SMALL_BUCKETS + ["--zero", "1", "--precision", "bf16"], dict(dp=2, zero=1,
+                                                                                         precision="bf16")),
     "tp 2 sp": (2, ["--tp", "2", "--sp"], dict(tp=2, sp=True)),
     "tp 2, checkpointing": (2, ["--tp", "2", "--act-ckpt"], dict(tp=2, act_ckpt=True)),
     "tp 2 sp, checkpointing": (2, ["--tp", "2", "--sp", "--act-ckpt"], dict(tp=2, sp=True, act_ckpt=True)),
@@ -77,12 +79,13 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
     script = tmp_path / "census.py"
     script.write_text(CENSUS)
     argv = [str(script), *RUN, *flags, "--out-dir", str(tmp_path / "o")]
-    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      f"--nproc_per_node={processes}"]
+    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                      "--standalone", f"--nproc_per_node={processes}"]
     p = subprocess.run(launch + argv, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
-    peaks = {r["rank"]: r["peak"] for r in (json.loads(f.read_text()) for f in (tmp_path / "o").glob("peak_rank*.json"))}
+    peaks = {r["rank"]: r["peak"] for r in (json.loads(f.read_text())
+                                            for f in (tmp_path / "o").glob("peak_rank*.json"))}
     assert len(peaks) == processes
     kw = {"precision": "fp32", **kw}
     args = train.get_parser().parse_args(RUN + flags)
@@ -111,7 +114,8 @@ def test_model_states_by_kind():
     the reduce-scatter pieces; fp32 training keeps no separate master."""
     a, n = M.PRESETS["llama3.1-8b"], 8_030_261_248
     m = P.memory_estimate(a, "bf16", micro_batch=1, seq_len=8192)
-    assert (m["weights"], m["grads"], m["master"], m["optimizer"], m["zero_buffers"]) == (2 * n, 4 * n, 4 * n, 12 * n, 0)
+    assert (m["weights"], m["grads"], m["master"], m["optimizer"], m["zero_buffers"]) == (2 * n, 4 * n, 4 * n,
+                                                                                          12 * n, 0)
     z = P.memory_estimate(a, "bf16", 1, 8192, dp=8, zero=1)
     assert (z["master"], z["optimizer"], z["zero_buffers"]) == (n / 2, 1.5 * n, n / 2)
     assert P.memory_estimate(a, "fp32", 1, 8192)["master"] == 0
@@ -167,8 +171,10 @@ def test_activations_saved_for_backward_by_layout(tmp_path):
     Deterministic: it holds the tensor-parallel layouts, whose census above gloo's timing blurs."""
     script = tmp_path / "saved_by_layout.py"
     script.write_text(SAVED)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ,
+                                                                         "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     margs = M.PRESETS["mini"]
     [line] = [l for l in p.stdout.splitlines() if l.startswith("{")]

@@ -14,7 +14,8 @@ import parallel as P
 
 def tiny_model(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    args = M.ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=32)
+    args = M.ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16,
+                       max_seq_len=32)
     return M.Transformer(args).to(dtype)
 
 
@@ -24,7 +25,8 @@ def test_matches_torch_adamw_over_10_steps_fp32():
     decay = [p for n, p in ref_model.named_parameters() if O.decays(n, p)]
     no_decay = [p for n, p in ref_model.named_parameters() if not O.decays(n, p)]
     assert decay and no_decay
-    ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay,
+                                                                      "weight_decay": 0.0}],
                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     g = torch.Generator().manual_seed(1)
     for step in range(10):
@@ -46,7 +48,8 @@ def test_matches_torch_adamw_over_10_steps_fp32():
 def test_no_decay_on_norms_and_embeddings():
     m = tiny_model()
     opt = O.AdamW(m.named_parameters(), lr=0.1, weight_decay=0.5)
-    decayed = {n for i, n in enumerate(opt.names) if any(lo <= opt.offsets[i] < hi for lo, hi in opt.decay_ranges)}
+    decayed = {n for i, n in enumerate(opt.names) if any(lo <= opt.offsets[i] < hi for lo,
+                                                         hi in opt.decay_ranges)}
     assert "tok_embeddings.weight" not in decayed
     assert not any("norm" in n for n in decayed)
     assert "layers.0.attention.wq.weight" in decayed and "output.weight" in decayed
@@ -186,7 +189,8 @@ class Allocations(TorchDispatchMode):
 
 
 def state_bytes(opt) -> int:
-    own = [opt.exp_avg, opt.exp_avg_sq, opt._denom] + ([opt.master] if opt.master is not opt.model_flat else [])
+    own = [opt.exp_avg, opt.exp_avg_sq, opt._denom] + ([opt.master] if opt.master is not opt.model_flat
+                                                       else [])
     return sum(t.numel() * t.element_size() for t in own)
 
 
@@ -205,7 +209,8 @@ def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
         kept[dp] = state_bytes(opt)
         pieces = sum(t.numel() * 4 for t in getattr(sync, "pieces", []))
         full_length = n * 4 + n * opt.model_flat.element_size()  # gradient (fp32) and model copy
-        assert built.bytes == full_length + kept[dp] + pieces, (dp, built.bytes, full_length, kept[dp], pieces)
+        assert built.bytes == full_length + kept[dp] + pieces, (dp, built.bytes, full_length, kept[dp],
+                                                                pieces)
         owned[dp] = sum(t.numel() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt._denom))
     # master, m, v and the denominator: a quarter each (in fp32 at dp 1 the master is the model copy itself)
     assert owned[4] * 4 == owned[1]

@@ -112,7 +112,8 @@ def _layers(tp, sp):
     logits = torch.randn(B, T, 37, requires_grad=True)
     targets = torch.randint(0, 37, (B, T))
     targets[0, :3] = P.IGNORE_INDEX
-    loss = F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=P.IGNORE_INDEX, reduction="none")
+    loss = F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=P.IGNORE_INDEX,
+                           reduction="none")
     w = torch.rand_like(loss)
     (loss * w).sum().backward()
     local = torch.cat([logits.detach(), torch.full((B, T, P.padded_vocab(37, tp) - 37), 3.0)], dim=-1)
@@ -194,7 +195,8 @@ def test_a_rank_reads_only_its_own_weights_from_a_hugging_face_folder(tmp_path, 
     P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
     P.materialize(part, mesh, "cpu", lambda name, shape: state[name])
     assert sorted(reads) == sorted(M._hf_name(n) for n, _ in part.named_parameters())
-    assert all(".layers.2." in r or ".layers.3." in r or r in ("model.norm.weight", "lm_head.weight") for r in reads)
+    assert all(".layers.2." in r or ".layers.3." in r or r in ("model.norm.weight", "lm_head.weight")
+               for r in reads)
     full = dict(whole.named_parameters())
     for name, p in part.named_parameters():
         dim = part.tp_placement.get(name, (None,))[0]
@@ -224,8 +226,8 @@ def test_a_rank_of_llama3_8b_holds_only_its_own_pieces():
 
 
 TINY = ["--model", "tiny", "--n-layers", "4", "--vocab-size", "301", "--seq-len", "32", "--lr", "3e-3",
-        "--warmup", "1", "--log-every", "1", "--eval-batches", "4", "--eval-every", "0", "--sample-tokens", "0",
-        "--ckpt-every", "1000"]
+        "--warmup", "1", "--log-every", "1", "--eval-batches", "4", "--eval-every", "0", "--sample-tokens",
+        "0", "--ckpt-every", "1000"]
 GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
 
 
@@ -359,7 +361,8 @@ def _comm(out_file, tp, pp, dp, sp):
     import optim as O
     mesh = P.init_mesh(tp=tp, pp=pp, sp=sp)
     torch.manual_seed(0)
-    args = M.ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=64)
+    args = M.ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                       max_seq_len=64)
     model = M.Transformer(args)
     P.apply_tensor_parallel(model, mesh)
     P.apply_pipeline(model, mesh)
@@ -380,8 +383,8 @@ def _comm(out_file, tp, pp, dp, sp):
     grad_bytes = opt.numel * 4
     after = {k: mesh.comm_bytes[k] - before[k] for k in before}
     Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(
-        {"comm": after, "grad_bytes": grad_bytes, "pp_rank": mesh.pp_rank, "B": B, "T": T, "m": m, "d": args.dim,
-         "L_stage": len(model.layers), "first": mesh.first_stage, "last": mesh.last_stage}))
+        {"comm": after, "grad_bytes": grad_bytes, "pp_rank": mesh.pp_rank, "B": B, "T": T, "m": m,
+         "d": args.dim, "L_stage": len(model.layers), "first": mesh.first_stage, "last": mesh.last_stage}))
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)])
@@ -445,7 +448,8 @@ def test_one_failing_rank_ends_the_job(tmp_path):
            *TINY, "--pp", "2", "--micro-batch", "4", "--grad-accum", "2", "--max-steps", "3",
            "--out-dir", str(tmp_path / "o"), "--dist-timeout", "30"]
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                              "OMP_NUM_THREADS": "1"})
     assert p.returncode != 0
     assert time.time() - t0 < 60
     assert "stage 1 exploded on rank 3" in p.stderr
@@ -470,8 +474,10 @@ def test_every_data_cache_is_prepared_once_by_one_process(tmp_path, shared):
         train.run(argv=sys.argv[1:])
     """))
     port = free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                               "--nproc_per_node=2",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                               "--rdzv-id=two-nodes",
                                str(script), *TINY, "--micro-batch", "4", "--max-steps", "2",
                                "--out-dir", str(tmp_path / "o")],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -1,6 +1,8 @@
-"""Tests for the Llama 3 chat format and its loss mask (data.py), the SFT (sft.py) and preference (dpo.py) readers
+"""Tests for the Llama 3 chat format and its loss mask (data.py), the SFT (sft.py) and preference (dpo.py)
+readers
 (crafted files and the mirror's Alpaca, Self-Instruct and HH-RLHF files), the length rule, and the SFT /
-preference loaders: targets, document ids, packing, data-parallel split, resume. No test touches the network."""
+preference loaders: targets, document ids, packing, data-parallel split, resume. No test touches the
+network."""
 import collections
 import gzip
 import hashlib
@@ -37,7 +39,8 @@ def write_jsonl(path, records):
     return path
 
 
-# ---------------------------------------------------------------------------------------------------- encode_chat
+# ----------------------------------------------------------------------------------------------------
+# encode_chat
 
 def test_encode_chat_llama3_exact_ids(mirror):
     enc = get_tokenizer("llama3")
@@ -58,7 +61,8 @@ def test_encode_chat_llama3_exact_ids(mirror):
     ids, mask = encode_chat(enc, CONVERSATION)
     assert ids == expected and mask == expected_mask and len(ids) == len(mask)
     assert ids.count(128000) == 1 and ids[0] == 128000  # BOS once
-    assert ids.count(128006) == ids.count(128007) == ids.count(128009) == 3  # the "<|eot_id|>" text is not eot
+    # the "<|eot_id|>" text is not eot
+    assert ids.count(128006) == ids.count(128007) == ids.count(128009) == 3
     assert header("assistant") == [128006, 78191, 128007, 271]
     learned = [t for t, m in zip(ids, mask) if m]
     assert learned == text("Hi.") + [128009] and enc.decode(learned) == "Hi.<|eot_id|>"
@@ -99,7 +103,8 @@ def test_encode_chat_validates():
         encode_chat(enc, "hello")
 
 
-# ---------------------------------------------------------------------------------------------------- read_sft
+# ----------------------------------------------------------------------------------------------------
+# read_sft
 
 def test_read_sft_formats_and_errors(tmp_path):
     alpaca = tmp_path / "alpaca.json"
@@ -111,14 +116,17 @@ def test_read_sft_formats_and_errors(tmp_path):
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": "a"}]
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": messages}, {"prompt": "p", "response": "r"}])
-    assert read_sft(mixed) == [messages, [{"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}]]
+    assert read_sft(mixed) == [messages, [{"role": "user", "content": "p"}, {"role": "assistant",
+                                                                             "content": "r"}]]
 
     bad = tmp_path / "bad.jsonl"
     for text, message in [  # each error names the file and the line (or record) at fault
             ('{"prompt": "p", "response": "r"}\n\n{"prompt": "p", \n', r"bad.jsonl:3: malformed JSON"),
-            ('{"prompt": "p", "response": "r"}\n{"text": "t"}\n', r"bad.jsonl:2: unknown SFT record \['text'\]"),
+            ('{"prompt": "p", "response": "r"}\n{"text": "t"}\n',
+             r"bad.jsonl:2: unknown SFT record \['text'\]"),
             ('{"messages": [{"role": "bot", "content": "x"}]}\n', r"bad.jsonl:1: .*'bot'"),
-            ('[{"instruction": "i", "output": "o"},\n {"instruction": "i", "output": 3}]', r"bad.jsonl: record 1: .*output"),
+            ('[{"instruction": "i", "output": "o"},\n {"instruction": "i", "output": 3}]',
+             r"bad.jsonl: record 1: .*output"),
             ('[{"instruction": "i", "output": "o"},\n {"instruction": }]', r"bad.jsonl:2: malformed JSON")]:
         bad.write_text(text)
         with pytest.raises(DataError, match=message):
@@ -131,9 +139,11 @@ def test_read_sft_mirror_files(mirror):
     alpaca = read_sft("alpaca_5000")  # through the registry: copied from the mirror and checksummed
     raw = json.loads((mirror / "sft" / "alpaca_5000.json").read_text())
     assert len(alpaca) == 5000 == len(raw)
-    assert all(len(c) == 2 and c[1] == {"role": "assistant", "content": r["output"]} for c, r in zip(alpaca, raw))
+    assert all(len(c) == 2 and c[1] == {"role": "assistant", "content": r["output"]} for c, r in zip(alpaca,
+                                                                                                     raw))
     with_input = next(i for i, r in enumerate(raw) if r["input"])
-    assert alpaca[with_input][0]["content"] == raw[with_input]["instruction"] + "\n\n" + raw[with_input]["input"]
+    expected = raw[with_input]["instruction"] + "\n\n" + raw[with_input]["input"]
+    assert alpaca[with_input][0]["content"] == expected
 
     seed = read_sft("self_instruct_seed")
     tasks = [json.loads(line) for line in (mirror / "sft" / "self_instruct_seed_tasks.jsonl").open()]
@@ -145,7 +155,8 @@ def test_read_sft_mirror_files(mirror):
     assert read_sft(mirror / "sft" / "self_instruct_seed_tasks.jsonl") == seed  # a path works the same way
 
 
-# ---------------------------------------------------------------------------------------------------- preferences
+# ----------------------------------------------------------------------------------------------------
+# preferences
 
 def test_read_preferences_strings_and_message_lists(tmp_path, capsys):
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
@@ -157,7 +168,8 @@ def test_read_preferences_strings_and_message_lists(tmp_path, capsys):
         {"prompt": [user("Q4"), bot("A"), user("Q5")], "chosen": [bot("good")], "rejected": [bot("bad")]},
         {"prompt": "Q6", "chosen": [user("Q6"), bot("good")], "rejected": [user("Q6"), bot("bad")]},
         {"chosen": [user("Q7"), bot("good")], "rejected": [user("Q7"), bot("bad")]},
-        {"chosen": [user("Q8"), bot("good")], "rejected": [user("other"), bot("bad")]},  # prompts differ: skipped
+        # prompts differ: skipped
+        {"chosen": [user("Q8"), bot("good")], "rejected": [user("other"), bot("bad")]},
     ])
     pairs = read_preferences(path)
     assert pairs == [
@@ -165,15 +177,19 @@ def test_read_preferences_strings_and_message_lists(tmp_path, capsys):
         {"prompt": [user("Q4"), bot("A"), user("Q5")], "chosen": "good", "rejected": "bad"},
         {"prompt": [user("Q6")], "chosen": "good", "rejected": "bad"},
         {"prompt": [user("Q7")], "chosen": "good", "rejected": "bad"}]
-    assert "4 preference pairs; skipped 1 with different prompts, 1 with an empty reply, 1 with identical replies" \
-        in capsys.readouterr().err
+    assert ("4 preference pairs; skipped 1 with different prompts, 1 with an empty reply, "
+            "1 with identical replies" in capsys.readouterr().err)
 
     hh = write_jsonl(tmp_path / "hh.jsonl", [{
-        "chosen": "\n\nHuman: Hi\n\nAssistant: Hello.\n\nAssistant: More.\n\nHuman: Bye\n\nAssistant:  See you! ",
-        "rejected": "\n\nHuman: Hi\n\nAssistant: Hello.\n\nAssistant: More.\n\nHuman: Bye\n\nAssistant: No."}])
-    assert read_preferences(hh) == [{"prompt": [user("Hi"), bot("Hello.\n\nMore."), user("Bye")],  # turns joined
+        "chosen": "\n\nHuman: Hi\n\nAssistant: Hello.\n\nAssistant: More.\n\nHuman: Bye\n\nAssistant:  See "
+        "you! ",
+        "rejected": "\n\nHuman: Hi\n\nAssistant: Hello.\n\nAssistant: More.\n\nHuman: Bye\n\nAssistant: "
+        "No."}])
+    # turns joined
+    assert read_preferences(hh) == [{"prompt": [user("Hi"), bot("Hello.\n\nMore."), user("Bye")],
                                      "chosen": "See you!", "rejected": "No."}]
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"chosen": "a"}])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"},
+                                               {"chosen": "a"}])
     with pytest.raises(DataError, match=r"bad.jsonl:2: unknown preference record"):
         read_preferences(bad)
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "chosen": [user("a")], "rejected": "b"}])
@@ -184,8 +200,8 @@ def test_read_preferences_strings_and_message_lists(tmp_path, capsys):
 def test_read_preferences_hh_rlhf_mirror(mirror, capsys):
     pairs = read_preferences("hh_rlhf_harmless_test")
     assert sum(1 for _ in (mirror / "dpo" / "hh_rlhf_harmless_base_test.jsonl").open()) == 2312
-    assert "2,303 preference pairs; skipped 5 with different prompts, 4 with an empty reply, 0 with identical" \
-        in capsys.readouterr().err
+    assert ("2,303 preference pairs; skipped 5 with different prompts, 4 with an empty reply, "
+            "0 with identical" in capsys.readouterr().err)
     assert len(pairs) == 2303
     first = pairs[0]
     roles = [m["role"] for m in first["prompt"]]
@@ -195,11 +211,13 @@ def test_read_preferences_hh_rlhf_mirror(mirror, capsys):
     for pair in pairs:  # every prompt alternates user/assistant, starting and ending with the user
         roles = [m["role"] for m in pair["prompt"]]
         assert roles[0] == roles[-1] == "user" and all(a != b for a, b in zip(roles, roles[1:]))
-        assert pair["chosen"].strip() and pair["rejected"].strip() and "\n\nHuman:" not in pair["prompt"][-1]["content"]
+        assert pair["chosen"].strip() and pair["rejected"].strip()
+        assert "\n\nHuman:" not in pair["prompt"][-1]["content"]
 
 
 def test_gzip_registry_entry_is_unpacked(tmp_path, monkeypatch):
-    """Without a mirror copy, a gzip_sha256 entry fetches the .gz, checks both hashes and keeps the unpacked file."""
+    """Without a mirror copy, a gzip_sha256 entry fetches the .gz, checks both hashes and keeps the unpacked
+    file."""
     raw = b'{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": "\\n\\nHuman: a\\n\\nAssistant: c"}\n'
     packed = gzip.compress(raw)
     monkeypatch.setitem(data.PREFERENCE_DATASETS, "tiny_gz", dict(
@@ -212,10 +230,12 @@ def test_gzip_registry_entry_is_unpacked(tmp_path, monkeypatch):
         {"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}]
 
 
-# ---------------------------------------------------------------------------------------------------- length rule
+# ---------------------------------------------------------------------------------------------------- length
+# rule
 
 def chat(user_chars, assistant_chars):
-    return [{"role": "user", "content": "u" * user_chars}, {"role": "assistant", "content": "a" * assistant_chars}]
+    return [{"role": "user", "content": "u" * user_chars}, {"role": "assistant",
+                                                            "content": "a" * assistant_chars}]
 
 
 def test_sft_examples_length_rule():
@@ -224,14 +244,16 @@ def test_sft_examples_length_rule():
     conversations = [
         chat(5, 5),  # 34 tokens: kept as is
         chat(10, 31),  # exactly seq_len + 1 = 65 tokens: kept as is
-        chat(10, 100),  # 134 tokens: truncated to 65; the reply starts at token 33, so 32 are learned (no eot)
+        # 134 tokens: truncated to 65; the reply starts at token 33, so 32 are learned (no eot)
+        chat(10, 100),
         chat(100, 10),  # the assistant starts after token 65: dropped
         [{"role": "user", "content": "no answer"}],  # nothing to learn: dropped
     ]
     examples, counts = sft_examples(enc, conversations, seq_len)
     assert [len(ids) for ids, _ in examples] == [34, 65, 65]
     assert [int(mask.sum()) for _, mask in examples] == [6, 32, 32]
-    assert counts == {"examples": 3, "truncated": 1, "dropped": 2, "tokens": 34 + 65 + 65, "target_tokens": 70}
+    assert counts == {"examples": 3, "truncated": 1, "dropped": 2, "tokens": 34 + 65 + 65,
+                      "target_tokens": 70}
     assert all(ids.dtype == np.int32 and mask.dtype == bool and not mask[0] for ids, mask in examples)
     assert examples[2][0][-1] == ord("a")  # truncated inside the reply: no eot at the end
     # the same rule for preference pairs: a pair goes if either side goes
@@ -243,7 +265,8 @@ def test_sft_examples_length_rule():
     assert counts == {"examples": 1, "truncated": 1, "dropped": 1, "tokens": 30 + 65, "target_tokens": 6 + 41}
 
 
-# ---------------------------------------------------------------------------------------------------- SFTLoader
+# ----------------------------------------------------------------------------------------------------
+# SFTLoader
 
 SEQ_LEN, PAD = 128, 260  # byte tokenizer: <|finetune_right_pad_id|> is 260
 
@@ -324,7 +347,8 @@ def test_sft_loader_packing_rule(examples):
     for r, row in enumerate(rows):  # the rows, in construction order (internal arrays), hold those examples
         flat = np.concatenate([examples[i][0] for i in row])
         assert (loader.inputs[r][:min(len(flat), SEQ_LEN)] == flat[:SEQ_LEN]).all()
-        assert (loader.inputs[r][len(flat):] == PAD).all() and (used[r] < SEQ_LEN) == (loader.inputs[r] == PAD).any()
+        assert (loader.inputs[r][len(flat):] == PAD).all() and (used[r] < SEQ_LEN) == (loader.inputs[r]
+                                                                                       == PAD).any()
         assert loader.doc_ids[r].max() == len(row) - 1 + (used[r] < SEQ_LEN)  # padding: a document of its own
 
 
@@ -366,7 +390,8 @@ def test_sft_loader_deterministic_and_dtypes(examples):
     other = SFTLoader(examples, 3, SEQ_LEN, seed=8, pad_id=PAD)
     loader = SFTLoader(examples, 1, SEQ_LEN, seed=7, pad_id=PAD)
     first, second = ([tuple(loader.next()[0][0].tolist()) for _ in range(len(loader))] for _ in range(2))
-    assert set(first) == set(second) and len(set(first)) == len(loader) and first != second  # reshuffled per epoch
+    # reshuffled per epoch
+    assert set(first) == set(second) and len(set(first)) == len(loader) and first != second
     assert not torch.equal(SFTLoader(examples, 3, SEQ_LEN, seed=7, pad_id=PAD).next()[0], other.next()[0])
     with pytest.raises(DataError, match="does not fit"):
         SFTLoader(examples, 2, 16)
@@ -378,7 +403,8 @@ def test_split_examples(examples):
     train, val = split_examples(examples, 0.1, seed=0)
     assert len(val) == 6 and len(train) == 54
     again = split_examples(examples, 0.1, seed=0)
-    assert [id(e) for e in again[0]] == [id(e) for e in train] and [id(e) for e in again[1]] == [id(e) for e in val]
+    assert [id(e) for e in again[0]] == [id(e) for e in train] and [id(e) for e in again[1]] == [id(e)
+                                                                                                 for e in val]
     assert sorted(map(id, train + val)) == sorted(map(id, examples))
     assert [id(e) for e in split_examples(examples, 0.1, seed=1)[1]] != [id(e) for e in val]
     assert split_examples(examples, 0.0, seed=0) == (examples, [])
@@ -386,13 +412,15 @@ def test_split_examples(examples):
         split_examples(examples[:1], 0.5, seed=0)
 
 
-# ---------------------------------------------------------------------------------------------------- preferences
+# ----------------------------------------------------------------------------------------------------
+# preferences
 
 def test_preference_loader(mirror):
     enc = get_tokenizer("llama3")
     pairs = [{"prompt": [{"role": "user", "content": f"question {i}" + " really" * i}],
               "chosen": f"good answer {i}", "rejected": f"bad {i}" + " answer" * (i % 4)} for i in range(10)]
-    pairs[3]["prompt"] += [{"role": "assistant", "content": "earlier reply"}, {"role": "user", "content": "more"}]
+    pairs[3]["prompt"] += [{"role": "assistant", "content": "earlier reply"}, {"role": "user",
+                                                                               "content": "more"}]
     examples, counts = preference_examples(enc, pairs, 48)
     assert counts["examples"] == 10 and counts["dropped"] == counts["truncated"] == 0
     B = 4

@@ -88,7 +88,8 @@ def test_packed_batch_equals_examples_one_by_one(tmp_path):
 def test_sft_fits_a_handful_of_conversations(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
     sft.main(TINY + ["--data", str(path), "--max-steps", "120", "--lr", "1e-2", "--micro-batch", "4",
-                     "--out-dir", str(tmp_path / "o"), "--sample-prompt", "Name a colour.", "--val-fraction", "0.1"])
+                     "--out-dir", str(tmp_path / "o"), "--sample-prompt", "Name a colour.", "--val-fraction",
+                     "0.1"])
     losses = [r["loss"] for r in records(tmp_path / "o") if "loss" in r]
     assert losses[0] > 3 and losses[-1] < 0.1, losses[::10]
 
@@ -119,7 +120,8 @@ def test_dpo_starts_at_log2_and_learns_its_pairs(tmp_path):
     recs = [r for r in records(tmp_path / "o") if "loss" in r]
     assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at the start
     assert recs[0]["rewards/margins"] == 0.0
-    assert all(k in recs[0] for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+    assert all(k in recs[0] for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                      "logps/chosen",
                                        "logps/rejected"))
     last = recs[-5:]
     assert sum(r["rewards/accuracies"] for r in last) / len(last) > 0.9
@@ -128,7 +130,8 @@ def test_dpo_starts_at_log2_and_learns_its_pairs(tmp_path):
 
 def test_precomputed_reference_gives_the_same_training(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
-    common = TINY + ["--data", str(path), "--max-steps", "4", "--lr", "3e-3", "--micro-batch", "4", "--eval-every", "2"]
+    common = TINY + ["--data", str(path), "--max-steps", "4", "--lr", "3e-3", "--micro-batch", "4",
+                     "--eval-every", "2"]
     dpo.main(common + ["--out-dir", str(tmp_path / "a")])
     dpo.main(common + ["--out-dir", str(tmp_path / "b"), "--precompute-ref"])
     assert (tmp_path / "b" / "ref_logps.pt").exists()
@@ -168,10 +171,12 @@ def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
                 "--sample-tokens", "0", "--out-dir", str(pre)])
     convs = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
     sft.main(["--init", str(pre), "--data", str(convs), "--seq-len", "64", "--max-steps", "20",
-              "--micro-batch", "4", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir", str(sft_out)])
+              "--micro-batch", "4", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir",
+              str(sft_out)])
     pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     dpo.main(["--init", str(sft_out), "--data", str(pairs), "--seq-len", "64", "--max-steps", "5",
-              "--micro-batch", "2", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir", str(dpo_out)])
+              "--micro-batch", "2", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir",
+              str(dpo_out)])
     tok = data.get_tokenizer("byte")
     margs, state = sft.load_init(dpo_out, tok)
     chat_model = M.Transformer(margs)
@@ -204,9 +209,11 @@ def test_dpo_counts_both_rows_of_a_pair_and_the_reference_forward():
     margs = M.PRESETS["tiny"]
     args = train.get_parser().parse_args(["--micro-batch", "4", "--seq-len", "32", "--grad-accum", "3"])
     mesh = P.Mesh(dp=2)
-    live, cached = dpo.DPOTask(margs, mesh, args, reference=object()), dpo.DPOTask(margs, mesh, args, cached={})
+    live, cached = dpo.DPOTask(margs, mesh, args, reference=object()), dpo.DPOTask(margs, mesh, args,
+                                                                                   cached={})
     lm = train.LMTask(margs, mesh)
     assert train.step_tokens(args, live, mesh) == 2 * train.step_tokens(args, lm, mesh) == 2 * 4 * 32 * 3 * 2
     base = M.flops_per_token(margs, 32)["palm"]
-    assert train.model_flops_per_token(margs, 32, lm) == train.model_flops_per_token(margs, 32, cached) == base
+    assert train.model_flops_per_token(margs, 32, lm) == train.model_flops_per_token(margs, 32,
+                                                                                     cached) == base
     assert train.model_flops_per_token(margs, 32, live) == pytest.approx(base * 4 / 3)

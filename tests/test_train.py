@@ -19,7 +19,8 @@ import train
 REPO = Path(__file__).resolve().parents[1]
 # A tiny model on TinyShakespeare (from the mirror) keeps each run to a second or two.
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--grad-accum", "2", "--lr", "3e-3",
-        "--warmup", "2", "--eval-every", "0", "--eval-batches", "2", "--log-every", "1", "--sample-tokens", "0"]
+        "--warmup", "2", "--eval-every", "0", "--eval-batches", "2", "--log-every", "1", "--sample-tokens",
+        "0"]
 
 
 def run_cli(*args, check=False):
@@ -69,8 +70,8 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def test_metrics_and_checkpoint_layout(tmp_path):
-    train.main(TINY + ["--max-steps", "6", "--out-dir", str(tmp_path), "--ckpt-every", "2", "--keep-ckpts", "2",
-                       "--eval-every", "3"])
+    train.main(TINY + ["--max-steps", "6", "--out-dir", str(tmp_path), "--ckpt-every", "2", "--keep-ckpts",
+                       "2", "--eval-every", "3"])
     recs = records(tmp_path)
     steps = [r for r in recs if "loss" in r]
     assert all({"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys() for r in steps)
@@ -106,7 +107,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert checkpoint.find_latest(out)[0].name == "step_000002"
     assert list(out.glob(".tmp-step_000004"))  # the torn write is there, but invisible to resume
     torch.load(out / "step_000002" / "shard_pp00_tp00.pt", weights_only=True)
-    code, stdout, stderr = run_cli(*TINY, "--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(out), "--resume")
+    code, stdout, stderr = run_cli(*TINY, "--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(out),
+                                   "--resume")
     assert code == 0, stderr[-2000:]
     assert "resumed from" in stdout and "at step 2" in stdout
     assert checkpoint.find_latest(out)[0].name == "step_000006"
@@ -114,7 +116,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_paths_train(tmp_path, precision):
-    train.main(TINY + ["--max-steps", "12", "--out-dir", str(tmp_path), "--precision", precision, "--lr", "1e-2"])
+    train.main(TINY + ["--max-steps", "12", "--out-dir", str(tmp_path), "--precision", precision, "--lr",
+                       "1e-2"])
     losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
     assert all(map(lambda x: x == x, losses))  # finite (no NaN)
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3
@@ -159,13 +162,14 @@ def test_bad_input_fails_with_one_line(tmp_path, flags, message):
 @pytest.mark.parametrize("text,flags,message", [
     ("", [], "no documents"),
     ("To be, or not to be. " * 4, [], "the val split"),  # ~80 bytes: no 33-token sequence once split
-    ("To be, or not to be. " * 20, ["--micro-batch", "16"], "fewer than one global batch of 32 (--micro-batch 16 x"),
+    ("To be, or not to be. " * 20, ["--micro-batch", "16"],
+     "fewer than one global batch of 32 (--micro-batch 16 x"),
 ])
 def test_empty_or_too_small_dataset_fails_with_one_line(tmp_path, text, flags, message):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text)
-    code, _, stderr = run_cli(*TINY, "--max-steps", "2", "--data", str(corpus), "--out-dir", str(tmp_path / "o"),
-                              *flags)
+    code, _, stderr = run_cli(*TINY, "--max-steps", "2", "--data", str(corpus), "--out-dir",
+                              str(tmp_path / "o"), *flags)
     errors = error_lines(stderr)  # (preparing the shards reports its progress on stderr too)
     assert code == 1 and len(errors) == 1 and message in errors[0], stderr
     assert not (tmp_path / "o").exists()
@@ -180,7 +184,8 @@ def test_unreadable_or_foreign_checkpoint_is_refused_and_kept(tmp_path):
     code, _, stderr = run_cli(*TINY, "--dim", "96", "--max-steps", "4", "--out-dir", str(out), "--resume")
     assert code == 1 and len(error_lines(stderr)) == 1 and "another model" in stderr and "dim" in stderr
     # another vocabulary (another tokenizer): refused, naming both sizes
-    code, _, stderr = run_cli(*TINY, "--tokenizer", "gpt2", "--max-steps", "4", "--out-dir", str(out), "--resume")
+    code, _, stderr = run_cli(*TINY, "--tokenizer", "gpt2", "--max-steps", "4", "--out-dir", str(out),
+                              "--resume")
     assert code == 1 and len(error_lines(stderr)) == 1 and "'vocab_size': (320, 50304)" in stderr
     # without --resume an existing run is not silently overwritten
     code, _, stderr = run_cli(*TINY, "--max-steps", "4", "--out-dir", str(out))
@@ -202,7 +207,8 @@ def test_each_process_binds_its_own_gpu_before_the_first_collective(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
     for flags, name in ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")):
-        monkeypatch.setattr(flags, name, getattr(flags, name))  # configure_process turns TF32 on: undone after
+        # configure_process turns TF32 on: undone after
+        monkeypatch.setattr(flags, name, getattr(flags, name))
     args = train.get_parser().parse_args(["--device", "cuda:3"])
     assert train.pick_device_and_precision(args) == (torch.device("cuda", 3), "bf16")
     train.configure_process(args)
@@ -224,7 +230,8 @@ def test_a_checkpoint_keeps_only_its_own_gpus_random_state(monkeypatch):
     states = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
     restored = []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: states[device.index])
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]),
+                                                                                            device)))
     rng = train.rng_state(torch.device("cuda", 3))
     assert torch.equal(rng["cuda"], states[3])
     train.restore_rng(rng, torch.device("cuda", 0))  # resumed on another node, where this rank drives GPU 0
