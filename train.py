@@ -91,7 +91,13 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on CUDA, fp32 elsewhere")
     g.add_argument("--act-ckpt", action="store_true", help="recompute each block in backward to save memory")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    add_parallel_flags(p)
+    add_run_flags(p)
+    return p
+
+
+def add_parallel_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * pp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost: one NVLink domain)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
@@ -106,6 +112,9 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--io-timeout", type=float, default=3600.0,
                    help="seconds ranks wait for others' disk work "
                    "(data preparation, checkpoint writes and checks) before the job fails")
+
+
+def add_run_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out", help="checkpoints and metrics.jsonl")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -129,7 +138,6 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-spikes", type=float, default=0.0,
                    help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
     g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
-    return p
 
 
 def model_args_from(args, vocab_size: int) -> M.ModelArgs:
