@@ -462,6 +462,8 @@ def run_comparison(a, versions: dict):
     if world < 2:
         raise SystemExit("run under torchrun with --nproc_per_node=2 or more")
     device = T.pick_device_and_precision(a)[0]  # this rank's GPU (LOCAL_RANK), else the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     margs = M.PRESETS[a.model]
