@@ -2,14 +2,14 @@
 
     python evaluate.py --init out --task tinyshakespeare             # val loss, perplexity, bits per byte
     python evaluate.py --init out --task hellaswag --task piqa --limit 500 --json
-    torchrun --standalone --nproc_per_node=8 evaluate.py --init Llama-3.2-1B --tokenizer llama3 --task
-    hellaswag
+    torchrun --standalone --nproc_per_node=8 evaluate.py --init Llama-3.2-1B --tokenizer llama3 \
+        --task hellaswag
     python evaluate.py --init out-sft --chat --prompt "How do I make tea?" --temperature 0
     python evaluate.py --contamination piqa --train ~/.cache/llama3-train/shards/c4_demo-gpt2
 
 Read top to bottom:
-  1. Model           --init (a train/sft/dpo checkpoint, a Hugging Face or a Meta folder) -> eval-mode
-  Transformer
+  1. Model           --init (a train/sft/dpo checkpoint, a Hugging Face or a Meta folder) -> an
+                     eval-mode Transformer
   2. Log-likelihood  token_logprobs: log p(each token | the tokens before it), the primitive of 3 and 5
   3. Perplexity      token shards or raw text -> loss, perplexity, bits per byte
   4. Benchmarks      a small registry (URL, sha256, mirror path, as in data.py) and readers that turn a

@@ -179,8 +179,8 @@ class AdamW:
 
     @torch.no_grad()
     def step(self, lr: float | None = None):
-        """One AdamW update of the owned master weights from the gradient buffer, then refresh the model
-        copy."""
+        """One AdamW update of the owned master weights from the gradient buffer, then refresh the
+        model copy."""
         lr = self.lr if lr is None else lr
         b1, b2 = self.betas
         self.step_count += 1

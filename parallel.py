@@ -203,8 +203,8 @@ class CommError(RuntimeError):
 
 def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
     """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
-    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised as
-    is."""
+    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised
+    as is."""
     if isinstance(e, torch.OutOfMemoryError):
         raise e
     op, t = what

@@ -43,8 +43,8 @@ PAIR = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "I will not."
 
 @pytest.mark.parametrize("script,record", [("train.py", None), ("sft.py", CONVERSATION), ("dpo.py", PAIR)])
 def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, script, record):
-    """Every script that trains: SIGTERM mid-run -> the step finishes, a checkpoint, exit 0; --resume goes
-    on."""
+    """Every script that trains: SIGTERM mid-run -> the step finishes, a checkpoint, exit 0; --resume
+    goes on."""
     out, flags = tmp_path / "o", list(TINY)
     if record is not None:  # sft.py / dpo.py: a small dataset of their own kind
         (tmp_path / "d.jsonl").write_text((json.dumps(record) + "\n") * 40)

@@ -216,8 +216,8 @@ def test_read_preferences_hh_rlhf_mirror(mirror, capsys):
 
 
 def test_gzip_registry_entry_is_unpacked(tmp_path, monkeypatch):
-    """Without a mirror copy, a gzip_sha256 entry fetches the .gz, checks both hashes and keeps the unpacked
-    file."""
+    """Without a mirror copy, a gzip_sha256 entry fetches the .gz, checks both hashes and keeps the
+    unpacked file."""
     raw = b'{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": "\\n\\nHuman: a\\n\\nAssistant: c"}\n'
     packed = gzip.compress(raw)
     monkeypatch.setitem(data.PREFERENCE_DATASETS, "tiny_gz", dict(
