@@ -1,7 +1,7 @@
-"""evaluate.py: multiple choice scores 1.0 / 0.0 with models rigged for the right / a wrong answer, bits
-per byte against an independent computation, contamination finds exactly the planted items, the benchmark
-readers on the mirror's files, generation (greedy equals model.generate, chat stops at <|eot_id|>), the CLI on a
-train.py checkpoint, two processes give the numbers of one, and bad input ends in one error line."""
+"""evaluate.py: multiple choice scores 1.0 / 0.0 with models rigged for the right / a wrong answer, bits per
+byte against an independent computation, contamination finds exactly the planted items, the benchmark
+readers on the mirror's files, generation (greedy equals model.generate, chat stops at <|eot_id|>), the CLI
+on a train.py checkpoint, two processes give the numbers of one, and bad input ends in one error line."""
 
 import json
 import math
@@ -26,9 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def rigged_model(favourite, then=None, vocab=320):
     """A model that always predicts `favourite` (log-prob ~0, every other token ~-32), whatever the input;
-    with `then`, the token after `favourite` is `then`. Its blocks add nothing to the residual stream
-    (wo = w2 = 0), so the logits are output(norm(embedding of the last token)): every token embeds as u,
-    `favourite` as v (u, v orthogonal, rms 1), and the output rows of `favourite` and `then` are 0.5 u and 0.5 v."""
+    with `then`, the token after `favourite` is `then`. Its blocks add nothing to the residual stream (wo =
+    w2 = 0), so the logits are output(norm(embedding of the last token)): every token embeds as u,
+    `favourite` as v (u, v orthogonal, rms 1), and the output rows of `favourite` and `then` are 0.5 u and
+    0.5 v."""
     torch.manual_seed(0)
     m = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab,
                                   max_seq_len=256))
