@@ -206,16 +206,17 @@ def test_each_process_binds_its_own_gpu_before_the_first_collective(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
-    for flags, name in ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")):
-        # configure_process turns TF32 on: undone after
-        monkeypatch.setattr(flags, name, getattr(flags, name))
     args = train.get_parser().parse_args(["--device", "cuda:3"])
     assert train.pick_device_and_precision(args) == (torch.device("cuda", 3), "bf16")
-    train.configure_process(args)
-    monkeypatch.setenv("LOCAL_RANK", "5")
-    args.device = None
-    assert train.pick_device_and_precision(args)[0] == torch.device("cuda", 5)
-    train.configure_process(args)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:  # configure_process also turns TF32 on: undone after
+        train.configure_process(args)
+        monkeypatch.setenv("LOCAL_RANK", "5")
+        args.device = None
+        assert train.pick_device_and_precision(args)[0] == torch.device("cuda", 5)
+        train.configure_process(args)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert bound == [torch.device("cuda", 3), torch.device("cuda", 5)]
     monkeypatch.setenv("LOCAL_RANK", "9")
     with pytest.raises(train.ConfigError, match="GPU 9 asked for .* this process sees 8"):
