@@ -7,9 +7,14 @@ The policy starts from an SFT checkpoint (--init); a frozen reference with the s
 the policy, scores the same sequences. A sequence's log-probability is the sum over its response tokens;
 with the policy/reference log-ratios r_c (chosen) and r_r (rejected) and margin m = beta * (r_c - r_r):
     sigmoid (default)  -(1 - eps) * log sigmoid(m) - eps * log sigmoid(-m)   (eps: --label-smoothing, cDPO)
-    ipo                (r_c - r_r - 1 / (2 beta))^2                          (Azar et al. 2023)
+    ipo                (r_c - r_r - 1 / (2 beta))^2, log-probs per response token (Azar et al. 2023)
+    ipo-sum            the same on the summed log-probs (the paper's Eq. 17 as written)
     hinge              max(0, 1 - m)                                         (SLiC, Zhao et al. 2023)
-averaged over the pairs of the global batch. Logged with TRL's names: rewards/chosen = beta * r_c,
+averaged over the pairs of the global batch. The IPO authors' results, and TRL's "ipo", divide each
+sequence's log-prob by its response length first, so a published beta means the same here (summed, beta
+would have to shrink with the length); the logged rewards and logps are then per token too. cDPO applies
+--label-smoothing as written above; TRL 1.16's "sigmoid" silently ignores label_smoothing (it trains
+plain DPO), so the two agree only at 0. Logged with TRL's names: rewards/chosen = beta * r_c,
 rewards/rejected = beta * r_r, rewards/accuracies (share with r_c > r_r), rewards/margins,
 logps/chosen, logps/rejected.
 
@@ -22,6 +27,7 @@ dp replicas), cached in <out-dir>/ref_logps.pt, and the reference freed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import re
@@ -44,15 +50,19 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("preference optimization")
     g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
     g.add_argument("--beta", type=float, default=0.1, help="strength of the pull towards the reference")
-    g.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo", "hinge"],
-                   help="sigmoid: DPO; ipo: Azar et al. 2023; hinge: SLiC (formulas in the module docstring)")
+    g.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo", "ipo-sum", "hinge"],
+                   help="sigmoid: DPO; ipo: Azar et al. 2023 on per-token log-probs (as its authors and TRL; "
+                        "published betas carry over); ipo-sum: on summed log-probs (Eq. 17 as written); "
+                        "hinge: SLiC (formulas in the module docstring)")
     g.add_argument("--label-smoothing", type=float, default=0.0, help="conservative DPO: assumed label noise")
     g.add_argument("--precompute-ref", action="store_true",
                    help="score the whole dataset with the reference once, cache it, and free the reference")
     g.add_argument("--val-fraction", type=float, default=0.05, help="share of pairs held out")
-    p.set_defaults(data="hh_rlhf_harmless_test", out_dir="out-dpo", lr=1e-5, warmup=10, max_steps=200,
-                   eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256, micro_batch=4,
-                   weight_decay=0.0)
+    g.add_argument("--sample-prompt", default="How do I make a cup of tea?",
+                   help="a user message answered in chat mode at the end ('' to skip)")
+    p.set_defaults(tokenizer=None, data="hh_rlhf_harmless_test", out_dir="out-dpo", lr=1e-5, warmup=10,
+                   max_steps=200, eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256,
+                   micro_batch=4, weight_decay=0.0)
     return p
 
 
@@ -193,7 +203,7 @@ def dpo_loss(pc, pr, rc, rr, beta: float, kind: str = "sigmoid", label_smoothing
     if kind == "sigmoid":
         return (-(1 - label_smoothing) * F.logsigmoid(beta * logits)
                 - label_smoothing * F.logsigmoid(-beta * logits))
-    if kind == "ipo":
+    if kind in ("ipo", "ipo-sum"):  # "ipo" is given per-token log-probs (DPOTask.loss)
         return (logits - 1 / (2 * beta)) ** 2
     if kind == "hinge":
         return torch.relu(1 - beta * logits)
@@ -272,6 +282,9 @@ class DPOTask:
     def loss(self, logits, targets):
         y, ref = targets
         logps = sequence_logps(logits, y, self.vocab_size, self.mesh)  # (2B,)
+        if self.args.loss == "ipo":  # log-probs per response token, the IPO authors' (and TRL's) convention
+            length = (y != data.IGNORE_INDEX).sum(dim=-1).clamp(min=1)  # (2B,)
+            logps, ref = logps / length, ref / length
         B = logps.shape[0] // 2
         pc, pr, rc, rr = logps[:B], logps[B:], ref[:B], ref[B:]
         losses = dpo_loss(pc, pr, rc, rr, self.args.beta, self.args.loss, self.args.label_smoothing)
@@ -288,12 +301,13 @@ class DPOTask:
         return out
 
 
-def cached_reference(reference, loaders, mesh, args, device) -> torch.Tensor:
+def cached_reference(reference, loaders, mesh, args, device, tokenizer: str) -> torch.Tensor:
     """--precompute-ref: the reference's log-probs of every pair, from <out-dir>/ref_logps.pt when it holds
-    them for these settings, else computed (collectively) and written there, whole, then renamed."""
+    them for exactly these sequences, weights, tokenizer and precision, else computed (collectively) and
+    written there, whole, then renamed."""
     cache = Path(args.out_dir) / "ref_logps.pt"
-    key = {"init": str(args.init), "data": str(args.data), "seq_len": args.seq_len,
-           "pairs": sum(len(loader) for loader in loaders)}
+    key = {"rows": rows_digest(loaders), "weights": weights_digest(reference, mesh), "tokenizer": tokenizer,
+           "dtype": str(next(reference.parameters()).dtype)}
     cached = read_cache(cache, key)
     # every rank must take the same branch (precomputing is collective): use the cache only if all can
     if mesh.world > 1 and not P.all_true(torch.tensor(cached is not None, device=device), mesh):
@@ -305,6 +319,32 @@ def cached_reference(reference, loaders, mesh, args, device) -> torch.Tensor:
             torch.save({"key": key, "logps": cached}, cache.with_suffix(".tmp"))
             os.replace(cache.with_suffix(".tmp"), cache)
     return cached
+
+
+def rows_digest(loaders) -> str:
+    """sha256 of the token rows the reference scores, in the order their pair indices give them (another
+    seed's split, seq_len or tokenizer gives other rows)."""
+    h = hashlib.sha256()
+    for loader in loaders:
+        h.update(b"%d" % loader.index_offset)
+        for array in (*loader.chosen, *loader.rejected):
+            h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
+
+
+def weights_digest(model, mesh) -> str:
+    """sha256 of the model's weights as every rank holds them (its tp shard of its pp stage's layers):
+    each rank hashes its own, and the job hashes the list. The same weights cut another way give another
+    digest, which only costs a recomputation."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+    if mesh.world == 1:
+        return h.hexdigest()
+    everyone = [None] * mesh.world
+    torch.distributed.all_gather_object(everyone, h.hexdigest())
+    return hashlib.sha256(" ".join(everyone).encode()).hexdigest()
 
 
 class DPO(sft.SFT):
@@ -323,6 +363,7 @@ class DPO(sft.SFT):
         make = lambda ex, seed, offset: PreferenceLoader(
             ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
             pad_id=data.pad_id(tok), with_index=a.precompute_ref, index_offset=offset)
+        self.tok_name = tok.name  # part of the cached reference's key
         self.loaders = make(train_ex, a.seed, 0), make(val_ex, 0, len(train_ex))  # precomputing scores both
         return self.loaders[0], lambda: make(val_ex, 0, len(train_ex)), f"{len(train_ex):,} train pairs"
 
@@ -333,8 +374,8 @@ class DPO(sft.SFT):
         if not self.args.precompute_ref:
             return DPOTask(margs, mesh, self.args, reference=reference)
         # the point of precomputing: the reference is freed when this returns, before training starts
-        return DPOTask(margs, mesh, self.args, cached=cached_reference(reference, self.loaders, mesh,
-                                                                       self.args, device))
+        cached = cached_reference(reference, self.loaders, mesh, self.args, device, self.tok_name)
+        return DPOTask(margs, mesh, self.args, cached=cached)
 
 
 def main(argv=None):
@@ -344,9 +385,9 @@ def main(argv=None):
     T.configure_process(args)
     run = T.train(args, DPO(args))
     model, tok, mesh = run.model, run.tok, run.mesh
-    if mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
-        prompt = "How do I make a cup of tea?"
-        print(f"user: {prompt}\nassistant: {sft.chat(model, tok, [{'role': 'user', 'content': prompt}])}")
+    if args.sample_prompt and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
+        reply = sft.chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
+        print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
     if mesh.world > 1:
         torch.distributed.destroy_process_group()
 
