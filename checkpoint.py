@@ -17,7 +17,8 @@ Read in this order:
                is never touched.
   4. Finding   read_latest, damage, find_latest, resolve: which checkpoint --resume or --init uses, verified
                against its manifest; a pointer out of the folder or a damaged step is said out loud
-  5. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
+  5. Records  recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all)
+  6. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
 """
 
 from __future__ import annotations
@@ -411,7 +412,70 @@ def resolve(path, say=print, verify: bool = True) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5. The out-dir itself
+# 5. What a model folder records: the tokenizer its ids belong to, the sequence length it was trained at,
+#    and whether it speaks the chat format. Read from a checkpoint's meta.json, from an export's
+#    config.json (parallel.py consolidate --hf writes "tokenizer" there) or a Meta folder's params.json.
+
+
+def recorded(path) -> dict:
+    """{"tokenizer", "seq_len", "vocab_size", "chat"}, each where the folder says it (a checkpoint's own
+    tokenizer record, else its --tokenizer flag; an export's "tokenizer"). Reads no weights."""
+    path = Path(path)
+    if is_checkpoint(path) and not (path / "meta.json").is_file():  # an out-dir: its newest checkpoint
+        path = find_latest(path, verify=False)[0] or path
+    for name in ("meta.json", "config.json", "params.json"):
+        try:
+            found = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(found, dict):
+            break
+        if name == "meta.json":
+            args, margs = (found.get(k) if isinstance(found.get(k), dict) else {}
+                           for k in ("args", "model_args"))
+            out = {"tokenizer": found.get("tokenizer", args.get("tokenizer")), "seq_len": args.get("seq_len"),
+                   "vocab_size": margs.get("vocab_size"), "chat": found.get("chat", "init" in args)}
+        else:
+            out = {"tokenizer": found.get("tokenizer"), "vocab_size": found.get("vocab_size")}
+        kinds = {"tokenizer": str, "seq_len": int, "vocab_size": int, "chat": bool}
+        return {k: v for k, v in out.items() if isinstance(v, kinds[k])}
+    raise CheckpointError(f"--init {path}: not a checkpoint folder, a Hugging Face folder (config.json) or "
+                          "a Meta folder (params.json)")
+
+
+def tokenizer_for(path, requested: str | None, mirror=None, grows: bool = False):
+    """The tokenizer of the model in `path`: the one it records; `requested` (--tokenizer) only if it is the
+    same one, or if the folder records none. Ids that mean other text than the model learned would give
+    numbers that look right and are not, so anything else is refused: a requested tokenizer that differs,
+    a folder that records none and is not Llama 3's vocabulary, or (unless the caller `grows` the
+    embedding, as sft.py does) a tokenizer with more ids than the model has rows."""
+    found = recorded(path)
+    name, rows = found.get("tokenizer"), found.get("vocab_size")
+    if name is not None and name not in data.TOKENIZERS and Path(name).expanduser().is_file():
+        name = data.get_tokenizer(name, mirror).name  # an older checkpoint recorded its --tokenizer path
+    if requested is None and name is None:
+        if rows is None or rows < data.LLAMA3_RANKS:
+            raise CheckpointError(f"--init {path} does not record which tokenizer it was trained with: "
+                                  "name it with --tokenizer")
+        requested = "llama3"  # a Hugging Face or Meta Llama 3 folder
+    try:
+        tok = data.get_tokenizer(requested or name, mirror)
+    except data.DataError:
+        if requested is not None:
+            raise
+        raise CheckpointError(f"--init {path} was trained with the tokenizer {name}: give its "
+                              "tokenizer.model with --tokenizer") from None
+    if name is not None and tok.name != name:
+        raise CheckpointError(f"--tokenizer {requested}: --init {path} was trained with {name}, whose ids "
+                              f"mean other text; drop --tokenizer or give {name}")
+    if rows is not None and tok.n_vocab > rows and not grows:
+        raise CheckpointError(f"--tokenizer {tok.name} has {tok.n_vocab:,} ids but --init {path} has "
+                              f"{rows:,} embedding rows")
+    return tok
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. The out-dir itself
 
 RUN_FILES = ("latest", "metrics.jsonl", ".latest.tmp")
 

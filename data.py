@@ -354,6 +354,15 @@ def pad_id(enc) -> int:  # fills the tail of an SFT or DPO row; never a target
     return enc.encode_single_token("<|finetune_right_pad_id|>")
 
 
+def hf_tokens(enc, chat: bool) -> dict:
+    """What a Hugging Face export records about its tokenizer (model.save_hf): the name that loads it here,
+    and its special ids under transformers' names. A chat model's reply ends with <|eot_id|>, so that
+    stops generation first; <|end_of_text|> ends a document either way."""
+    eos = [eot_id(enc), eos_id(enc)] if chat else eos_id(enc)
+    return {"tokenizer": enc.name, "bos_token_id": bos_id(enc), "eos_token_id": eos,
+            "pad_token_id": pad_id(enc)}
+
+
 # ======== 3. Documents ============================================================================
 
 def resolve_source(source, mirror=None) -> list:

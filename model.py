@@ -626,16 +626,22 @@ def load_hf(path, dtype=torch.float32) -> Transformer:
     return _load_state(model, {k: state[k].to(dtype) for k in state if k not in tied}, str(path))
 
 
-def save_hf(model: Transformer, path):
-    """Write a Hugging Face Llama directory: config.json and model.safetensors (in the model's dtype)."""
+def save_hf(model: Transformer, path, tokens: dict | None = None):
+    """Write a Hugging Face Llama directory: config.json and model.safetensors (in the model's dtype). With
+    `tokens` (data.hf_tokens: the tokenizer's name and its bos, eos and pad ids under transformers' names),
+    config.json records them and generation_config.json tells generate() where to stop: without them,
+    transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {_hf_name(k): v for k, v in model.state_dict().items()
              if not (k == "output.weight" and model.args.tie_embeddings)}
-    cfg = hf_config(model.args)
+    cfg = hf_config(model.args) | (tokens or {})
     cfg["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
     write_safetensors(state, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokens:
+        generation = {k: tokens[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
 def meta_to_hf_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -24,8 +24,8 @@ by a function in this file, and counted. Contents, in reading order:
                            reduce-scatter, update the local shard, all-gather the weights
   7. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
   8. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
-                           tensor; loadable into any layout; `python parallel.py consolidate` writes one file
-                           or a Hugging Face folder
+                           tensor; loadable into any layout; `python parallel.py consolidate` writes a
+                           Hugging Face folder
   9. Costs                 memory_estimate and comm_estimate: the memory a rank holds at its peak, by kind,
                            and the bytes it sends per step, from the shapes alone (train.py's check before
                            allocating, bench.py's planner)
@@ -1124,8 +1124,9 @@ def load_shards(folder: Path, model, opt, mesh: Mesh):
     return extra
 
 
-def consolidate(folder: Path, out: Path | None = None, hf: Path | None = None):
-    """A sharded checkpoint -> one torch file {model_args, state_dict} and/or a Hugging Face folder."""
+def consolidate(folder: Path, hf: Path, tokens: dict | None = None):
+    """A sharded checkpoint -> a Hugging Face folder, which every --init reads, as transformers does; with
+    `tokens` (data.hf_tokens), the folder records its tokenizer and special ids (model.save_hf)."""
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     args = M.ModelArgs(**meta["model_args"])
@@ -1139,10 +1140,7 @@ def consolidate(folder: Path, out: Path | None = None, hf: Path | None = None):
     if args.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
     model.load_state_dict(state)
-    if out is not None:
-        torch.save({"model_args": meta["model_args"], "state_dict": model.state_dict()}, out)
-    if hf is not None:
-        M.save_hf(model, hf)
+    M.save_hf(model, hf, tokens)
     return model
 
 
@@ -1289,26 +1287,25 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tools for sharded checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into one file and/or a HF folder")
+    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into a Hugging Face folder")
     c.add_argument("checkpoint", help="a step directory, or an --out-dir (its newest intact checkpoint)")
-    c.add_argument("--out", help="write {model_args, state_dict} here (torch.save)")
-    c.add_argument("--hf", help="write a Hugging Face Llama folder here")
+    c.add_argument("--hf", required=True, help="write a Hugging Face Llama folder here")
+    c.add_argument("--tokenizer", help="the tokenizer.model of a checkpoint trained with a custom one")
     a = p.parse_args(argv)
     import checkpoint as C  # imported here: checkpoint.py imports this file
     import data
     try:
-        if not (a.out or a.hf):
-            raise C.CheckpointError("nothing to write: give --out FILE and/or --hf FOLDER")
         ckpt = C.resolve(a.checkpoint, say=lambda msg: print(msg, file=sys.stderr))
-        consolidate(ckpt, Path(a.out) if a.out else None, Path(a.hf) if a.hf else None)
-    except C.CheckpointError as e:
+        tok = C.tokenizer_for(ckpt, a.tokenizer)
+        consolidate(ckpt, Path(a.hf), data.hf_tokens(tok, C.recorded(ckpt).get("chat", False)))
+    except (C.CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (OSError, RuntimeError, ValueError) as e:  # unreadable shards, an unwritable --out: the reason
         print(f"error: cannot consolidate {a.checkpoint}: {type(e).__name__}: {data.one_line(e)}",
               file=sys.stderr)
         return 1
-    print(f"consolidated {ckpt}" + (f" -> {a.out}" if a.out else "") + (f" -> {a.hf}" if a.hf else ""))
+    print(f"consolidated {ckpt} -> {a.hf} (tokenizer {tok.name})")
     return 0
 
 

@@ -43,8 +43,8 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-fraction", type=float, default=0.05, help="share of conversations held out")
     g.add_argument("--sample-prompt", default="Give three tips for staying healthy.",
                    help="a user message answered in chat mode at the end ('' to skip)")
-    p.set_defaults(data="alpaca_5000", out_dir="out-sft", lr=3e-4, warmup=20, max_steps=300, eval_every=100,
-                   eval_batches=20, ckpt_every=300, log_every=20, seq_len=256, micro_batch=8)
+    p.set_defaults(tokenizer=None, data="alpaca_5000", out_dir="out-sft", lr=3e-4, warmup=20, max_steps=300,
+                   eval_every=100, eval_batches=20, ckpt_every=300, log_every=20, seq_len=256, micro_batch=8)
     return p
 
 
@@ -300,6 +300,14 @@ def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
 
 class SFT(T.Pretraining):
     """train.py's recipe with the model from --init and conversations as the data."""
+
+    chat = True
+
+    def tokenizer(self):
+        """The one --init was trained with (--tokenizer may only repeat it); without --init, byte."""
+        if self.args.init is None:
+            return data.get_tokenizer(self.args.tokenizer or "byte", self.args.mirror)
+        return C.tokenizer_for(self.args.init, self.args.tokenizer, self.args.mirror, grows=True)
 
     def name(self) -> str:
         return self.args.init or self.args.model

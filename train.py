@@ -73,7 +73,8 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--data", default="tinyshakespeare",
                    help="registry name, text/JSONL file or glob, or a folder of prepared shards")
     g.add_argument("--tokenizer", default="byte",
-                   help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path")
+                   help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path to a Llama 3 tokenizer.model "
+                        "(sft.py, dpo.py: the one --init was trained with)")
     g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
     g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (T)")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
@@ -266,7 +267,7 @@ def check_config(args, recipe) -> Spec:
     the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
     validate(args)
     device, precision = pick_device_and_precision(args)
-    tok = data.get_tokenizer(args.tokenizer)
+    tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
@@ -292,21 +293,26 @@ class Spec(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The recipe: what a run trains. The loop asks it four things, in this order: the model's shape (before
-# any process talks, so a wrong one fails fast), the initial weights and the data (once the processes
-# can talk), and the task, the loss of a micro-batch (once the model is built). sft.py and dpo.py
-# subclass it.
+# The recipe: what a run trains. The loop asks it five things, in this order: the tokenizer and the
+# model's shape (before any process talks, so a wrong one fails fast), the initial weights and the data
+# (once the processes can talk), and the task, the loss of a micro-batch (once the model is built).
+# sft.py and dpo.py subclass it.
 
 
 class Pretraining:
     """Pretraining: the preset (or --dim ...) from a seeded random initialization, token shards, and
     next-token prediction (LMTask)."""
 
+    chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
+
     def __init__(self, args):
         self.args = args
 
     def name(self) -> str:
         return self.args.model
+
+    def tokenizer(self):
+        return data.get_tokenizer(self.args.tokenizer)
 
     def model_args(self, tok) -> M.ModelArgs:
         return model_args_from(self.args, tok.n_vocab)
@@ -654,10 +660,11 @@ class Checkpointer:
     """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
     checkpoint holds every rank's shards with global names (parallel.py, section 8), so it loads into any
     layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
-    the flags and the model's shape. checkpoint.py keeps the folder: atomic save, manifest, rotation."""
+    the flags, the model's shape, its tokenizer and whether it was trained on chats (chat: an export then
+    stops generating at <|eot_id|>). checkpoint.py keeps the folder: atomic save, manifest, rotation."""
 
-    def __init__(self, run: Run, start_step: int):
-        self.run, self.saved_at = run, start_step
+    def __init__(self, run: Run, start_step: int, chat: bool):
+        self.run, self.saved_at, self.chat = run, start_step, chat
 
     def due(self, step: int) -> bool:
         every = self.run.args.ckpt_every
@@ -670,7 +677,7 @@ class Checkpointer:
         run.timer.start()  # timed as an entry of its own, apart from the training step
         extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
         meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
-                "model_args": asdict(run.margs),
+                "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.chat,
                 "layout": {"tp": run.mesh.tp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
         write = lambda folder: P.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
         C.save(Path(run.args.out_dir), step, run.mesh, write, meta, run.args.keep_ckpts)
@@ -1024,7 +1031,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
         meter, stop = Meter(run), StopFlag(mesh)
-        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step)
+        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe.chat)
         announce(run, meter, recipe.name(), data_desc)
         run.model.train()
         while step < args.max_steps:
@@ -1069,8 +1076,8 @@ def main(argv=None):
                          temperature=0.8, top_k=200, generator=g, n_vocab=tok.n_vocab)
         print("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60, flush=True)
     elif args.sample_tokens > 0 and mesh.rank == 0:
-        print(f"(no sample under tp/pp: `python parallel.py consolidate {args.out_dir}` "
-              "merges the checkpoint)")
+        print(f"(no sample under tp/pp: `evaluate.py --init {args.out_dir} --prompt ...` samples from the "
+              "checkpoint)")
     if mesh.world > 1:
         dist.destroy_process_group()
 

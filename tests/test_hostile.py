@@ -352,12 +352,12 @@ def test_consolidate_and_info_failures_are_one_line(tmp_path, capsys):
     out = tmp_path / "o"
     train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
     flip_a_byte(out / "step_000002" / "shard_pp00_tp00.pt")
-    for argv, message in ((["consolidate", str(tmp_path / "nowhere"), "--out", str(tmp_path / "m.pt")],
+    for argv, message in ((["consolidate", str(tmp_path / "nowhere"), "--hf", str(tmp_path / "hf")],
                            "no intact checkpoint"),
-                          (["consolidate", str(out), "--out", str(tmp_path / "m.pt")],
+                          (["consolidate", str(out), "--hf", str(tmp_path / "hf")],
                            "does not match its checksum")):
         assert parallel.main(argv) == 1 and message in error_line(capsys.readouterr().err)
-    assert not (tmp_path / "m.pt").exists()
+    assert not (tmp_path / "hf").exists()
     for argv, message in ((["info", str(tmp_path / "nowhere.bin")], "no file or folder"),
                           (["info", str(tmp_path)], "holds no token shards")):
         assert data.main(argv) == 1 and message in error_line(capsys.readouterr().err)

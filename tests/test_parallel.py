@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import data
 import model as M
 import parallel as P
 
@@ -338,18 +339,24 @@ def test_resume_same_layout_is_bit_exact_and_other_layouts_continue(tmp_path):
         assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (la, lb)
 
 
-def test_consolidate_to_one_file_and_hugging_face(tmp_path, reference):
+def test_consolidate_to_hugging_face(tmp_path, reference):
+    """A tp 2 x pp 2 checkpoint merged into one Hugging Face folder: the weights, and the tokenizer and
+    special ids a base model's export records."""
     torchrun(4, tmp_path, "--tp", "2", "--pp", "2")
     ckpt = tmp_path / (tmp_path / "latest").read_text().strip()
     subprocess.run([sys.executable, str(REPO / "parallel.py"), "consolidate", str(tmp_path),
-                    "--out", str(tmp_path / "model.pt"), "--hf", str(tmp_path / "hf")], check=True, cwd=REPO)
-    merged = torch.load(tmp_path / "model.pt", weights_only=True)
-    ref = masters(reference)
-    for k, v in ref.items():
-        assert rel(merged["state_dict"][k], v) <= 1e-5, k
+                    "--hf", str(tmp_path / "hf")], check=True, cwd=REPO)
     hf = M.load_hf(tmp_path / "hf")
-    assert rel(hf.layers["3"].feed_forward.w2.weight, ref["layers.3.feed_forward.w2.weight"]) <= 1e-5
+    ref, merged = masters(reference), hf.state_dict()
+    for k, v in ref.items():
+        assert rel(merged[k], v) <= 1e-5, k
     assert hf.args.vocab_size == 301 and ckpt.name == "step_000003"
+    tok = data.get_tokenizer("byte")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (config["tokenizer"], config["bos_token_id"], config["eos_token_id"]) == (
+        "byte", data.bos_id(tok), data.eos_id(tok)) == ("byte", 256, 257)
+    assert generation == {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": data.pad_id(tok)}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 loss against its closed form and at its start (log 2), learning preferences, parallel parity, and the whole
 pretrain -> SFT -> DPO -> chat pipeline in miniature."""
 
+import copy
 import json
 import math
 import os
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # test-only dependency: requirements-test.txt
 
+import checkpoint as C
 import data
 import dpo
 import model as M
@@ -92,6 +95,14 @@ def test_sft_fits_a_handful_of_conversations(tmp_path):
                      "0.1"])
     losses = [r["loss"] for r in records(tmp_path / "o") if "loss" in r]
     assert losses[0] > 3 and losses[-1] < 0.1, losses[::10]
+    # exported, it stops where sft.chat stops: transformers' generate() reads <|eot_id|> from the export
+    assert P.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 0
+    tok, messages = data.get_tokenizer("byte"), [{"role": "user", "content": "Name a colour."}]
+    ours = sft.chat(M.load_hf(tmp_path / "hf"), tok, messages, max_new_tokens=30, temperature=0)
+    ids, _ = data.encode_chat(tok, messages, add_generation_prompt=True)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    new = hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
+    assert ours == "Blue." and new == tok.encode_ordinary("Blue.") + [data.eot_id(tok)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,6 +154,65 @@ def test_precomputed_reference_gives_the_same_training(tmp_path):
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (k, a, b)
 
 
+def test_reference_cache_is_never_served_for_other_pairs(tmp_path, capsys):
+    """Another seed splits the pairs otherwise: the cache in the same --out-dir must be recomputed, so the
+    first step, with the policy equal to the reference, is at log 2 again. --sample-prompt '' skips the
+    closing chat sample."""
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    common = TINY + ["--data", str(path), "--max-steps", "1", "--micro-batch", "4", "--precompute-ref",
+                     "--ckpt-every", "0", "--out-dir", str(tmp_path / "o"), "--sample-prompt", ""]
+    for seed in ("1337", "5"):
+        dpo.main(common + ["--seed", seed])
+        first = next(r for r in records(tmp_path / "o") if "loss" in r)
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), seed
+        (tmp_path / "o" / "metrics.jsonl").unlink()
+    assert "assistant:" not in capsys.readouterr().out
+
+
+def test_reference_cache_key_covers_rows_weights_and_precision(tmp_path, monkeypatch):
+    """Served from the cache only for the same token rows, weights, tokenizer and precision."""
+    pairs = dpo.read_preferences(write_jsonl(tmp_path / "p.jsonl", PAIRS))
+    examples, _ = dpo.preference_examples(data.get_tokenizer("byte"), pairs, 64)
+    loader = lambda ex: [dpo.PreferenceLoader(ex, 4, 64, with_index=True)]
+    args = dpo.get_parser().parse_args(["--out-dir", str(tmp_path), "--micro-batch", "4", "--seq-len", "64"])
+    cpu = torch.device("cpu")
+    computed, real = [], dpo.precompute_reference
+    monkeypatch.setattr(dpo, "precompute_reference", lambda *a: computed.append(1) or real(*a))
+    torch.manual_seed(0)
+    ref, other = M.Transformer(M.PRESETS["tiny"]), M.Transformer(M.PRESETS["tiny"])
+    cases = [(ref, examples, "byte", True), (ref, examples, "byte", False),
+             (ref, examples[::-1], "byte", True),  # the same pairs in another order: other rows
+             (other, examples, "byte", True), (other, examples, "gpt2", True),
+             (copy.deepcopy(other).double(), examples, "gpt2", True), (other, examples, "gpt2", True),
+             (other, examples, "gpt2", False)]
+    for model, ex, tokenizer, recompute in cases:
+        computed.clear()
+        got = dpo.cached_reference(model, loader(ex), P.Mesh(), args, cpu, tokenizer)
+        assert bool(computed) == recompute
+        assert torch.equal(got, real(model, loader(ex), P.Mesh(), args, cpu))
+
+
+def test_ipo_uses_per_token_log_probs_and_ipo_sum_the_sums():
+    """--loss ipo divides each sequence's log-probs (policy and reference) by its response length, as the
+    IPO authors and TRL do; ipo-sum squares the summed log-ratios (Eq. 17 as written)."""
+    torch.manual_seed(0)
+    B, T, V = 2, 6, 11
+    logits = torch.randn(2 * B, T, V)
+    y = torch.randint(0, V, (2 * B, T))
+    y[0, :1] = y[1, :3] = y[2, :2] = y[3, :4] = data.IGNORE_INDEX  # response lengths 5, 3, 4, 2
+    ref = torch.randn(2 * B)
+    logps = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    logps = logps.masked_fill(y == data.IGNORE_INDEX, 0).sum(-1)
+    length = torch.tensor([5.0, 3.0, 4.0, 2.0])
+    for kind, (p, r) in (("ipo", (logps / length, ref / length)), ("ipo-sum", (logps, ref))):
+        args = dpo.get_parser().parse_args(["--loss", kind, "--beta", "0.5"])
+        task = dpo.DPOTask(M.ModelArgs(vocab_size=V), P.Mesh(), args, cached={})
+        task.total = torch.tensor(B)
+        want = ((p[:B] - r[:B]) - (p[B:] - r[B:]) - 1 / (2 * 0.5)) ** 2
+        assert task.loss(logits, (y, ref)).item() == pytest.approx(want.mean().item(), rel=1e-5)
+        assert task.metrics()[4].item() == pytest.approx(p[:B].mean().item(), rel=1e-5)  # logps/chosen
+
+
 def _torchrun(script, n, out, *flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            str(REPO / script), *flags, "--out-dir", str(out)]
@@ -170,9 +240,14 @@ def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
     train.main(["--model", "tiny", "--seq-len", "64", "--max-steps", "20", "--eval-batches", "2",
                 "--sample-tokens", "0", "--out-dir", str(pre)])
     convs = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
-    sft.main(["--init", str(pre), "--data", str(convs), "--seq-len", "64", "--max-steps", "20",
-              "--micro-batch", "4", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir",
-              str(sft_out)])
+    sft_flags = ["--init", str(pre), "--data", str(convs), "--seq-len", "64", "--max-steps", "20",
+                 "--micro-batch", "4", "--eval-batches", "1", "--val-fraction", "0.1",
+                 "--out-dir", str(sft_out)]
+    with pytest.raises(C.CheckpointError, match="was trained with byte, whose ids mean other text"):
+        sft.main(sft_flags + ["--tokenizer", "gpt2"])  # refused before anything is written
+    assert not sft_out.exists()
+    sft.main(sft_flags)  # the tokenizer: the one --init records
+    assert C.recorded(sft_out)["tokenizer"] == "byte" and C.recorded(sft_out)["chat"]
     pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     dpo.main(["--init", str(sft_out), "--data", str(pairs), "--seq-len", "64", "--max-steps", "5",
               "--micro-batch", "2", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir",
