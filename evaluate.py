@@ -35,6 +35,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,28 +51,6 @@ import train as T
 
 # ----------------------------------------------------------------------------------------------------
 # 1. The model
-
-
-def init_defaults(path) -> dict:
-    """Defaults for --tokenizer and --seq-len from --init: what a train.py / sft.py / dpo.py checkpoint was
-    trained with; for a Hugging Face or Meta folder with the Llama 3 vocabulary, the Llama 3 tokenizer."""
-    path = Path(path)
-    if C.is_checkpoint(path) and not (path / "meta.json").is_file():  # an out-dir: its newest checkpoint
-        path = C.find_latest(path, verify=False)[0] or path  # (load_model verifies the one it loads)
-    for name in ("meta.json", "config.json", "params.json"):
-        try:
-            found = json.loads((path / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(found, dict):
-            return {}
-        if name == "meta.json":
-            args = found.get("args") if isinstance(found.get("args"), dict) else {}
-            return {k: args[k] for k, kind in (("tokenizer", str), ("seq_len", int))
-                    if isinstance(args.get(k), kind)}
-        vocab = found.get("vocab_size")
-        return {"tokenizer": "llama3"} if isinstance(vocab, int) and vocab >= data.LLAMA3_RANKS else {}
-    return {}
 
 
 def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
@@ -95,20 +74,29 @@ def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
 
 
 @torch.no_grad()
-def token_logprobs(model, seqs) -> list[np.ndarray]:
-    """Token sequences -> for each, log p(seq[t] | seq[:t]) for t = 1 .. len - 1, as float64 arrays.
+def token_logprobs(model, seqs, last: list[int] | None = None) -> list[np.ndarray]:
+    """Token sequences -> for each, log p(seq[t] | seq[:t]) for t = 1 .. len - 1, as float64 arrays; with
+    `last`, only for its last last[i] tokens.
 
     The sequences are right-padded to the longest: a causal model's output at a position never depends on
-    later positions, so the padding changes nothing that is read back."""
+    later positions, so the padding changes nothing that is read back. The output layer and the softmax
+    over the vocabulary, the costliest part of a small model with a large vocabulary, run only at the
+    positions read back."""
     width = max(len(s) for s in seqs)
     batch = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
         batch[i, :len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
     batch = batch.to(model.tok_embeddings.weight.device)
-    logits = model(batch[:, :-1])  # (B, T, vocab)
-    logp = -P.token_losses(logits, batch[:, 1:], model.args.vocab_size, P.Mesh())  # (B, T), fp32
-    logp = logp.double().cpu().numpy()
-    return [logp[i, :len(s) - 1] for i, s in enumerate(seqs)]
+    last = last or [len(s) - 1 for s in seqs]
+    h = model.tok_embeddings(batch[:, :-1])  # (B, T, dim)
+    cos, sin, _ = model.attention_inputs(width - 1, batch.device)
+    h = model.norm(model.run_layers(h, cos, sin))
+    rows = torch.tensor([i for i, n in enumerate(last) for _ in range(n)], device=batch.device)
+    cols = torch.tensor([len(s) - n - 1 + j for s, n in zip(seqs, last) for j in range(n)],
+                        device=batch.device)  # the positions that predict each sequence's last n tokens
+    logits = model.output(h[rows, cols])  # (scored tokens, vocab)
+    logp = -P.token_losses(logits, batch[rows, cols + 1], model.args.vocab_size, P.Mesh())  # fp32
+    return np.split(logp.double().cpu().numpy(), np.cumsum(last)[:-1])
 
 
 def _all_reduce(values: list[float], mesh, device) -> list[float]:
@@ -210,10 +198,25 @@ def _arc(r):  # {question: {stem, choices: [{text, label}]}, answerKey}; the key
             keys.index(r["answerKey"]) if r["answerKey"] in keys else None)
 
 
-# The fields that identify a format -> (context, choices, label) of one record. Prompts are written as
-# lm-evaluation-harness writes them; the choice follows the context after a space (section 5).
+def _hellaswag(r):  # rowanz/hellaswag's jsonl: its two context fragments joined as lm-evaluation-harness does
+    context = f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"
+    return _unmarked(context), [_unmarked(e) for e in r["endings"]], r.get("label")
+
+
+def _unmarked(text: str) -> str:
+    """HellaSwag's WikiHow markup removed as lm-evaluation-harness removes it: ' [title]' becomes '. ',
+    any other [tag] goes, double spaces become one."""
+    text = re.sub(r"\[.*?\]", "", text.strip().replace(" [title]", ". "))
+    return text.replace("  ", " ")
+
+
+# The fields that identify a format -> (context, choices, label) of one record, the first that fits.
+# Prompts are written as lm-evaluation-harness writes them; the choice follows the context after a space
+# (section 5). HellaSwag's text form (the registry's) and jsonl with a single "ctx" hold the context as one
+# string, its second fragment's first letter as written; rowanz's jsonl (ctx_a, ctx_b) gives lm-eval's.
 FORMATS = {
     ("context", "choices", "label"): lambda r: (r["context"], r["choices"], r["label"]),
+    ("activity_label", "ctx_a", "ctx_b", "endings"): _hellaswag,
     ("ctx", "endings", "label"): lambda r: (r["ctx"], r["endings"], r["label"]),  # HellaSwag: "activity: ctx"
     ("goal", "sol1", "sol2"):  # PIQA: the labels are in a separate file
         lambda r: (f"Question: {r['goal']}\nAnswer:", [r["sol1"], r["sol2"]], r.get("label")),
@@ -304,27 +307,24 @@ def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
 # The context is BOS + encode_ordinary(context); a choice is encode_ordinary(" " + choice), scored after it.
 # Encoding the two apart keeps the choice's tokens the same whatever the context (and with a space in
 # front, a choice's first word is tokenized the way it is inside running text). A sequence longer than
-# seq_len + 1 tokens loses tokens from the left (the context's first). Scores, as lm-evaluation-harness:
+# seq_len + 1 tokens loses tokens from the left (the context's first); a choice longer than seq_len keeps
+# its last seq_len tokens, and the run says how many items had one (lm-evaluation-harness refuses them).
+# Scores, as lm-evaluation-harness:
 #   acc        argmax of the summed log-probability of the choice's tokens
 #   acc_norm   the same divided by the number of characters of the choice (not counting the space)
 #   acc_token  the same divided by the number of its tokens (the mean log-probability per token)
 
 
-def multiple_choice(model, tok, items, seq_len, batch_size, mesh) -> dict:
+def multiple_choice(model, tok, items, seq_len, batch_size, mesh, name="") -> dict:
     mine = list(range(mesh.dp_rank, len(items), mesh.dp))
-    requests = []  # (tokens, number of choice tokens at the end)
+    requests, cut = [], 0  # (tokens, number of choice tokens at the end); items with a choice cut short
     for i in mine:
         context = [data.bos_id(tok)] + tok.encode_ordinary(items[i]["context"])
-        for choice in items[i]["choices"]:
-            cont = tok.encode_ordinary(" " + choice)
-            seq = (context + cont)[-(seq_len + 1):]
-            requests.append((seq, min(len(cont), len(seq) - 1)))
-    scores = []
-    for k in range(0, len(requests), batch_size):
-        batch = requests[k:k + batch_size]
-        scores += [logp[-n:].sum() for (_, n), logp in zip(batch, token_logprobs(model, [s for s,
-                                                                                         _ in batch]))]
-    sums, k = np.zeros(4), 0  # right by acc, acc_norm, acc_token; items
+        conts = [tok.encode_ordinary(" " + choice) for choice in items[i]["choices"]]
+        cut += any(len(cont) > seq_len for cont in conts)
+        requests += [((context + cont)[-(seq_len + 1):], min(len(cont), seq_len)) for cont in conts]
+    scores = score_by_length(model, requests, batch_size, Progress(name, len(requests), mesh))
+    sums, k = np.zeros(5), 0  # right by acc, acc_norm, acc_token; items; items with a choice cut short
     for i in mine:
         choices, label = items[i]["choices"], items[i]["label"]
         logp = np.array(scores[k:k + len(choices)])
@@ -332,10 +332,48 @@ def multiple_choice(model, tok, items, seq_len, batch_size, mesh) -> dict:
         n_chars = np.array([max(len(c), 1) for c in choices])
         k += len(choices)
         sums += [logp.argmax() == label, (logp / n_chars).argmax() == label, (logp / n_tokens).argmax()
-                 == label, 1]
-    right, right_norm, right_token, n = _all_reduce(sums.tolist(), mesh, model.tok_embeddings.weight.device)
+                 == label, 1, 0]
+    sums[4] = cut
+    device = model.tok_embeddings.weight.device
+    right, right_norm, right_token, n, cut = _all_reduce(sums.tolist(), mesh, device)
+    if cut and mesh.rank == 0:  # lm-evaluation-harness refuses these items; here they count, said once
+        print(f"{name or 'multiple choice'}: {int(cut):,} of {int(n):,} items have a choice longer than the "
+              f"{seq_len}-token window; each such choice is scored on its last {seq_len} tokens only",
+              file=sys.stderr, flush=True)
     return {"acc": right / n, "acc_norm": right_norm / n, "acc_token": right_token / n, "items": int(n),
-            "seq_len": seq_len}
+            "seq_len": seq_len, "choices_cut": int(cut)}
+
+
+def score_by_length(model, requests, batch_size, progress) -> list[float]:
+    """The summed log-prob of each request's last n tokens. Scored longest first, batch_size at a time, so
+    each batch holds sequences of about one length and little padding (as lm-evaluation-harness does)."""
+    order = sorted(range(len(requests)), key=lambda r: -len(requests[r][0]))
+    scores = [0.0] * len(requests)
+    for k in range(0, len(order), batch_size):
+        batch = [requests[r] for r in order[k:k + batch_size]]
+        logps = token_logprobs(model, [seq for seq, _ in batch], [n for _, n in batch])
+        for r, logp in zip(order[k:k + batch_size], logps):
+            scores[r] = logp.sum()
+        progress.update(len(batch))
+    return scores
+
+
+class Progress:
+    """A line on stderr (rank 0) every `every` seconds of a long scoring run: silent on short ones."""
+
+    def __init__(self, name: str, total: int, mesh, every: float = 30.0):
+        self.name, self.total, self.every, self.quiet = name, total, every, mesh.rank != 0
+        self.done, self.start = 0, time.perf_counter()
+        self.next = self.start + every
+
+    def update(self, n: int):
+        self.done += n
+        now = time.perf_counter()
+        if now >= self.next and not self.quiet:
+            print(f"{self.name}: {self.done:,} of {self.total:,} sequences scored on this rank "
+                  f"({100 * self.done / self.total:.0f}%, {now - self.start:.0f} s)", file=sys.stderr,
+                  flush=True)
+            self.next = now + self.every
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -489,7 +527,8 @@ def get_parser() -> argparse.ArgumentParser:
                    help=f"repeatable: a benchmark ({', '.join(BENCHMARKS)}) or a {{context, choices, label}} "
                         f"JSONL; a dataset ({', '.join(data.DATASETS)}: its val split), a folder of shards, "
                         f"a .bin, .txt or {{text}} .jsonl file (loss, perplexity, bits per byte)")
-    p.add_argument("--tokenizer", help="default: the one the checkpoint was trained with, else byte")
+    p.add_argument("--tokenizer", help="default: the one --init records (llama3 for a Hugging Face or Meta "
+                                       "Llama 3 folder); any other is refused")
     p.add_argument("--seq-len", type=int,
                    help="longest sequence; default: the training --seq-len, else max_seq_len")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
@@ -574,8 +613,9 @@ def check_flags(args) -> list[str]:
 def main(argv=None):
     args = get_parser().parse_args(argv)
     prompts = check_flags(args)
-    recorded = init_defaults(args.init) if args.init else {}
-    tok = data.get_tokenizer(args.tokenizer or recorded.get("tokenizer", "byte"), args.mirror)
+    recorded = C.recorded(args.init) if args.init else {}
+    tok = (C.tokenizer_for(args.init, args.tokenizer, args.mirror) if args.init
+           else data.get_tokenizer(args.tokenizer or "byte", args.mirror))
     mesh = P.Mesh(rank=int(os.environ.get("RANK", "0")))
 
     def emit(result):
@@ -602,7 +642,8 @@ def main(argv=None):
             if kind == "perplexity":
                 result = perplexity(model, tok, payload, seq_len, args.batch_size, mesh, args.limit)
             else:
-                result = multiple_choice(model, tok, payload[:args.limit], seq_len, args.batch_size, mesh)
+                result = multiple_choice(model, tok, payload[:args.limit], seq_len, args.batch_size, mesh,
+                                         task)
             emit({"task": task, "kind": kind, **result})
         if mesh.rank == 0:
             g = torch.Generator(device=device).manual_seed(args.seed)

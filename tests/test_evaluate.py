@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint as C
 import data
 import evaluate as E
 import model as M
@@ -52,6 +53,9 @@ def write_jsonl(path, records):
     return path
 
 
+BYTE = data.hf_tokens(data.get_tokenizer("byte"), chat=False)  # what an export of a byte model records
+
+
 def cli(capsys, *argv) -> list[dict]:
     """evaluate.py's main in this process with --json: the JSON objects it printed."""
     E.main([*argv, "--json"])
@@ -70,22 +74,25 @@ def test_multiple_choice_right_and_wrong_models(tmp_path, capsys):
     tok = data.get_tokenizer("byte")
     z, y = tok.encode_ordinary("z")[0], tok.encode_ordinary("y")[0]
     right = E.multiple_choice(rigged_model(z), tok, ITEMS, 64, 3, P.Mesh())
-    assert right == {"acc": 1.0, "acc_norm": 1.0, "acc_token": 1.0, "items": 4, "seq_len": 64}
+    assert right == {"acc": 1.0, "acc_norm": 1.0, "acc_token": 1.0, "items": 4, "seq_len": 64,
+                     "choices_cut": 0}
     wrong_items = [{**it, "choices": ["y" * len(c) if k != it["label"] else c for k,
                                       c in enumerate(it["choices"])]}
                    for it in ITEMS]  # every wrong choice all "y"s
     wrong = E.multiple_choice(rigged_model(y), tok, wrong_items, 64, 3, P.Mesh())
-    assert wrong == {"acc": 0.0, "acc_norm": 0.0, "acc_token": 0.0, "items": 4, "seq_len": 64}
+    assert wrong == {"acc": 0.0, "acc_norm": 0.0, "acc_token": 0.0, "items": 4, "seq_len": 64,
+                     "choices_cut": 0}
     # the same through the CLI, from a Hugging Face folder
-    M.save_hf(rigged_model(z), tmp_path / "hf")
+    M.save_hf(rigged_model(z), tmp_path / "hf", BYTE)
     [out] = cli(capsys, "--init", str(tmp_path / "hf"), "--task", str(write_jsonl(tmp_path / "mc.jsonl",
                                                                                   ITEMS)))
     assert (out["kind"], out["acc"], out["acc_norm"], out["acc_token"], out["items"]) == ("multiple_choice",
                                                                                           1, 1, 1, 4)
 
 
-def test_multiple_choice_scores_follow_their_definitions(mirror):
-    """A random model on real items, the sequence shorter than most: each score computed here from scratch."""
+def test_multiple_choice_scores_follow_their_definitions(mirror, capsys):
+    """A random model on real items, the sequence shorter than most: each score computed here from scratch.
+    Choices longer than the window are counted, and said once."""
     tok, seq_len = data.get_tokenizer("byte"), 48
     items = E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl"))[:24]
     torch.manual_seed(1)  # a model whose three scores differ on these items (checked below)
@@ -108,6 +115,11 @@ def test_multiple_choice_scores_follow_their_definitions(mirror):
     expected = (picks == labels[:, None]).mean(0)
     assert [got["acc"], got["acc_norm"], got["acc_token"]] == pytest.approx(list(expected))
     assert len(set(expected)) == 3  # three different scores here: none of the rules can stand in for another
+    cut = sum(any(len((" " + c).encode()) > seq_len for c in item["choices"]) for item in items)
+    assert got["choices_cut"] == cut > 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "longer than the" in line]
+    assert said == [f"multiple choice: {cut} of 24 items have a choice longer than the 48-token window; each "
+                    "such choice is scored on its last 48 tokens only"]
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
@@ -203,6 +215,17 @@ def test_arc_reader(tmp_path, mirror):
     # the 570-item count cannot be checked offline; the reader is pinned by the records above)
 
 
+def test_hellaswag_context_as_lm_evaluation_harness_builds_it(tmp_path):
+    """rowanz/hellaswag's own records: activity label, then ctx_a, then ctx_b with its first letter
+    capitalized, WikiHow markup removed from context and endings."""
+    record = {"ind": 4, "activity_label": "Home and Garden", "ctx_a": "[header] How to plant a tree.",
+              "ctx_b": "dig a hole [title] Make it  wide.", "ctx": "...", "label": 1,
+              "endings": ["Put the tree in.", "Water it [step] well."]}
+    [item] = E.read_items(str(write_jsonl(tmp_path / "hellaswag.jsonl", [record])))
+    assert item == {"context": "Home and Garden: How to plant a tree. Dig a hole. make it wide.",
+                    "choices": ["Put the tree in.", "Water it well."], "label": 1}
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
@@ -211,13 +234,20 @@ def checkpoint(tmp_path_factory):
     return out
 
 
-def test_defaults_come_from_the_checkpoint(checkpoint, tmp_path):
-    assert {k: E.init_defaults(checkpoint)[k] for k in ("tokenizer", "seq_len")} == {"tokenizer": "byte",
-                                                                                     "seq_len": 64}
+def test_the_tokenizer_comes_from_what_init_records(checkpoint, tmp_path):
+    """A checkpoint records its tokenizer and seq_len; an export its tokenizer; a Hugging Face folder with
+    Llama 3's vocabulary and no record gets llama3; with no record otherwise, --tokenizer must say."""
+    found = C.recorded(checkpoint)
+    assert (found["tokenizer"], found["seq_len"], found["chat"]) == ("byte", 64, False)
+    assert C.tokenizer_for(checkpoint, None).name == C.tokenizer_for(checkpoint, "byte").name == "byte"
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 128_256}))  # a Llama 3 HF folder
-    assert E.init_defaults(tmp_path) == {"tokenizer": "llama3"}
+    assert C.recorded(tmp_path) == {"vocab_size": 128_256}
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50_304, "tokenizer": "gpt2"}))
+    assert C.tokenizer_for(tmp_path, None).name == "gpt2"  # an export of a gpt2 model: never byte
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 320}))
-    assert E.init_defaults(tmp_path) == {}
+    assert C.tokenizer_for(tmp_path, "byte").name == "byte"
+    with pytest.raises(C.CheckpointError, match="does not record which tokenizer"):
+        C.tokenizer_for(tmp_path, None)
 
 
 def test_greedy_generation_equals_model_generate(checkpoint, capsys):
@@ -235,7 +265,7 @@ def test_greedy_generation_equals_model_generate(checkpoint, capsys):
 def test_chat_generation_stops_at_eot(tmp_path, capsys):
     tok = data.get_tokenizer("byte")
     x, eot = tok.encode_ordinary("x")[0], data.eot_id(tok)
-    M.save_hf(rigged_model(x, then=eot), tmp_path / "hf")  # says "x", then <|eot_id|>, then "x" again ...
+    M.save_hf(rigged_model(x, then=eot), tmp_path / "hf", BYTE)  # "x", then <|eot_id|>, then "x" again ...
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\nHow are you?\n")
     chat = cli(capsys, "--init", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--chat",
@@ -280,14 +310,19 @@ def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsy
     (["--init", "{hf}", "--task", "{bad_json}"], "bad.jsonl:2: malformed JSON"),
     (["--init", "{hf}", "--task", "{bad_label}"], "label 5 is not the index of one of 2 choices"),
     (["--init", "{tmp}", "--task", "piqa"], "not a checkpoint folder"),
+    (["--init", "{bare}", "--task", "piqa"], "does not record which tokenizer it was trained with"),
+    (["--init", "{hf}", "--tokenizer", "gpt2", "--task", "piqa"], "was trained with byte, whose ids mean"),
+    (["--init", "{bare}", "--tokenizer", "gpt2", "--task", "piqa"], "has 50,269 ids but --init"),
     (["--contamination", "piqa"], "--contamination needs --train"),
     ([], "nothing to do"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
-    M.save_hf(rigged_model(0), tmp_path / "hf")
+    M.save_hf(rigged_model(0), tmp_path / "hf", BYTE)
+    M.save_hf(rigged_model(0), tmp_path / "bare")  # records no tokenizer
     (tmp_path / "bad.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n{oops\n')
     write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 5}])
-    names = {"{hf}": str(tmp_path / "hf"), "{bad_json}": str(tmp_path / "bad.jsonl"),
+    names = {"{hf}": str(tmp_path / "hf"), "{bare}": str(tmp_path / "bare"),
+             "{bad_json}": str(tmp_path / "bad.jsonl"),
              "{bad_label}": str(tmp_path / "label.jsonl"), "{tmp}": str(tmp_path)}
     with pytest.raises(SystemExit) as exit_info:
         train.run(E.main, [names.get(a, a) for a in argv])
