@@ -421,8 +421,8 @@ def recorded(path) -> dict:
     """{"tokenizer", "seq_len", "vocab_size", "chat"}, each where the folder says it (a checkpoint's own
     tokenizer record, else its --tokenizer flag; an export's "tokenizer"). Reads no weights."""
     path = Path(path)
-    if is_checkpoint(path) and not (path / "meta.json").is_file():  # an out-dir: its newest checkpoint
-        path = find_latest(path, verify=False)[0] or path
+    if is_checkpoint(path):  # an out-dir: its newest checkpoint (the one loaded is verified when it is read)
+        path = resolve(path, say=lambda msg: None, verify=False)
     for name in ("meta.json", "config.json", "params.json"):
         try:
             found = json.loads((path / name).read_text())
