@@ -368,6 +368,12 @@ def bubble(args, mesh, margs, device):
     return rows
 
 
+def gpu_name(text: str) -> str:
+    """--gpu in any case, with '-' or '_' for spaces: h100, h100-nvl -> the table's H100, H100 NVL."""
+    canonical = {name.lower(): name for name in T.GPU_PEAK_TFLOPS}
+    return canonical.get(text.strip().lower().replace("-", " ").replace("_", " "), text)
+
+
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -414,8 +420,8 @@ def get_parser() -> argparse.ArgumentParser:
                    help="pipeline schedule (--bubble, --plan)")
     g = p.add_argument_group("--plan")
     g.add_argument("--tokens", type=float, default=15e12, help="training tokens (Llama 3: 15e12)")
-    g.add_argument("--gpu", default="H100", choices=sorted(T.GPU_PEAK_TFLOPS),
-                   help="GPU model (H100 is the SXM part)")
+    g.add_argument("--gpu", default="H100", type=gpu_name, choices=sorted(T.GPU_PEAK_TFLOPS),
+                   help="GPU model, in any case (H100 is the SXM part; h100-pcie names the PCIe one)")
     g.add_argument("--gpus", type=int, default=8, help="GPUs in all (= tp x pp x dp)")
     g.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilization")
     g.add_argument("--reserve-gb", type=float, default=4.0,

@@ -54,8 +54,10 @@ def test_plan_llama31_8b_on_eight_h100():
 
 def test_plan_json_cli_carries_the_required_keys():
     out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--model", "llama3-8b", "--gpus",
-                          "64", "--tp", "8", "--json"], capture_output=True, text=True, check=True).stdout
+                          "64", "--tp", "8", "--gpu", "h100-nvl", "--json"], capture_output=True, text=True,
+                         check=True).stdout
     r = json.loads(out)
+    assert r["gpu"] == "H100 NVL"  # GPU names in any case, '-' for a space
     for key in ("gpus_per_replica", "dp", "tokens_per_micro_batch", "tokens_per_global_batch", "steps",
                 "flops", "memory_per_gpu_bytes", "bubble", "fits"):
         assert key in r
