@@ -179,7 +179,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
 def print_measurement(rows: list[dict], a):
     r0 = rows[0]
     print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
-          f"{r0['peak_flops'] / 1e12:.2f} TFLOP/s per device ({r0['peak_flops_source']}); medians of "
+          f"{T.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
           f"{a.steps} steps after {a.warmup_steps} warm-up")
     head = (f"  {'tp pp dp':>8s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
             f"{'MFU palm':>8s} {'megatron':>8s} {'mem GB':>7s} {'est GB':>7s}  phases (ms)")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import checkpoint as C
 import data
@@ -764,25 +765,45 @@ def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
 
 
 def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
-    """Peak dense FLOP/s of the device in the run's precision: the table above for known GPUs, else a
-    measured matmul."""
+    """Peak dense FLOP/s of the device in the run's precision: the table above for known GPUs, else measured
+    (measured_peak). The description says so when the precision runs at under half of fp32's speed on this
+    device (a CPU without native bf16 kernels): that run would be faster in fp32."""
     known = gpu_peak(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
     if known:
         return known
-    dtype = DTYPES[precision]
-    n = 1024 if device.type == "cpu" else 8192
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    # The best of a few (the machine may be shared), within about a second: a CPU without fp16 kernels
-    # takes seconds for one fp16 matmul of this size.
-    best, tries, t_start = float("inf"), 0, time.perf_counter()
-    while tries < 8 and (tries < 2 or time.perf_counter() - t_start < 1.0):
-        sync_device(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync_device(device)
-        best, tries = min(best, time.perf_counter() - t0), tries + 1
-    return 2 * n ** 3 / best, f"{device.type} measured {n}x{n} {precision} matmul"
+    peak = measured_peak(device, DTYPES[precision])
+    source = f"{device.type} measured: the best {precision} nn.Linear matmul"
+    if precision != "fp32":
+        fp32 = measured_peak(device, torch.float32)
+        if peak < fp32 / 2:
+            source += (f"; {precision} runs {fp32 / peak:.0f}x slower than fp32 ({rate(fp32)}) on this "
+                       f"{device.type}: --precision fp32 would train faster")
+    return peak, source
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """The best FLOP/s of a few square matmuls through F.linear, the kernel the model's matmuls run (on a
+    CPU without native bf16, `a @ b` in bf16 is 10x slower than F.linear, so it would understate the peak
+    and overstate the MFU). The best of several sizes and tries within about a second: the machine may be
+    shared, and a CPU without fp16 kernels takes seconds for one fp16 matmul."""
+    best, t_start = 0.0, time.perf_counter()
+    for n in ((256, 512, 1024) if device.type == "cpu" else (4096, 8192)):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        w = torch.randn(n, n, device=device, dtype=dtype)
+        for tries in range(8):
+            sync_device(device)
+            t0 = time.perf_counter()
+            F.linear(a, w)
+            sync_device(device)
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+            if tries >= 1 and time.perf_counter() - t_start > 0.3:
+                break
+    return best
+
+
+def rate(flops: float) -> str:
+    """A FLOP/s figure with the unit that shows its digits: 14.2 GFLOP/s, 989 TFLOP/s."""
+    return f"{flops / 1e12:,.2f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
 
 
 def sync_device(device):
@@ -1012,7 +1033,7 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
         f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
     say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
         + (" plus the reference's forward" if task.reference_forwards else "")
-        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {meter.peak / 1e12:.2f} TFLOP/s "
+        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {rate(meter.peak)} "
         f"per device ({meter.peak_source})")
 
 

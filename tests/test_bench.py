@@ -145,3 +145,19 @@ def test_step_timing_synchronizes_where_its_mode_says(tmp_path, monkeypatch, tim
     else:
         step = ["sync"] + phases[:-1] + ["sync", "6 optimizer"]
     assert events == step * 2 and len(run.phases) == 2 and set(run.phases[0]) == set(phases)
+
+
+def test_a_measured_peak_says_when_the_precision_is_slow_here(monkeypatch):
+    """On a CPU without native bf16, bf16 runs many times slower than fp32: the peak is measured in the
+    run's precision (so the MFU stays below 100%), and its description says fp32 would train faster."""
+    import torch
+    import train
+    speeds = {torch.float32: 1.6e11, torch.bfloat16: 1.4e10, torch.float16: 1.2e11}
+    monkeypatch.setattr(train, "measured_peak", lambda device, dtype: speeds[dtype])
+    cpu = torch.device("cpu")
+    assert train.peak_flops(cpu, "bf16") == (1.4e10, "cpu measured: the best bf16 nn.Linear matmul; bf16 runs "
+                                             "11x slower than fp32 (160.0 GFLOP/s) on this cpu: --precision "
+                                             "fp32 would train faster")
+    assert train.peak_flops(cpu, "fp16") == (1.2e11, "cpu measured: the best fp16 nn.Linear matmul")
+    assert train.peak_flops(cpu, "fp32")[0] == 1.6e11
+    assert (train.rate(1.4e10), train.rate(9.89e14)) == ("14.0 GFLOP/s", "989.00 TFLOP/s")
