@@ -17,7 +17,8 @@ Read top to bottom:
   5. Multiple choice every choice scored by its log-likelihood after the context: acc, acc_norm, acc_token
   6. Generation      prompts from the command line or a file, plain or in the chat template
   7. Contamination   which benchmark items share an n-gram with the training data: hashed and streamed
-  8. Command line    every task prints a summary; --json prints one JSON object per task instead
+  8. A run's picture --plot: train and validation loss against tokens, and the learning rate, as a PNG
+  9. Command line    every task prints a summary; --json prints one JSON object per task instead
 
 Sections 3 and 5 split their work over data-parallel ranks (torchrun): rank r takes the windows or items
 i with i % world == r and the sums are all-reduced, so any number of processes gives the same numbers.
@@ -515,7 +516,41 @@ def contamination(items, source, tok, n_words=13, n_tokens=8, examples=3, mirror
 
 
 # ----------------------------------------------------------------------------------------------------
-# 8. Command line
+# 8. A picture of a run, from the records train.py, sft.py and dpo.py write to <out-dir>/metrics.jsonl
+
+
+def plot_run(out_dir) -> Path:
+    """<out-dir>/loss.png: train and validation loss against the tokens trained on (against steps for runs
+    that did not record tokens), the learning rate beneath. matplotlib is needed for this alone."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no window, no process-wide backend to choose
+    except ImportError:
+        raise T.ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise T.ConfigError(f"--plot {out_dir}: no metrics.jsonl there (a train.py, sft.py or dpo.py "
+                            "--out-dir)")
+    records = [r for _, r in data.json_records(path) if isinstance(r, dict)]
+    train, val = [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+    if not train + val:
+        raise data.DataError(f"{path}: no loss recorded yet")
+    x = "tokens" if all("tokens" in r for r in train + val) else "step"
+    fig = Figure(figsize=(8, 6))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    top.plot([r[x] for r in train], [r["loss"] for r in train], label="train")
+    top.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    top.set(ylabel="loss", title=str(out_dir))
+    top.legend()
+    bottom.plot([r[x] for r in train], [r["lr"] for r in train], color="gray")
+    bottom.set(xlabel=x, ylabel="learning rate")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.savefig(Path(out_dir) / "loss.png", dpi=120, bbox_inches="tight")
+    return Path(out_dir) / "loss.png"
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. Command line
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -554,6 +589,8 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-tokens", type=int, default=8,
                    help="in --tokenizer's tokens (the shards' own for shards)")
     g.add_argument("--examples", type=int, default=3, help="contaminated items shown per kind")
+    g = p.add_argument_group("pictures")
+    g.add_argument("--plot", metavar="OUT_DIR", help="a PNG of a run's losses and learning rate (matplotlib)")
     g = p.add_argument_group("system")
     g.add_argument("--mirror", help="local mirror folder for downloads (default: $DATA_MIRROR)")
     g.add_argument("--device", help="cuda, cpu, ... (default: cuda if available)")
@@ -593,8 +630,9 @@ def check_flags(args) -> list[str]:
             prompts += [line for line in Path(args.prompts_file).read_text().split("\n") if line.strip()]
         except OSError as e:
             raise T.ConfigError(f"--prompts-file: {e}") from None
-    if not (args.task or prompts or args.contamination):
-        raise T.ConfigError("nothing to do: give --task, --prompt / --prompts-file or --contamination")
+    if not (args.task or prompts or args.contamination or args.plot):
+        raise T.ConfigError("nothing to do: give --task, --prompt / --prompts-file, --contamination or "
+                            "--plot")
     if (args.task or prompts) and not args.init:
         raise T.ConfigError("--init (a checkpoint, Hugging Face or Meta folder) is needed for --task and "
                             "--prompt")
@@ -613,6 +651,8 @@ def check_flags(args) -> list[str]:
 def main(argv=None):
     args = get_parser().parse_args(argv)
     prompts = check_flags(args)
+    if args.plot:
+        print(f"wrote {plot_run(args.plot)}", flush=True)
     recorded = C.recorded(args.init) if args.init else {}
     tok = (C.tokenizer_for(args.init, args.tokenizer, args.mirror) if args.init
            else data.get_tokenizer(args.tokenizer or "byte", args.mirror))

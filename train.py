@@ -19,6 +19,7 @@ checks the configuration, sets the run up and loops. sft.py and dpo.py bring the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -140,6 +141,8 @@ def add_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--skip-spikes", type=float, default=0.0,
                    help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
     g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    g.add_argument("--wandb", metavar="PROJECT", help="also send metrics.jsonl's records to Weights & Biases")
+    g.add_argument("--tensorboard", metavar="DIR", help="also write metrics.jsonl's records for TensorBoard")
 
 
 def model_args_from(args, vocab_size: int) -> M.ModelArgs:
@@ -268,6 +271,7 @@ def check_config(args, recipe) -> Spec:
     the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
     validate(args)
     device, precision = pick_device_and_precision(args)
+    Trackers.check(args)
     tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
     if args.seq_len > margs.max_seq_len:
@@ -543,6 +547,7 @@ class Meter:
     def __init__(self, run: Run):
         self.run, self.args, self.mesh = run, run.args, run.mesh
         self.file = open(Path(run.args.out_dir) / "metrics.jsonl", "a") if run.mesh.rank == 0 else None
+        self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
         self.tokens_per_step = step_tokens(run.args, run.task, run.mesh)
         self.flops_per_token = model_flops_per_token(run.margs, run.args.seq_len, run.task)
         self.peak, self.peak_source = peak_flops(run.device, run.precision)
@@ -573,6 +578,7 @@ class Meter:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+            self.trackers.log(record)
 
     def named(self, values: torch.Tensor, prefix="") -> dict:
         return {prefix + k: v for k, v in zip(self.run.task.metric_names, values.tolist())}
@@ -590,8 +596,8 @@ class Meter:
         n, now, mesh = self.steps, self.clock(), self.mesh
         tps = n * self.tokens_per_step / (now - self.window_start)
         comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
-        rec = {"step": step, "loss": self.loss.item() / n, "lr": result.lr,
-               "grad_norm": result.grad_norm.item(),
+        rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": self.loss.item() / n,
+               "lr": result.lr, "grad_norm": result.grad_norm.item(),
                "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
                "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
                **self.named(self.metrics / n)}
@@ -608,11 +614,52 @@ class Meter:
         extra = self.named(metrics, "val_")
         say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
             + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
-        self.write({"step": step, "val_loss": loss, **extra, "time_s": self.clock()})
+        self.write({"step": step, "tokens": step * self.tokens_per_step, "val_loss": loss, **extra,
+                    "time_s": self.clock()})
 
     def close(self):
         if self.file:
             self.file.close()
+            self.trackers.close()
+
+
+class Trackers:
+    """--wandb PROJECT and --tensorboard DIR: metrics.jsonl's records, sent on by rank 0 as they are
+    written, nested values flattened (comm_bytes_per_step/dp). Each package is imported only when its flag
+    asks for it; check() refuses a flag whose package is missing, before the run starts."""
+
+    PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> what `pip install` needs
+
+    @classmethod
+    def check(cls, args):
+        for flag, package in cls.PACKAGES.items():
+            if getattr(args, flag) and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"--{flag} needs the {package} package: pip install {package}")
+
+    def __init__(self, args):
+        self.wandb = self.tensorboard = None
+        if args.wandb:
+            import wandb
+            self.wandb = wandb.init(project=args.wandb, config=vars(args), dir=args.out_dir)
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(args.tensorboard)
+
+    def log(self, record: dict):
+        flat = {f"{k}/{sub}" if isinstance(v, dict) else k: x for k, v in record.items() if k != "step"
+                for sub, x in (v.items() if isinstance(v, dict) else [(None, v)])}
+        if self.wandb:
+            self.wandb.log(flat, step=record["step"])
+        if self.tensorboard:  # scalars only (a skipped step's reason is text)
+            for name, value in flat.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(name, value, record["step"])
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+        if self.tensorboard:
+            self.tensorboard.close()
 
 
 def step_tokens(args, task, mesh) -> int:

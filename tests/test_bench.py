@@ -155,9 +155,9 @@ def test_a_measured_peak_says_when_the_precision_is_slow_here(monkeypatch):
     speeds = {torch.float32: 1.6e11, torch.bfloat16: 1.4e10, torch.float16: 1.2e11}
     monkeypatch.setattr(train, "measured_peak", lambda device, dtype: speeds[dtype])
     cpu = torch.device("cpu")
-    assert train.peak_flops(cpu, "bf16") == (1.4e10, "cpu measured: the best bf16 nn.Linear matmul; bf16 runs "
-                                             "11x slower than fp32 (160.0 GFLOP/s) on this cpu: --precision "
-                                             "fp32 would train faster")
+    assert train.peak_flops(cpu, "bf16") == (1.4e10, "cpu measured: the best bf16 nn.Linear matmul; bf16 "
+                                             "runs 11x slower than fp32 (160.0 GFLOP/s) on this cpu: "
+                                             "--precision fp32 would train faster")
     assert train.peak_flops(cpu, "fp16") == (1.2e11, "cpu measured: the best fp16 nn.Linear matmul")
     assert train.peak_flops(cpu, "fp32")[0] == 1.6e11
     assert (train.rate(1.4e10), train.rate(9.89e14)) == ("14.0 GFLOP/s", "989.00 TFLOP/s")

@@ -329,3 +329,22 @@ def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 1 and err[-1].startswith("error: ") and message in err[-1]
     assert not any(line.startswith("Traceback") for line in err)
+
+
+def test_plot_draws_a_run_and_says_when_matplotlib_is_missing(checkpoint, tmp_path, capsys, monkeypatch):
+    """--plot turns <out-dir>/metrics.jsonl into <out-dir>/loss.png (losses against tokens, the learning
+    rate); without matplotlib it is one line."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text((checkpoint / "metrics.jsonl").read_text())
+    assert all("tokens" in r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r or "val_loss" in r)
+    E.main(["--plot", str(run)])
+    png = (run / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert capsys.readouterr().out == f"wrote {run / 'loss.png'}\n"
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an absent package looks like
+    with pytest.raises(SystemExit) as exit_info:
+        train.run(E.main, ["--plot", str(run)])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip() == "error: --plot needs matplotlib: pip install matplotlib"

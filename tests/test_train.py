@@ -258,3 +258,64 @@ def test_compile_reaches_the_blocks_a_pipeline_stage_runs():
     stage.eval()  # evaluation and generation run the blocks eagerly (a KV cache would recompile each step)
     parallel.stage_forward(stage, h, last, 16)
     assert counter.frame_count == frames
+
+
+def fake_package(monkeypatch, name, **attrs):
+    """A stand-in for an optional package that is not installed here, importable under `name`."""
+    import importlib.machinery
+    import types
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_wandb_and_tensorboard_get_the_records_of_metrics_jsonl(tmp_path, monkeypatch):
+    logged, scalars, events = [], [], []
+
+    class Run:  # wandb.init()'s run
+        def log(self, values, step):
+            logged.append({"step": step, **values})
+
+        def finish(self):
+            events.append("wandb finished")
+
+    class SummaryWriter:
+        def __init__(self, folder):
+            events.append(f"tensorboard in {folder}")
+
+        def add_scalar(self, name, value, step):
+            scalars.append((name, value, step))
+
+        def close(self):
+            events.append("tensorboard closed")
+
+    fake_package(monkeypatch, "wandb", init=lambda project, config, dir: events.append(project) or Run())
+    fake_package(monkeypatch, "tensorboard")
+    fake_package(monkeypatch, "torch.utils.tensorboard", SummaryWriter=SummaryWriter)
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "4", "--log-every", "2", "--eval-every", "2", "--out-dir", str(out),
+                       "--wandb", "my-project", "--tensorboard", str(tmp_path / "tb")])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    flat = lambda r: {"step": r["step"], **{f"{k}/{s}" if isinstance(v, dict) else k: x for k, v in r.items()
+                                            if k != "step" for s, x in (v.items() if isinstance(v, dict)
+                                                                        else [(None, v)])}}
+    assert len(records) == 4 and logged == [flat(r) for r in records]  # 2 log lines, 2 validations
+    assert scalars == [(k, v, r["step"]) for r in records for k, v in flat(r).items() if k != "step"]
+    assert ("val_loss", records[1]["val_loss"], 2) in scalars
+    assert events == ["my-project", f"tensorboard in {tmp_path / 'tb'}", "wandb finished",
+                      "tensorboard closed"]
+
+
+@pytest.mark.parametrize("flag,package", [("--wandb", "wandb"), ("--tensorboard", "tensorboard")])
+def test_a_tracker_without_its_package_is_one_line(tmp_path, monkeypatch, capsys, flag, package):
+    real = train.importlib.util.find_spec
+    monkeypatch.setattr(train.importlib.util, "find_spec",
+                        lambda name: None if name == package else real(name))
+    with pytest.raises(SystemExit) as exit_info:
+        train.run(train.main, TINY + ["--out-dir", str(tmp_path / "o"), flag, "x"])
+    assert exit_info.value.code == 1
+    said = capsys.readouterr().err.strip()
+    assert said == f"error: {flag} needs the {package} package: pip install {package}"
+    assert not (tmp_path / "o").exists()
