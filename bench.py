@@ -434,6 +434,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 def main():
     a = get_parser().parse_args()
+    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     versions = {"torch": torch.__version__, "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                 else f"cpu x{os.cpu_count()}"}

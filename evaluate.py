@@ -665,6 +665,7 @@ def main(argv=None):
                 print(describe(result), file=sys.stderr, flush=True)
 
     if args.task or prompts:
+        P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
         device, precision = T.pick_device_and_precision(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this rank's GPU: kernels, NCCL and new tensors default to it

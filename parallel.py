@@ -44,6 +44,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -138,6 +139,27 @@ def process_group_options(device: torch.device | None, timeout_s: float) -> dict
     if device is not None and device.type == "cuda":
         return {"backend": "nccl", "device_id": device, "timeout": timeout}
     return {"backend": "gloo", "timeout": timeout}
+
+
+def exit_with_agent(poll_s: float = 1.0):
+    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
+    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
+    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
+    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
+    the command lines (train.configure_process, evaluate.py, bench.py), as a process-wide setting."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
+                                                     for t in threading.enumerate()):
+        return  # not started by torchrun, or watched already
+    agent = os.getppid()
+
+    def watch():
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"error (rank {os.environ.get('RANK', '?')}): torchrun's agent (pid {agent}) is gone; "
+              "exiting", file=sys.stderr, flush=True)
+        os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
+
+    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
 
 
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,

@@ -231,7 +231,7 @@ def pick_device_and_precision(args):
 
 def configure_process(args):
     """The process-wide settings, made once by the command line before train(): seeds, this process's GPU,
-    TF32 matmuls on CUDA, and --deterministic.
+    TF32 matmuls on CUDA, --deterministic, and (under torchrun) an exit when the agent dies.
 
     --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
     with a fixed workspace, no cuDNN autotuning. On an x86 CPU, runs repeat bit for bit without it on one
@@ -240,6 +240,7 @@ def configure_process(args):
     use: effective in a fresh process, as the command line is."""
     validate(args)
     device, _ = pick_device_and_precision(args)
+    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if device.type == "cuda":

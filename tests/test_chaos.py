@@ -1,12 +1,14 @@
 """Chaos: a 2-process data-parallel run under `torchrun --max-restarts` is killed (SIGKILL, no cleanup)
 three times -- at a training step, in the middle of a checkpoint write, and at another step, on different
 ranks -- and brought back each time by torchrun alone from its latest complete checkpoint. Its final
-weights equal an uninterrupted run's, bit for bit."""
+weights equal an uninterrupted run's, bit for bit. And when torchrun's agent itself is killed, its workers
+end by themselves."""
 
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -83,3 +85,54 @@ def test_killed_three_times_ends_bit_identical(tmp_path):
     for k in a:
         for kk in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a[k][kk], b[k][kk]), (k, kk)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is pid (from /proc: no psutil)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # Z: exited, unreaped
+    except OSError:
+        return False
+
+
+def test_workers_end_when_their_agent_is_killed(tmp_path):
+    """torchrun's agent killed with SIGKILL cannot stop its workers: they must notice and end by
+    themselves, well before their collectives would time out (--dist-timeout 120)."""
+    out = tmp_path / "o"
+    flags = [f for f in FLAGS if f != "--resume"]
+    flags[flags.index("--max-steps") + 1] = "100000"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node=2", str(REPO / "train.py"), *flags, "--dist-timeout", "120",
+                              "--out-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    workers = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(workers) == 2):
+            time.sleep(0.5)
+            workers = _children(agent.pid)
+        assert len(workers) == 2 and (out / "metrics.jsonl").exists(), "the job never started training"
+        agent.kill()  # SIGKILL: the agent cleans nothing up
+        agent.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline and any(map(_alive, workers)):
+            time.sleep(0.5)
+        left = [pid for pid in workers if _alive(pid)]
+        assert not left, f"workers {left} outlived their agent by 60 s"
+        assert "torchrun's agent" in agent.stderr.read().decode()
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, 9)
