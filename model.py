@@ -234,12 +234,22 @@ class Attention(nn.Module):
         # Causal by default (lets SDPA pick the flash kernel); an explicit mask for packed documents or a
         # prefill on top of a cache. A single decoded token attends to everything cached: no mask.
         is_causal = mask is None and k.shape[2] == T and T > 1
-        if k.shape[1] != q.shape[1]:  # GQA: each key/value head serves n_heads/n_kv_heads query heads
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = attention(q, k, v, mask, is_causal, grouped=mask is None and q.is_cuda)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return self.wo(y)
+
+
+def attention(q, k, v, mask, is_causal: bool, grouped: bool):
+    """SDPA for q (B, n_heads, T, head_dim) and k, v (B, n_kv_heads, S, head_dim); under GQA each key/value
+    head serves n_heads / n_kv_heads query heads. grouped: SDPA does the grouping itself (enable_gqa), which
+    the flash kernel serves without copying K and V; Attention asks for it on CUDA without a mask. Else K
+    and V are repeated to n_heads first: the kernels that take a mask (packed documents) do not all group,
+    and a kernel that cannot serves the call in the slow math path."""
+    if k.shape[1] != q.shape[1] and not grouped:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class FeedForward(nn.Module):

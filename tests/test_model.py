@@ -79,6 +79,21 @@ def test_packed_documents_equal_separate_runs():
     assert not torch.allclose(model(packed)[:, 7:], model(x2), atol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_query_attention_in_sdpa_equals_repeated_keys(causal):
+    """SDPA's own GQA (enable_gqa: CUDA's flash kernel, no copies) and K, V repeated to every query head
+    (the path with a mask) give the same output and gradients; 8 query heads over 2 key/value heads."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, dtype=torch.float64, requires_grad=True) for h in (8, 2, 2))
+    out = {}
+    for grouped in (True, False):
+        y = M.attention(q, k, v, None, causal, grouped)
+        out[grouped] = (y, *torch.autograd.grad((y * torch.linspace(-1, 1, 8)[None, None, None]).sum(),
+                                                (q, k, v)))
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_rope_scaling_changes_only_low_frequencies():
     a = tiny_args(dim=512, n_heads=4, n_kv_heads=4, rope_scaling=M.LLAMA31_ROPE)
     plain = M.rope_frequencies(tiny_args(dim=512, n_heads=4, n_kv_heads=4, rope_scaling=None))
