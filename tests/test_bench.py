@@ -161,3 +161,13 @@ def test_a_measured_peak_says_when_the_precision_is_slow_here(monkeypatch):
     assert train.peak_flops(cpu, "fp16") == (1.2e11, "cpu measured: the best fp16 nn.Linear matmul")
     assert train.peak_flops(cpu, "fp32")[0] == 1.6e11
     assert (train.rate(1.4e10), train.rate(9.89e14)) == ("14.0 GFLOP/s", "989.00 TFLOP/s")
+
+
+def test_gpu_check_skips_in_one_line_without_cuda(monkeypatch, capsys):
+    """tests/gpu_check.py, the first-GPU-day script: on a machine without CUDA, one SKIP line and success."""
+    import torch
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    import gpu_check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main() == 0
+    assert capsys.readouterr().out == "SKIP gpu_check: no CUDA device on this machine\n"
