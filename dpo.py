@@ -292,12 +292,13 @@ class DPOTask:
             reward_c, reward_r = self.args.beta * (pc - rc), self.args.beta * (pr - rr)
             stats = torch.stack([reward_c.sum(), reward_r.sum(), (reward_c > reward_r).float().sum(),
                                  (reward_c - reward_r).sum(), pc.sum(), pr.sum()])
-            self._sums = self._sums + (stats / self.total).cpu()
+            # on the device: a .cpu() here would wait for the GPU at every micro-batch
+            self._sums = self._sums.to(stats.device) + stats / self.total
         return losses.sum() / self.total
 
     def metrics(self) -> torch.Tensor:
         """Metric sums since the last call (each divided by the global pair count: means when summed)."""
-        out, self._sums = self._sums, torch.zeros(len(self.metric_names))
+        out, self._sums = self._sums, torch.zeros_like(self._sums)
         return out
 
 
