@@ -470,7 +470,10 @@ def train_step(run: Run, guard: SkipGuard, step: int) -> StepResult | None:
 def load_batches(run: Run) -> list:
     """Phase 1: the step's --grad-accum micro-batches on the device, prepared by the task (DPO adds the
     reference's log-probs), and the task's normalizer over the global batch."""
-    batches = [tuple(t.to(run.device, non_blocking=True) for t in run.loader.next())
+    # From pinned (page-locked) host memory a copy to the GPU is asynchronous: the host goes on queueing
+    # kernels. From ordinary memory, non_blocking=True would still wait for each copy.
+    pinned = (lambda t: t.pin_memory()) if run.device.type == "cuda" else (lambda t: t)
+    batches = [tuple(pinned(t).to(run.device, non_blocking=True) for t in run.loader.next())
                for _ in range(run.args.grad_accum)]
     batches = run.task.prepare(batches)
     run.task.total = global_total(run.task, batches, run.mesh, run.device)
