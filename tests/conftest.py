@@ -1,8 +1,12 @@
-"""Shared test set-up: import path, the offline data mirror, and caches that never touch $HOME.
+"""Shared test set-up: import path, the data files, and caches that never touch the tests' own results.
 
-DATA_MIRROR is taken from the environment if set, else <repo>/../shared/data. DATA_CACHE becomes a fresh
-temporary folder, and TIKTOKEN_CACHE_DIR (if unset) a writable temporary copy of <mirror>/tiktoken_cache.
-The variables are set in os.environ, so subprocesses (torchrun, train.py) see them too.
+The data files come from a mirror folder: DATA_MIRROR if set, else <repo>/../shared/data if it exists.
+Without either, the tests fetch them once from their public URLs through the project's own downloader
+(data.fetch, evaluate.fetch_benchmark: pinned, checksummed) into <data cache>/test-mirror, laid out as a
+mirror; with no internet either, the session stops with one line saying what to provide.
+DATA_CACHE then becomes a fresh temporary folder, and TIKTOKEN_CACHE_DIR (if unset) a writable temporary
+copy of <mirror>/tiktoken_cache (without one, tiktoken fetches its own files). The variables are set in
+os.environ, so subprocesses (torchrun, train.py) see them too.
 """
 import os
 import shutil
@@ -13,25 +17,58 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-MIRROR = Path(os.environ.get("DATA_MIRROR") or REPO.parent / "shared" / "data").resolve()
+SHARED = REPO.parent / "shared" / "data"
+
+
+def downloaded_mirror() -> Path:
+    """Every registry file the tests read, fetched (once: the downloads are cached) and laid out as a mirror
+    in <data cache>/test-mirror."""
+    import data
+    import evaluate
+    root = data.cache_dir() / "test-mirror"
+    entries = [(entry["mirror"], lambda name=name: data.fetch(name)) for name, entry in data.registry().items()]
+    for entry in evaluate.BENCHMARKS.values():
+        for e in (entry, entry.get("labels")):
+            if e:
+                entries.append((e["mirror"], lambda e=e: evaluate.fetch_benchmark(e)))
+    for where, fetch in entries:
+        if not (root / where).is_file():
+            (root / where).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(fetch(), root / where)
+    return root
+
+
+def find_mirror() -> Path:
+    if os.environ.get("DATA_MIRROR"):
+        return Path(os.environ["DATA_MIRROR"]).resolve()
+    if SHARED.is_dir():
+        return SHARED.resolve()
+    import data
+    try:
+        return downloaded_mirror()
+    except data.DataError:  # the failed tries are on stderr above
+        pytest.exit("the tests need the data files: there is no mirror folder and downloading failed; set "
+                    "DATA_MIRROR to a folder holding them, or run with internet access", returncode=1)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def data_env(tmp_path_factory):
     patch = pytest.MonkeyPatch()
-    patch.setenv("DATA_MIRROR", str(MIRROR))
+    mirror = find_mirror()
+    patch.setenv("DATA_MIRROR", str(mirror))
     patch.setenv("DATA_CACHE", str(tmp_path_factory.mktemp("data_cache")))
-    if not os.environ.get("TIKTOKEN_CACHE_DIR") and (MIRROR / "tiktoken_cache").is_dir():
+    if not os.environ.get("TIKTOKEN_CACHE_DIR") and (mirror / "tiktoken_cache").is_dir():
         tiktoken_cache = tmp_path_factory.mktemp("tiktoken_cache")
-        for f in (MIRROR / "tiktoken_cache").iterdir():  # copyfile, not copytree: keep the copy writable
+        for f in (mirror / "tiktoken_cache").iterdir():  # copyfile, not copytree: keep the copy writable
             shutil.copyfile(f, tiktoken_cache / f.name)
         patch.setenv("TIKTOKEN_CACHE_DIR", str(tiktoken_cache))
-    yield
+    yield mirror
     patch.undo()
 
 
 @pytest.fixture(scope="session")
-def mirror() -> Path:
-    if not MIRROR.is_dir():
-        pytest.fail(f"no data mirror at {MIRROR}: set DATA_MIRROR to a folder laid out like shared/data")
-    return MIRROR
+def mirror(data_env) -> Path:
+    if not data_env.is_dir():
+        pytest.fail(f"no data mirror at {data_env}: set DATA_MIRROR to a folder laid out like the registry's "
+                    "mirror paths")
+    return data_env

@@ -3,9 +3,14 @@ the Loader's determinism / data-parallel split / exact resume, and the CLI. No t
 import hashlib
 import http.server
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,8 @@ import torch
 
 import data
 from data import DataError, Loader, download, get_tokenizer, prepare, read_shard, write_shard
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -458,3 +465,24 @@ def test_cli(mirror, capsys):
     assert data.main(["download", "../escape"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: bad dataset name") and err.count("\n") == 1
+
+
+def test_a_clone_alone_without_internet_says_what_the_tests_need(tmp_path):
+    """A fresh clone with no mirror beside it and DATA_MIRROR unset fetches the data files through the
+    project's downloader; with no internet either (here: a proxy that refuses every connection), the session
+    stops at once with one line saying what to provide."""
+    clone = tmp_path / "clone"
+    (clone / "tests").mkdir(parents=True)
+    for f in REPO.glob("*.py"):
+        shutil.copy(f, clone)
+    shutil.copy(REPO / "tests" / "conftest.py", clone / "tests")
+    (clone / "tests" / "test_placeholder.py").write_text("def test_placeholder():\n    assert 1 + 1 == 2\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DATA_MIRROR", "TIKTOKEN_CACHE_DIR")}
+    env.update(DATA_CACHE=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9",
+               HTTP_PROXY="http://127.0.0.1:9", NO_PROXY="")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests"], cwd=clone, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-2000:]
+    said = [line for line in (p.stdout + p.stderr).splitlines() if "the tests need the data files" in line]
+    assert len(said) == 1 and "set DATA_MIRROR to a folder holding them, or run with internet access" in said[0]
+    assert "1 passed" not in p.stdout

@@ -90,11 +90,11 @@ def test_multiple_choice_right_and_wrong_models(tmp_path, capsys):
                                                                                           1, 1, 1, 4)
 
 
-def test_multiple_choice_scores_follow_their_definitions(mirror, capsys):
+def test_multiple_choice_scores_follow_their_definitions(capsys):
     """A random model on real items, the sequence shorter than most: each score computed here from scratch.
     Choices longer than the window are counted, and said once."""
     tok, seq_len = data.get_tokenizer("byte"), 48
-    items = E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl"))[:24]
+    items = E.read_items("hellaswag")[:24]
     torch.manual_seed(1)  # a model whose three scores differ on these items (checked below)
     model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=320, max_seq_len=64)).eval()
     picks = []  # per item: the choice each rule picks
@@ -187,10 +187,13 @@ def test_contamination_finds_exactly_the_planted_items(tmp_path, capsys, mirror,
     assert clean["words"]["contaminated"] == 0 and clean["words"]["n"] == 5
 
 
-def test_readers_parse_the_mirror_benchmarks(mirror):
+def test_readers_parse_the_mirror_benchmarks(mirror, tmp_path):
     hellaswag = E.read_items("hellaswag")  # the registry's .bz2 text form, through the mirror
     assert len(hellaswag) == 10_042 and all(len(it["choices"]) == 4 for it in hellaswag)
-    assert E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl")) == hellaswag  # the JSONL form agrees
+    as_jsonl = write_jsonl(tmp_path / "hellaswag.jsonl", [
+        {"ind": i, "ctx": it["context"], "endings": it["choices"], "label": it["label"]}
+        for i, it in enumerate(hellaswag)])
+    assert E.read_items(str(as_jsonl)) == hellaswag  # the JSONL form ({ctx, endings, label}) agrees
     assert hellaswag[0]["context"] == "Roof shingle removal: A man is sitting on a roof. he"
     assert hellaswag[0]["label"] == 3 and sorted({it["label"] for it in hellaswag}) == [0, 1, 2, 3]
     piqa = E.read_items("piqa")
@@ -278,14 +281,14 @@ def test_chat_generation_stops_at_eot(tmp_path, capsys):
     assert plain["tokens"] == [x, eot] * 3 and not plain["stopped"]
 
 
-def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsys, mirror):
+def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsys):
     [ts] = cli(capsys, "--init", str(checkpoint), "--task", "tinyshakespeare")
     assert ts["task"] == "tinyshakespeare" and ts["seq_len"] == 64  # the checkpoint's training --seq-len
     assert ts["perplexity"] == pytest.approx(math.exp(ts["loss"]))
     assert 3 < ts["loss"] < 6 and ts["tokens"] > 100_000  # the whole val split; byte vocab: 5.6 = ln 268
     # byte tokens: 1 byte each
     assert ts["bits_per_byte"] == pytest.approx(ts["loss"] / math.log(2), rel=1e-3)
-    hellaswag = E.read_items(str(mirror / "eval" / "hellaswag_val.jsonl"))[:9]  # odd: the ranks get 5 and 4
+    hellaswag = E.read_items("hellaswag")[:9]  # odd: the ranks get 5 and 4
     mc = write_jsonl(tmp_path / "mc.jsonl", hellaswag)
     argv = ["--init", str(checkpoint), "--task", str(mc), "--task", "tinyshakespeare", "--limit", "7",
             "--json"]
