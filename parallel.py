@@ -527,9 +527,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local, mine, ignore = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[mine], local[mine]] -= 1.0
+        # - onehot(target) on the rows whose target is this rank's; a scatter of 0 elsewhere (local is 0
+        # there). Boolean-mask indexing would make the host wait for the GPU to count the rows.
+        grad = softmax.scatter_add(1, local[:, None], -mine.to(softmax.dtype)[:, None])
         grad *= grad_loss.masked_fill(ignore, 0.0)[:, None]
         return grad, None, None, None, None
 
