@@ -76,9 +76,10 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
                                       "6 optimizer", "7 checkpoint"}
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"]["megatron"] < r["mfu"]["palm"]
         assert r["memory_estimate_gb"]["total"] > 0
-    hf = json.loads(subprocess.run(cmd + ["--compare-hf"], capture_output=True, text=True, check=True,
-                                   env=env).stdout.splitlines()[-1])["compare_hf"]
-    assert len(hf["ours_tokens_per_s"]) == len(hf["hf_tokens_per_s"]) == 2 and hf["ratio_ours_over_hf"] > 0
+    for precision in ("fp32", "bf16"):  # bf16: the case that once ended in an IndexError
+        hf = json.loads(subprocess.run(cmd + ["--compare-hf", "--precision", precision], capture_output=True,
+                                       text=True, check=True, env=env).stdout.splitlines()[-1])["compare_hf"]
+        assert len(hf["ours_tokens_per_s"]) == len(hf["hf_tokens_per_s"]) == 2 and hf["ratio_ours_over_hf"] > 0
 
 
 def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
