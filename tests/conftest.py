@@ -26,7 +26,8 @@ def downloaded_mirror() -> Path:
     import data
     import evaluate
     root = data.cache_dir() / "test-mirror"
-    entries = [(entry["mirror"], lambda name=name: data.fetch(name)) for name, entry in data.registry().items()]
+    entries = [(entry["mirror"], lambda name=name: data.fetch(name))
+               for name, entry in data.registry().items()]
     for entry in evaluate.BENCHMARKS.values():
         for e in (entry, entry.get("labels")):
             if e:

@@ -79,7 +79,8 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
     for precision in ("fp32", "bf16"):  # bf16: the case that once ended in an IndexError
         hf = json.loads(subprocess.run(cmd + ["--compare-hf", "--precision", precision], capture_output=True,
                                        text=True, check=True, env=env).stdout.splitlines()[-1])["compare_hf"]
-        assert len(hf["ours_tokens_per_s"]) == len(hf["hf_tokens_per_s"]) == 2 and hf["ratio_ours_over_hf"] > 0
+        assert len(hf["ours_tokens_per_s"]) == len(hf["hf_tokens_per_s"]) == 2
+        assert hf["ratio_ours_over_hf"] > 0
 
 
 def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):

@@ -102,7 +102,8 @@ def _children(pid: int) -> list[int]:
 
 def _alive(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # Z: exited, unreaped
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"  # Z: exited, not yet reaped
     except OSError:
         return False
 

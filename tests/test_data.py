@@ -480,9 +480,10 @@ def test_a_clone_alone_without_internet_says_what_the_tests_need(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DATA_MIRROR", "TIKTOKEN_CACHE_DIR")}
     env.update(DATA_CACHE=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9",
                HTTP_PROXY="http://127.0.0.1:9", NO_PROXY="")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests"], cwd=clone, env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests"], cwd=clone, env=env,
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stdout[-2000:]
     said = [line for line in (p.stdout + p.stderr).splitlines() if "the tests need the data files" in line]
-    assert len(said) == 1 and "set DATA_MIRROR to a folder holding them, or run with internet access" in said[0]
+    assert len(said) == 1
+    assert "set DATA_MIRROR to a folder holding them, or run with internet access" in said[0]
     assert "1 passed" not in p.stdout
