@@ -835,8 +835,8 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
 def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
     """The best FLOP/s of a few square matmuls through F.linear, the kernel the model's matmuls run (on a
     CPU without native bf16, `a @ b` in bf16 is 10x slower than F.linear, so it would understate the peak
-    and overstate the MFU). The best of several sizes and tries within about a second: the machine may be
-    shared, and a CPU without fp16 kernels takes seconds for one fp16 matmul."""
+    and overstate the MFU). The best over three sizes, two tries each and more while under 0.3 s in all:
+    the machine may be shared, and a CPU without fp16 kernels takes seconds for one fp16 matmul."""
     best, t_start = 0.0, time.perf_counter()
     for n in ((256, 512, 1024) if device.type == "cpu" else (4096, 8192)):
         a = torch.randn(n, n, device=device, dtype=dtype)
