@@ -5,6 +5,7 @@ Read top to bottom:
   2. RMSNorm, RoPE                normalization and rotary positions with the Llama 3.1 frequency scaling
   3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP
   4. Transformer                  embedding -> n_layers x Block -> norm -> output head; packed documents
+                                 (a dense mask, or FlexAttention's block mask on CUDA)
   5. generate                     sampling with a KV cache (temperature, top-k, top-p; 0 = greedy)
   6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
                                  hf_state reads a Hugging Face folder lazily, tensor by tensor
@@ -23,6 +24,7 @@ form the rotated pairs. Meta checkpoints pair adjacent dimensions instead; load_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -36,6 +38,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Hyperparameters
@@ -180,6 +183,27 @@ def apply_rope(x, cos, sin):
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
+# Device types on which packed documents get FlexAttention's block mask (its backward has no CPU kernel).
+BLOCK_MASK_DEVICES = ("cuda",)
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+    """Causal attention inside each packed document: query i sees key j iff j <= i and both lie in the same
+    document. On CUDA a FlexAttention BlockMask: it records per 128 x 128 tile whether the tile is empty,
+    full or partial, the kernel skips the empty ones (most of them when documents are short) and the
+    (B, T, T) mask never exists. Elsewhere a boolean (B, 1, T, T) mask for SDPA: B*T^2 bytes (2 GB for 8
+    sequences of 16K tokens), which only SDPA's memory-efficient and math kernels take."""
+    B, T = doc_ids.shape
+    if doc_ids.device.type in BLOCK_MASK_DEVICES:
+        def same_document_causal(b, h, q, kv):  # index tensors in, a boolean out, for any tile
+            return (doc_ids[b, q] == doc_ids[b, kv]) & (kv <= q)
+        return create_block_mask(same_document_causal, B, None, T, T, device=doc_ids.device,
+                                 _compile=doc_ids.is_cuda)  # compiled: built tile by tile, never (B, T, T)
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same_doc & causal)[:, None]  # (B, 1, T, T), broadcast over heads
+
+
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) non-decreasing document ids -> position of each token inside its own document."""
     T = doc_ids.shape[1]
@@ -244,12 +268,23 @@ def attention(q, k, v, mask, is_causal: bool, grouped: bool):
     head serves n_heads / n_kv_heads query heads. grouped: SDPA does the grouping itself (enable_gqa), which
     the flash kernel serves without copying K and V; Attention asks for it on CUDA without a mask. Else K
     and V are repeated to n_heads first: the kernels that take a mask (packed documents) do not all group,
-    and a kernel that cannot serves the call in the slow math path."""
+    and a kernel that cannot serves the call in the slow math path. A BlockMask (packed documents on CUDA,
+    see document_mask) goes to FlexAttention instead, which groups by itself."""
+    if isinstance(mask, BlockMask):
+        flex = compiled_flex_attention() if q.is_cuda else flex_attention
+        return flex(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     if k.shape[1] != q.shape[1] and not grouped:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+
+@functools.cache
+def compiled_flex_attention():
+    """FlexAttention compiled into one fused kernel, once per process (run as is, it computes the whole
+    (T, T) score matrix)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class FeedForward(nn.Module):
@@ -346,9 +381,7 @@ class Transformer(nn.Module):
         mask = None
         if doc_ids is not None:
             positions = document_positions(doc_ids)  # (B, T)
-            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            mask = (same_doc & causal)[:, None]  # (B, 1, T, T), broadcast over heads
+            mask = document_mask(doc_ids)
         else:
             positions = torch.arange(start_pos, start_pos + T, device=device)
             # prefill after a prefix: query i sees keys <= start_pos+i

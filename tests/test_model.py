@@ -66,17 +66,33 @@ def test_forward_shape_and_seeded_init():
     assert a.layers["0"].attention.wo.weight.std() < 0.8 * a.layers["0"].attention.wq.weight.std()
 
 
-def test_packed_documents_equal_separate_runs():
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU runs it as is
+@pytest.mark.parametrize("mask", ["dense", "block"])
+def test_packed_documents_equal_separate_runs(monkeypatch, mask):
+    """Three documents packed in one row of 300 tokens (and a row holding one) give each document the
+    outputs it has alone, with SDPA's dense mask and with FlexAttention's block mask (CUDA's path; on the
+    CPU forward only: its backward has no CPU kernel, tests/gpu_check.py compares gradients on a GPU)."""
+    if mask == "block":
+        monkeypatch.setattr(M, "BLOCK_MASK_DEVICES", ("cpu",))
     torch.manual_seed(0)
-    model = M.Transformer(tiny_args()).eval()
-    x1, x2 = torch.randint(0, 300, (1, 7)), torch.randint(0, 300, (1, 9))
-    packed = torch.cat([x1, x2], dim=1)
-    doc_ids = torch.tensor([[0] * 7 + [1] * 9])
-    out = model(packed, doc_ids=doc_ids)
-    torch.testing.assert_close(out[:, :7], model(x1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[:, 7:], model(x2), atol=1e-5, rtol=1e-5)
-    # without document ids the second document sees the first, so the outputs differ
-    assert not torch.allclose(model(packed)[:, 7:], model(x2), atol=1e-4)
+    model = M.Transformer(tiny_args(max_seq_len=512)).eval()
+    docs = [torch.randint(0, 300, (1, n)) for n in (100, 60, 140)]
+    packed = torch.cat([torch.cat(docs, dim=1), torch.randint(0, 300, (1, 300))])
+    doc_ids = torch.tensor([[0] * 100 + [1] * 60 + [2] * 140, [0] * 300])
+    built = M.document_mask(doc_ids)
+    assert isinstance(built, M.BlockMask) == (mask == "block")
+    if mask == "block":  # tiles of 128 x 128: 9 per row, and of the first row's 6 causal ones, 1 is empty
+        assert built.kv_num_blocks.sum() + built.full_kv_num_blocks.sum() == 5 + 6
+    with torch.no_grad():
+        out = model(packed, doc_ids=doc_ids)
+        start = 0
+        for doc in docs:
+            n = doc.shape[1]
+            torch.testing.assert_close(out[:1, start:start + n], model(doc), atol=1e-5, rtol=1e-5)
+            start += n
+        torch.testing.assert_close(out[1:], model(packed[1:]), atol=1e-5, rtol=1e-5)
+        # without document ids the later documents see the earlier ones, so the outputs differ
+        assert not torch.allclose(model(packed[:1])[:, 100:160], model(docs[1]), atol=1e-4)
 
 
 @pytest.mark.parametrize("causal", [True, False])
