@@ -191,7 +191,7 @@ def print_measurement(rows: list[dict], a):
               f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.2f} "
               f"{r['memory_estimate_gb']['total']:7.2f}  {ph}"
               + "".join(f"  {k}" for k in ("sp", "zero", "deterministic") if r[k]))
-        comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v}
+        comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
         if comm:
             print("       bytes sent per step: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k,
                                                              v in comm.items()))

@@ -264,7 +264,7 @@ class DPOTask:
 
     def __init__(self, margs, mesh, args, reference=None, cached=None):
         self.vocab_size, self.mesh, self.args = margs.vocab_size, mesh, args
-        self.reference, self.cached = reference, cached  # a model, or {pair index: (ref_c, ref_r)}
+        self.reference, self.cached = reference, cached  # a model, or (pairs, 2) log-probs by pair index
         self.reference_forwards = 1 if reference is not None else 0  # its forward costs FLOPs every step
         self.total = None
         self._sums = torch.zeros(len(self.metric_names))
@@ -272,12 +272,14 @@ class DPOTask:
     def prepare(self, batches):
         """Attach the reference log-probs (chosen then rejected rows) to each micro-batch's targets."""
         if self.cached is not None:  # (B,) pair indices -> (2B,) cached log-probs, chosen then rejected
-            return [(b[0], (b[1], self.cached[b[2].cpu()].T.reshape(-1).to(b[0].device))) for b in batches]
+            # looked up on the device (moved there once): an index taken back to the host would wait for it
+            self.cached = self.cached.to(batches[0][0].device)
+            return [(b[0], (b[1], self.cached[b[2]].T.reshape(-1))) for b in batches]
         ref = reference_logps(self.reference, [b[:2] for b in batches], self.mesh, self.args)
         return [(b[0], (b[1], r)) for b, r in zip(batches, ref)]
 
     def count(self, batch) -> torch.Tensor:
-        return torch.tensor(batch[0].shape[0] // 2)  # pairs
+        return torch.full((), batch[0].shape[0] // 2, device=batch[0].device)  # pairs (a fill: no copy)
 
     def loss(self, logits, targets):
         y, ref = targets

@@ -253,12 +253,15 @@ class LossScaler:
     def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 1000):
         self.scale, self.growth_interval, self.good_steps = init_scale, growth_interval, 0
 
-    def unscale_and_check(self, opt: AdamW, all_finite=None) -> bool:
-        """Divide the gradients by the scale; return True if they are all finite (the step may proceed).
-        all_finite(local_flag) -> global flag lets parallel ranks agree (one overflow anywhere skips all)."""
+    def unscale(self, opt: AdamW):
+        """Divide the gradients by the scale (on the device: whether they overflowed is read by the caller,
+        with its other numbers, train.py's step tally)."""
         opt.grad.mul_(1.0 / self.scale)
-        finite = torch.isfinite(opt.owned(opt.grad)).all()
-        finite = bool(all_finite(finite) if all_finite else finite)
+
+    def update(self, finite: bool) -> bool:
+        """After unscale(): finite says whether every rank's gradients are (one overflow anywhere skips the
+        step everywhere). Halve the scale on an overflow, double it after growth_interval clean steps;
+        returns finite (whether the step may proceed)."""
         if not finite:
             self.scale /= 2
             self.good_steps = 0

@@ -86,7 +86,8 @@ class Mesh:
     # ... and the "io" group's waits for one rank's disk work (data, checkpoints)
     io_timeout_s: float = 3600.0
     device: torch.device = torch.device("cpu")  # where small flags live for a collective (NCCL: the GPU)
-    comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0})
+    # bytes sent, per group; "world": the step's tally (train.py), a few numbers over every rank at once
+    comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0, "world": 0.0})
 
     @property
     def world(self) -> int:
@@ -265,20 +266,25 @@ def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
     return _Work(work, what, mesh, dim, t0) if async_op else None
 
 
+# newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); 2.5 has the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, async_op=False):
     n = mesh.size(dim)
     if n == 1:
         return None
     mesh.comm_bytes[dim] += 2 * (n - 1) / n * t.numel() * t.element_size()
     return _launch(("all_reduce", t), mesh, dim,
-                   lambda: dist.all_reduce(t, op=op, group=mesh.groups[dim], async_op=async_op), async_op)
+                   lambda: dist.all_reduce(t, op=op, group=mesh.groups.get(dim), async_op=async_op), async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out (n * len(inp), ...) <- every rank's inp, concatenated along dim 0 in rank order."""
     n = mesh.size(dim)
     mesh.comm_bytes[dim] += (n - 1) / n * out.numel() * out.element_size()
-    return _launch(("all_gather", out), mesh, dim, lambda: dist.all_gather_into_tensor(
+    return _launch(("all_gather", out), mesh, dim, lambda: _all_gather_single(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
@@ -286,7 +292,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, a
     """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
     n = mesh.size(dim)
     mesh.comm_bytes[dim] += (n - 1) / n * inp.numel() * inp.element_size()
-    return _launch(("reduce_scatter", inp), mesh, dim, lambda: dist.reduce_scatter_tensor(
+    return _launch(("reduce_scatter", inp), mesh, dim, lambda: _reduce_scatter_single(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
@@ -893,9 +899,17 @@ class GradSync:
     Plain DP all-reduces each bucket (SUM: the loss is already divided by the global target count, so the
     sum is the mean gradient). ZeRO-1 reduce-scatters it instead: dp rank r receives the summed r-th piece
     of every bucket, keeps optimizer state for those pieces only, updates them, and all_gather_params()
-    brings every rank's updated pieces back into the model's flat weights. Bucket lengths are multiples of
-    dp, so every piece has the same size. Buckets are launched in the order their gradients complete, the
-    same order on every rank (collectives must match)."""
+    brings every rank's updated pieces back into the model's flat weights, overlapped with the next forward
+    (prefetch_into). Bucket lengths are multiples of dp, so every piece has the same size.
+
+    Overlap and order. Every collective here is asynchronous (gloo: its own threads; NCCL: its own CUDA
+    stream), and nothing waits for one before the results are needed: a bucket's reduction is launched the
+    moment its last gradient lands, while autograd goes on with earlier layers, and waited for in finish();
+    an all-gather is launched after the optimizer step and waited for when the first module using it
+    starts its forward. Collectives must match across ranks: every rank launches the same buckets in the
+    same order, because the order is fixed by the model, not by timing -- each rank runs the same backward
+    graph, and a bucket completes when its last parameter's gradient is accumulated, which is the same
+    parameter on every rank (tests/test_parallel.py records the order and the overlap)."""
 
     def __init__(self, opt, mesh: Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()):
         self.opt, self.mesh, self.zero = opt, mesh, zero
@@ -920,7 +934,7 @@ class GradSync:
             self.param_buckets.append(bs)
             for b in bs:
                 self.expected[b] += 1
-        self.enabled, self.handles, self.pending = False, {}, []
+        self.enabled, self.handles, self.pending, self.gathers = False, {}, [], {}
         # this dp rank's piece of every bucket: its shard under ZeRO-1, its share of the gradient norm always
         r = mesh.dp_rank
         self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
@@ -972,13 +986,42 @@ class GradSync:
             all_reduce(self.opt.grad_view(i), self.mesh, "tp")
 
     def all_gather_params(self):
-        """ZeRO-1, after the optimizer step: every rank's updated pieces -> every rank's model weights."""
+        """ZeRO-1, after the optimizer step: every rank's updated pieces -> every rank's model weights,
+        launched without waiting, the buckets of the first layers first (the flat buffer is in reverse
+        model order). Each is waited for by wait_params, when the forward first needs it."""
         if not (self.zero and self.mesh.dp > 1):
             return
         flat, r = self.opt.model_flat, self.mesh.dp_rank
-        for lo, hi in self.buckets:
+        for b in reversed(range(len(self.buckets))):
+            lo, hi = self.buckets[b]
             piece = (hi - lo) // self.mesh.dp
-            all_gather(flat[lo:hi], flat[lo + r * piece:lo + (r + 1) * piece].clone(), self.mesh, "dp")
+            mine = flat[lo + r * piece:lo + (r + 1) * piece].clone()  # input apart from output; kept alive
+            self.gathers[b] = (all_gather(flat[lo:hi], mine, self.mesh, "dp", async_op=True), mine)
+
+    def wait_params(self, buckets=None):
+        """Wait for the all-gathers of these buckets (default: all): their weights are then current."""
+        for b in range(len(self.buckets)) if buckets is None else buckets:
+            if b in self.gathers:
+                self.gathers.pop(b)[0].wait()
+
+    def prefetch_into(self, model):
+        """ZeRO-1: make each module of the model that holds parameters (the embedding, each block, the
+        final norm, the head) wait, as its forward starts, for the buckets its parameters lie in. The
+        all-gathers of later layers then run while earlier layers compute. A block compiled by --compile
+        gets the hook on its compiled wrapper, outside the compiled code."""
+        if not (self.zero and self.mesh.dp > 1):
+            return
+        units = {}
+        for i, name in enumerate(self.opt.names):  # "layers.3.attention.wq.weight" -> "layers.3"
+            parts = name.split(".")
+            unit = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+            units.setdefault(unit, set()).update(self.param_buckets[i])
+        compiled = getattr(model, "compiled_blocks", {})
+        for unit, buckets in units.items():
+            key = unit.split(".")[1] if unit.startswith("layers.") else None
+            module = compiled[key] if key in compiled else model.get_submodule(unit)
+            module.register_forward_pre_hook(lambda module, args, buckets=sorted(buckets):
+                                             self.wait_params(buckets))
 
     def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
         """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None on the others). Under
@@ -1006,12 +1049,13 @@ class GradSync:
 # 7. The global gradient norm
 
 
-def grad_norm(sync: GradSync, model) -> torch.Tensor:
-    """sqrt of the sum of squares of every gradient element of the *whole* model, identical on all ranks.
+def grad_sq(sync: GradSync, model) -> torch.Tensor:
+    """This rank's part of the sum of squares of every gradient element of the *whole* model: summed over
+    every rank of the job (one all-reduce, or train.py's step tally) it is the global norm squared.
     Each dp rank sums the squares of its own pieces of the buckets (the pieces it owns under ZeRO-1, or
     would own), so the work is split over dp and plain DP and ZeRO-1 add the same numbers in the same
-    order: their updates are bitwise identical. Shards are summed over tp and pp; parameters replicated
-    across tp (norm weights) are counted by tp rank 0 only."""
+    order: their updates are bitwise identical. Shards are counted by the tp and pp ranks holding them;
+    parameters replicated across tp (norm weights) by tp rank 0 only."""
     opt, mesh = sync.opt, sync.mesh
     sq = torch.stack([torch.linalg.vector_norm(opt.grad[lo:hi]) for lo,
                       hi in sync.norm_ranges]).square().sum()
@@ -1025,8 +1069,13 @@ def grad_norm(sync: GradSync, model) -> torch.Tensor:
                 a, b = max(lo, rlo), min(hi, rhi)
                 if a < b:
                     sq = sq - torch.linalg.vector_norm(opt.grad[a:b]).square()
-    for dim in ("tp", "pp", "dp"):
-        all_reduce(sq, mesh, dim)
+    return sq
+
+
+def grad_norm(sync: GradSync, model) -> torch.Tensor:
+    """The global gradient norm, identical on all ranks."""
+    sq = grad_sq(sync, model)
+    all_reduce(sq, sync.mesh, "world")
     return sq.sqrt()
 
 
@@ -1272,8 +1321,8 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
                   split: list[int] | None = None) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
     all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage`
-    (None: per dimension, the most any stage sends). Scalars (the loss normalizer, the gradient norm, the
-    stop flag) are left out.
+    (None: per dimension, the most any stage sends). Scalars (the loss normalizer over dp, train.py's step
+    tally over the world) are left out.
       tp: per layer and micro-batch, 2 all-reduces of the residual stream forward (after wo and w2) and 2
           backward (the norms' f); one for the embedding (first stage), one for the head (last) and the
           vocab-parallel cross-entropy's 3 of one fp32 number per token. Sequence parallelism swaps each

@@ -7,7 +7,8 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
   2 forward           tokens -> logits, one micro-batch at a time
   3 loss              sum of token losses / number of target tokens in the whole global batch
   4 backward          gradients accumulate, in fp32, in the optimizer's flat gradient buffer
-  5 gradient sync     the seam where data parallelism reduces gradients across replicas (parallel.py)
+  5 gradient sync     the seam where data parallelism reduces gradients across replicas (parallel.py),
+                      then the Tally: the step's numbers over the whole job, its one host-device sync
   6 optimizer step    unless the SkipGuard rejects the step: clip by global norm, AdamW on fp32 masters
   7 checkpoint        Checkpointer: atomic write to a step directory, `latest` pointer last
 
@@ -368,7 +369,7 @@ class LMTask:
         return P.loss_sum(logits, targets, self.vocab_size, self.mesh) / self.total
 
     def metrics(self) -> torch.Tensor:
-        return torch.zeros(0)
+        return torch.zeros(0, device=self.mesh.device)
 
 
 def global_total(task, batches, mesh, device) -> torch.Tensor:
@@ -416,13 +417,15 @@ class Run:
 
 
 class StepResult(NamedTuple):
-    loss: torch.Tensor  # this rank's share of the global batch's mean loss
+    """A finished step, as the host knows it (see Tally)."""
+    loss: float  # the global batch's mean loss
     lr: float
-    grad_norm: torch.Tensor  # global, before clipping
-    metrics: torch.Tensor  # the task's metric sums
+    grad_norm: float  # global, before clipping
+    metrics: list  # the task's metric sums over the global batch
+    stop: bool  # some rank caught a stop signal
 
 
-def train_step(run: Run, guard: SkipGuard, step: int) -> StepResult | None:
+def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepResult | None:
     """One optimizer step, phases 1 to 6 (the loop does 7). None if the guard rejected it: weights,
     optimizer state and loader position are then as they were."""
     args, mesh, timer = run.args, run.mesh, run.timer
@@ -447,24 +450,55 @@ def train_step(run: Run, guard: SkipGuard, step: int) -> StepResult | None:
                 run.sync.start()
             micro_loss.backward()  # 4. backward: gradients accumulate in the optimizer's fp32 buffer
             timer.mark("4 backward")
-    if run.scaler:
-        loss /= run.scaler.scale
     run.sync.finish()  # 5. gradient sync: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
+    if run.scaler:  # fp16: the loss and gradients back to their true size
+        loss /= run.scaler.scale
+        run.scaler.unscale(run.opt)
+    tally = Tally.of(run, loss, stop)  # the step's numbers over the whole job: one all-reduce, one sync
     timer.mark("5 grad sync")
-    grad_norm = guard.check(run, loss, step)  # 6. optimizer step, unless the guard finds the step bad
-    if grad_norm is None:  # then nothing changes, and the same data comes again
-        run.opt.zero_grad()
+    if not guard.accepts(run, tally, step):  # 6. optimizer step, unless the guard finds the step bad
+        run.opt.zero_grad()  # then nothing changes, and the same data comes again
         run.loader.load_state_dict(rewind)
-        run.task.metrics()  # the rejected step's metric sums go too
         return None
     lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
-    grad_norm = run.opt.clip_grad_norm(args.grad_clip, grad_norm)
+    run.opt.clip_grad_norm(args.grad_clip, tally.norm)
     run.opt.step(lr)
     run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
     run.opt.zero_grad()
-    sync_device(run.device)  # the step's end: its time is the device's, not only the host's
-    timer.mark("6 optimizer")
-    return StepResult(loss, lr, grad_norm, run.task.metrics().to(run.device))
+    timer.end("6 optimizer")
+    return StepResult(tally.loss, lr, tally.grad_norm, tally.metrics, tally.stops > 0)
+
+
+class Tally(NamedTuple):
+    """What every rank must agree on after the backward, and the numbers the log wants, gathered in ONE
+    all-reduce over the whole job and read by the host in ONE synchronization, the only one a step makes
+    (on a GPU the host otherwise runs ahead, queueing kernels). Summed over every rank: each rank's part
+    of the squared gradient norm; the loss and the task's metric sums, counted once per (pp, dp) place
+    (tp ranks hold equal values, stages before the last hold zeros); the ranks whose own copy of the
+    gradients is not finite; the ranks that caught a stop signal."""
+    norm: torch.Tensor  # () the global gradient norm on the device: the clip factor never leaves it
+    grad_norm: float
+    loss: float
+    metrics: list
+    bad_copies: int
+    stops: int
+
+    @classmethod
+    def of(cls, run: Run, loss: torch.Tensor, stop: StopFlag) -> Tally:
+        mesh, device = run.mesh, run.device
+        once = float(mesh.tp_rank == 0)
+        # Under plain DP each rank applies all the reduced gradients, not only the pieces whose squares it
+        # summed for the norm: a rank whose copy went bad must stop every replica (they must never differ).
+        # ZeRO-1 ranks apply only their own pieces, and a single replica has no others.
+        copy = run.opt.grad_norm() if mesh.dp > 1 and not run.args.zero else torch.zeros((), device=device)
+        flags = torch.stack([(~torch.isfinite(copy)).float(),
+                             torch.full((), float(stop.signal is not None), device=device)])
+        v = torch.cat([P.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
+                       run.task.metrics() * once])
+        P.all_reduce(v, mesh, "world")
+        host = v.tolist()  # the step's one host-device synchronization
+        return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], host[4:], int(host[2]),
+                   int(host[3]))
 
 
 def load_batches(run: Run) -> list:
@@ -488,20 +522,20 @@ def scaled_loss(run: Run, logits, targets) -> torch.Tensor:
 
 class SkipGuard:
     """Phase 6's gate. A step whose gradients are not finite (an fp16 overflow included) or whose loss
-    spikes (--skip-spikes) is not applied; every rank reaches the same verdict (the norm and the loss are
-    global). --max-skips bad steps in a row stop the run."""
+    spikes (--skip-spikes) is not applied; every rank reaches the same verdict (from the same tally).
+    --max-skips bad steps in a row stop the run."""
 
     def __init__(self, args, meter: Meter):
-        self.max_skips, self.spike_factor, self.zero = args.max_skips, args.skip_spikes, args.zero
+        self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
         self.meter = meter
         self.recent, self.skipped, self.in_a_row = [], 0, 0
 
-    def check(self, run: Run, loss: torch.Tensor, step: int) -> torch.Tensor | None:
-        """The global gradient norm if the step may be applied; else None, said and counted."""
-        bad, norm = self.problem(run, loss)
+    def accepts(self, run: Run, tally: Tally, step: int) -> bool:
+        """Whether the step may be applied; if not, it is said and counted."""
+        bad = self.problem(run, tally)
         if bad is None:
             self.in_a_row = 0
-            return norm
+            return True
         # An fp16 overflow is the loss scaler searching for its scale (normal while it settles down from
         # 2^16): it counts toward --max-skips only once the scale is below 1, where gradients overflow alone.
         searching = bad.startswith("fp16") and run.scaler.scale >= 1
@@ -511,31 +545,22 @@ class SkipGuard:
         if self.in_a_row >= self.max_skips:
             raise TrainingError(f"stopped: {self.in_a_row} consecutive steps skipped, the last for {bad}; "
                                 f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
-        return None
+        return False
 
-    def problem(self, run: Run, loss: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
-        """(what is wrong with this step or None, its global gradient norm)."""
-        mesh, scaler = run.mesh, run.scaler
-        if scaler is not None and not scaler.unscale_and_check(run.opt, lambda ok: P.all_true(ok, mesh)):
-            return f"fp16 gradient overflow, loss scale -> {scaler.scale:g}", None
-        norm = P.grad_norm(run.sync, run.model)
-        # The global norm sums each dp rank's own piece of the gradients. Under plain DP every rank also
-        # applies the pieces it did not sum: a second, local check catches a rank whose copy of the reduced
-        # gradients went bad (replicas must never apply different updates). ZeRO-1 ranks apply only their
-        # own piece, and one replica has no other pieces: the global norm suffices.
-        replicas_apply_all = mesh.dp > 1 and not self.zero
-        if not (torch.isfinite(norm) and
-                (not replicas_apply_all or P.all_true(torch.isfinite(run.opt.grad_norm()), mesh))):
-            return f"non-finite gradient norm ({norm.item()})", None
+    def problem(self, run: Run, tally: Tally) -> str | None:
+        """What is wrong with this step, or None."""
+        finite = math.isfinite(tally.grad_norm) and not tally.bad_copies
+        if run.scaler is not None and not run.scaler.update(finite):
+            return f"fp16 gradient overflow, loss scale -> {run.scaler.scale:g}"
+        if not finite:
+            return (f"non-finite gradient norm ({tally.grad_norm})" if not math.isfinite(tally.grad_norm) else
+                    f"non-finite gradients in {tally.bad_copies} rank(s)' copy of the reduced gradients")
         if self.spike_factor > 0:
-            global_loss = loss.clone()
-            sum_over_replicas([global_loss], mesh)
             mean = sum(self.recent) / len(self.recent) if len(self.recent) >= 10 else None
-            if mean is not None and global_loss.item() > self.spike_factor * mean:
-                return (f"loss spike: {global_loss.item():.4f} > {self.spike_factor} x recent mean "
-                        f"{mean:.4f}"), None
-            self.recent = (self.recent + [global_loss.item()])[-50:]
-        return None, norm
+            if mean is not None and tally.loss > self.spike_factor * mean:
+                return f"loss spike: {tally.loss:.4f} > {self.spike_factor} x recent mean {mean:.4f}"
+            self.recent = (self.recent + [tally.loss])[-50:]
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -561,8 +586,7 @@ class Meter:
     def restart(self):
         """A new window: the steps, loss and metric sums, time and bytes since the last line."""
         self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
-        self.loss = torch.zeros((), device=self.run.device)
-        self.metrics = torch.zeros(len(self.run.task.metric_names), device=self.run.device)
+        self.loss, self.metrics = 0.0, [0.0] * len(self.run.task.metric_names)
 
     def clock(self) -> float:
         """Seconds spent training so far: wall time less the pauses."""
@@ -584,36 +608,39 @@ class Meter:
             self.file.flush()
             self.trackers.log(record)
 
-    def named(self, values: torch.Tensor, prefix="") -> dict:
-        return {prefix + k: v for k, v in zip(self.run.task.metric_names, values.tolist())}
+    def named(self, values: list, prefix="") -> dict:
+        return {prefix + k: v for k, v in zip(self.run.task.metric_names, values)}
 
     def step(self, step: int, result: StepResult):
         """Add a finished step; log when due."""
         self.steps += 1
-        self.loss, self.metrics = self.loss + result.loss, self.metrics + result.metrics
+        self.loss += result.loss
+        self.metrics = [a + b for a, b in zip(self.metrics, result.metrics)]
         if step % self.args.log_every == 0 or step == self.args.max_steps:
             self.log(step, result)
             self.restart()
 
     def log(self, step: int, result: StepResult):
-        sum_over_replicas([self.loss, self.metrics], self.mesh)
+        # Host numbers only (the steps' tallies): logging costs no synchronization. The clock is read at
+        # the same point of every step (after its tally), so a window's time is its steps' time.
         n, now, mesh = self.steps, self.clock(), self.mesh
         tps = n * self.tokens_per_step / (now - self.window_start)
         comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
-        rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": self.loss.item() / n,
-               "lr": result.lr, "grad_norm": result.grad_norm.item(),
+        metrics = self.named([m / n for m in self.metrics])
+        rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": self.loss / n,
+               "lr": result.lr, "grad_norm": result.grad_norm,
                "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
                "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
-               **self.named(self.metrics / n)}
-        comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(
-            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if mesh.size(k) > 1)
-        extra_txt = "".join(f" | {k} {v:.3f}" for k, v in self.named(self.metrics / n).items())
+               **metrics}
+        comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
+            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and mesh.size(k) > 1)
+        extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
         say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f}"
             f" | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB"
             f"{comm_txt}{extra_txt}")
         self.write(rec)
 
-    def validation(self, step: int, loss: float, metrics: torch.Tensor):
+    def validation(self, step: int, loss: float, metrics: list):
         """Log a validation (called while paused: the pause so far is its time)."""
         extra = self.named(metrics, "val_")
         say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
@@ -684,7 +711,7 @@ def validation_due(step: int, args) -> bool:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> tuple[float, torch.Tensor]:
+def evaluate(run: Run) -> tuple[float, list]:
     """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
     successive values are comparable; at most one pass over the split), split over dp ranks and run
     through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
@@ -705,7 +732,8 @@ def evaluate(run: Run) -> tuple[float, torch.Tensor]:
     metrics = task.metrics().to(device)
     sum_over_replicas([loss, metrics], mesh)
     run.model.train()
-    return loss.item(), metrics
+    loss, *metrics = torch.cat([loss.view(1), metrics]).tolist()
+    return loss, metrics
 
 
 class Checkpointer:
@@ -758,16 +786,17 @@ def restore_rng(rng: dict, device):
 
 class StopFlag:
     """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raises a
-    flag; the loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough), a
-    checkpoint is written, and the process exits normally. A second signal to the same process, 2 s or more
-    after the first, means "now": KeyboardInterrupt wherever the process is (the last complete checkpoint
-    stays the good one). Sooner, it is the same event delivered twice (the scheduler signals every process
-    and torchrun forwards its own copy; a terminal's Ctrl-C reaches torchrun and the workers alike)."""
+    flag; the loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough: the
+    flag goes into the step's Tally), a checkpoint is written, and the process exits normally. A second
+    signal to the same process, 2 s or more after the first, means "now": KeyboardInterrupt wherever the
+    process is (the last complete checkpoint stays the good one). Sooner, it is the same event delivered
+    twice (the scheduler signals every process and torchrun forwards its own copy; a terminal's Ctrl-C
+    reaches torchrun and the workers alike)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, mesh):
-        self.mesh, self.signal, self.at, self.previous = mesh, None, None, {}
+    def __init__(self):
+        self.signal, self.at, self.previous = None, None, {}
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             self.previous = {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
 
@@ -776,16 +805,6 @@ class StopFlag:
             raise KeyboardInterrupt
         if self.at is None:
             self.signal, self.at = signal.Signals(signum).name, time.monotonic()
-
-    def requested(self) -> bool:
-        """Whether any rank was signalled (a collective: every rank calls it after every step)."""
-        flag = torch.tensor([1.0 if self.signal else 0.0], device=self.mesh.device)
-        if self.mesh.world > 1:
-            for dim in ("tp", "pp", "dp"):
-                P.all_reduce(flag, self.mesh, dim, op=dist.ReduceOp.MAX)
-            if flag.item() and not self.signal:
-                self.signal = "(on another rank)"
-        return bool(flag.item())
 
     def release(self):
         """Give the signals back to whoever had them before the run."""
@@ -899,9 +918,9 @@ def check_memory(margs, args, world: int, device, precision: str):
 
 class PhaseTimer:
     """Seconds per phase of every step. mode "phases": measured between device synchronizations, one after
-    each phase (which costs throughput); "steps": the device is synchronized only where any run does, at
-    each step's end, so the phases' sum is the step's time as a plain run spends it (the split between them
-    is then host time); None: off."""
+    each phase (which costs throughput); "steps": the device is synchronized only at each step's start and
+    end, so the phases' sum is the step's time as a plain run spends it (the split between them is then
+    host time); None: off."""
 
     def __init__(self, device, mode: str | None = None):
         if mode not in (None, "phases", "steps"):
@@ -921,6 +940,13 @@ class PhaseTimer:
             now = time.perf_counter()
             self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self.t
             self.t = now
+
+    def end(self, phase: str):
+        """The step's last phase. When timing, in either mode, the device is synchronized first, so the
+        phases add up to the step's time (an untimed run does not wait here: see Tally)."""
+        if self.mode:
+            sync_device(self.device)
+        self.mark(phase)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -997,6 +1023,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     start_step = restore(run, resume, meta) if resume else 0
     if args.compile:
         compile_blocks(model)
+    sync.prefetch_into(model)  # ZeRO-1: the next forward waits for each bucket's all-gather only when due
     if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
         gone = C.clear_run(out_dir)
         if gone:
@@ -1102,12 +1129,12 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
-        meter, stop = Meter(run), StopFlag(mesh)
+        meter, stop = Meter(run), StopFlag()
         guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe.chat)
         announce(run, meter, recipe.name(), data_desc)
         run.model.train()
         while step < args.max_steps:
-            result = train_step(run, guard, step)  # phases 1-6
+            result = train_step(run, guard, stop, step)  # phases 1-6
             if result is None:  # skipped by the guard
                 continue
             step += 1
@@ -1118,11 +1145,12 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
             if checkpointer.due(step):
                 with meter.paused():
                     checkpointer.save(step)  # 7. checkpoint
-            if stop.requested():  # preemption: this step is finished; save it and leave
+            if result.stop:  # preemption, on any rank: this step is finished; save it and leave
                 checkpointer.save(step)
-                say(f"stopped by signal {stop.signal} after step {step}; checkpoint step_{step:06d} written, "
-                    f"--resume continues from it")
+                say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; checkpoint "
+                    f"step_{step:06d} written, --resume continues from it")
                 break
+        run.sync.wait_params()  # the model's weights are current for whoever uses them next
     finally:
         if meter:
             meter.close()

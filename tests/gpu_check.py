@@ -9,9 +9,14 @@
 2. bf16 against fp32: the default run's first CURVE_STEPS steps in both; bf16's loss at every logged step
    within CURVE_RTOL of fp32's.
 3. bench.py in bf16: tokens/s and MFU against the GPU's datasheet peak, printed.
+4. Packed documents: FlexAttention's block mask against SDPA's dense mask, a small model's loss and every
+   gradient on 4 rows of 2,048 tokens cut into documents of random lengths, in fp32 (TF32 off) and bf16.
+5. Host-device synchronizations: torch's sync debug mode armed during SYNC_STEPS training steps on one GPU
+   must report one per step (the step's tally), listing any other by file and line.
 Without CUDA it prints one SKIP line and exits 0 (the test suite runs that path).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,9 +25,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, CURVE_STEPS = 20, 200
+STEPS, CURVE_STEPS, SYNC_STEPS = 20, 200, 5
 PARITY_RTOL = {"fp32": 2e-3, "bf16": 3e-2}
 CURVE_RTOL = 0.02
 MODEL = ["--model", "mini", "--seq-len", "256", "--lr", "1e-3", "--warmup", "5", "--log-every", "1",
@@ -104,6 +110,76 @@ def bench() -> bool:
                   else (p.stderr.strip().splitlines() or ["(no output)"])[-1])
 
 
+# Runs train.py with torch's own detector armed inside each train_step; prints {"file:line": count} and the
+# number of steps on its last line.
+COUNT_SYNCS = """
+import collections, json, sys, warnings
+import torch
+import torch.nn.functional as F
+import train
+
+seen, steps, step = collections.Counter(), [0], train.train_step
+
+def watched_step(*args, **kwargs):
+    steps[0] += 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return step(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            seen.update(f"{w.filename.split('/')[-1]}:{w.lineno}" for w in caught
+                        if "synchroniz" in str(w.message))
+
+train.train_step = watched_step
+train.main(sys.argv[1:])
+print(json.dumps({"syncs": seen, "steps": steps[0]}))
+"""
+
+
+def packed_documents() -> list[bool]:
+    sys.path.insert(0, str(REPO))
+    import model as M
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(0)
+    T, results = 2048, []
+    starts = torch.zeros(4, T, dtype=torch.long)
+    starts[:, 0] = 1
+    starts[torch.rand(4, T, generator=g) < 1 / 300] = 1  # documents of about 300 tokens
+    doc_ids = (starts.cumsum(1) - 1).cuda()
+    x, y = torch.randint(0, 320, (2, 4, T), generator=g).cuda()
+    for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        model = M.Transformer(dataclasses.replace(M.PRESETS["mini"], max_seq_len=T))
+        model.init_weights(seed=0)
+        model = model.to("cuda", dtype)
+        got = {}
+        for kind, devices in (("block", ("cuda",)), ("dense", ())):
+            M.BLOCK_MASK_DEVICES = devices
+            model.zero_grad()
+            loss = F.cross_entropy(model(x, doc_ids=doc_ids).float().flatten(0, 1), y.flatten())
+            loss.backward()
+            got[kind] = [loss.detach()] + [p.grad.float() for p in model.parameters()]
+        M.BLOCK_MASK_DEVICES = ("cuda",)
+        worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(got["block"], got["dense"]))
+        results.append(report(f"packed documents, FlexAttention against the dense mask, {dtype}",
+                              worst <= rtol, f"largest relative difference (loss, gradients) {worst:.1e}"
+                              f" (allowed {rtol:.0e})"))
+    return results
+
+
+def syncs(work: Path) -> bool:
+    flags = [*MODEL, "--precision", "bf16", "--max-steps", str(SYNC_STEPS), "--out-dir", str(work / "syncs")]
+    p = subprocess.run([sys.executable, "-c", COUNT_SYNCS, *flags], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    if p.returncode != 0:
+        return report("host-device syncs", False, (p.stderr.strip().splitlines() or ["(no output)"])[-1])
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    total = sum(result["syncs"].values())
+    return report("host-device syncs", total == result["steps"],
+                  f"{total} in {result['steps']} steps (expected one per step): {result['syncs']}")
+
+
 def main() -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
@@ -111,7 +187,8 @@ def main() -> int:
         return 0
     print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        results = parity(min(gpus, 8), Path(tmp)) + [curve(Path(tmp)), bench()]
+        results = (parity(min(gpus, 8), Path(tmp)) + packed_documents()
+                   + [syncs(Path(tmp)), curve(Path(tmp)), bench()])
     print(f"{sum(results)} of {len(results)} checks passed", flush=True)
     return 0 if all(results) else 1
 

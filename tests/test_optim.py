@@ -119,12 +119,16 @@ def test_loss_scaler_skips_overflow_and_recovers():
     m = tiny_model(dtype=torch.float16)
     opt = O.AdamW(m.named_parameters())
     scaler = O.LossScaler(init_scale=1024.0, growth_interval=2)
+    finite = lambda: bool(torch.isfinite(opt.grad).all())
     opt.grad.fill_(float("inf"))
-    assert not scaler.unscale_and_check(opt) and scaler.scale == 512.0
+    scaler.unscale(opt)
+    assert not scaler.update(finite()) and scaler.scale == 512.0
     opt.grad.fill_(512.0)
-    assert scaler.unscale_and_check(opt) and torch.all(opt.grad == 1.0)
+    scaler.unscale(opt)
+    assert scaler.update(finite()) and torch.all(opt.grad == 1.0) and scaler.scale == 512.0
     opt.grad.fill_(1.0)
-    assert scaler.unscale_and_check(opt) and scaler.scale == 1024.0
+    scaler.unscale(opt)
+    assert scaler.update(finite()) and scaler.scale == 1024.0
 
 
 def test_state_dict_round_trip_is_exact():

@@ -232,11 +232,12 @@ TINY = ["--model", "tiny", "--n-layers", "4", "--vocab-size", "301", "--seq-len"
 GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
 
 
-def torchrun(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env=None):
+def torchrun(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env=None,
+             script=REPO / "train.py"):
     dp = n // (int(_flag(flags, "--tp", 1)) * int(_flag(flags, "--pp", 1)))
     accum = GLOBAL_BATCH // (micro * dp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           str(REPO / "train.py"), *TINY, "--micro-batch", str(micro), "--grad-accum", str(accum),
+           str(script), *TINY, "--micro-batch", str(micro), "--grad-accum", str(accum),
            "--max-steps", str(steps), "--out-dir", str(out_dir), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
@@ -312,6 +313,135 @@ def test_zero1_is_identical_to_plain_dp(tmp_path):
     for k in a:
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a[k][key], b[k][key]), (k, key)
+
+
+# train.py with every way a tensor's value reaches the host counted, when project code asks for it: .item(),
+# .tolist(), bool()/float()/int() of a tensor, .cpu(), .numpy(), and train.sync_device. On a GPU each one
+# waits for the queued kernels (tests/gpu_check.py counts the real ones there).
+COUNT_SYNCS = """
+import collections, json, os, sys
+import torch
+import train
+
+PROJECT = {"train.py", "model.py", "parallel.py", "optim.py", "data.py", "checkpoint.py"}
+seen, counting = collections.Counter(), [False]
+
+def counted(name, original):
+    def wrapper(*args, **kwargs):
+        caller = sys._getframe(1)
+        if counting[0] and os.path.basename(caller.f_code.co_filename) in PROJECT:
+            seen[f"{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"] += 1
+        return original(*args, **kwargs)
+    return wrapper
+
+for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
+    setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+train.sync_device = counted("sync_device", train.sync_device)
+step, whole = train.train_step, train.train
+
+def first_step_starts_counting(*args, **kwargs):
+    counting[0] = True
+    return step(*args, **kwargs)
+
+def train_until_it_returns(*args, **kwargs):
+    try:
+        return whole(*args, **kwargs)
+    finally:
+        counting[0] = False
+        out = os.path.join(args[0].out_dir, f"syncs_rank{os.environ.get('RANK', '0')}.json")
+        with open(out, "w") as f:
+            json.dump(seen, f)
+
+train.train_step, train.train = first_step_starts_counting, train_until_it_returns
+train.run(train.main, sys.argv[1:])
+"""
+
+SYNC_LAYOUTS = [(1, []), (1, ["--precision", "fp16", "--skip-spikes", "3"]), (2, []), (2, ["--zero", "1"]),
+                (4, ["--tp", "2", "--pp", "2", "--sp"])]
+
+
+@pytest.mark.parametrize("n,flags", SYNC_LAYOUTS, ids=[f"{n}:{' '.join(f)}" for n, f in SYNC_LAYOUTS])
+def test_a_step_synchronizes_host_and_device_once(tmp_path, n, flags):
+    """Each optimizer step reads the device once (its tally), logging every step included, on every rank
+    and layout: the fp16 overflow check, plain DP's check of every replica, the spike check and the stop
+    flag ride on the same all-reduce."""
+    script = tmp_path / "count_syncs.py"
+    script.write_text(COUNT_SYNCS)
+    torchrun(n, tmp_path / "o", *flags, "--eval-every", "-1", "--ckpt-every", "0", steps=4, script=script,
+             extra_env={"PYTHONPATH": str(REPO)})
+    for rank in range(n):
+        seen = json.loads((tmp_path / "o" / f"syncs_rank{rank}.json").read_text())
+        [(where, times)] = seen.items() if len(seen) == 1 else [(seen, None)]
+        assert times == 4 and where.startswith("tolist at train.py"), (rank, seen)
+
+
+def _timeline(out_file, zero):
+    """One dp step and the next forward of a 4-block model, every collective GradSync issues (launch,
+    wait) recorded in order beside the blocks' backward ends and forward starts."""
+    import optim as O
+    mesh = P.init_mesh()
+    torch.manual_seed(0)
+    args = M.ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                       max_seq_len=16)
+    model = M.Transformer(args)
+    opt = O.AdamW(model.named_parameters(), pad_to=mesh.dp)
+    sync = P.GradSync(opt, mesh, bucket_mb=0.01, zero=zero)  # 2,600 floats a bucket: one or two per block
+    sync.prefetch_into(model)  # before the recording hooks below: a block's wait comes before its start
+    events = []
+    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        def recorded(out, *args, name=name, launch=getattr(P, name), **kw):
+            events.append(("launch", name, out.numel()))
+            work = launch(out, *args, **kw)
+            if work is not None:
+                wait = work.wait
+                work.wait = lambda: (events.append(("wait", name, out.numel())), wait())[1]
+            return work
+        setattr(P, name, recorded)
+    for key, block in model.layers.items():
+        block.register_forward_pre_hook(lambda m, a, key=key: events.append(("forward", key)))
+        block.register_full_backward_hook(lambda m, gi, go, key=key: events.append(("backward", key)))
+    x, y = torch.randint(0, 64, (2, 2, 16))
+    sync.start()
+    (P.loss_sum(model(x), y, 64, mesh) / (2 * 16 * mesh.dp)).backward()
+    sync.finish()
+    opt.step()
+    sync.all_gather_params()
+    events.append(("step done",))
+    with torch.no_grad():
+        model(x)
+    Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(events))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_parallel_collectives_overlap_compute_in_the_same_order_on_every_rank(tmp_path, zero):
+    """Gradient buckets are reduced while backward still runs (launched before the first block's backward
+    ends, waited for only after the last); ZeRO-1's all-gathers are launched after the step and each is
+    waited for just before the first block that needs it, so the later blocks' weights arrive while the
+    earlier ones compute. Both ranks issue the same collectives in the same order (they must match)."""
+    spawn(_timeline, 2, str(tmp_path / "r{rank}.json"), zero)
+    timelines = [[tuple(e) for e in json.loads((tmp_path / f"r{r}.json").read_text())] for r in range(2)]
+    ops = [[e for e in t if e[0] in ("launch", "wait")] for t in timelines]
+    assert ops[0] == ops[1]
+    t = timelines[0]
+    end = t.index(("step done",))
+    step, after = t[:end], t[end:]
+    reduce = "reduce_scatter" if zero else "all_reduce"
+    launches = [i for i, e in enumerate(step) if e[:2] == ("launch", reduce)]
+    waits = [i for i, e in enumerate(step) if e[:2] == ("wait", reduce)]
+    backward = [i for i, e in enumerate(step) if e[0] == "backward"]
+    assert len(launches) == len(waits) >= 4
+    assert launches[0] < backward[0] and sum(i < backward[-1] for i in launches) >= 3  # during backward
+    assert min(waits) > backward[-1]  # finish() waits only once backward is done
+    gathers = [i for i, e in enumerate(step) if e[:2] == ("launch", "all_gather")]
+    if not zero:
+        assert gathers == []
+        return
+    assert len(gathers) == len(waits) and min(gathers) > max(waits)  # launched after the step, not waited
+    forward = [i for i, e in enumerate(after) if e[0] == "forward"]
+    gather_waits = [i for i, e in enumerate(after) if e[:2] == ("wait", "all_gather")]
+    assert len(gather_waits) == len(gathers)
+    # blocks 1-3 start only after block 0 did, and some of their buckets are waited for only then
+    assert sum(i > forward[0] for i in gather_waits) >= 3
 
 
 # ---------------------------------------------------------------------------------------------------
