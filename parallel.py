@@ -348,6 +348,15 @@ def all_gather_objects(obj, mesh: Mesh) -> list:
     return out
 
 
+def all_true(flag, mesh: Mesh) -> bool:
+    """True on every rank iff flag (a bool or a one-element tensor) is true on every rank (e.g. 'my
+    checkpoint files are written', 'my reference cache is there'). Off the training step: it waits."""
+    t = torch.as_tensor(flag, device=mesh.device).float().reshape(1)
+    for dim in ("tp", "pp", "dp"):
+        all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 # ====================================================================================================
 # 3. Tensor-parallel communication as autograd functions. Each is its own conjugate's transpose:
 #    f: forward identity, backward all-reduce   (enters a TP region: every rank needs the whole input)
@@ -875,15 +884,6 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
         else:
             _p2p(mesh, send_next=out)
     return results
-
-
-def all_true(flag, mesh: Mesh) -> bool:
-    """True on every rank iff flag (a bool or a one-element tensor) is true on every rank (e.g. 'all my
-    gradients are finite', 'my checkpoint files are written')."""
-    t = torch.as_tensor(flag, device=mesh.device).float().reshape(1)
-    for dim in ("tp", "pp", "dp"):
-        all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 # ====================================================================================================
