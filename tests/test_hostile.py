@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -291,17 +292,23 @@ def test_sampling_settings_are_checked_by_generate_itself():
             M.generate(model, [1, 2], 3, **bad)
 
 
+@contextmanager
 def readonly_folder(path: Path):
-    """A folder this process cannot write into: chmod where permissions bind, a read-only mount for root."""
+    """A folder this process cannot write into: chmod where permissions bind; for root, a read-only tmpfs
+    mounted at path or, where root may not mount (a container), sysfs's /sys/kernel, in which the kernel
+    lets no one create a file."""
     path.mkdir()
     if os.geteuid() != 0:
         path.chmod(0o555)
-        return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("running as root without the right to mount: no folder can be made read-only for this "
-                    "test")
+        yield path
+    elif subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                        capture_output=True).returncode == 0:
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", str(path)], check=True)
+    else:
+        yield Path("/sys/kernel")
 
 
 @pytest.mark.parametrize("case", ["file", "read-only", "latest is a folder", "metrics.jsonl is a folder",
@@ -313,24 +320,21 @@ def test_unusable_out_dirs_are_refused_with_one_line(tmp_path, capsys, case):
                 "metrics.jsonl is a folder": "metrics.jsonl is not a file",
                 "meta.json wrong types": "'step' is '2', not an int",
                 "manifest not a dict": "'files' is"}[case]
-    if case == "file":
-        out.write_text("not a folder")
-    elif case == "read-only":
-        readonly_folder(out)
-    elif case.endswith("is a folder"):
-        (out / case.split()[0]).mkdir(parents=True)
-    else:
-        train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
-        meta_path = out / "step_000002" / "meta.json"
-        meta = json.loads(meta_path.read_text())
-        meta.update({"step": "2"} if case == "meta.json wrong types" else {"files": list(meta["files"])})
-        meta_path.write_text(json.dumps(meta))
-        flags.append("--resume")
-    try:
+    with ExitStack() as cleanup:
+        if case == "file":
+            out.write_text("not a folder")
+        elif case == "read-only":
+            out = cleanup.enter_context(readonly_folder(out))
+        elif case.endswith("is a folder"):
+            (out / case.split()[0]).mkdir(parents=True)
+        else:
+            train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+            meta_path = out / "step_000002" / "meta.json"
+            meta = json.loads(meta_path.read_text())
+            meta.update({"step": "2"} if case == "meta.json wrong types" else {"files": list(meta["files"])})
+            meta_path.write_text(json.dumps(meta))
+            flags.append("--resume")
         assert expected in refused(capsys, train.main, flags + ["--out-dir", str(out)])
-    finally:
-        if case == "read-only" and os.geteuid() == 0:
-            subprocess.run(["umount", str(out)], check=True)
 
 
 def test_a_fresh_run_does_not_mix_into_an_earlier_runs_metrics(tmp_path, capsys):
