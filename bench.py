@@ -4,10 +4,11 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
   python bench.py [--model mini --micro-batch 8 --seq-len 128 ...]      (or under torchrun with --tp/--pp)
       train.py's own loop, timed: tokens/s (total and per device), step time split into the seven phases
       (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against the device's
-      peak, peak memory beside parallel.memory_estimate, and bytes sent per step for tp, pp and dp.
+      peak, peak memory beside parallel.memory_estimate, and bytes sent per step for tp, cp, pp and dp
+      beside parallel.comm_estimate.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1"
-      several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, pp, mb,
-      accum, seq_len, zero, sp, act_ckpt, deterministic).
+      several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, cp,
+      pp, mb, accum, seq_len, zero, sp, act_ckpt, deterministic).
   python bench.py --compare-hf
       the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
       alternating with ours, and the throughput ratio.
@@ -52,31 +53,31 @@ GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200"
 
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
          grad_accum: int, mfu: float, zero: bool = True, act_ckpt: bool = False, precision: str = "bf16",
-         sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b") -> dict:
+         sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1) -> dict:
     """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
     (under each of ZeRO-1 on/off and activation checkpointing on/off, the chosen one marked), the bytes each
     GPU sends per step, the bubble, and the step time and days at a stated MFU. The memory fits when it is
     at most the GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and
     kernels, NCCL's buffers (one set per process group) and the allocator's fragmentation."""
     margs = M.PRESETS[model]
-    P.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp)  # what train.py would refuse
-    dp = gpus // (tp * pp)
+    P.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp)  # what train.py would refuse
+    dp = gpus // (tp * cp * pp)
     n = M.count_params(margs)
     tokens_micro = micro_batch * seq_len
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
     flops_tok = M.flops_per_token(margs, seq_len)
     memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
-                                             sp, grad_accum, schedule)
+                                             sp, grad_accum, schedule, cp=cp)
     variants = {f"zero{int(z)}_ckpt{int(c)}": memory(z, c) for z in (False, True) for c in (False, True)}
     chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
     comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
-                           grad_accum)
+                           grad_accum, cp=cp)
     peak = T.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
     capacity = GPU_MEMORY_GB[gpu] * 1e9
-    return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "pp": pp, "dp": dp,
-            "gpus_per_replica": tp * pp, "micro_batch": micro_batch, "seq_len": seq_len,
+    return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "cp": cp, "pp": pp, "dp": dp,
+            "gpus_per_replica": tp * cp * pp, "micro_batch": micro_batch, "seq_len": seq_len,
             "grad_accum": grad_accum,
             "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
             "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok, "precision": precision,
@@ -91,7 +92,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
 def print_plan(r: dict):
     gb = lambda x: f"{x / 1e9:,.2f} GB"
     print(f"{r['model']}: {r['params']:,} parameters on {r['gpus']:,} {r['gpu']} = {r['dp']} replicas x "
-          f"{r['gpus_per_replica']} GPUs (tp {r['tp']} x pp {r['pp']})")
+          f"{r['gpus_per_replica']} GPUs (tp {r['tp']} x cp {r['cp']} x pp {r['pp']})")
     print(f"  batch: {r['micro_batch']} x {r['seq_len']:,} = {r['tokens_per_micro_batch']:,} tokens per "
           f"micro-batch, x {r['grad_accum']} accumulation x {r['dp']} dp = {r['tokens_per_global_batch']:,} "
           "tokens per step")
@@ -121,7 +122,8 @@ def train_args(a, **over) -> argparse.Namespace:
     argv = ["--model", a.model, "--seq-len", str(over.get("seq_len", a.seq_len)),
             "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum",
                                                                                               a.grad_accum)),
-            "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)), "--zero",
+            "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)),
+            "--cp", str(over.get("cp", a.cp)), "--zero",
             str(over.get("zero", a.zero)),
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
             "--ckpt-every", str(a.warmup_steps + a.steps),  # one checkpoint, at the end: phase 7, timed apart
@@ -161,10 +163,11 @@ def measure(a, timing: str = "phases", **over) -> dict:
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     peak, peak_src = peak_flops(run.device, run.precision)
     flops = M.flops_per_token(margs, args.seq_len)
-    est = P.memory_estimate(margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp,
-                            mesh.pp,
-                            mesh.dp, args.zero, mesh.sp, args.grad_accum, args.schedule, stage=mesh.pp_rank)
-    return {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
+    layout = (margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp, mesh.dp,
+              args.zero, mesh.sp)
+    est = P.memory_estimate(*layout, args.grad_accum, args.schedule, stage=mesh.pp_rank, cp=mesh.cp)
+    comm_est = P.comm_estimate(*layout, args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
+    return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic,
@@ -173,7 +176,8 @@ def measure(a, timing: str = "phases", **over) -> dict:
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
             "peak_flops": peak, "peak_flops_source": peak_src, "peak_memory_gb": T.peak_memory_gb(run.device),
             "memory_estimate_gb": {k: v / 1e9 for k, v in est.items()},
-            "comm_bytes_per_step": {k: v / (a.warmup_steps + a.steps) for k, v in mesh.comm_bytes.items()}}
+            "comm_bytes_per_step": {k: v / (a.warmup_steps + a.steps) for k, v in mesh.comm_bytes.items()},
+            "comm_estimate_bytes": comm_est}
 
 
 def print_measurement(rows: list[dict], a):
@@ -181,26 +185,29 @@ def print_measurement(rows: list[dict], a):
     print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
           f"{T.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
           f"{a.steps} steps after {a.warmup_steps} warm-up")
-    head = (f"  {'tp pp dp':>8s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
+    head = (f"  {'tp cp pp dp':>11s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} "
+            f"{'tok/s/dev':>9s} "
             f"{'MFU palm':>8s} {'megatron':>8s} {'mem GB':>7s} {'est GB':>7s}  phases (ms)")
     print(head)
     for r in rows:
         ph = " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items())
-        print(f"  {r['tp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} {int(r['act_ckpt']):4d} "
-              f"{1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} {r['tokens_per_s_per_device']:9,.0f} "
+        print(f"  {r['tp']:2d} {r['cp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} "
+              f"{int(r['act_ckpt']):4d} {1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} "
+              f"{r['tokens_per_s_per_device']:9,.0f} "
               f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.2f} "
               f"{r['memory_estimate_gb']['total']:7.2f}  {ph}"
               + "".join(f"  {k}" for k in ("sp", "zero", "deterministic") if r[k]))
         comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
         if comm:
-            print("       bytes sent per step: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k,
-                                                             v in comm.items()))
+            est = r["comm_estimate_bytes"]
+            print("       bytes sent per step (estimate): " + ", ".join(
+                f"{k} {v / 1e6:.2f} MB ({est.get(k, 0) / 1e6:.2f})" for k, v in comm.items()))
     if r0["peak_flops_source"].startswith("cpu"):
         print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts "
               "tensors)")
 
 
-SWEEP_KEYS = ("tp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "deterministic")
+SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "deterministic")
 
 
 def parse_sweep(text: str) -> list[dict]:
@@ -400,6 +407,7 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: m)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism (with --tp; --plan assumes it when tp > 1)")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1],
@@ -422,7 +430,7 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens", type=float, default=15e12, help="training tokens (Llama 3: 15e12)")
     g.add_argument("--gpu", default="H100", type=gpu_name, choices=sorted(T.GPU_PEAK_TFLOPS),
                    help="GPU model, in any case (H100 is the SXM part; h100-pcie names the PCIe one)")
-    g.add_argument("--gpus", type=int, default=8, help="GPUs in all (= tp x pp x dp)")
+    g.add_argument("--gpus", type=int, default=8, help="GPUs in all (= tp x cp x pp x dp)")
     g.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilization")
     g.add_argument("--reserve-gb", type=float, default=4.0,
                    help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, "
@@ -457,7 +465,7 @@ def run_plan(a):
     try:
         r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
                  bool(a.zero), a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
-                 a.reserve_gb, a.schedule)
+                 a.reserve_gb, a.schedule, a.cp)
     except P.LayoutError as e:
         raise SystemExit(f"error: invalid parallel layout: {e}") from None
     print(json.dumps(r)) if a.json else print_plan(r)

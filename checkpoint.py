@@ -4,7 +4,7 @@ run on the same folder never costs the last good state.
     <out-dir>/.lock           the run using this folder: host, pid, start time (one run at a time)
     <out-dir>/metrics.jsonl   one JSON record per log line, validation and skipped step
     <out-dir>/step_000500/    a complete checkpoint: shard_ppXX_tpYY.pt per (pp, tp) rank (parallel.py,
-                              section 8) and meta.json (step, loader position, flags, model args, layout,
+                              section 9) and meta.json (step, loader position, flags, model args, layout,
                               tokenizer, chat or not, and a manifest of every shard's size and sha256)
     <out-dir>/latest          the name of the newest complete step directory
 

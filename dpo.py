@@ -385,10 +385,12 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
         raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+    if args.cp > 1:  # a pair's log-probability is a sum over the whole sequence, which no cp rank holds
+        raise T.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
     T.configure_process(args)
     run = T.train(args, DPO(args))
     model, tok, mesh = run.model, run.tok, run.mesh
-    if args.sample_prompt and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
+    if args.sample_prompt and mesh.whole_model and mesh.rank == 0:
         reply = sft.chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
         print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
     if mesh.world > 1:

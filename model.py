@@ -187,21 +187,31 @@ def apply_rope(x, cos, sin):
 BLOCK_MASK_DEVICES = ("cuda",)
 
 
-def document_mask(doc_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+def document_mask(doc_ids: torch.Tensor | None, q_pos: torch.Tensor | None = None,
+                  kv_pos: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
     """Causal attention inside each packed document: query i sees key j iff j <= i and both lie in the same
-    document. On CUDA a FlexAttention BlockMask: it records per 128 x 128 tile whether the tile is empty,
-    full or partial, the kernel skips the empty ones (most of them when documents are short) and the
-    (B, T, T) mask never exists. Elsewhere a boolean (B, 1, T, T) mask for SDPA: B*T^2 bytes (2 GB for 8
+    document (doc_ids (B, T); None: one document per row). By default the queries and the keys are the
+    whole sequence, in order; q_pos and kv_pos (1-D) say which positions they are instead, in their order
+    (parallel.py's context parallelism: a rank's own T/cp queries against the keys of every rank).
+
+    On CUDA a FlexAttention BlockMask: it records per 128 x 128 tile whether the tile is empty, full or
+    partial, the kernel skips the empty ones (most of them when documents are short) and the (B, T, T)
+    mask never exists. Elsewhere a boolean (B or 1, 1, Tq, Tkv) mask for SDPA: B*T^2 bytes (2 GB for 8
     sequences of 16K tokens), which only SDPA's memory-efficient and math kernels take."""
-    B, T = doc_ids.shape
-    if doc_ids.device.type in BLOCK_MASK_DEVICES:
-        def same_document_causal(b, h, q, kv):  # index tensors in, a boolean out, for any tile
-            return (doc_ids[b, q] == doc_ids[b, kv]) & (kv <= q)
-        return create_block_mask(same_document_causal, B, None, T, T, device=doc_ids.device,
-                                 _compile=doc_ids.is_cuda)  # compiled: built tile by tile, never (B, T, T)
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    return (same_doc & causal)[:, None]  # (B, 1, T, T), broadcast over heads
+    device = (doc_ids if doc_ids is not None else kv_pos).device
+    if q_pos is None:
+        q_pos = kv_pos = torch.arange(doc_ids.shape[1], device=device)
+    if device.type in BLOCK_MASK_DEVICES:
+        def visible(b, h, q, kv):  # index tensors in, a boolean out, for any tile
+            causal = kv_pos[kv] <= q_pos[q]
+            return causal if doc_ids is None else causal & (doc_ids[b, q_pos[q]] == doc_ids[b, kv_pos[kv]])
+        return create_block_mask(visible, None if doc_ids is None else doc_ids.shape[0], None, len(q_pos),
+                                 len(kv_pos), device=device,
+                                 _compile=device.type == "cuda")  # compiled: tile by tile, never (B, T, T)
+    mask = (kv_pos[None, :] <= q_pos[:, None])[None]  # (1, Tq, Tkv)
+    if doc_ids is not None:
+        mask = mask & (doc_ids[:, q_pos, None] == doc_ids[:, None, kv_pos])  # (B, Tq, Tkv)
+    return mask[:, None]  # broadcast over heads
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -244,15 +254,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
+    def project(self, x, cos, sin):
+        """x (B, T, dim) -> q (B, T, n_heads, head_dim), k and v (B, T, n_kv_heads, head_dim), RoPE applied
+        to q and k. Head counts come from the tensors, not from args: under tensor parallelism wq/wk/wv
+        hold only this rank's heads."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, start_pos: int = 0):
         B, T, _ = x.shape
-        # Head counts come from the tensors, not from args: under tensor parallelism wq/wk/wv hold only
-        # this rank's heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # (B, heads, T, head_dim)
         if cache is not None:
             k, v = cache.update(start_pos, k, v)  # (B, n_kv_heads, start_pos + T, head_dim)
         # Causal by default (lets SDPA pick the flash kernel); an explicit mask for packed documents or a

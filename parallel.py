@@ -1,9 +1,9 @@
-"""Tensor, pipeline and data parallelism written by hand on raw torch.distributed collectives.
+"""Tensor, context, pipeline and data parallelism written by hand on raw torch.distributed collectives.
 
 No DDP, FSDP, DTensor or torch's pipelining package: every byte that crosses a process boundary is sent
 by a function in this file, and counted. Contents, in reading order:
 
-  1. Mesh                  world = dp x pp x tp, TP innermost (one NVLink domain), then PP, then DP;
+  1. Mesh                  world = dp x pp x cp x tp, TP innermost (one NVLink domain), then CP, PP, DP;
                            every process group created once; layouts checked before any collective
   2. Collectives           thin wrappers over all_reduce / all_gather / reduce_scatter / isend-irecv that
                            count the bytes each rank sends, per dimension (ring algorithm accounting), and
@@ -14,25 +14,28 @@ by a function in this file, and counted. Contents, in reading order:
   4. TP layers             column-parallel and row-parallel linears, vocab-parallel embedding, vocab-parallel
                            cross-entropy (full-vocabulary logits never exist on one rank);
                            apply_tensor_parallel() swaps them into a built Transformer
-  5. Pipeline              contiguous layer ranges per stage; materialize(): a model built on the meta
+  5. Context parallelism   each sequence cut into 2cp chunks, two per rank (balanced causal work); K and V
+                           all-gathered over cp per layer, as Llama 3 trained (Dubey et al. 2024)
+  6. Pipeline              contiguous layer ranges per stage; materialize(): a model built on the meta
                            device, sharded and cut, gets storage for this rank's pieces only; the stage
                            forward, point-to-point exchange,
                            schedules AFAB (GPipe, Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan
                            et al. 2021), with sent activations freed
-  6. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, all-reduced asynchronously
-                           from gradient hooks during the last backward; ZeRO-1 (Rajbhandari et al. 2020):
-                           reduce-scatter, update the local shard, all-gather the weights
-  7. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
-  8. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
+  7. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, all-reduced asynchronously
+                           from gradient hooks during the last backward (over dp x cp); ZeRO-1 (Rajbhandari
+                           et al. 2020): reduce-scatter, update the local shard, all-gather the weights
+  8. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
+  9. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
                            tensor; loadable into any layout; `python parallel.py consolidate` writes a
                            Hugging Face folder
-  9. Costs                 memory_estimate and comm_estimate: the memory a rank holds at its peak, by kind,
+ 10. Costs                 memory_estimate and comm_estimate: the memory a rank holds at its peak, by kind,
                            and the bytes it sends per step, from the shapes alone (train.py's check before
                            allocating, bench.py's planner)
 
-model.py knows nothing of this: apply_tensor_parallel and apply_pipeline change a model built on the meta
-device, and materialize() fills each rank's pieces from one seed (each parameter from its own generator),
-so every layout starts from bit-identical weights and no rank ever holds the whole model.
+model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline change a
+model built on the meta device, and materialize() fills each rank's pieces from one seed (each parameter
+from its own generator), so every layout starts from bit-identical weights and no rank ever holds the
+whole model.
 """
 
 from __future__ import annotations
@@ -77,21 +80,46 @@ class Mesh:
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
-    groups: dict = field(default_factory=dict)  # "tp" / "pp" / "dp" -> ProcessGroup (absent when size 1)
+    cp: int = 1  # context parallelism: each sequence cut along its length over cp ranks
+    cp_rank: int = 0
+    # "tp" / "cp" / "pp" / "dp" / "dp_cp" -> ProcessGroup (absent when size 1). "dp_cp": every rank holding
+    # the same pieces of the weights (dp replicas x cp ranks), whose gradients are summed
+    groups: dict = field(default_factory=dict)
     pp_peers: list = field(default_factory=list)  # global ranks of my pipeline, stage order
     sp: bool = False  # sequence parallelism inside the TP group
-    # "tp" / "pp" / "dp" / "world" -> global ranks, for messages
+    # "tp" / "cp" / "pp" / "dp" / "dp_cp" / "world" -> global ranks, for messages
     group_ranks: dict = field(default_factory=dict)
     timeout_s: float = 300.0  # how long any collective may wait for its peers
     # ... and the "io" group's waits for one rank's disk work (data, checkpoints)
     io_timeout_s: float = 3600.0
     device: torch.device = torch.device("cpu")  # where small flags live for a collective (NCCL: the GPU)
-    # bytes sent, per group; "world": the step's tally (train.py), a few numbers over every rank at once
-    comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "pp": 0.0, "dp": 0.0, "world": 0.0})
+    # bytes sent, per dimension ("dp": the gradients' reduction over dp_cp); "world": the step's tally
+    # (train.py), a few numbers over every rank at once
+    comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0,
+                                                      "world": 0.0})
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """How many ranks hold the same pieces of the weights: the dp replicas, each cut into cp ranks that
+        see different tokens. Gradients are summed over all of them; ZeRO shards over all of them."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def whole_model(self) -> bool:
+        """Whether this rank runs the whole model on whole sequences by itself (generation needs that)."""
+        return self.tp == self.cp == self.pp == 1
+
+    def local_seq_len(self, seq_len: int) -> int:
+        """Tokens of each sequence in this rank's residual stream: seq_len / cp, and / tp under SP."""
+        return seq_len // self.cp // (self.tp if self.sp else 1)
 
     def size(self, dim: str) -> int:
         return getattr(self, dim)
@@ -106,14 +134,17 @@ class Mesh:
 
 
 def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
-                 seq_len: int, sp: bool = False):
+                 seq_len: int, sp: bool = False, cp: int = 1):
     """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
     reaches the same verdict without talking to the others."""
     errors = []
-    if tp < 1 or pp < 1:
-        errors.append(f"--tp {tp} and --pp {pp} must be at least 1")
-    elif world % (tp * pp):
-        errors.append(f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+    if tp < 1 or pp < 1 or cp < 1:
+        errors.append(f"--tp {tp}, --cp {cp} and --pp {pp} must be at least 1")
+    elif world % (tp * cp * pp):
+        errors.append(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}")
+    if cp > 1 and seq_len % (2 * cp):
+        errors.append(f"context parallelism needs --seq-len {seq_len} divisible by 2*cp = {2 * cp} (each "
+                      "rank holds two of 2*cp equal chunks)")
     if tp >= 1 and args.n_heads % tp:
         errors.append(f"n_heads {args.n_heads} is not divisible by tp {tp}")
     if tp >= 1 and args.n_kv_heads % tp:
@@ -126,8 +157,9 @@ def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches:
     if pp > 1 and schedule == "1f1b" and micro_batches < pp:
         errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages "
                       f"(pp {pp})")
-    if sp and tp > 1 and seq_len % tp:
-        errors.append(f"sequence parallelism needs --seq-len {seq_len} divisible by tp {tp}")
+    if sp and tp > 1 and cp >= 1 and (seq_len // cp) % tp:
+        errors.append(f"sequence parallelism needs each rank's --seq-len / cp = {seq_len}/{cp} tokens "
+                      f"divisible by tp {tp}")
     if errors:
         raise LayoutError("; ".join(errors))
 
@@ -164,21 +196,23 @@ def exit_with_agent(poll_s: float = 1.0):
 
 
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
-              timeout_s: float = 300.0, io_timeout_s: float = 3600.0) -> Mesh:
+              timeout_s: float = 300.0, io_timeout_s: float = 3600.0, cp: int = 1) -> Mesh:
     """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
-    groups from one grid: ranks = arange(world).view(dp, pp, tp). NCCL on CUDA, gloo on CPU. Collectives
+    groups from one grid: ranks = arange(world).view(dp, pp, cp, tp), TP innermost (the heaviest traffic,
+    inside one NVLink domain), then CP (an all-gather per layer), then PP (point-to-point between
+    neighbours), DP outermost (once per step, overlapped). NCCL on CUDA, gloo on CPU. Collectives
     give up after timeout_s instead of hanging forever; the "io" group (every rank) is for the waits that
     are long by nature -- ranks waiting while others prepare data or write a checkpoint -- and gives up
     after io_timeout_s."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    dp = world // (tp * pp)
-    mesh = Mesh(tp=tp, pp=pp, dp=dp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
+    dp = world // (tp * cp * pp)
+    mesh = Mesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
                 io_timeout_s=io_timeout_s,
                 device=device if device is not None and device.type == "cuda" else torch.device("cpu"))
-    grid = torch.arange(world).view(dp, pp, tp)
-    mesh.dp_rank, mesh.pp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
-    mesh.pp_peers = grid[mesh.dp_rank, :, mesh.tp_rank].tolist()
+    grid = torch.arange(world).view(dp, pp, cp, tp)
+    mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+    mesh.pp_peers = grid[mesh.dp_rank, :, mesh.cp_rank, mesh.tp_rank].tolist()
     if world == 1:
         return mesh
     if not dist.is_initialized():
@@ -198,13 +232,18 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     # Each group needs the timeout itself (a new group does not inherit the world's), and its name shows up
     # in NCCL's watchdog messages.
     mesh.group_ranks["world"] = list(range(world))
-    for dim, lines in (("tp", grid.reshape(-1, tp)),
-                       ("pp", grid.permute(0, 2, 1).reshape(-1, pp)),
-                       ("dp", grid.permute(1, 2, 0).reshape(-1, dp))):
-        for ranks in lines.tolist():
+    # each group: the ranks that differ only in that dimension (dp_cp: in dp and cp), in rank order
+    lines = {"tp": grid.reshape(-1, tp), "cp": grid.permute(0, 1, 3, 2).reshape(-1, cp),
+             "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp), "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp)}
+    if cp > 1:
+        lines["dp_cp"] = grid.permute(1, 3, 0, 2).reshape(-1, dp * cp)
+    for dim, dim_lines in lines.items():
+        for ranks in dim_lines.tolist():
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), group_desc=dim)
             if rank in ranks and len(ranks) > 1:
                 mesh.groups[dim], mesh.group_ranks[dim] = group, ranks
+    if cp == 1 and "dp" in mesh.groups:  # without cp the replicas of a weight are the dp group
+        mesh.groups["dp_cp"], mesh.group_ranks["dp_cp"] = mesh.groups["dp"], mesh.group_ranks["dp"]
     mesh.groups["io"] = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=io_timeout_s),
                                        group_desc="io")
     mesh.group_ranks["io"] = list(range(world))
@@ -271,11 +310,17 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _count(mesh: Mesh, dim: str, nbytes: float):
+    """Bytes sent on a group, counted under its dimension; the gradients' reduction over dp_cp is data
+    parallelism's traffic (it is the dp group when cp is 1)."""
+    mesh.comm_bytes["dp" if dim == "dp_cp" else dim] += nbytes
+
+
 def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, async_op=False):
     n = mesh.size(dim)
     if n == 1:
         return None
-    mesh.comm_bytes[dim] += 2 * (n - 1) / n * t.numel() * t.element_size()
+    _count(mesh, dim, 2 * (n - 1) / n * t.numel() * t.element_size())
     return _launch(("all_reduce", t), mesh, dim,
                    lambda: dist.all_reduce(t, op=op, group=mesh.groups.get(dim), async_op=async_op), async_op)
 
@@ -283,7 +328,7 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, asyn
 def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out (n * len(inp), ...) <- every rank's inp, concatenated along dim 0 in rank order."""
     n = mesh.size(dim)
-    mesh.comm_bytes[dim] += (n - 1) / n * out.numel() * out.element_size()
+    _count(mesh, dim, (n - 1) / n * out.numel() * out.element_size())
     return _launch(("all_gather", out), mesh, dim, lambda: _all_gather_single(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
@@ -291,7 +336,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
     n = mesh.size(dim)
-    mesh.comm_bytes[dim] += (n - 1) / n * inp.numel() * inp.element_size()
+    _count(mesh, dim, (n - 1) / n * inp.numel() * inp.element_size())
     return _launch(("reduce_scatter", inp), mesh, dim, lambda: _reduce_scatter_single(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
@@ -352,7 +397,7 @@ def all_true(flag, mesh: Mesh) -> bool:
     """True on every rank iff flag (a bool or a one-element tensor) is true on every rank (e.g. 'my
     checkpoint files are written', 'my reference cache is there'). Off the training step: it waits."""
     t = torch.as_tensor(flag, device=mesh.device).float().reshape(1)
-    for dim in ("tp", "pp", "dp"):
+    for dim in ("tp", "cp", "pp", "dp"):
         all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -390,33 +435,33 @@ class _ReduceFromTP(torch.autograd.Function):  # g
         return grad, None
 
 
-def _gather_seq(x, mesh):
-    """(B, T/tp, ...) on each rank -> (B, T, ...), sequence chunks in rank order."""
+def _gather_seq(x, mesh, dim: str = "tp"):
+    """(B, T/n, ...) on each rank of the group -> (B, T, ...), the ranks' pieces in rank order."""
     xt = x.transpose(0, 1).contiguous()  # collectives concatenate along dim 0: put the sequence there
-    out = xt.new_empty((xt.shape[0] * mesh.tp, *xt.shape[1:]))
-    all_gather(out, xt, mesh, "tp")
+    out = xt.new_empty((xt.shape[0] * mesh.size(dim), *xt.shape[1:]))
+    all_gather(out, xt, mesh, dim)
     # contiguous once, here: a transposed view would be copied by each linear that reads it (wq, wk and wv;
     # w1 and w3), and every copy kept for backward
     return out.transpose(0, 1).contiguous()
 
 
-def _scatter_seq(x, mesh):
-    """(B, T, ...) partial sums on each rank -> (B, T/tp, ...) fully summed chunk of this rank."""
+def _scatter_seq(x, mesh, dim: str = "tp"):
+    """(B, T, ...) partial sums on each rank of the group -> (B, T/n, ...), this rank's piece, summed."""
     xt = x.transpose(0, 1).contiguous()
-    out = xt.new_empty((xt.shape[0] // mesh.tp, *xt.shape[1:]))
-    reduce_scatter(out, xt, mesh, "tp")
+    out = xt.new_empty((xt.shape[0] // mesh.size(dim), *xt.shape[1:]))
+    reduce_scatter(out, xt, mesh, dim)
     return out.transpose(0, 1)
 
 
-class _GatherSeq(torch.autograd.Function):  # SP's f
+class _GatherSeq(torch.autograd.Function):  # SP's f; context parallelism's K/V exchange over "cp"
     @staticmethod
-    def forward(ctx, x, mesh):
-        ctx.mesh = mesh
-        return _gather_seq(x, mesh)
+    def forward(ctx, x, mesh, dim="tp"):
+        ctx.mesh, ctx.dim = mesh, dim
+        return _gather_seq(x, mesh, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter_seq(grad, ctx.mesh), None
+        return _scatter_seq(grad, ctx.mesh, ctx.dim), None, None
 
 
 class _ScatterSeq(torch.autograd.Function):  # SP's g
@@ -613,7 +658,82 @@ def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
 
 
 # ====================================================================================================
-# 5. Pipeline parallelism
+# 5. Context parallelism: each sequence cut along its length over the cp ranks
+#
+# The Llama 3 way (Dubey et al. 2024, section 3.3.2), not the ring: each rank projects its own tokens' Q, K
+# and V, then one all-gather per layer over cp brings it every rank's K and V, and its queries attend to
+# all of them; backward reduce-scatters the keys' and values' gradients to the ranks whose tokens made
+# them. Under GQA K and V are small (8 KV heads against 128 query heads in 405B: 1/16 of Q's size), so
+# gathering them costs little beside the attention it feeds, and any mask works unchanged -- packed
+# documents included -- where a ring (Liu et al. 2023) must pass K/V blocks around cp times and merge
+# partial softmaxes, and skip blocks per mask. The price is holding the whole sequence's K and V for a
+# layer at a time.
+#
+# Causal attention makes later tokens costlier (query i reads i keys): with cp contiguous pieces the last
+# rank would do 2cp-1 times the first one's work. So the sequence is cut into 2cp chunks and rank r holds
+# chunks r and 2cp-1-r: every rank then has the same work. Positions stay global: RoPE rotates each token
+# by its place in the whole sequence (or in its document), and the mask compares global positions.
+
+
+def context_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """(seq_len / cp,) the positions of the sequence that cp rank cp_rank holds, in the order it holds them:
+    chunk cp_rank, then chunk 2cp-1-cp_rank, of 2cp equal chunks."""
+    chunks = torch.arange(seq_len, device=device).view(2 * cp, seq_len // (2 * cp))
+    return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]])
+
+
+def context_chunks(batch: tuple, mesh: Mesh) -> tuple:
+    """A micro-batch (inputs, targets[, doc_ids]) of whole sequences (B, T) -> this cp rank's part: the
+    inputs and targets at its positions (B, T/cp). doc_ids stay whole: the mask needs every key's."""
+    if mesh.cp == 1:
+        return batch
+    pos = context_positions(batch[0].shape[1], mesh.cp, mesh.cp_rank, batch[0].device)
+    return (batch[0][:, pos], batch[1][:, pos], *batch[2:])
+
+
+def attention_inputs(model: M.Transformer, mesh: Mesh, seq_len: int, device, doc_ids=None):
+    """RoPE's cos/sin and the attention mask for this rank's tokens (model.attention_inputs, under cp). The
+    queries are this rank's seq_len/cp tokens; the keys are all seq_len, in the order the all-gather lays
+    them out (rank 0's two chunks, then rank 1's, ...)."""
+    if mesh.cp == 1:
+        return model.attention_inputs(seq_len, device, doc_ids)
+    q_pos = context_positions(seq_len, mesh.cp, mesh.cp_rank, device)  # (T/cp,)
+    kv_pos = torch.cat([context_positions(seq_len, mesh.cp, r, device) for r in range(mesh.cp)])  # (T,)
+    rope_pos = q_pos if doc_ids is None else M.document_positions(doc_ids)[:, q_pos]
+    cos, sin = M.rope_cos_sin(rope_pos, M.rope_frequencies(model.args, device))
+    return cos, sin, M.document_mask(doc_ids, q_pos, kv_pos)
+
+
+class ContextParallelAttention(M.Attention):
+    """Attention of this rank's T/cp queries against the keys and values of the whole sequence. K and V
+    travel together, one all-gather over cp per layer (backward: one reduce-scatter). For training and
+    evaluation: generation runs unsharded."""
+
+    def __init__(self, att: M.Attention, mesh: Mesh):
+        nn.Module.__init__(self)
+        self.head_dim, self.mesh = att.head_dim, mesh
+        self.wq, self.wk, self.wv, self.wo = att.wq, att.wk, att.wv, att.wo
+
+    def forward(self, x, cos, sin, mask=None, cache=None, start_pos: int = 0):
+        B, T, _ = x.shape  # T: this rank's tokens
+        q, k, v = self.project(x, cos, sin)  # (B, T, heads, head_dim)
+        kv = _GatherSeq.apply(torch.cat([k, v], dim=2), self.mesh, "cp")  # (B, T * cp, 2 * n_kv_heads, hd)
+        k, v = kv.chunk(2, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T or T * cp, head_dim)
+        y = M.attention(q, k, v, mask, is_causal=False, grouped=False)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def apply_context_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
+    """Swap every block's attention for ContextParallelAttention, in place (same parameters, same names)."""
+    if mesh.cp > 1:
+        for layer in model.layers.values():
+            layer.attention = ContextParallelAttention(layer.attention, mesh)
+    return model
+
+
+# ====================================================================================================
+# 6. Pipeline parallelism
 
 
 def stage_layers(n_layers: int, pp: int, split: list[int] | None = None) -> list[tuple[int, int]]:
@@ -679,12 +799,13 @@ def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Trans
     return model
 
 
-def stage_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None):
-    """This stage's part of Transformer.forward: token ids (first stage) or the previous stage's residual
-    stream (B, T or T/tp under SP, dim) in; logits (last stage, vocab-sharded under TP) or the residual
-    stream out. With pp = 1 it is exactly model.forward."""
+def local_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None):
+    """This rank's part of Transformer.forward: its pipeline stage's layers, on its chunks of each sequence
+    (cp). Token ids (first stage) or the previous stage's residual stream (B, mesh.local_seq_len(seq_len),
+    dim) in; logits (last stage, vocab-sharded under TP) or the residual stream out. With pp = cp = 1 it
+    is exactly model.forward."""
     h = model.tok_embeddings(inputs) if mesh.first_stage else inputs
-    cos, sin, mask = model.attention_inputs(seq_len, h.device, doc_ids)
+    cos, sin, mask = attention_inputs(model, mesh, seq_len, h.device, doc_ids)
     h = model.run_layers(h, cos, sin, mask)
     return model.output(model.norm(h)) if mesh.last_stage else h
 
@@ -794,8 +915,8 @@ class PipelineStage:
         self.loss_fn = loss_fn
         self.before_last_backward, self.dtype, self.stats = before_last_backward, dtype, stats
         self.m, self.device = len(batches), batches[0][0].device
-        # what crosses between stages: the residual stream, (B, T, dim), (B, T / tp, dim) under SP
-        self.shape = (batches[0][0].shape[0], seq_len // mesh.tp if mesh.sp else seq_len, dim)
+        # what crosses between stages: the residual stream, (B, T / cp, dim), (B, T / cp / tp, dim) under SP
+        self.shape = (batches[0][0].shape[0], mesh.local_seq_len(seq_len), dim)
         self.inputs, self.outputs = [None] * self.m, [None] * self.m
         self.total = torch.zeros((), device=self.device)
 
@@ -822,7 +943,7 @@ class PipelineStage:
             else:
                 x.requires_grad_()
             self.inputs[i] = x
-            out = stage_forward(self.model, x, self.mesh, self.seq_len, _doc_ids(self.batches[i]))
+            out = local_forward(self.model, x, self.mesh, self.seq_len, _doc_ids(self.batches[i]))
             if self.mesh.last_stage:
                 out = self.loss_fn(out, self.batches[i][1])
                 self.total += out.detach()
@@ -875,10 +996,9 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
     for batch in batches:
         x = batch[0]
         if not mesh.first_stage:
-            T_local = seq_len // mesh.tp if mesh.sp else seq_len
-            x = torch.empty((x.shape[0], T_local, dim), device=x.device, dtype=dtype)
+            x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), dim), device=x.device, dtype=dtype)
             _p2p(mesh, recv_prev=x)
-        out = stage_forward(model, x, mesh, seq_len, _doc_ids(batch))
+        out = local_forward(model, x, mesh, seq_len, _doc_ids(batch))
         if mesh.last_stage:
             results.append(fn(out, batch[1]))
         else:
@@ -887,7 +1007,7 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
 
 
 # ====================================================================================================
-# 6. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1
+# 7. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1
 
 
 class GradSync:
@@ -902,6 +1022,10 @@ class GradSync:
     brings every rank's updated pieces back into the model's flat weights, overlapped with the next forward
     (prefetch_into). Bucket lengths are multiples of dp, so every piece has the same size.
 
+    Under context parallelism "dp" here means dp_cp, every rank holding the same weights: the cp ranks of a
+    replica saw different tokens of the same sequences, so their gradients are partial sums, added up
+    exactly like the replicas' (and ZeRO shards over all dp x cp of them, as Megatron-LM does).
+
     Overlap and order. Every collective here is asynchronous (gloo: its own threads; NCCL: its own CUDA
     stream), and nothing waits for one before the results are needed: a bucket's reduction is launched the
     moment its last gradient lands, while autograd goes on with earlier layers, and waited for in finish();
@@ -914,7 +1038,7 @@ class GradSync:
     def __init__(self, opt, mesh: Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()):
         self.opt, self.mesh, self.zero = opt, mesh, zero
         self.partial_tp = list(partial_tp)  # params whose gradient is a partial sum over tp (SP norms)
-        dp = mesh.dp
+        dp = mesh.dp_cp
         if opt.numel % dp:
             raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp "
                              f"{dp}")
@@ -936,7 +1060,7 @@ class GradSync:
                 self.expected[b] += 1
         self.enabled, self.handles, self.pending, self.gathers = False, {}, [], {}
         # this dp rank's piece of every bucket: its shard under ZeRO-1, its share of the gradient norm always
-        r = mesh.dp_rank
+        r = mesh.dp_cp_rank
         self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
             [(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets]
         if zero and dp > 1:
@@ -948,7 +1072,7 @@ class GradSync:
 
     def start(self):
         """Call before the backward of the last micro-batch: only then are gradients complete."""
-        self.enabled = self.mesh.dp > 1
+        self.enabled = self.mesh.dp_cp > 1
         self.pending = list(self.expected)
 
     def _on_grad_ready(self, i: int):
@@ -962,10 +1086,10 @@ class GradSync:
     def _launch(self, b: int):
         lo, hi = self.buckets[b]
         if self.zero:
-            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, "dp",
+            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, "dp_cp",
                                              async_op=True)
         else:
-            self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, "dp", async_op=True)
+            self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, "dp_cp", async_op=True)
 
     def finish(self):
         """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient), then
@@ -978,8 +1102,8 @@ class GradSync:
                 self.handles[b].wait()
                 if self.zero:
                     lo, hi = self.buckets[b]
-                    piece = (hi - lo) // self.mesh.dp
-                    self.opt.grad[lo + self.mesh.dp_rank * piece:lo + (self.mesh.dp_rank
+                    piece = (hi - lo) // self.mesh.dp_cp
+                    self.opt.grad[lo + self.mesh.dp_cp_rank * piece:lo + (self.mesh.dp_cp_rank
                                                                        + 1) * piece].copy_(self.pieces[b])
             self.handles, self.enabled = {}, False
         for i in self.partial_tp:
@@ -989,14 +1113,14 @@ class GradSync:
         """ZeRO-1, after the optimizer step: every rank's updated pieces -> every rank's model weights,
         launched without waiting, the buckets of the first layers first (the flat buffer is in reverse
         model order). Each is waited for by wait_params, when the forward first needs it."""
-        if not (self.zero and self.mesh.dp > 1):
+        if not (self.zero and self.mesh.dp_cp > 1):
             return
-        flat, r = self.opt.model_flat, self.mesh.dp_rank
+        flat, r = self.opt.model_flat, self.mesh.dp_cp_rank
         for b in reversed(range(len(self.buckets))):
             lo, hi = self.buckets[b]
-            piece = (hi - lo) // self.mesh.dp
+            piece = (hi - lo) // self.mesh.dp_cp
             mine = flat[lo + r * piece:lo + (r + 1) * piece].clone()  # input apart from output; kept alive
-            self.gathers[b] = (all_gather(flat[lo:hi], mine, self.mesh, "dp", async_op=True), mine)
+            self.gathers[b] = (all_gather(flat[lo:hi], mine, self.mesh, "dp_cp", async_op=True), mine)
 
     def wait_params(self, buckets=None):
         """Wait for the all-gathers of these buckets (default: all): their weights are then current."""
@@ -1009,7 +1133,7 @@ class GradSync:
         final norm, the head) wait, as its forward starts, for the buckets its parameters lie in. The
         all-gathers of later layers then run while earlier layers compute. A block compiled by --compile
         gets the hook on its compiled wrapper, outside the compiled code."""
-        if not (self.zero and self.mesh.dp > 1):
+        if not (self.zero and self.mesh.dp_cp > 1):
             return
         units = {}
         for i, name in enumerate(self.opt.names):  # "layers.3.attention.wq.weight" -> "layers.3"
@@ -1028,9 +1152,9 @@ class GradSync:
         ZeRO-1 they are assembled one bucket at a time in host memory: the dp ranks all-gather their pieces
         of a bucket into a bucket-sized device buffer, which dp rank 0 copies out, so no device ever holds
         the unsharded state that ZeRO-1 exists to avoid."""
-        if not (self.zero and self.mesh.dp > 1):
+        if not (self.zero and self.mesh.dp_cp > 1):
             return self.opt.full_state()
-        dp, keep = self.mesh.dp, self.mesh.dp_rank == 0
+        dp, keep = self.mesh.dp_cp, self.mesh.dp_cp_rank == 0
         keys = ("master", "exp_avg", "exp_avg_sq")
         out = {key: torch.empty(self.opt.numel) for key in keys} if keep else None
         buf = torch.empty(max(hi - lo for lo, hi in self.buckets), device=self.opt.grad.device)
@@ -1038,7 +1162,7 @@ class GradSync:
         for lo, hi in self.buckets:
             piece = (hi - lo) // dp
             for key in keys:
-                all_gather(buf[:hi - lo], getattr(self.opt, key)[c:c + piece], self.mesh, "dp")
+                all_gather(buf[:hi - lo], getattr(self.opt, key)[c:c + piece], self.mesh, "dp_cp")
                 if keep:
                     out[key][lo:hi].copy_(buf[:hi - lo])
             c += piece
@@ -1046,7 +1170,7 @@ class GradSync:
 
 
 # ====================================================================================================
-# 7. The global gradient norm
+# 8. The global gradient norm
 
 
 def grad_sq(sync: GradSync, model) -> torch.Tensor:
@@ -1080,7 +1204,7 @@ def grad_norm(sync: GradSync, model) -> torch.Tensor:
 
 
 # ====================================================================================================
-# 8. Checkpoints: one file per (pp, tp) rank, written by dp rank 0, each parameter under its global name
+# 9. Checkpoints: one file per (pp, tp) rank, written by dp_cp rank 0, each parameter under its global name
 #    with its place in the full tensor. Model weights are not stored apart from the fp32 master weights:
 #    the model copy is always the master rounded to the training dtype.
 
@@ -1090,10 +1214,10 @@ def shard_file(mesh: Mesh) -> str:
 
 
 def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, extra: dict) -> dict:
-    """Collective over dp (ZeRO-1 gathers its state to dp rank 0); dp rank 0 of each (pp, tp) writes one file
-    and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
+    """Collective over dp_cp (ZeRO-1 gathers its state to its rank 0); dp_cp rank 0 of each (pp, tp) writes
+    one file and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
-    if mesh.dp_rank != 0:
+    if mesh.dp_cp_rank != 0:
         return {}
     placement = getattr(model, "tp_placement", {})
     entries = {}
@@ -1216,7 +1340,7 @@ def consolidate(folder: Path, hf: Path, tokens: dict | None = None):
 
 
 # ====================================================================================================
-# 9. What a layout costs, from the shapes alone: the memory one rank holds at its peak and the bytes it
+# 10. What a layout costs, from the shapes alone: the memory one rank holds at its peak and the bytes it
 #    sends per step. train.py checks the memory before allocating anything; bench.py --plan sizes runs on
 #    machines we don't have. Each term is a buffer this code allocates; tests/test_memory.py holds the
 #    totals against a census of a CPU run's allocations and the bytes against the collectives' own count.
@@ -1238,14 +1362,17 @@ def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
     return n
 
 
-def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False) -> dict:
-    """Bytes of one micro-batch of `tokens` tokens, as model.py's forward and the loss keep them (b bytes
-    per number in the compute precision; V the vocabulary rows of one TP rank):
+def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
+                     cp: int = 1) -> dict:
+    """Bytes of one micro-batch of `tokens` tokens (this rank's: under cp, 1/cp of each sequence), as
+    model.py's forward and the loss keep them (b bytes per number in the compute precision; V the
+    vocabulary rows of one TP rank):
       layer: what backward keeps of one block. Each RMSNorm: its input in fp32 and the normalized values,
         (4 + b) per number, split over tp under SP; the two normalized inputs of the linears after the
-        norms, b each (whole, or gathered under SP); attention: q, k and v repeated to every query head
-        (GQA) and the output, 4 * dim split over tp, and SDPA's fp32 log-sum-exp per head; SwiGLU: w1 x,
-        silu(w1 x), w3 x and their product, 4 * hidden split over tp.
+        norms, b each (whole, or gathered under SP); attention: q and the output, and k and v repeated to
+        every query head (GQA) -- for every rank's tokens under cp, the gathered ones -- dim each, split
+        over tp, and SDPA's fp32 log-sum-exp per head; SwiGLU: w1 x, silu(w1 x), w3 x and their product,
+        4 * hidden split over tp.
       layer_input: the block's input alone (what activation checkpointing keeps).
       head: the final norm and the head's input. logits: b per row. loss_saved: what the loss keeps for
         backward, fp32 per row (the log-softmax; the vocab-parallel loss: the softmax).
@@ -1260,7 +1387,8 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
     rows = tokens * V
     norm = tokens * d * (4 + b) / s
     copy = 4 if b < 4 or padded_vocab(args.vocab_size, tp) != args.vocab_size else 0
-    return {"layer": 2 * norm + 2 * tokens * d * b + tokens * (4 * d * b + 4 * args.hidden_dim * b) / tp
+    attention = (2 + 2 * cp) * d * b  # per token: q and the output; k and v of cp tokens (every rank's)
+    return {"layer": 2 * norm + 2 * tokens * d * b + tokens * (attention + 4 * args.hidden_dim * b) / tp
                      + tokens * args.n_heads // tp * 4,
             "layer_input": tokens * d * b / s, "head": norm + tokens * d * b, "logits": rows * b,
             "loss_saved": rows * 4,
@@ -1272,12 +1400,13 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
 def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
                     act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
-                    split: list[int] | None = None) -> dict[str, float]:
+                    split: list[int] | None = None, cp: int = 1) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
-    of dp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them: the
-    weights are the master), m, v and the update's denominator (fp32), all three and the master divided
-    over dp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket.
+    of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
+    the weights are the master), m, v and the update's denominator (fp32), all three and the master divided
+    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket. Under cp a rank
+    holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
     activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
     (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
     their inputs only) and on the last stage the head and what the loss keeps; without a pipeline the
@@ -1290,14 +1419,15 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference."""
     if stage is None:
         return max((memory_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
-                                    grad_accum, schedule, s, split) for s in range(pp)),
-                                    key=lambda m: m["total"])
+                                    grad_accum, schedule, s, split, cp) for s in range(pp)),
+                   key=lambda m: m["total"])
+    dp = dp * cp  # the ranks holding the same weights: ZeRO shards over all of them
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
     n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
     out = {"weights": n * b, "grads": n * 4,
            "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
            "optimizer": 3 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
-    a = activation_bytes(args, micro_batch * seq_len, precision, tp, sp)
+    a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
     start, end = stage_layers(args.n_layers, pp, split)[stage]
     first, last = stage == 0, stage == pp - 1
     in_flight = 1 if pp == 1 else grad_accum if schedule == "afab" else min(pp - stage, grad_accum)
@@ -1316,9 +1446,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
 
 def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
                   act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
-                  sp: bool = False,
-                  grad_accum: int = 1, stage: int | None = None,
-                  split: list[int] | None = None) -> dict[str, float]:
+                  sp: bool = False, grad_accum: int = 1, stage: int | None = None,
+                  split: list[int] | None = None, cp: int = 1) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
     all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage`
     (None: per dimension, the most any stage sends). Scalars (the loss normalizer over dp, train.py's step
@@ -1330,14 +1459,17 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
           norm weights' gradients. Activation checkpointing recomputes a block only as far as its last
           saved tensor, w2's input (torch's checkpoint stops early): wo's all-reduce runs again, w2's does
           not; under SP that is the two norms' all-gathers and wo's reduce-scatter.
+      cp: per layer and micro-batch, the all-gather of K and V (every rank's tokens, this rank's kv heads)
+          and the reduce-scatter of their gradients; once more where activation checkpointing recomputes.
+          Everything else then carries seq_len / cp tokens.
       pp: each micro-batch's activations to the next stage and their gradient back (sequence-split under SP).
-      dp: the fp32 gradients all-reduced; under ZeRO-1 reduce-scattered, then the updated weights
-          all-gathered in the training precision (0.75 of an all-reduce in bf16)."""
+      dp: the fp32 gradients all-reduced over dp x cp; under ZeRO-1 reduce-scattered, then the updated
+          weights all-gathered in the training precision (0.75 of an all-reduce in bf16)."""
     if stage is None:  # per dimension, the most any stage sends
         stages = [comm_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
-                                grad_accum, s, split) for s in range(pp)]
-        return {dim: max(c[dim] for c in stages) for dim in ("tp", "pp", "dp")}
-    b, tokens = BYTES[precision], micro_batch * seq_len
+                                grad_accum, s, split, cp) for s in range(pp)]
+        return {dim: max(c[dim] for c in stages) for dim in ("tp", "cp", "pp", "dp")}
+    b, tokens = BYTES[precision], micro_batch * seq_len // cp
     stream = tokens * args.dim * b  # one micro-batch of the residual stream
     start, end = stage_layers(args.n_layers, pp, split)[stage]
     first, last = stage == 0, stage == pp - 1
@@ -1350,9 +1482,13 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
         tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * (end - start) + last)
     boundary = stream / tp if sp and tp > 1 else stream  # under SP a stage sends only its sequence chunk
     pp_bytes = grad_accum * boundary * ((not last) + (not first)) if pp > 1 else 0.0
+    kv = micro_batch * seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K and V
+    cp_bytes = grad_accum * (end - start) * (2 + act_ckpt) * ring(cp) * kv
+    dp = dp * cp  # the ranks holding the same weights
     n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
     dp_bytes = ring(dp) * n * (4 + b) if zero else 2 * ring(dp) * n * 4
-    return {"tp": tp_bytes if tp > 1 else 0.0, "pp": pp_bytes, "dp": dp_bytes if dp > 1 else 0.0}
+    return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
+            "dp": dp_bytes if dp > 1 else 0.0}
 
 
 def main(argv=None) -> int:

@@ -383,7 +383,7 @@ def main(argv=None):
     T.configure_process(args)
     run = T.train(args, SFT(args))
     model, tok, mesh = run.model, run.tok, run.mesh
-    if args.sample_prompt and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
+    if args.sample_prompt and mesh.whole_model and mesh.rank == 0:
         reply = chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
         print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
     if mesh.world > 1:

@@ -102,8 +102,10 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def add_parallel_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * pp))")
+    g = p.add_argument_group("parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * cp * pp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost: one NVLink domain)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence cut along its length over cp ranks")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
     g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
     g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule")
@@ -281,7 +283,8 @@ def check_config(args, recipe) -> Spec:
     split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp)
+        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
+                       args.cp)
         if args.pp > 1:
             P.stage_layers(margs.n_layers, args.pp, split)
     except P.LayoutError as e:
@@ -373,14 +376,17 @@ class LMTask:
 
 
 def global_total(task, batches, mesh, device) -> torch.Tensor:
+    """The task's normalizer over the global batch: every rank counts its own targets (under cp, those of
+    its chunks), summed over dp x cp."""
     total = sum(task.count(b) for b in batches).float().to(device)
-    P.all_reduce(total, mesh, "dp")
+    P.all_reduce(total, mesh, "dp_cp")
     return total
 
 
 def sum_over_replicas(tensors: list[torch.Tensor], mesh):
-    """Sum in place over pp (a loss lives on the last stage) and dp (each replica saw its own batches)."""
-    for dim in ("pp", "dp"):
+    """Sum in place over pp (a loss lives on the last stage) and dp x cp (each replica saw its own batches,
+    each cp rank its own chunks of them)."""
+    for dim in ("pp", "dp_cp"):
         for t in tensors:
             P.all_reduce(t, mesh, dim)
 
@@ -441,8 +447,8 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     else:
         loss = torch.zeros((), device=run.device)
         for i, batch in enumerate(batches):
-            logits = run.model(batch[0], doc_ids=P._doc_ids(batch))  # 2. forward: (B, T, vocab / tp)
-            timer.mark("2 forward")
+            logits = P.local_forward(run.model, batch[0], mesh, args.seq_len, P._doc_ids(batch))  # 2. forward
+            timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens
             micro_loss = scaled_loss(run, logits, batch[1])  # 3. loss: its share of the global batch's mean
             loss += micro_loss.detach()
             timer.mark("3 loss")
@@ -490,7 +496,7 @@ class Tally(NamedTuple):
         # Under plain DP each rank applies all the reduced gradients, not only the pieces whose squares it
         # summed for the norm: a rank whose copy went bad must stop every replica (they must never differ).
         # ZeRO-1 ranks apply only their own pieces, and a single replica has no others.
-        copy = run.opt.grad_norm() if mesh.dp > 1 and not run.args.zero else torch.zeros((), device=device)
+        copy = run.opt.grad_norm() if mesh.dp_cp > 1 and not run.args.zero else torch.zeros((), device=device)
         flags = torch.stack([(~torch.isfinite(copy)).float(),
                              torch.full((), float(stop.signal is not None), device=device)])
         v = torch.cat([P.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
@@ -509,7 +515,7 @@ def load_batches(run: Run) -> list:
     pinned = (lambda t: t.pin_memory()) if run.device.type == "cuda" else (lambda t: t)
     batches = [tuple(pinned(t).to(run.device, non_blocking=True) for t in run.loader.next())
                for _ in range(run.args.grad_accum)]
-    batches = run.task.prepare(batches)
+    batches = [P.context_chunks(b, run.mesh) for b in run.task.prepare(batches)]  # cp: this rank's chunks
     run.task.total = global_total(run.task, batches, run.mesh, run.device)
     return batches
 
@@ -633,7 +639,7 @@ class Meter:
                "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
                **metrics}
         comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
-            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and mesh.size(k) > 1)
+            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
         extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
         say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f}"
             f" | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB"
@@ -721,11 +727,12 @@ def evaluate(run: Run) -> tuple[float, list]:
     counting, scoring = run.make_val(), run.make_val()
     one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
     n = max(1, min(args.eval_batches // mesh.dp, one_pass))
-    task.total = global_total(task, (counting.next() for _ in range(n)), mesh, device)
+    task.total = global_total(task, (P.context_chunks(counting.next(), mesh) for _ in range(n)), mesh, device)
     task.metrics()  # start the metric sums afresh
     loss = torch.zeros((), device=device)
     for size in [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]:
         batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
+        batches = [P.context_chunks(b, mesh) for b in batches]
         for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, task.loss,
                                              run.dtype):
             loss = loss + chunk_loss
@@ -738,7 +745,7 @@ def evaluate(run: Run) -> tuple[float, list]:
 
 class Checkpointer:
     """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
-    checkpoint holds every rank's shards with global names (parallel.py, section 8), so it loads into any
+    checkpoint holds every rank's shards with global names (parallel.py, section 9), so it loads into any
     layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
     the flags, the model's shape, its tokenizer and whether it was trained on chats (chat: an export then
     stops generating at <|eot_id|>). checkpoint.py keeps the folder: atomic save, manifest, rotation."""
@@ -758,7 +765,7 @@ class Checkpointer:
         extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
         meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
                 "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.chat,
-                "layout": {"tp": run.mesh.tp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
+                "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
         write = lambda folder: P.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
         C.save(Path(run.args.out_dir), step, run.mesh, write, meta, run.args.keep_ckpts)
         run.timer.mark("7 checkpoint")
@@ -905,8 +912,9 @@ def check_memory(margs, args, world: int, device, precision: str):
     (model states, activations and temporaries of its busiest pipeline stage, parallel.memory_estimate)
     against what its device has free."""
     est = P.memory_estimate(margs, precision, args.micro_batch, args.seq_len, args.act_ckpt, args.tp, args.pp,
-                            world // (args.tp * args.pp), args.zero, args.sp, args.grad_accum, args.schedule,
-                            split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None)
+                            world // (args.tp * args.cp * args.pp), args.zero, args.sp, args.grad_accum,
+                            args.schedule, split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None,
+                            cp=args.cp)
     have = available_memory(device)
     if have is not None and est["total"] > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
@@ -960,6 +968,7 @@ def build_model(margs, state, args, mesh, device, dtype):
     with torch.device("meta"):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
+    P.apply_context_parallel(model, mesh)
     P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers))
     if state is None:  # drawn on the CPU, so one seed gives one model on any device
         full_value = lambda name, shape: M.init_tensor(margs, name, shape, args.seed)
@@ -986,7 +995,7 @@ def read_initial(state, name: str) -> torch.Tensor:
 
 def compile_blocks(model, backend="inductor"):
     """--compile: torch.compile each transformer block (as torchtitan does) rather than the whole model. A
-    pipeline stage runs its blocks itself (parallel.stage_forward), never the top-level forward, so only
+    pipeline stage runs its blocks itself (parallel.local_forward), never the top-level forward, so only
     this reaches them under --pp; and every block has the same code, so it is compiled once."""
     model.compiled_blocks = {key: torch.compile(layer, backend=backend)
                              for key, layer in model.layers.items()}
@@ -1013,7 +1022,8 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
     opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                  weight_decay=args.weight_decay, pad_to=mesh.dp, allocate_state=False)  # GradSync shards it
+                  weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
+                  allocate_state=False)  # GradSync shards it
     sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
     sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
     scaler = O.LossScaler() if spec.precision == "fp16" else None
@@ -1093,7 +1103,7 @@ def restore(run: Run, ckpt: Path, meta: dict) -> int:
     restore_rng(extra["rng"], run.device)
     old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
     say(f"resumed from {ckpt} at step {meta['step']} "
-        f"(written at tp {old['tp']}, pp {old['pp']}, dp {old['dp']})")
+        f"(written at tp {old['tp']}, cp {old.get('cp', 1)}, pp {old['pp']}, dp {old['dp']})")
     return meta["step"]
 
 
@@ -1103,9 +1113,9 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
     say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} "
         f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
         f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
-    say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x tp {mesh.tp}"
+    say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
         + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
-        + (", ZeRO-1" if args.zero and mesh.dp > 1 else ""))
+        + (", ZeRO-1" if args.zero and mesh.dp_cp > 1 else ""))
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
     say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step "
         f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
@@ -1125,7 +1135,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
     recipe = recipe or Pretraining(args)
     spec = check_config(args, recipe)
-    mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout)
+    mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
     lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
@@ -1169,14 +1179,14 @@ def main(argv=None):
     configure_process(args)
     run = train(args)
     model, tok, mesh, device = run.model, run.tok, run.mesh, run.device
-    if args.sample_tokens > 0 and mesh.tp == 1 and mesh.pp == 1 and mesh.rank == 0:
+    if args.sample_tokens > 0 and mesh.whole_model and mesh.rank == 0:
         prompt = [data.bos_id(tok)] + tok.encode_ordinary("\n")
         g = torch.Generator(device=device).manual_seed(args.seed)
         new = M.generate(model, prompt, min(args.sample_tokens, args.seq_len - len(prompt)),
                          temperature=0.8, top_k=200, generator=g, n_vocab=tok.n_vocab)
         print("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60, flush=True)
     elif args.sample_tokens > 0 and mesh.rank == 0:
-        print(f"(no sample under tp/pp: `evaluate.py --init {args.out_dir} --prompt ...` samples from the "
+        print(f"(no sample under tp/cp/pp: `evaluate.py --init {args.out_dir} --prompt ...` samples from the "
               "checkpoint)")
     if mesh.world > 1:
         dist.destroy_process_group()
@@ -1192,6 +1202,8 @@ def run(main_fn=main, argv=None):
     except (ConfigError, C.CheckpointError) as e:
         if rank == 0 or isinstance(e, ResourceError):
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
+        else:  # rank 0 says it; leave after it does, or torchrun (which stops the job at the first exit)
+            time.sleep(5)  # may kill rank 0 before its line is out
         sys.exit(1)
     except data.DataError as e:
         print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)

@@ -52,6 +52,21 @@ def test_plan_llama31_8b_on_eight_h100():
     assert tp2["fits"] and tp2["memory_per_gpu_bytes"] < 0.7 * r["memory_per_gpu_bytes"]
 
 
+def test_plan_reproduces_the_llama3_405b_layouts():
+    """The Llama 3 paper's Table 4: three 405B layouts of 16M tokens per step, the last with 131,072-token
+    sequences over cp 16. With ZeRO-1 and activation checkpointing each fits in an 80 GB H100."""
+    for gpus, cp, seq, accum, dp in [(8192, 1, 8192, 32, 64), (16384, 1, 8192, 16, 128),
+                                     (16384, 16, 131072, 16, 8)]:
+        r = bench.plan("llama3.1-405b", 15.6e12, seq, "H100", gpus, tp=8, pp=16, micro_batch=1,
+                       grad_accum=accum, mfu=0.4, zero=True, act_ckpt=True, cp=cp)
+        assert (r["dp"], r["tokens_per_global_batch"], r["fits"]) == (dp, 2 ** 24, True)
+    # cp: per layer and micro-batch, K and V of the whole sequence (8 KV heads over tp 8: one head of 128
+    # per rank, bf16) all-gathered, and their gradients reduce-scattered; checkpointing gathers them again.
+    # The busiest stage holds 8 of the 126 layers.
+    kv = 131072 * 2 * 128 * 2
+    assert r["comm_bytes_per_step"]["cp"] == pytest.approx(16 * 8 * 3 * 15 / 16 * kv)
+
+
 def test_plan_json_cli_carries_the_required_keys():
     out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--model", "llama3-8b", "--gpus",
                           "64", "--tp", "8", "--gpu", "h100-nvl", "--json"], capture_output=True, text=True,

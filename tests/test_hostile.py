@@ -276,6 +276,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flag
 
 @pytest.mark.parametrize("main,flags,message", [
     (dpo.main, ["--beta", "nan"], "--beta must be > 0"),
+    (dpo.main, ["--cp", "2"], "--cp 2: DPO does not support context parallelism"),
     (evaluate.main, ["--prompt", "a", "--temperature", "-1"], "temperature must be >= 0"),
     (evaluate.main, ["--prompt", "a", "--top-p", "0"], "top_p must be in (0, 1]"),
     (evaluate.main, ["--prompt", "a", "--top-k", "0"], "top_k must be at least 1"),

@@ -64,6 +64,9 @@ LAYOUTS = {  # name: (processes, flags, estimate's keywords); TP's memory: see t
     "tp 2 sp": (2, ["--tp", "2", "--sp"], dict(tp=2, sp=True)),
     "tp 2, checkpointing": (2, ["--tp", "2", "--act-ckpt"], dict(tp=2, act_ckpt=True)),
     "tp 2 sp, checkpointing": (2, ["--tp", "2", "--sp", "--act-ckpt"], dict(tp=2, sp=True, act_ckpt=True)),
+    "cp 2": (2, ["--cp", "2"], dict(cp=2)),
+    "cp 2 ZeRO-1": (2, SMALL_BUCKETS + ["--cp", "2", "--zero", "1"], dict(cp=2, zero=1)),
+    "cp 2, checkpointing": (2, ["--cp", "2", "--act-ckpt"], dict(cp=2, act_ckpt=True)),
     "pp 2": (2, ["--pp", "2", "--grad-accum", "2"], dict(pp=2, grad_accum=2)),
     "pp 2 gpt2": (2, GPT2 + ["--pp", "2", "--grad-accum", "4"], dict(pp=2, grad_accum=4)),
     "pp 2 AFAB gpt2": (2, GPT2 + ["--pp", "2", "--grad-accum", "4", "--schedule", "afab"],
@@ -104,7 +107,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
         kw.pop("schedule", None)  # the bytes do not depend on it
         expected = P.comm_estimate(margs, precision, micro_batch=4, seq_len=64, stage=0, **kw)
         for r in records:
-            for dim in ("tp", "pp", "dp"):
+            for dim in ("tp", "cp", "pp", "dp"):
                 sent = r["comm_bytes_per_step"][dim]
                 assert sent == pytest.approx(expected[dim], rel=1e-3, abs=64), (dim, sent, expected)
             assert 0 < r["comm_bytes_per_step"]["world"] <= 64  # the step's tally: a few fp32 numbers

@@ -131,6 +131,59 @@ def test_parallel_layers_match_unsharded(tp, sp):
     spawn(_layers, tp, tp, sp)
 
 
+def _context_attention(cp, packed, block_mask):
+    """One attention layer over a whole sequence, and the same layer under context parallelism: each rank's
+    outputs and input gradients are the whole layer's at its positions, the weight gradients summed over
+    cp are the whole layer's."""
+    if block_mask:  # FlexAttention's block mask, CUDA's path: its forward runs on the CPU too
+        M.BLOCK_MASK_DEVICES = ("cpu",)
+    mesh = P.init_mesh(cp=cp)
+    args = M.ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64)
+    torch.manual_seed(0)
+    model, B, T = M.Transformer(args), 2, 32
+    att = model.layers["0"].attention
+    x = torch.randn(B, T, args.dim, requires_grad=True)
+    # documents that cross the chunk boundaries (cp 2: every 8 tokens; cp 4: every 4), and a row of one
+    doc_ids = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [0] * T]) if packed else None
+    pos = P.context_positions(T, cp, mesh.cp_rank)
+    catt = P.ContextParallelAttention(att, mesh)
+    with torch.set_grad_enabled(not block_mask):  # FlexAttention has no backward on the CPU
+        y = att(x, *model.attention_inputs(T, x.device, doc_ids))
+        xc = x.detach()[:, pos].clone().requires_grad_(not block_mask)
+        yc = catt(xc, *P.attention_inputs(model, mesh, T, x.device, doc_ids))
+    torch.testing.assert_close(yc, y[:, pos], atol=1e-5, rtol=1e-5)
+    if block_mask:
+        return
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    weights = [p.grad.clone() for p in att.parameters()]
+    att.zero_grad()
+    yc.backward(gy[:, pos])
+    torch.testing.assert_close(xc.grad, x.grad[:, pos], atol=1e-5, rtol=1e-5)
+    for p, full in zip(catt.parameters(), weights):
+        P.all_reduce(p.grad, mesh, "cp")
+        torch.testing.assert_close(p.grad, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("cp,packed,block_mask", [(2, False, False), (2, True, False), (4, True, False),
+                                                  (2, True, True)])
+def test_context_parallel_attention_matches_the_whole_sequence(cp, packed, block_mask):
+    spawn(_context_attention, cp, cp, packed, block_mask)
+
+
+def test_context_chunks_balance_causal_work():
+    """Rank r holds chunks r and 2cp-1-r: all positions exactly once, and equal causal work per rank."""
+    T, cp = 64, 4
+    held = [P.context_positions(T, cp, r) for r in range(cp)]
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(T))
+    work = [int((p + 1).sum()) for p in held]  # query i attends to i + 1 keys
+    assert len(set(work)) == 1, work
+    # under sequence parallelism a rank's T/cp tokens are cut again over tp
+    with pytest.raises(P.LayoutError, match=r"--seq-len / cp = 36/2 tokens divisible by tp 4"):
+        P.check_layout(8, 4, 1, M.ModelArgs(n_heads=8, n_kv_heads=4), 1, "1f1b", 36, sp=True, cp=2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Building a rank's part of the model: meta device, then only its own pieces
 
@@ -234,7 +287,7 @@ GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
 
 def torchrun(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env=None,
              script=REPO / "train.py"):
-    dp = n // (int(_flag(flags, "--tp", 1)) * int(_flag(flags, "--pp", 1)))
+    dp = n // (int(_flag(flags, "--tp", 1)) * int(_flag(flags, "--pp", 1)) * int(_flag(flags, "--cp", 1)))
     accum = GLOBAL_BATCH // (micro * dp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            str(script), *TINY, "--micro-batch", str(micro), "--grad-accum", str(accum),
@@ -294,6 +347,10 @@ LAYOUTS = [  # (processes, flags)
     (4, ["--pp", "2", "--schedule", "afab", "--zero", "1"]),
     (8, ["--tp", "2", "--pp", "2", "--zero", "1", "--sp"]),
     (8, ["--tp", "2", "--pp", "2", "--schedule", "afab"]),
+    (2, ["--cp", "2"]),
+    (4, ["--cp", "2", "--tp", "2", "--sp"]),
+    (4, ["--cp", "2", "--pp", "2"]),
+    (8, ["--cp", "2", "--tp", "2", "--pp", "2", "--zero", "1"]),  # the four dimensions at once
 ]
 
 
@@ -457,14 +514,15 @@ def test_resume_same_layout_is_bit_exact_and_other_layouts_continue(tmp_path):
     assert losses(straight)[0] == losses(cut)[0]
     wa, wb = masters(straight), masters(cut)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    # the step-2 checkpoint of the (2,2,2) run, continued at (1,1,1) and at (1,2,4)
-    for n, flags, micro in ((1, [], 4), (8, ["--pp", "2"], 2)):
+    # the step-2 checkpoint of the (tp 2, pp 2, dp 2) run, continued on one process, at (pp 2, dp 4) and at
+    # (cp 2, pp 2)
+    for n, flags, micro in ((1, [], 4), (8, ["--pp", "2"], 2), (4, ["--cp", "2", "--pp", "2"], 4)):
         other = tmp_path / f"other{n}"
         other.mkdir()
         (other / "step_000002").symlink_to(cut / "step_000002")
         (other / "latest").write_text("step_000002\n")
         p = torchrun(n, other, *flags, "--resume", steps=4, micro=micro)
-        assert "written at tp 2, pp 2, dp 2" in p.stdout
+        assert "written at tp 2, cp 1, pp 2, dp 2" in p.stdout
         la, lb = losses(other)[0], losses(straight)[0][2:]
         assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (la, lb)
 
@@ -550,7 +608,8 @@ def test_communication_bytes_match_formulas(tmp_path, tp, pp, dp):
 
 
 @pytest.mark.parametrize("n,flags,message", [
-    (3, ["--tp", "2"], "world size 3 is not divisible by tp*pp = 2*1 = 2"),
+    (3, ["--tp", "2"], "world size 3 is not divisible by tp*cp*pp = 2*1*1 = 2"),
+    (2, ["--cp", "2", "--seq-len", "30"], "context parallelism needs --seq-len 30 divisible by 2*cp = 4"),
     (2, ["--tp", "2", "--n-kv-heads", "1"], "n_kv_heads 1 is not divisible by tp 2"),
     (4, ["--pp", "4", "--n-layers", "3"], "pp 4 stages need at least 4 layers, the model has 3"),
     (2, ["--pp", "2", "--schedule", "1f1b"], "1F1B needs at least as many micro-batches"),
@@ -573,12 +632,12 @@ def test_one_failing_rank_ends_the_job(tmp_path):
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
         import parallel, train
-        real = parallel.stage_forward
+        real = parallel.local_forward
         def broken(model, x, mesh, *a, **k):
             if mesh.rank == 3:
                 raise RuntimeError("stage 1 exploded on rank 3")
             return real(model, x, mesh, *a, **k)
-        parallel.stage_forward = broken
+        parallel.local_forward = broken
         train.run(argv=sys.argv[1:])
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script),

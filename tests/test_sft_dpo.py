@@ -222,6 +222,22 @@ def _torchrun(script, n, out, *flags):
     return [r for r in records(out) if "loss" in r]
 
 
+def test_sft_packed_documents_under_context_and_data_parallelism_match_single_process(tmp_path):
+    """cp 2 x dp 2 on packed conversations (documents that cross the cp chunks' boundaries): the losses and
+    final weights of one process."""
+    path = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 8)
+    common = TINY + ["--data", str(path), "--max-steps", "3", "--lr", "3e-3", "--pack", "--seq-len", "128"]
+    ref = _torchrun("sft.py", 1, tmp_path / "one", *common, "--micro-batch", "4")
+    par = _torchrun("sft.py", 4, tmp_path / "cp", *common, "--micro-batch", "2", "--cp", "2")
+    assert len(ref) == len(par) == 3
+    for a, b in zip(par, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+    weights = [{k: v["master"] for k, v in P.read_full_state(C.read_latest(out))[0].items()}
+               for out in (tmp_path / "cp", tmp_path / "one")]
+    for k, w in weights[1].items():  # relative to each tensor's norm, as tests/test_parallel.py compares
+        assert ((weights[0][k] - w).norm() / w.norm()).item() <= 1e-5, k
+
+
 # tp 2; dp 2 (same global batch); dp 2 with the reference precomputed, split over the two replicas
 @pytest.mark.parametrize("flags,micro", [(["--tp", "2"], 4), ([], 2), (["--precompute-ref"], 2)])
 def test_dpo_parallel_matches_single_process(tmp_path, flags, micro):

@@ -252,11 +252,11 @@ def test_compile_reaches_the_blocks_a_pipeline_stage_runs():
     train.compile_blocks(stage, backend=counter)
     h = torch.randn(2, 16, M.PRESETS["tiny"].dim)  # the residual stream stage 0 would send
     last = parallel.Mesh(pp=2, pp_rank=1)
-    out = parallel.stage_forward(stage, h, last, 16)
-    assert counter.frame_count >= 1 and torch.equal(out, parallel.stage_forward(eager, h, last, 16))
+    out = parallel.local_forward(stage, h, last, 16)
+    assert counter.frame_count >= 1 and torch.equal(out, parallel.local_forward(eager, h, last, 16))
     frames = counter.frame_count
     stage.eval()  # evaluation and generation run the blocks eagerly (a KV cache would recompile each step)
-    parallel.stage_forward(stage, h, last, 16)
+    parallel.local_forward(stage, h, last, 16)
     assert counter.frame_count == frames
 
 
