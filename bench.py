@@ -52,10 +52,10 @@ GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200"
 
 
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
-         grad_accum: int, mfu: float, zero: bool = True, act_ckpt: bool = False, precision: str = "bf16",
+         grad_accum: int, mfu: float, zero: int = 1, act_ckpt: bool = False, precision: str = "bf16",
          sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1) -> dict:
     """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
-    (under each of ZeRO-1 on/off and activation checkpointing on/off, the chosen one marked), the bytes each
+    (under each of ZeRO 0, 1, 2 and activation checkpointing on/off, the chosen one marked), the bytes each
     GPU sends per step, the bubble, and the step time and days at a stated MFU. The memory fits when it is
     at most the GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and
     kernels, NCCL's buffers (one set per process group) and the allocator's fragmentation."""
@@ -69,7 +69,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     flops_tok = M.flops_per_token(margs, seq_len)
     memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
                                              sp, grad_accum, schedule, cp=cp)
-    variants = {f"zero{int(z)}_ckpt{int(c)}": memory(z, c) for z in (False, True) for c in (False, True)}
+    variants = {f"zero{z}_ckpt{int(c)}": memory(z, c) for z in (0, 1, 2) for c in (False, True)}
     chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
     comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
                            grad_accum, cp=cp)
@@ -101,7 +101,8 @@ def print_plan(r: dict):
           f"{r['flops_per_token']['megatron'] / 1e9:.1f} Megatron)")
     print(f"  at {100 * r['mfu']:.0f}% MFU of {r['peak_flops'] / 1e12:,.0f} TFLOP/s ({r['precision']}): "
           f"{r['step_time_s']:.2f} s per step, {r['days']:.1f} days; pipeline bubble {r['bubble']:.3f}")
-    print(f"  memory of the busiest GPU ({'ZeRO-1' if r['zero'] else 'no ZeRO'}, "
+    zero = f"ZeRO-{int(r['zero'])}" if r["zero"] else "no ZeRO"
+    print(f"  memory of the busiest GPU ({zero}, "
           f"{'' if r['act_ckpt'] else 'no '}"
           f"activation checkpointing, {'' if r['sp'] else 'no '}sequence parallelism): "
           + ", ".join(f"{k} {gb(v)}" for k, v in r["memory_per_gpu"].items() if v)
@@ -410,8 +411,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism (with --tp; --plan assumes it when tp > 1)")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1],
-                   help="1: shard the optimizer state over dp (ZeRO-1)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the gradients too (ZeRO-2)")
     p.add_argument("--act-ckpt", action="store_true",
                    help="activation checkpointing: recompute each block in backward")
     p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")
@@ -464,7 +465,7 @@ def main():
 def run_plan(a):
     try:
         r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
-                 bool(a.zero), a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
+                 a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
                  a.reserve_gb, a.schedule, a.cp)
     except P.LayoutError as e:
         raise SystemExit(f"error: invalid parallel layout: {e}") from None

@@ -51,13 +51,15 @@ class AdamW:
     this rank own, and keep optimizer state for, only those [lo, hi) ranges of the flat buffers (ZeRO-1);
     by default it owns everything. Under ZeRO-1 pass `allocate_state=False` and let shard() allocate: the
     full-length state (16 bytes per parameter: master, m, v and the update's denominator) would otherwise
-    exist on every rank for a moment, which is exactly the memory ZeRO-1 is there to save.
+    exist on every rank for a moment, which is exactly the memory ZeRO-1 is there to save. ZeRO-2 also
+    shards the gradient buffer (`full_grad=False`, then `shard(ranges, grads=True)`): each parameter's fresh
+    gradient then goes only to `on_grad_ready`, which reduces it into the owned pieces (parallel.py).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
-                 allocate_state: bool = True):
+                 allocate_state: bool = True, full_grad: bool = True):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         uniq, seen = [], set()
         for name, p in named_params:
@@ -84,8 +86,10 @@ class AdamW:
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
         self.step_count = 0
-        # Full-length flat buffers: the gradient (fp32) and the model's own copy of the weights.
-        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces, see shard) and
+        # the model's own copy of the weights.
+        self.grads_sharded = not full_grad
+        self.grad = torch.zeros(self.numel if full_grad else 0, dtype=torch.float32, device=self.device)
         self.model_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.on_grad_ready: Callable[[int], None] | None = None  # called with the param index (parallel.py)
         for i, p in enumerate(self.params):
@@ -95,18 +99,21 @@ class AdamW:
             view = self.model_flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view  # the parameter now lives inside the flat buffer
-            if p.dtype == torch.float32:
+            if p.dtype == torch.float32 and full_grad:
                 p.grad = self.grad_view(i)  # ... and so does its gradient (no copy after each backward)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
         self.ranges, self.master = None, None  # no state until shard() says what this rank owns
         if allocate_state:
             self.shard([(0, self.numel)])
 
-    def shard(self, ranges: list[tuple[int, int]]):
+    def shard(self, ranges: list[tuple[int, int]], grads: bool = False):
         """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
-        one after another ("compact" layout). Owning everything in fp32, the master *is* the model copy."""
+        one after another ("compact" layout). Owning everything in fp32, the master *is* the model copy.
+        grads (ZeRO-2): the gradient buffer too is compact, the owned ranges only."""
         self.ranges = ranges
         size = sum(hi - lo for lo, hi in ranges)
+        if grads:
+            self.grads_sharded, self.grad = True, torch.zeros(size, dtype=torch.float32, device=self.device)
         self.master = self.exp_avg = self.exp_avg_sq = self._denom = None  # free any earlier state first
         if ranges == [(0, self.numel)] and self.dtype == torch.float32:
             self.master = self.model_flat
@@ -124,6 +131,10 @@ class AdamW:
                 if a < b:
                     self.decay_segments.append((c + a - lo, c + b - lo))
             c += hi - lo
+
+    def owned_grad(self) -> torch.Tensor:
+        """The gradient of the owned ranges, packed."""
+        return self.grad if self.grads_sharded else self.owned(self.grad)
 
     def owned(self, full: torch.Tensor) -> torch.Tensor:
         """The owned ranges of a full-length flat tensor, packed (a view when there is a single range)."""
@@ -150,12 +161,12 @@ class AdamW:
         return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
 
     def _make_hook(self, i: int):
-        view = self.grad_view(i)
-
         def hook(p):
             # fp32 parameters: .grad *is* the flat buffer's view and autograd accumulated into it in place.
-            # Otherwise (bf16/fp16, or someone replaced .grad): add it into the fp32 buffer.
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            # Otherwise (bf16/fp16, or someone replaced .grad): add it into the fp32 buffer. With sharded
+            # gradients (ZeRO-2) there is no such buffer: on_grad_ready takes p.grad.
+            view = None if self.grads_sharded else self.grad_view(i)
+            if view is not None and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.add_(p.grad)
                 p.grad = view if p.dtype == torch.float32 else None
             if self.on_grad_ready is not None:
@@ -167,7 +178,7 @@ class AdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines it across ranks)."""
-        return torch.linalg.vector_norm(self.owned(self.grad))
+        return torch.linalg.vector_norm(self.owned_grad())
 
     def clip_grad_norm(self, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
         """Scale all gradients by min(1, max_norm / norm); returns the norm before clipping. No host sync:
@@ -186,7 +197,7 @@ class AdamW:
         self.step_count += 1
         bc1 = 1 - b1 ** self.step_count
         bc2 = 1 - b2 ** self.step_count
-        g = self.owned(self.grad)
+        g = self.owned_grad()
         self.exp_avg.lerp_(g, 1 - b1)  # m = b1*m + (1-b1)*g
         self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)  # v = b2*v + (1-b2)*g^2
         if self.weight_decay:

@@ -23,7 +23,8 @@ by a function in this file, and counted. Contents, in reading order:
                            et al. 2021), with sent activations freed
   7. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, all-reduced asynchronously
                            from gradient hooks during the last backward (over dp x cp); ZeRO-1 (Rajbhandari
-                           et al. 2020): reduce-scatter, update the local shard, all-gather the weights
+                           et al. 2020): reduce-scatter, update the local shard, all-gather the weights;
+                           ZeRO-2: no full gradient buffer, each micro-batch's buckets reduce-scattered
   8. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
   9. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
                            tensor; loadable into any layout; `python parallel.py consolidate` writes a
@@ -82,8 +83,8 @@ class Mesh:
     dp_rank: int = 0
     cp: int = 1  # context parallelism: each sequence cut along its length over cp ranks
     cp_rank: int = 0
-    # "tp" / "cp" / "pp" / "dp" / "dp_cp" -> ProcessGroup (absent when size 1). "dp_cp": every rank holding
-    # the same pieces of the weights (dp replicas x cp ranks), whose gradients are summed
+    # "tp" / "cp" / "pp" / "dp" / "dp_cp" -> ProcessGroup (absent when size 1). "dp_cp", made under cp
+    # only: every rank holding the same pieces of the weights (dp replicas x cp ranks), see grad_dim
     groups: dict = field(default_factory=dict)
     pp_peers: list = field(default_factory=list)  # global ranks of my pipeline, stage order
     sp: bool = False  # sequence parallelism inside the TP group
@@ -111,6 +112,11 @@ class Mesh:
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def grad_dim(self) -> str:
+        """The group of those dp_cp ranks, over which gradients are summed: "dp" without cp."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     @property
     def whole_model(self) -> bool:
@@ -242,8 +248,6 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), group_desc=dim)
             if rank in ranks and len(ranks) > 1:
                 mesh.groups[dim], mesh.group_ranks[dim] = group, ranks
-    if cp == 1 and "dp" in mesh.groups:  # without cp the replicas of a weight are the dp group
-        mesh.groups["dp_cp"], mesh.group_ranks["dp_cp"] = mesh.groups["dp"], mesh.group_ranks["dp"]
     mesh.groups["io"] = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=io_timeout_s),
                                        group_desc="io")
     mesh.group_ranks["io"] = list(range(world))
@@ -1007,7 +1011,7 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
 
 
 # ====================================================================================================
-# 7. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1
+# 7. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1 and ZeRO-2
 
 
 class GradSync:
@@ -1021,6 +1025,12 @@ class GradSync:
     of every bucket, keeps optimizer state for those pieces only, updates them, and all_gather_params()
     brings every rank's updated pieces back into the model's flat weights, overlapped with the next forward
     (prefetch_into). Bucket lengths are multiples of dp, so every piece has the same size.
+
+    ZeRO-2 also shards the gradients: the optimizer keeps only this rank's pieces of the fp32 gradient
+    buffer, so there is nowhere to accumulate whole gradients over micro-batches. Each parameter's fresh
+    gradient goes instead into a staging buffer for its bucket (_stage), every micro-batch; a full bucket
+    is reduce-scattered at once and its summed piece added into this rank's shard (_land). Memory: 1/dp of
+    the gradients plus a few buckets in flight; traffic: one reduce-scatter per micro-batch.
 
     Under context parallelism "dp" here means dp_cp, every rank holding the same weights: the cp ranks of a
     replica saw different tokens of the same sequences, so their gradients are partial sums, added up
@@ -1037,6 +1047,7 @@ class GradSync:
 
     def __init__(self, opt, mesh: Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()):
         self.opt, self.mesh, self.zero = opt, mesh, zero
+        self.dim = mesh.grad_dim  # dp, or dp x cp: the ranks whose gradients are summed
         self.partial_tp = list(partial_tp)  # params whose gradient is a partial sum over tp (SP norms)
         dp = mesh.dp_cp
         if opt.numel % dp:
@@ -1058,13 +1069,18 @@ class GradSync:
             self.param_buckets.append(bs)
             for b in bs:
                 self.expected[b] += 1
-        self.enabled, self.handles, self.pending, self.gathers = False, {}, [], {}
-        # this dp rank's piece of every bucket: its shard under ZeRO-1, its share of the gradient norm always
+        self.enabled, self.handles, self.pending, self.gathers = False, {}, list(self.expected), {}
+        self.staging, self.in_flight = {}, []  # ZeRO-2: buckets filling; reduce-scatters not waited for yet
+        # this dp rank's piece of every bucket: its shard under ZeRO, its share of the gradient norm always
         r = mesh.dp_cp_rank
         self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
             [(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets]
+        self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
+                             for b in range(len(self.buckets))]
+        self.zero2 = zero >= 2 and dp > 1
         if zero and dp > 1:
-            opt.shard(self.norm_ranges)
+            opt.shard(self.norm_ranges, grads=self.zero2)
+        if zero == 1 and dp > 1:
             self.pieces = [torch.empty((hi - lo) // dp, device=opt.grad.device) for lo, hi in self.buckets]
         elif opt.ranges is None:  # an optimizer built with allocate_state=False: without ZeRO it owns all
             opt.shard([(0, opt.numel)])
@@ -1072,10 +1088,13 @@ class GradSync:
 
     def start(self):
         """Call before the backward of the last micro-batch: only then are gradients complete."""
-        self.enabled = self.mesh.dp_cp > 1
-        self.pending = list(self.expected)
+        if not self.zero2:  # (ZeRO-2 reduces every micro-batch's gradients)
+            self.enabled = self.mesh.dp_cp > 1
+            self.pending = list(self.expected)
 
     def _on_grad_ready(self, i: int):
+        if self.zero2:
+            return self._stage(i)  # every micro-batch's gradients are reduced as they come
         if not self.enabled:
             return  # an accumulation micro-step: nothing is sent
         for b in self.param_buckets[i]:
@@ -1083,17 +1102,56 @@ class GradSync:
             if self.pending[b] == 0:
                 self._launch(b)
 
+    def _stage(self, i: int):
+        """ZeRO-2: parameter i's fresh gradient into the staging buffer of each bucket it lies in (made when
+        first needed: no full-length gradient buffer exists); a bucket whose gradients are all in is
+        reduce-scattered at once, and the oldest reduce-scatters are waited for when more than two are in
+        flight, so staging never holds more than a few buckets."""
+        p, lo = self.opt.params[i], self.opt.offsets[i]
+        g = p.grad.reshape(-1)
+        p.grad = None  # its values now live in the staging buffers
+        for b in self.param_buckets[i]:
+            blo, bhi = self.buckets[b]
+            a, c = max(lo, blo), min(lo + g.numel(), bhi)
+            if b not in self.staging:
+                self.staging[b] = torch.zeros(bhi - blo, device=g.device)
+            self.staging[b][a - blo:c - blo] += g[a - lo:c - lo]
+            self.pending[b] -= 1
+            if self.pending[b] == 0:
+                self._launch(b)
+
+    def _land(self):
+        """ZeRO-2: wait for the oldest reduce-scatter in flight; add its summed piece into this rank's
+        gradient shard."""
+        b, handle, piece, _ = self.in_flight.pop(0)
+        handle.wait()
+        self.opt.grad[self.piece_starts[b]:self.piece_starts[b] + piece.numel()] += piece
+
     def _launch(self, b: int):
         lo, hi = self.buckets[b]
-        if self.zero:
-            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, "dp_cp",
+        if self.zero2:
+            self.pending[b] = self.expected[b]  # the next micro-batch counts afresh
+            while len(self.in_flight) >= 2:
+                self._land()
+            staged = self.staging.pop(b)
+            piece = staged.new_empty((hi - lo) // self.mesh.dp_cp)
+            handle = reduce_scatter(piece, staged, self.mesh, self.dim, async_op=True)
+            self.in_flight.append((b, handle, piece, staged))  # staged: alive until the op is done
+        elif self.zero:
+            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, self.dim,
                                              async_op=True)
         else:
-            self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, "dp_cp", async_op=True)
+            self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
 
     def finish(self):
         """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient), then
         make the SP-partial gradients whole by summing them over tp."""
+        if self.zero2:  # buckets some of whose parameters got no gradient, then every one still in flight
+            for b in sorted(self.staging):
+                self._launch(b)
+            while self.in_flight:
+                self._land()
+            self.pending = list(self.expected)
         if self.enabled:
             for b in range(len(self.buckets)):
                 if b not in self.handles:
@@ -1107,7 +1165,23 @@ class GradSync:
                                                                        + 1) * piece].copy_(self.pieces[b])
             self.handles, self.enabled = {}, False
         for i in self.partial_tp:
-            all_reduce(self.opt.grad_view(i), self.mesh, "tp")
+            if not self.zero2:
+                all_reduce(self.opt.grad_view(i), self.mesh, "tp")
+                continue
+            lo, hi = self.opt.offsets[i], self.opt.offsets[i] + self.opt.params[i].numel()
+            for rlo, rhi in self.norm_ranges:  # ZeRO-2 holds only this rank's pieces of it
+                if max(lo, rlo) < min(hi, rhi):
+                    all_reduce(self.grad_of(max(lo, rlo), min(hi, rhi)), self.mesh, "tp")
+
+    def grad_of(self, lo: int, hi: int) -> torch.Tensor:
+        """The gradient at flat positions [lo, hi): a slice of the full-length buffer, or under ZeRO-2 of
+        this rank's shard, where [lo, hi) must lie inside one of its pieces (norm_ranges)."""
+        if not self.zero2:
+            return self.opt.grad[lo:hi]
+        for b, (rlo, rhi) in enumerate(self.norm_ranges):
+            if rlo <= lo and hi <= rhi:
+                return self.opt.grad[self.piece_starts[b] + lo - rlo:self.piece_starts[b] + hi - rlo]
+        raise ValueError(f"flat positions [{lo}, {hi}) are not in one of this rank's pieces")
 
     def all_gather_params(self):
         """ZeRO-1, after the optimizer step: every rank's updated pieces -> every rank's model weights,
@@ -1120,7 +1194,7 @@ class GradSync:
             lo, hi = self.buckets[b]
             piece = (hi - lo) // self.mesh.dp_cp
             mine = flat[lo + r * piece:lo + (r + 1) * piece].clone()  # input apart from output; kept alive
-            self.gathers[b] = (all_gather(flat[lo:hi], mine, self.mesh, "dp_cp", async_op=True), mine)
+            self.gathers[b] = (all_gather(flat[lo:hi], mine, self.mesh, self.dim, async_op=True), mine)
 
     def wait_params(self, buckets=None):
         """Wait for the all-gathers of these buckets (default: all): their weights are then current."""
@@ -1162,7 +1236,7 @@ class GradSync:
         for lo, hi in self.buckets:
             piece = (hi - lo) // dp
             for key in keys:
-                all_gather(buf[:hi - lo], getattr(self.opt, key)[c:c + piece], self.mesh, "dp_cp")
+                all_gather(buf[:hi - lo], getattr(self.opt, key)[c:c + piece], self.mesh, self.dim)
                 if keep:
                     out[key][lo:hi].copy_(buf[:hi - lo])
             c += piece
@@ -1181,7 +1255,7 @@ def grad_sq(sync: GradSync, model) -> torch.Tensor:
     order: their updates are bitwise identical. Shards are counted by the tp and pp ranks holding them;
     parameters replicated across tp (norm weights) by tp rank 0 only."""
     opt, mesh = sync.opt, sync.mesh
-    sq = torch.stack([torch.linalg.vector_norm(opt.grad[lo:hi]) for lo,
+    sq = torch.stack([torch.linalg.vector_norm(sync.grad_of(lo, hi)) for lo,
                       hi in sync.norm_ranges]).square().sum()
     if mesh.tp > 1 and mesh.tp_rank > 0:
         placement = getattr(model, "tp_placement", {})
@@ -1192,7 +1266,7 @@ def grad_sq(sync: GradSync, model) -> torch.Tensor:
             for rlo, rhi in sync.norm_ranges:  # the replicated parameter's part in this rank's pieces
                 a, b = max(lo, rlo), min(hi, rhi)
                 if a < b:
-                    sq = sq - torch.linalg.vector_norm(opt.grad[a:b]).square()
+                    sq = sq - torch.linalg.vector_norm(sync.grad_of(a, b)).square()
     return sq
 
 
@@ -1400,12 +1474,14 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
 def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
                     act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
-                    split: list[int] | None = None, cp: int = 1) -> dict[str, float]:
+                    split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
     the weights are the master), m, v and the update's denominator (fp32), all three and the master divided
-    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket. Under cp a rank
+    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2 divides the
+    gradient buffer too and keeps instead up to four buckets of bucket_mb being filled or reduced (and
+    their pieces). Under cp a rank
     holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
     activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
     (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
@@ -1419,7 +1495,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference."""
     if stage is None:
         return max((memory_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
-                                    grad_accum, schedule, s, split, cp) for s in range(pp)),
+                                    grad_accum, schedule, s, split, cp, bucket_mb) for s in range(pp)),
                    key=lambda m: m["total"])
     dp = dp * cp  # the ranks holding the same weights: ZeRO shards over all of them
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
@@ -1427,6 +1503,9 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     out = {"weights": n * b, "grads": n * 4,
            "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
            "optimizer": 3 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
+    if zero >= 2 and zdp > 1:  # staging: at most 4 buckets at a time (GradSync._stage), each with its piece
+        staged = min(n, 4 * bucket_mb * 2 ** 20 / 4)
+        out["grads"], out["zero_buffers"] = n * 4 / zdp, staged * 4 * (1 + 1 / zdp)
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
     start, end = stage_layers(args.n_layers, pp, split)[stage]
     first, last = stage == 0, stage == pp - 1
@@ -1438,7 +1517,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
     layer = a["layer_backward"] + (a["layer"] if act_ckpt else 0.0) - head_done
     during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
-    during_step = n * 4 / zdp if zdp > 1 else 0.0  # AdamW.step's packed gradient shard, activations gone
+    during_step = n * 4 / zdp if zdp > 1 and zero < 2 else 0.0  # AdamW.step's packed gradient shard
     out["temporaries"] = max(during_backward, during_step - out["activations"])
     out["total"] = sum(out.values())
     return out
@@ -1464,7 +1543,8 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
           Everything else then carries seq_len / cp tokens.
       pp: each micro-batch's activations to the next stage and their gradient back (sequence-split under SP).
       dp: the fp32 gradients all-reduced over dp x cp; under ZeRO-1 reduce-scattered, then the updated
-          weights all-gathered in the training precision (0.75 of an all-reduce in bf16)."""
+          weights all-gathered in the training precision (0.75 of an all-reduce in bf16); ZeRO-2
+          reduce-scatters every micro-batch's gradients (its buffer cannot hold the sum)."""
     if stage is None:  # per dimension, the most any stage sends
         stages = [comm_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
                                 grad_accum, s, split, cp) for s in range(pp)]
@@ -1486,7 +1566,7 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     cp_bytes = grad_accum * (end - start) * (2 + act_ckpt) * ring(cp) * kv
     dp = dp * cp  # the ranks holding the same weights
     n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
-    dp_bytes = ring(dp) * n * (4 + b) if zero else 2 * ring(dp) * n * 4
+    dp_bytes = ring(dp) * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring(dp) * n * 4
     return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
             "dp": dp_bytes if dp > 1 else 0.0}
 

@@ -110,8 +110,8 @@ def add_parallel_flags(p: argparse.ArgumentParser):
     g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
     g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule")
     g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1],
-                   help="1: shard optimizer state over dp (ZeRO-1)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
     g.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds before a stuck collective fails")
@@ -379,14 +379,14 @@ def global_total(task, batches, mesh, device) -> torch.Tensor:
     """The task's normalizer over the global batch: every rank counts its own targets (under cp, those of
     its chunks), summed over dp x cp."""
     total = sum(task.count(b) for b in batches).float().to(device)
-    P.all_reduce(total, mesh, "dp_cp")
+    P.all_reduce(total, mesh, mesh.grad_dim)
     return total
 
 
 def sum_over_replicas(tensors: list[torch.Tensor], mesh):
     """Sum in place over pp (a loss lives on the last stage) and dp x cp (each replica saw its own batches,
     each cp rank its own chunks of them)."""
-    for dim in ("pp", "dp_cp"):
+    for dim in ("pp", mesh.grad_dim):
         for t in tensors:
             P.all_reduce(t, mesh, dim)
 
@@ -914,7 +914,7 @@ def check_memory(margs, args, world: int, device, precision: str):
     est = P.memory_estimate(margs, precision, args.micro_batch, args.seq_len, args.act_ckpt, args.tp, args.pp,
                             world // (args.tp * args.cp * args.pp), args.zero, args.sp, args.grad_accum,
                             args.schedule, split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None,
-                            cp=args.cp)
+                            cp=args.cp, bucket_mb=args.bucket_mb)
     have = available_memory(device)
     if have is not None and est["total"] > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
@@ -1022,8 +1022,8 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
     opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                  weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
-                  allocate_state=False)  # GradSync shards it
+                  weight_decay=args.weight_decay, pad_to=mesh.dp_cp, allocate_state=False,  # GradSync shards
+                  full_grad=args.zero < 2 or mesh.dp_cp == 1)  # ZeRO-2: no full-length gradient buffer
     sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
     sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
     scaler = O.LossScaler() if spec.precision == "fp16" else None
@@ -1115,7 +1115,7 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
         f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
     say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
         + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
-        + (", ZeRO-1" if args.zero and mesh.dp_cp > 1 else ""))
+        + (f", ZeRO-{args.zero}" if args.zero and mesh.dp_cp > 1 else ""))
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
     say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step "
         f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")

@@ -347,6 +347,9 @@ LAYOUTS = [  # (processes, flags)
     (4, ["--pp", "2", "--schedule", "afab", "--zero", "1"]),
     (8, ["--tp", "2", "--pp", "2", "--zero", "1", "--sp"]),
     (8, ["--tp", "2", "--pp", "2", "--schedule", "afab"]),
+    (2, ["--zero", "2", "--bucket-mb", "0.05"]),  # small buckets: several reduced in every micro-batch
+    (4, ["--zero", "2"]),  # dp 4
+    (4, ["--tp", "2", "--sp", "--zero", "2"]),  # the norms' gradients: partial over tp, in ZeRO-2's shards
     (2, ["--cp", "2"]),
     (4, ["--cp", "2", "--tp", "2", "--sp"]),
     (4, ["--cp", "2", "--pp", "2"]),
@@ -360,11 +363,16 @@ def test_layout_matches_single_process(tmp_path, reference, n, flags):
     assert_same_training(tmp_path, reference)
 
 
-def test_zero1_is_identical_to_plain_dp(tmp_path):
-    torchrun(2, tmp_path / "dp", "--bucket-mb", "0.05")  # small buckets: several launched during backward
-    torchrun(2, tmp_path / "zero", "--zero", "1", "--bucket-mb", "0.05")
+# ZeRO-1 at any accumulation, and ZeRO-2 without accumulation, add the same numbers in the same order as
+# plain DP. ZeRO-2 with accumulation reduces each micro-batch's gradients, then sums them: another order,
+# equal within the layouts' tolerance (LAYOUTS above).
+@pytest.mark.parametrize("zero,micro", [(1, 4), (2, 8)])
+def test_zero_is_identical_to_plain_dp(tmp_path, zero, micro):
+    # small buckets: several launched during backward
+    torchrun(2, tmp_path / "dp", "--bucket-mb", "0.05", micro=micro)
+    torchrun(2, tmp_path / "zero", "--zero", str(zero), "--bucket-mb", "0.05", micro=micro)
     assert losses(tmp_path / "dp") == losses(tmp_path / "zero")
-    # the checkpoints too: ZeRO-1's, gathered bucket by bucket from the dp ranks' pieces, equal DP's
+    # the checkpoints too: ZeRO's, gathered bucket by bucket from the dp ranks' pieces, equal DP's
     a, b = (P.read_full_state(Path(d) / (Path(d) / "latest").read_text().strip())[0]
             for d in (tmp_path / "dp", tmp_path / "zero"))
     for k in a:
