@@ -34,7 +34,9 @@ CURVE_RTOL = 0.02
 MODEL = ["--model", "mini", "--seq-len", "256", "--lr", "1e-3", "--warmup", "5", "--log-every", "1",
          "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens", "0"]
 GLOBAL_BATCH = 16  # sequences per step in every layout
-LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "dp": 2}]
+# cp: FlexAttention's block mask over global positions and NCCL's cp group, which the CPU tests cannot run
+LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "dp": 2}, {"cp": 2},
+           {"cp": 2, "tp": 2, "pp": 2}]
 
 
 def torchrun(n: int, flags: list, out: Path) -> tuple[bool, str]:
@@ -65,7 +67,7 @@ def layout_flags(layout: dict, precision: str) -> list:
     dp, micro = layout.get("dp", 1), 4
     return [*MODEL, "--precision", precision, "--max-steps", str(STEPS), "--micro-batch", str(micro),
             "--grad-accum", str(GLOBAL_BATCH // (micro * dp)), "--tp", str(layout.get("tp", 1)),
-            "--pp", str(layout.get("pp", 1))]
+            "--pp", str(layout.get("pp", 1)), "--cp", str(layout.get("cp", 1))]
 
 
 def parity(gpus: int, work: Path) -> list[bool]:
@@ -77,7 +79,7 @@ def parity(gpus: int, work: Path) -> list[bool]:
             continue
         want = losses(work / f"one-{precision}")
         for layout in LAYOUTS:
-            n = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+            n = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
             name = " x ".join(f"{k} {v}" for k, v in layout.items()) + f", {precision}"
             if n > gpus:
                 print(f"SKIP {name}: needs {n} GPUs, this machine has {gpus}", flush=True)
