@@ -1479,7 +1479,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
     the weights are the master), m, v and the update's denominator (fp32), all three and the master divided
-    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2 divides the
+    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket and, until the next
+    forward waits for them, the all-gathers' inputs (its updated pieces, b bytes each); ZeRO-2 divides the
     gradient buffer too and keeps instead up to four buckets of bucket_mb being filled or reduced (and
     their pieces). Under cp a rank
     holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
@@ -1506,6 +1507,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     if zero >= 2 and zdp > 1:  # staging: at most 4 buckets at a time (GradSync._stage), each with its piece
         staged = min(n, 4 * bucket_mb * 2 ** 20 / 4)
         out["grads"], out["zero_buffers"] = n * 4 / zdp, staged * 4 * (1 + 1 / zdp)
+    if zdp > 1:  # the all-gathers' inputs (all_gather_params), kept until the next forward waits for them
+        out["zero_buffers"] += n * b / zdp
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
     start, end = stage_layers(args.n_layers, pp, split)[stage]
     first, last = stage == 0, stage == pp - 1
