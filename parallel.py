@@ -667,7 +667,7 @@ def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
 # The Llama 3 way (Dubey et al. 2024, section 3.3.2), not the ring: each rank projects its own tokens' Q, K
 # and V, then one all-gather per layer over cp brings it every rank's K and V, and its queries attend to
 # all of them; backward reduce-scatters the keys' and values' gradients to the ranks whose tokens made
-# them. Under GQA K and V are small (8 KV heads against 128 query heads in 405B: 1/16 of Q's size), so
+# them. Under GQA K and V are small (8 KV heads against 128 query heads in 405B: each 1/16 of Q), so
 # gathering them costs little beside the attention it feeds, and any mask works unchanged -- packed
 # documents included -- where a ring (Liu et al. 2023) must pass K/V blocks around cp times and merge
 # partial softmaxes, and skip blocks per mask. The price is holding the whole sequence's K and V for a
