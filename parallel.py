@@ -1144,8 +1144,8 @@ class GradSync:
             self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
 
     def finish(self):
-        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient), then
-        make the SP-partial gradients whole by summing them over tp."""
+        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient, or under
+        ZeRO-2 any still staged), then make the SP-partial gradients whole by summing them over tp."""
         if self.zero2:  # buckets some of whose parameters got no gradient, then every one still in flight
             for b in sorted(self.staging):
                 self._launch(b)
@@ -1159,10 +1159,8 @@ class GradSync:
             for b in sorted(self.handles):
                 self.handles[b].wait()
                 if self.zero:
-                    lo, hi = self.buckets[b]
-                    piece = (hi - lo) // self.mesh.dp_cp
-                    self.opt.grad[lo + self.mesh.dp_cp_rank * piece:lo + (self.mesh.dp_cp_rank
-                                                                       + 1) * piece].copy_(self.pieces[b])
+                    rlo, rhi = self.norm_ranges[b]  # this rank's piece of bucket b
+                    self.opt.grad[rlo:rhi].copy_(self.pieces[b])
             self.handles, self.enabled = {}, False
         for i in self.partial_tp:
             if not self.zero2:
