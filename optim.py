@@ -112,8 +112,10 @@ class AdamW:
         grads (ZeRO-2): the gradient buffer too is compact, the owned ranges only."""
         self.ranges = ranges
         size = sum(hi - lo for lo, hi in ranges)
-        if grads:
+        if grads:  # (fp32 parameters' .grad views into a full-length buffer, if one was made, are dropped)
             self.grads_sharded, self.grad = True, torch.zeros(size, dtype=torch.float32, device=self.device)
+            for p in self.params:
+                p.grad = None
         self.master = self.exp_avg = self.exp_avg_sq = self._denom = None  # free any earlier state first
         if ranges == [(0, self.numel)] and self.dtype == torch.float32:
             self.master = self.model_flat
@@ -161,12 +163,13 @@ class AdamW:
         return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
 
     def _make_hook(self, i: int):
+        view = None if self.grads_sharded else self.grad_view(i)  # made once, not per backward
+
         def hook(p):
             # fp32 parameters: .grad *is* the flat buffer's view and autograd accumulated into it in place.
             # Otherwise (bf16/fp16, or someone replaced .grad): add it into the fp32 buffer. With sharded
             # gradients (ZeRO-2) there is no such buffer: on_grad_ready takes p.grad.
-            view = None if self.grads_sharded else self.grad_view(i)
-            if view is not None and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            if not self.grads_sharded and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.add_(p.grad)
                 p.grad = view if p.dtype == torch.float32 else None
             if self.on_grad_ready is not None:
