@@ -55,7 +55,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
          grad_accum: int, mfu: float, zero: int = 1, act_ckpt: bool = False, precision: str = "bf16",
          sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1) -> dict:
     """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
-    (under each of ZeRO 0, 1, 2 and activation checkpointing on/off, the chosen one marked), the bytes each
+    (under each of ZeRO 0 to 3 and activation checkpointing on/off, the chosen one marked), the bytes each
     GPU sends per step, the bubble, and the step time and days at a stated MFU. The memory fits when it is
     at most the GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and
     kernels, NCCL's buffers (one set per process group) and the allocator's fragmentation."""
@@ -69,7 +69,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     flops_tok = M.flops_per_token(margs, seq_len)
     memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
                                              sp, grad_accum, schedule, cp=cp)
-    variants = {f"zero{z}_ckpt{int(c)}": memory(z, c) for z in (0, 1, 2) for c in (False, True)}
+    variants = {f"zero{z}_ckpt{int(c)}": memory(z, c) for z in (0, 1, 2, 3) for c in (False, True)}
     chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
     comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
                            grad_accum, cp=cp)
@@ -411,8 +411,9 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism (with --tp; --plan assumes it when tp > 1)")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the gradients too (ZeRO-2)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the gradients too (ZeRO-2); "
+                        "3: the weights too (ZeRO-3)")
     p.add_argument("--act-ckpt", action="store_true",
                    help="activation checkpointing: recompute each block in backward")
     p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")

@@ -390,9 +390,10 @@ def main(argv=None):
     T.configure_process(args)
     run = T.train(args, DPO(args))
     model, tok, mesh = run.model, run.tok, run.mesh
-    if args.sample_prompt and mesh.whole_model and mesh.rank == 0:
+    if args.sample_prompt and T.samples_here(run):
         reply = sft.chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
-        print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
+        if mesh.rank == 0:
+            print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
     if mesh.world > 1:
         torch.distributed.destroy_process_group()
 

@@ -54,12 +54,17 @@ class AdamW:
     exist on every rank for a moment, which is exactly the memory ZeRO-1 is there to save. ZeRO-2 also
     shards the gradient buffer (`full_grad=False`, then `shard(ranges, grads=True)`): each parameter's fresh
     gradient then goes only to `on_grad_ready`, which reduces it into the owned pieces (parallel.py).
+    ZeRO-3 shards the model's own copy too (`shard(ranges, grads=True, weights=True)`): `model_flat` is then
+    compact, and parallel.py gathers each unit's weights when they are used. `unit_of` (ZeRO-3) lays out
+    the parameters of one unit (a block, say) together and pads each unit's span to a multiple of pad_to,
+    so that every unit is one bucket with equal pieces.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
-                 allocate_state: bool = True, full_grad: bool = True):
+                 allocate_state: bool = True, full_grad: bool = True,
+                 unit_of: Callable[[str], str] | None = None):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         uniq, seen = [], set()
         for name, p in named_params:
@@ -72,9 +77,14 @@ class AdamW:
         uniq.reverse()
         self.names = [n for n, _ in uniq]
         self.params = [p for _, p in uniq]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.offsets, off = [], 0
         self.decay_ranges = []  # [lo, hi) flat ranges of decayed parameters, neighbours merged
-        for n, p in uniq:
+        self.units = []  # with unit_of: each unit's [lo, hi), padded to a multiple of pad_to
+        for k, (n, p) in enumerate(uniq):
+            if unit_of and (k == 0 or unit_of(n) != unit_of(uniq[k - 1][0])):  # a unit starts here
+                off = -(-off // pad_to) * pad_to
+                self.units.append((off, off))
             self.offsets.append(off)
             if decide(n, p):
                 if self.decay_ranges and self.decay_ranges[-1][1] == off:
@@ -82,13 +92,15 @@ class AdamW:
                 else:
                     self.decay_ranges.append((off, off + p.numel()))
             off += p.numel()
+            if unit_of:
+                self.units[-1] = (self.units[-1][0], -(-off // pad_to) * pad_to)
         self.numel = -(-off // pad_to) * pad_to  # padding at the end: zero gradients, never read back
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
         self.step_count = 0
         # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces, see shard) and
         # the model's own copy of the weights.
-        self.grads_sharded = not full_grad
+        self.grads_sharded, self.weights_sharded = not full_grad, False
         self.grad = torch.zeros(self.numel if full_grad else 0, dtype=torch.float32, device=self.device)
         self.model_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.on_grad_ready: Callable[[int], None] | None = None  # called with the param index (parallel.py)
@@ -106,19 +118,26 @@ class AdamW:
         if allocate_state:
             self.shard([(0, self.numel)])
 
-    def shard(self, ranges: list[tuple[int, int]], grads: bool = False):
+    def shard(self, ranges: list[tuple[int, int]], grads: bool = False, weights: bool = False):
         """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
         one after another ("compact" layout). Owning everything in fp32, the master *is* the model copy.
-        grads (ZeRO-2): the gradient buffer too is compact, the owned ranges only."""
+        grads (ZeRO-2): the gradient buffer too is compact, the owned ranges only. weights (ZeRO-3): so is
+        the model's copy (whoever shards it must first have moved the parameters' storage elsewhere)."""
         self.ranges = ranges
         size = sum(hi - lo for lo, hi in ranges)
         if grads:  # (fp32 parameters' .grad views into a full-length buffer, if one was made, are dropped)
             self.grads_sharded, self.grad = True, torch.zeros(size, dtype=torch.float32, device=self.device)
             for p in self.params:
                 p.grad = None
+        if weights:
+            compact = torch.empty(size, dtype=self.dtype, device=self.device)
+            self.pack(self.model_flat, compact)
+            self.weights_sharded, self.model_flat = True, compact
         self.master = self.exp_avg = self.exp_avg_sq = self._denom = None  # free any earlier state first
-        if ranges == [(0, self.numel)] and self.dtype == torch.float32:
+        if (weights or ranges == [(0, self.numel)]) and self.dtype == torch.float32:
             self.master = self.model_flat
+        elif weights:
+            self.master = self.model_flat.float()
         else:  # the owned ranges, packed and in fp32: one allocation, no full-length temporary
             self.master = torch.empty(size, dtype=torch.float32, device=self.device)
             self.pack(self.model_flat, self.master)
@@ -133,6 +152,10 @@ class AdamW:
                 if a < b:
                     self.decay_segments.append((c + a - lo, c + b - lo))
             c += hi - lo
+
+    def index_of(self, p: torch.Tensor) -> int:
+        """Where parameter p is in self.params (and offsets, names)."""
+        return self._index[id(p)]
 
     def owned_grad(self) -> torch.Tensor:
         """The gradient of the owned ranges, packed."""
@@ -210,7 +233,9 @@ class AdamW:
         # new allocation (and, on CPU, fresh page faults) each time
         denom = torch.sqrt(self.exp_avg_sq, out=self._denom).div_(math.sqrt(bc2)).add_(self.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
-        if self.master is not self.model_flat:
+        if self.weights_sharded and self.master is not self.model_flat:
+            self.model_flat.copy_(self.master)  # both compact: round to bf16/fp16 once
+        elif self.master is not self.model_flat:
             self.unpack(self.master, self.model_flat)  # round to bf16/fp16 once, for the next forward
 
     # Checkpoints keep state per parameter name, so they do not depend on the flat layout (nor on how
@@ -246,8 +271,12 @@ class AdamW:
                     raise ValueError(f"optimizer state for {name} has shape {tuple(t.shape)}, "
                                      f"the model has {tuple(self.params[i].shape)}")
                 self._load_range(getattr(self, key), lo, t.reshape(-1))
-            # every rank's model copy gets every parameter, owned or not (rounded to the training dtype)
-            self.model_flat[lo:lo + n].copy_(entry["master"].reshape(-1))
+            # every rank's model copy gets every parameter, owned or not (rounded to the training dtype);
+            # under ZeRO-3 the copy too holds only the owned ranges
+            if self.weights_sharded:
+                self._load_range(self.model_flat, lo, entry["master"].reshape(-1))
+            else:
+                self.model_flat[lo:lo + n].copy_(entry["master"].reshape(-1))
 
     def _load_range(self, compact: torch.Tensor, lo: int, values: torch.Tensor):
         """Write `values`, which belong at flat positions [lo, lo + len), into the owned parts of them."""

@@ -1011,7 +1011,39 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
 
 
 # ====================================================================================================
-# 7. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1 and ZeRO-2
+# 7. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1, 2 and 3
+
+
+def unit_of(name: str) -> str:
+    """The unit a parameter belongs to: "layers.3.attention.wq.weight" -> "layers.3", "norm.weight" ->
+    "norm". ZeRO's weights travel a unit at a time, as each unit's forward needs them."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def unit_modules(model: M.Transformer) -> list[tuple[str, list[nn.Module]]]:
+    """This stage's units in forward order, each with the modules that run it: a block compiled by
+    --compile runs as its compiled wrapper in training and as itself in evaluation and generation."""
+    compiled = getattr(model, "compiled_blocks", {})
+    out = [("tok_embeddings", [model.tok_embeddings])]
+    out += [(f"layers.{k}", [block] + ([compiled[k]] if k in compiled else [])) for k, block in
+            model.layers.items()]
+    out += [("norm", [model.norm]), ("output", [model.output])]
+    return [(name, modules) for name, modules in out if modules[0] is not None]
+
+
+def hook_unit(modules: list[nn.Module], before=None, after=None):
+    """before() as each of these modules' forward starts, after(output) as it ends. Hooks on a compiled
+    wrapper run outside the compiled code; inside it torch.compile traces the wrapped block's own hooks,
+    which then do nothing (the wrapper's did it). Both must be idempotent: a block that falls back to
+    eager runs both."""
+    for module in modules:
+        if before is not None:
+            module.register_forward_pre_hook(
+                lambda m, args: None if torch.compiler.is_compiling() else before())
+        if after is not None:
+            module.register_forward_hook(
+                lambda m, args, out: None if torch.compiler.is_compiling() else after(out))
 
 
 class GradSync:
@@ -1055,12 +1087,18 @@ class GradSync:
                              f"{dp}")
         # The flat buffer holds parameters in reverse model order, so it fills front to back during
         # backward. A small first bucket (1 MB, as DDP does) starts communication as early as possible.
+        # ZeRO-3 gathers weights a unit at a time, so there a bucket is one unit (AdamW's unit_of).
         size = lambda mb: max(dp, int(mb * 2 ** 20 / 4) // dp * dp)
         self.buckets, lo = [], 0
-        while lo < opt.numel:
+        while lo < opt.numel and zero < 3:
             hi = min(lo + size(min(1.0, bucket_mb) if not self.buckets else bucket_mb), opt.numel)
             self.buckets.append((lo, hi))
             lo = hi
+        if zero == 3:
+            if not opt.units or opt.units[-1][1] != opt.numel:
+                raise ValueError("ZeRO-3 needs an optimizer whose parameters are laid out by unit "
+                                 "(AdamW(..., unit_of=parallel.unit_of))")
+            self.buckets = list(opt.units)
         self.param_buckets = []  # for each param index, the buckets it overlaps
         self.expected = [0] * len(self.buckets)
         for i, p in enumerate(opt.params):
@@ -1078,8 +1116,13 @@ class GradSync:
         self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
                              for b in range(len(self.buckets))]
         self.zero2 = zero >= 2 and dp > 1
+        self.weights = None  # ZeRO-3's unit weights, gathered when used
+        if zero == 3 and dp > 1:  # the parameters move into unit buffers before the model copy is sharded
+            self.weights = ShardedWeights(opt, mesh, self.buckets, self.piece_starts)
         if zero and dp > 1:
-            opt.shard(self.norm_ranges, grads=self.zero2)
+            opt.shard(self.norm_ranges, grads=self.zero2, weights=self.weights is not None)
+        if self.weights is not None:
+            self.weights.free_all()
         if zero == 1 and dp > 1:
             self.pieces = [torch.empty((hi - lo) // dp, device=opt.grad.device) for lo, hi in self.buckets]
         elif opt.ranges is None:  # an optimizer built with allocate_state=False: without ZeRO it owns all
@@ -1137,6 +1180,8 @@ class GradSync:
             piece = staged.new_empty((hi - lo) // self.mesh.dp_cp)
             handle = reduce_scatter(piece, staged, self.mesh, self.dim, async_op=True)
             self.in_flight.append((b, handle, piece, staged))  # staged: alive until the op is done
+            if self.weights is not None:
+                self.weights.after_backward(b)  # ZeRO-3: its backward is done with the unit's weights
         elif self.zero:
             self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, self.dim,
                                              async_op=True)
@@ -1152,6 +1197,8 @@ class GradSync:
             while self.in_flight:
                 self._land()
             self.pending = list(self.expected)
+            if self.weights is not None:
+                self.weights.free_all()
         if self.enabled:
             for b in range(len(self.buckets)):
                 if b not in self.handles:
@@ -1185,8 +1232,8 @@ class GradSync:
         """ZeRO-1, after the optimizer step: every rank's updated pieces -> every rank's model weights,
         launched without waiting, the buckets of the first layers first (the flat buffer is in reverse
         model order). Each is waited for by wait_params, when the forward first needs it."""
-        if not (self.zero and self.mesh.dp_cp > 1):
-            return
+        if not (self.zero and self.mesh.dp_cp > 1) or self.weights is not None:
+            return  # (ZeRO-3 gathers each unit's weights when its forward starts)
         flat, r = self.opt.model_flat, self.mesh.dp_cp_rank
         for b in reversed(range(len(self.buckets))):
             lo, hi = self.buckets[b]
@@ -1201,23 +1248,19 @@ class GradSync:
                 self.gathers.pop(b)[0].wait()
 
     def prefetch_into(self, model):
-        """ZeRO-1: make each module of the model that holds parameters (the embedding, each block, the
-        final norm, the head) wait, as its forward starts, for the buckets its parameters lie in. The
-        all-gathers of later layers then run while earlier layers compute. A block compiled by --compile
-        gets the hook on its compiled wrapper, outside the compiled code."""
+        """ZeRO-1 and 2: make each unit of the model (the embedding, each block, the final norm, the head)
+        wait, as its forward starts, for the buckets its parameters lie in. The all-gathers of later layers
+        then run while earlier layers compute. ZeRO-3: each unit gathers its weights itself
+        (ShardedWeights.attach). A block compiled by --compile gets the hooks on its compiled wrapper,
+        outside the compiled code."""
         if not (self.zero and self.mesh.dp_cp > 1):
             return
-        units = {}
-        for i, name in enumerate(self.opt.names):  # "layers.3.attention.wq.weight" -> "layers.3"
-            parts = name.split(".")
-            unit = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
-            units.setdefault(unit, set()).update(self.param_buckets[i])
-        compiled = getattr(model, "compiled_blocks", {})
-        for unit, buckets in units.items():
-            key = unit.split(".")[1] if unit.startswith("layers.") else None
-            module = compiled[key] if key in compiled else model.get_submodule(unit)
-            module.register_forward_pre_hook(lambda module, args, buckets=sorted(buckets):
-                                             self.wait_params(buckets))
+        if self.weights is not None:
+            return self.weights.attach(model)
+        for unit, modules in unit_modules(model):
+            buckets = sorted({b for p in modules[0].parameters() for b in self.param_buckets[
+                self.opt.index_of(p)]})
+            hook_unit(modules, before=lambda buckets=buckets: self.wait_params(buckets))
 
     def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
         """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None on the others). Under
@@ -1239,6 +1282,97 @@ class GradSync:
                     out[key][lo:hi].copy_(buf[:hi - lo])
             c += piece
         return out
+
+
+class ShardedWeights:
+    """ZeRO-3 (what FSDP calls full sharding): no rank keeps whole weights between uses. Each unit (the
+    embedding, a block, the final norm, the head) has a buffer that holds its weights, in the training
+    dtype, only while they are used: its storage is allocated and filled by an all-gather of every dp_cp
+    rank's piece (the optimizer's compact model copy) just before the unit's forward, and released right
+    after; gathered again just before the unit's backward, and released when its last gradient is in
+    (GradSync then reduce-scatters it, as ZeRO-2 does). The parameters are views into these buffers, so
+    they keep their names and shapes; only their storage comes and goes (resize_ keeps the storage object,
+    so tensors autograd saved in forward see the regathered values in backward).
+
+    Prefetch: a unit's forward starts the all-gather of the next unit, its backward that of the unit
+    before it, so the transfer runs while this unit computes; at most two units are whole at once.
+    Activation checkpointing runs a block's forward again inside its backward: that forward finds the
+    unit already marked as in its backward, and neither prefetches nor releases anything."""
+
+    def __init__(self, opt, mesh: Mesh, spans: list[tuple[int, int]], piece_starts: list[int]):
+        self.opt, self.mesh, self.dim, self.spans = opt, mesh, mesh.grad_dim, spans
+        self.bufs = [opt.model_flat[lo:hi].clone() for lo, hi in spans]  # (unit numel,) each, whole for now
+        # where this rank's piece of each unit is in the optimizer's compact model copy, and its length
+        self.pieces = [(start, (hi - lo) // mesh.dp_cp) for start, (lo, hi) in zip(piece_starts, spans)]
+        for i, p in enumerate(opt.params):
+            b = self.unit_of_param(p)
+            start = opt.offsets[i] - spans[b][0]
+            p.data = self.bufs[b][start:start + p.numel()].view_as(p)  # (own version counter: see above)
+        self.held, self.gathers, self.in_backward = set(range(len(spans))), {}, set()
+
+    def fetch(self, b: int):
+        """Start gathering unit b's weights, unless they are held already (or on their way)."""
+        if b in self.held:
+            return
+        buf, (start, n) = self.bufs[b], self.pieces[b]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        self.gathers[b] = all_gather(buf, self.opt.model_flat[start:start + n], self.mesh, self.dim,
+                                     async_op=True)
+        self.held.add(b)
+
+    def ready(self, b: int):
+        self.fetch(b)
+        if b in self.gathers:
+            self.gathers.pop(b).wait()
+
+    def free(self, b: int):
+        if b in self.gathers:  # never release storage a collective is still writing into
+            self.gathers.pop(b).wait()
+        self.bufs[b].untyped_storage().resize_(0)
+        self.held.discard(b)
+
+    def free_all(self):
+        for b in sorted(self.held):
+            self.free(b)
+        self.in_backward.clear()
+
+    def after_backward(self, b: int):
+        self.in_backward.discard(b)
+        self.free(b)
+
+    def attach(self, model: M.Transformer):
+        """Hooks on each unit's module. `nxt` is the unit whose forward comes next, `prev` the one before
+        (whose backward comes next); units shared by two modules (a tied head) appear under both."""
+        modules = [ms for _, ms in unit_modules(model)]
+        units = [self.unit_of_param(next(ms[0].parameters())) for ms in modules]
+        for k, b in enumerate(units):
+            nxt = units[k + 1] if k + 1 < len(units) else None
+            prev = units[k - 1] if k > 0 else None
+            hook_unit(modules[k], before=lambda b=b, nxt=nxt: self.before_forward(b, nxt),
+                      after=lambda out, b=b, prev=prev: self.after_forward(b, prev, out))
+
+    def unit_of_param(self, p) -> int:
+        lo = self.opt.offsets[self.opt.index_of(p)]
+        return next(b for b, (ulo, uhi) in enumerate(self.spans) if ulo <= lo < uhi)
+
+    def before_forward(self, b: int, nxt):
+        recompute = b in self.in_backward  # activation checkpointing, inside b's backward
+        self.ready(b)
+        if nxt is not None and not recompute:
+            self.fetch(nxt)
+
+    def after_forward(self, b: int, prev, out: torch.Tensor):
+        if b in self.in_backward:
+            return
+        self.free(b)
+        if torch.is_grad_enabled() and out.requires_grad:  # runs as out's gradient arrives: b's backward next
+            out.register_hook(lambda grad: self.before_backward(b, prev))
+
+    def before_backward(self, b: int, prev):
+        self.in_backward.add(b)
+        self.ready(b)
+        if prev is not None:
+            self.fetch(prev)
 
 
 # ====================================================================================================
@@ -1420,18 +1554,25 @@ def consolidate(folder: Path, hf: Path, tokens: dict | None = None):
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
-                 split: list[int] | None = None) -> int:
-    """Parameters one rank of pipeline stage `stage` holds: its layers (linears split over tp, norms
-    whole), the embedding on the first stage, the final norm and the head on the last (vocab padded to tp)."""
+def unit_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
+                split: list[int] | None = None) -> list[int]:
+    """Parameters one rank of pipeline stage `stage` holds, unit by unit in forward order (unit_of): the
+    embedding on the first stage, its layers (linears split over tp, norms whole), the final norm and the
+    head on the last (vocab padded to tp; a tied head is the embedding's unit)."""
     d, hd, V = args.dim, args.head_dim, padded_vocab(args.vocab_size, tp)
     per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd
                  + 3 * d * args.hidden_dim) // tp + 2 * d
     start, end = stage_layers(args.n_layers, pp, split)[stage]
-    n = (end - start) * per_layer
-    n += V // tp * d if stage == 0 else 0  # embedding
-    n += d + (V // tp * d if not args.tie_embeddings else 0) if stage == pp - 1 else 0  # final norm, head
-    return n
+    units = [V // tp * d] if stage == 0 else []  # embedding
+    units += [per_layer] * (end - start)
+    units += [d] + ([V // tp * d] if not args.tie_embeddings else []) if stage == pp - 1 else []  # norm, head
+    return units
+
+
+def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
+                 split: list[int] | None = None) -> int:
+    """Parameters one rank of pipeline stage `stage` holds."""
+    return sum(unit_params(args, tp, pp, stage, split))
 
 
 def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
@@ -1480,7 +1621,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket and, until the next
     forward waits for them, the all-gathers' inputs (its updated pieces, b bytes each); ZeRO-2 divides the
     gradient buffer too and keeps instead up to four buckets of bucket_mb being filled or reduced (and
-    their pieces). Under cp a rank
+    their pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank
     holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
     activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
     (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
@@ -1505,7 +1646,9 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     if zero >= 2 and zdp > 1:  # staging: at most 4 buckets at a time (GradSync._stage), each with its piece
         staged = min(n, 4 * bucket_mb * 2 ** 20 / 4)
         out["grads"], out["zero_buffers"] = n * 4 / zdp, staged * 4 * (1 + 1 / zdp)
-    if zdp > 1:  # the all-gathers' inputs (all_gather_params), kept until the next forward waits for them
+    if zero >= 3 and zdp > 1:
+        out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp))
+    elif zdp > 1:  # the all-gathers' inputs (all_gather_params), kept until the next forward waits for them
         out["zero_buffers"] += n * b / zdp
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
     start, end = stage_layers(args.n_layers, pp, split)[stage]
@@ -1522,6 +1665,22 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     out["temporaries"] = max(during_backward, during_step - out["activations"])
     out["total"] = sum(out.values())
     return out
+
+
+def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: int, split, dp: int) -> dict:
+    """ZeRO-3's model states on one rank: each unit padded to a multiple of dp (x cp), 1/dp of everything
+    (the model copy's b bytes a parameter, the fp32 master unless the model copy in fp32 is it, gradients,
+    m, v, the update's denominator), and whole weights for two neighbouring units at once (the one
+    computing, the one prefetched), three with a tied head (the embedding stays whole from the head's
+    backward to its own); the gradients of up to three units being staged or reduce-scattered (two in
+    flight, GradSync._launch), with the pieces of two."""
+    units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split)]
+    n, first, last = sum(units), stage == 0, stage == pp - 1
+    whole = max([u + v for u, v in zip(units, units[1:])] or units)
+    whole += units[0] if args.tie_embeddings and first and last else 0
+    return {"weights": n * b / dp + whole * b, "grads": n * 4 / dp, "master": n * 4 / dp if b != 4 else 0.0,
+            "optimizer": 3 * n * 4 / dp, "zero_buffers": sum(sorted(units)[-3:]) * 4
+            + sum(sorted(units)[-2:]) * 4 / dp}
 
 
 def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
@@ -1545,7 +1704,9 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
       pp: each micro-batch's activations to the next stage and their gradient back (sequence-split under SP).
       dp: the fp32 gradients all-reduced over dp x cp; under ZeRO-1 reduce-scattered, then the updated
           weights all-gathered in the training precision (0.75 of an all-reduce in bf16); ZeRO-2
-          reduce-scatters every micro-batch's gradients (its buffer cannot hold the sum)."""
+          reduce-scatters every micro-batch's gradients (its buffer cannot hold the sum); ZeRO-3 adds to
+          that two all-gathers of the weights per micro-batch (forward and backward) and none after the
+          step."""
     if stage is None:  # per dimension, the most any stage sends
         stages = [comm_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
                                 grad_accum, s, split, cp) for s in range(pp)]
@@ -1568,6 +1729,10 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     dp = dp * cp  # the ranks holding the same weights
     n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
     dp_bytes = ring(dp) * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring(dp) * n * 4
+    if zero >= 3:  # every micro-batch: each unit gathered for its forward and again for its backward
+        units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split)]
+        again = units[0] if args.tie_embeddings and first and last else 0  # for the tied head's forward
+        dp_bytes = ring(dp) * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
     return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
             "dp": dp_bytes if dp > 1 else 0.0}
 

@@ -110,8 +110,9 @@ def add_parallel_flags(p: argparse.ArgumentParser):
     g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
     g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule")
     g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2); "
+                        "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
     g.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds before a stuck collective fails")
@@ -921,7 +922,7 @@ def check_memory(margs, args, world: int, device, precision: str):
         raise ResourceError(f"model {args.model} needs about {est['total'] / 1e9:.1f} GB per process "
                             f"({parts} GB) but {device.type} has {have / 1e9:.1f} GB available; "
                             "use a smaller model, shard it "
-                            f"over more processes (--tp, --pp, --zero 1) or a device with more memory")
+                            f"over more processes (--tp, --pp, --zero 1-3) or a device with more memory")
 
 
 class PhaseTimer:
@@ -1023,7 +1024,8 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
         raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
     opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                   weight_decay=args.weight_decay, pad_to=mesh.dp_cp, allocate_state=False,  # GradSync shards
-                  full_grad=args.zero < 2 or mesh.dp_cp == 1)  # ZeRO-2: no full-length gradient buffer
+                  full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
+                  unit_of=P.unit_of if args.zero == 3 else None)  # ZeRO-3: weights move a unit at a time
     sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
     sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
     scaler = O.LossScaler() if spec.precision == "fp16" else None
@@ -1174,17 +1176,26 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
 # The command line
 
 
+def samples_here(run: Run) -> bool:
+    """Whether this rank generates the end-of-run sample: rank 0, if it holds the whole model. Under ZeRO-3
+    its dp_cp peers generate the same tokens beside it (same weights, same seed): each layer's weights
+    are gathered from all of them."""
+    mesh = run.mesh
+    return mesh.whole_model and (mesh.rank == 0 or run.sync.weights is not None)
+
+
 def main(argv=None):
     args = get_parser().parse_args(argv)
     configure_process(args)
     run = train(args)
     model, tok, mesh, device = run.model, run.tok, run.mesh, run.device
-    if args.sample_tokens > 0 and mesh.whole_model and mesh.rank == 0:
+    if args.sample_tokens > 0 and samples_here(run):
         prompt = [data.bos_id(tok)] + tok.encode_ordinary("\n")
         g = torch.Generator(device=device).manual_seed(args.seed)
         new = M.generate(model, prompt, min(args.sample_tokens, args.seq_len - len(prompt)),
                          temperature=0.8, top_k=200, generator=g, n_vocab=tok.n_vocab)
-        print("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60, flush=True)
+        if mesh.rank == 0:
+            print("-" * 60 + "\n" + tok.decode(new[0].tolist()) + "\n" + "-" * 60, flush=True)
     elif args.sample_tokens > 0 and mesh.rank == 0:
         print(f"(no sample under tp/cp/pp: `evaluate.py --init {args.out_dir} --prompt ...` samples from the "
               "checkpoint)")

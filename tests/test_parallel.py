@@ -354,6 +354,10 @@ LAYOUTS = [  # (processes, flags)
     (4, ["--cp", "2", "--tp", "2", "--sp"]),
     (4, ["--cp", "2", "--pp", "2"]),
     (8, ["--cp", "2", "--tp", "2", "--pp", "2", "--zero", "1"]),  # the four dimensions at once
+    (2, ["--zero", "3"]),
+    (4, ["--zero", "3", "--act-ckpt"]),  # dp 4; each block's forward runs again inside its backward
+    (4, ["--tp", "2", "--sp", "--zero", "3"]),
+    (4, ["--cp", "2", "--pp", "2", "--zero", "3"]),  # ZeRO-3 over dp x cp, in a pipeline stage
 ]
 
 
@@ -365,7 +369,8 @@ def test_layout_matches_single_process(tmp_path, reference, n, flags):
 
 # ZeRO-1 at any accumulation, and ZeRO-2 without accumulation, add the same numbers in the same order as
 # plain DP. ZeRO-2 with accumulation reduces each micro-batch's gradients, then sums them: another order,
-# equal within the layouts' tolerance (LAYOUTS above).
+# equal within the layouts' tolerance (LAYOUTS above). So does ZeRO-3 even without accumulation: its flat
+# layout pads every unit, which moves the pieces whose squares each rank sums for the gradient norm.
 @pytest.mark.parametrize("zero,micro", [(1, 4), (2, 8)])
 def test_zero_is_identical_to_plain_dp(tmp_path, zero, micro):
     # small buckets: several launched during backward
@@ -509,6 +514,73 @@ def test_data_parallel_collectives_overlap_compute_in_the_same_order_on_every_ra
     assert sum(i > forward[0] for i in gather_waits) >= 3
 
 
+def _zero3_against_unsharded(out_file, tied, act_ckpt, compiled):
+    """A model under ZeRO-3 at dp 2 beside an unsharded copy of itself fed both ranks' batches: logits,
+    gradients (this rank's pieces), and the logits after one AdamW step (in evaluation mode: eager blocks,
+    when training ran compiled ones); how many units ever held whole weights at once, and how many still
+    do after each phase."""
+    import optim as O
+    import train
+    mesh = P.init_mesh()
+    torch.manual_seed(0)
+    args = M.ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                       max_seq_len=16, tie_embeddings=tied)
+    model = M.Transformer(args)
+    ref = M.Transformer(args)
+    ref.load_state_dict(model.state_dict())
+    model.act_ckpt = ref.act_ckpt = act_ckpt
+    build = lambda m, **kw: O.AdamW(m.named_parameters(), lr=1e-2, pad_to=mesh.dp, unit_of=P.unit_of, **kw)
+    opt, ref_opt = build(model, allocate_state=False, full_grad=False), build(ref)
+    sync = P.GradSync(opt, mesh, zero=3)
+    if compiled:
+        train.compile_blocks(model, backend="eager")  # torch.compile's tracing, without code generation
+    sync.prefetch_into(model)
+    weights, most = sync.weights, [0]
+    fetch = weights.fetch
+    weights.fetch = lambda b: (fetch(b), most.append(len(weights.held)))
+    x, y = torch.randint(0, 64, (2, 4, 16), generator=torch.Generator().manual_seed(1))  # (B=4, T) each
+    mine = slice(2 * mesh.rank, 2 * mesh.rank + 2)  # this rank's half of the batch
+    loss = lambda m, x, y: P.loss_sum(m(x), y, 64, mesh) / (4 * 16)
+    held = {}
+    logits = model(x[mine])
+    held["after forward"] = len(weights.held)
+    # torch stops a recomputation once it has every saved tensor, before the block's forward returns;
+    # LAYOUTS trains that way. Here the forward runs to its end inside the backward, hooks and all.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        loss(model, x[mine], y[mine]).backward()
+    sync.finish()
+    held["after backward"] = len(weights.held)
+    loss(ref, x, y).backward()
+    out = {"logits": (logits - ref(x)[mine]).abs().max().item(), "held": held, "most": max(most),
+           "units": len(weights.bufs), "grads": max(rel(sync.grad_of(lo, hi), ref_opt.grad[lo:hi])
+                                                   for lo, hi in sync.norm_ranges)}
+    opt.step()
+    ref_opt.step()
+    with torch.no_grad():
+        out["logits after step"] = rel(model.eval()(x), ref(x))
+    held["after a no-grad forward"] = len(weights.held)
+    Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(out))
+
+
+@pytest.mark.parametrize("tied,act_ckpt,compiled", [(False, False, False), (True, True, False),
+                                                     (False, False, True)])
+def test_zero3_matches_its_unsharded_self(tmp_path, tied, act_ckpt, compiled):
+    """ZeRO-3 alone: whole weights exist only while a unit runs (two units at a time, the one computing
+    and the one prefetched; a tied head's embedding stays whole through the backward that needs it at both
+    ends), and the model computes what the unsharded one does: the same logits, bit for bit (the gathered
+    weights are the same numbers); gradients equal within float summation order (the ranks' halves of the
+    batch are summed by the reduce-scatter); and after one step the compact model copy, regathered, gives
+    the unsharded model's logits again (within the gradients' tolerance)."""
+    spawn(_zero3_against_unsharded, 2, str(tmp_path / "r{rank}.json"), tied, act_ckpt, compiled)
+    for r in range(2):
+        out = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert out["logits"] == 0, out
+        assert out["grads"] < 1e-6 and out["logits after step"] < 1e-6, out
+        assert out["units"] == 7 - tied  # the embedding, 4 blocks, the norm, the head
+        assert out["held"] == {"after forward": 0, "after backward": 0, "after a no-grad forward": 0}, out
+        assert out["most"] == (3 if tied else 2), out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Checkpoints: bit-exact resume in the same layout; resume under another layout; consolidation
 
@@ -533,6 +605,29 @@ def test_resume_same_layout_is_bit_exact_and_other_layouts_continue(tmp_path):
         assert "written at tp 2, cp 1, pp 2, dp 2" in p.stdout
         la, lb = losses(other)[0], losses(straight)[0][2:]
         assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (la, lb)
+
+
+def test_zero3_resumes_bit_exact_and_its_checkpoints_move_to_and_from_zero0(tmp_path):
+    """A ZeRO-3 checkpoint holds what any other does (full master weights and moments per parameter name,
+    gathered from the shards): resumed under ZeRO-3 it continues bit for bit; continued without ZeRO it
+    gives the same losses, and a ZeRO-0 checkpoint continues under ZeRO-3 likewise (within the layouts'
+    tolerance: the two add the dp ranks' gradients in another order)."""
+    straight, cut, plain = tmp_path / "straight", tmp_path / "cut", tmp_path / "plain"
+    torchrun(2, straight, "--zero", "3", "--ckpt-every", "2", steps=4)
+    torchrun(2, cut, "--zero", "3", "--ckpt-every", "2", steps=2)
+    torchrun(2, cut, "--zero", "3", "--ckpt-every", "2", "--resume", steps=4)
+    assert losses(straight)[0] == losses(cut)[0]
+    wa, wb = masters(straight), masters(cut)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    torchrun(2, plain, "--ckpt-every", "2", steps=2)  # ZeRO-0's own first two steps
+    for name, source, zero in (("to0", cut, "0"), ("to3", plain, "3")):
+        other = tmp_path / name
+        other.mkdir()
+        (other / "step_000002").symlink_to(source / "step_000002")
+        (other / "latest").write_text("step_000002\n")
+        torchrun(2, other, "--zero", zero, "--resume", steps=4)
+        la, lb = losses(other)[0], losses(straight)[0][2:]
+        assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (name, la, lb)
 
 
 def test_consolidate_to_hugging_face(tmp_path, reference):
