@@ -220,7 +220,7 @@ def reference_logps(reference, batches, mesh, args) -> list:
     the last stage computes them, the others get None."""
     scored = P.pipeline_forward(reference, batches, mesh, args.seq_len, reference.args.dim,
                                 lambda logits, y: sequence_logps(logits, y, reference.args.vocab_size, mesh),
-                                next(reference.parameters()).dtype)
+                                next(reference.parameters()).dtype, args.virtual_stages)
     return scored if mesh.last_stage else [None] * len(batches)
 
 

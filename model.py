@@ -404,9 +404,11 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, rope_frequencies(self.args, device))
         return cos, sin, mask
 
-    def run_layers(self, h, cos, sin, mask=None, caches=None, start_pos: int = 0):
-        """The residual stream h (B, T, dim) through every block this module holds, in global order."""
-        for key, layer in self.layers.items():
+    def run_layers(self, h, cos, sin, mask=None, caches=None, start_pos: int = 0, keys=None):
+        """The residual stream h (B, T, dim) through every block this module holds (or those of `keys`), in
+        global order."""
+        for key in self.layers if keys is None else keys:
+            layer = self.layers[key]
             cache = caches[int(key)] if caches is not None else None
             if self.training:
                 layer = self.compiled_blocks.get(key, layer)

@@ -140,7 +140,7 @@ class Mesh:
 
 
 def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
-                 seq_len: int, sp: bool = False, cp: int = 1):
+                 seq_len: int, sp: bool = False, cp: int = 1, virtual: int = 1):
     """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
     reaches the same verdict without talking to the others."""
     errors = []
@@ -163,6 +163,15 @@ def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches:
     if pp > 1 and schedule == "1f1b" and micro_batches < pp:
         errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages "
                       f"(pp {pp})")
+    if (schedule == "interleaved") != (virtual > 1):
+        errors.append(f"--schedule {schedule} with --virtual-stages {virtual}: the interleaved schedule, and "
+                      "only it, needs 2 or more model chunks per rank")
+    elif virtual > 1 and pp > 1 and micro_batches % pp:
+        errors.append(f"the interleaved schedule needs --grad-accum {micro_batches} divisible by pp {pp} "
+                      "(micro-batches go through each chunk in groups of pp)")
+    if virtual > 1 and pp * virtual > args.n_layers:
+        errors.append(f"pp {pp} x {virtual} virtual stages need at least {pp * virtual} layers, the model "
+                      f"has {args.n_layers}")
     if sp and tp > 1 and cp >= 1 and (seq_len // cp) % tp:
         errors.append(f"sequence parallelism needs each rank's --seq-len / cp = {seq_len}/{cp} tokens "
                       f"divisible by tp {tp}")
@@ -752,14 +761,23 @@ def stage_layers(n_layers: int, pp: int, split: list[int] | None = None) -> list
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def apply_pipeline(model: M.Transformer, mesh: Mesh, split: list[int] | None = None) -> M.Transformer:
-    """Keep this stage's layers (names keep their global index); the embedding stays on the first stage,
-    the final norm and the head on the last."""
+def chunk_layers(n_layers: int, mesh: Mesh, virtual: int = 1, split: list[int] | None = None) -> list:
+    """The layer ranges [start, end) this rank runs: one stage's, or under the interleaved schedule its
+    `virtual` model chunks, chunk v being stage v*pp + pp_rank of pp*virtual (Narayanan et al. 2021): rank
+    0 holds layers 0-1 and 8-9 of 16 at pp 4, virtual 2."""
+    ranges = stage_layers(n_layers, mesh.pp * virtual, split)
+    return [ranges[v * mesh.pp + mesh.pp_rank] for v in range(virtual)]
+
+
+def apply_pipeline(model: M.Transformer, mesh: Mesh, split: list[int] | None = None,
+                   virtual: int = 1) -> M.Transformer:
+    """Keep this stage's layers, or its model chunks' (names keep their global index); the embedding stays
+    on the first stage, the final norm and the head on the last."""
     if mesh.pp == 1:
         return model
-    start, end = stage_layers(model.args.n_layers, mesh.pp, split)[mesh.pp_rank]
+    chunks = chunk_layers(model.args.n_layers, mesh, virtual, split)
     for key in list(model.layers):
-        if not start <= int(key) < end:
+        if not any(start <= int(key) < end for start, end in chunks):
             del model.layers[key]
     if not mesh.first_stage:
         model.tok_embeddings = None
@@ -803,15 +821,24 @@ def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Trans
     return model
 
 
-def local_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None):
-    """This rank's part of Transformer.forward: its pipeline stage's layers, on its chunks of each sequence
-    (cp). Token ids (first stage) or the previous stage's residual stream (B, mesh.local_seq_len(seq_len),
-    dim) in; logits (last stage, vocab-sharded under TP) or the residual stream out. With pp = cp = 1 it
-    is exactly model.forward."""
-    h = model.tok_embeddings(inputs) if mesh.first_stage else inputs
+def chunk_ends(model: M.Transformer, mesh: Mesh, layers=None) -> tuple[bool, bool]:
+    """Whether this rank's stage (or its model chunk of `layers`) starts with the embedding, and whether it
+    ends with the head."""
+    if layers is None:
+        return mesh.first_stage, mesh.last_stage
+    return layers[0] == 0, layers[1] == model.args.n_layers
+
+
+def local_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None, layers=None):
+    """This rank's part of Transformer.forward: its pipeline stage's layers (or one model chunk's, `layers`
+    = (start, end)), on its chunks of each sequence (cp). Token ids (the first layers) or the previous
+    stage's residual stream (B, mesh.local_seq_len(seq_len), dim) in; logits (the last layers,
+    vocab-sharded under TP) or the residual stream out. With pp = cp = 1 it is exactly model.forward."""
+    first, last = chunk_ends(model, mesh, layers)
+    h = model.tok_embeddings(inputs) if first else inputs
     cos, sin, mask = attention_inputs(model, mesh, seq_len, h.device, doc_ids)
-    h = model.run_layers(h, cos, sin, mask)
-    return model.output(model.norm(h)) if mesh.last_stage else h
+    h = model.run_layers(h, cos, sin, mask, keys=None if layers is None else [str(i) for i in range(*layers)])
+    return model.output(model.norm(h)) if last else h
 
 
 def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
@@ -819,17 +846,19 @@ def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=N
     Posting a stage's sends and receives together (batch_isend_irecv) is what keeps 1F1B from
     deadlocking when two neighbours both send before they receive."""
     ops = []
-    me = mesh.pp_rank
+    nxt, prev = mesh.pp_peers[(mesh.pp_rank + 1) % mesh.pp], mesh.pp_peers[mesh.pp_rank - 1]  # a ring
+    # Activations before gradients, in the sends and in the receives: with pp 2 (interleaved) both go to
+    # the same peer, and NCCL matches one pair's sends and receives by their order alone, not by tag.
     if send_next is not None:
-        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), mesh.pp_peers[me + 1]))
+        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), nxt))
         mesh.comm_bytes["pp"] += send_next.numel() * send_next.element_size()
     if send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), mesh.pp_peers[me - 1]))
+        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), prev))
         mesh.comm_bytes["pp"] += send_prev.numel() * send_prev.element_size()
     if recv_prev is not None:
-        ops.append(dist.P2POp(dist.irecv, recv_prev, mesh.pp_peers[me - 1]))
+        ops.append(dist.P2POp(dist.irecv, recv_prev, prev))
     if recv_next is not None:
-        ops.append(dist.P2POp(dist.irecv, recv_next, mesh.pp_peers[me + 1]))
+        ops.append(dist.P2POp(dist.irecv, recv_next, nxt))
     if ops:
         t0 = time.monotonic()
         try:
@@ -858,7 +887,8 @@ def _backward(output: torch.Tensor, grad: torch.Tensor):
 
 
 def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, schedule: str = "1f1b",
-                  before_last_backward=None, dtype=torch.float32, stats: dict | None = None) -> torch.Tensor:
+                  before_last_backward=None, dtype=torch.float32, stats: dict | None = None,
+                  virtual: int = 1) -> torch.Tensor:
     """Phases 2-4 of one step on this stage: forward and backward of every micro-batch, interleaved with
     the other stages. batches: [(inputs, targets)] for all micro-batches (every stage loads them: the first
     needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's loss as it enters
@@ -868,11 +898,15 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
     AFAB runs all m forwards, then all m backwards: up to m micro-batches of activations alive at once.
     1F1B runs p-1-stage warm-up forwards, then alternates one forward with one backward, then drains: at
     most p micro-batches alive on the first stage. Both have the same bubble, (p-1)/(m+p-1) of the time.
+    Interleaved 1F1B gives each rank `virtual` model chunks (chunk_layers) and cuts the bubble to
+    (p-1)/(virtual*m + p-1), for more transfers and more activations in flight.
     stats, if given, accumulates "busy_s": the seconds this stage computed rather than waited (bench.py
     measures the bubble with it).
     """
-    stage = PipelineStage(model, batches, mesh, seq_len, dim, loss_fn, before_last_backward, dtype, stats)
-    (_afab if schedule == "afab" else _one_f_one_b)(stage)
+    chunks = chunk_layers(model.args.n_layers, mesh, virtual) if virtual > 1 else [None]
+    stage = PipelineStage(model, batches, mesh, seq_len, dim, loss_fn, before_last_backward, dtype, stats,
+                          chunks)
+    {"afab": _afab, "1f1b": _one_f_one_b, "interleaved": _interleaved}[schedule](stage)
     return stage.total
 
 
@@ -909,20 +943,66 @@ def _one_f_one_b(s: PipelineStage):
         s.send_backward(s.backward(i, s.recv_backward()))
 
 
+def _interleaved(s: PipelineStage):
+    """Interleaved 1F1B, in Megatron-LM's order. Forward micro-step k runs micro-batch (k // pV) * p + k % p
+    on chunk (k // p) % V: p micro-batches go through chunk 0, then the same p through chunk 1, and so on
+    (so m must be a multiple of p); backward micro-steps walk the chunks the other way. Rank r first runs
+    2(p-1-r) + (V-1)p forwards, then alternates, then drains. Every micro-step ends in one batch of
+    transfers: its output to the next rank (rank p-1's goes round to rank 0's next chunk), its input
+    gradient to the previous, and the next micro-steps' input and gradient received."""
+    p, r, V, total = s.mesh.pp, s.mesh.pp_rank, len(s.chunks), s.m * len(s.chunks)
+
+    def at(k: int, forward: bool) -> tuple[int, int]:  # micro-step k -> (micro-batch, chunk)
+        group, within = divmod(k, p * V)
+        v = within // p
+        return group * p + within % p, v if forward else V - 1 - v
+
+    takes_input = lambda k: k < total and not s.embeds(at(k, True)[1])  # not the embedding's chunk
+    takes_grad = lambda k: k < total and not s.ends(at(k, False)[1])  # not the loss's chunk
+    sendable = lambda out, v: None if s.ends(v) else out
+    warmup = min(2 * (p - 1 - r) + (V - 1) * p, total)
+    x, grad = s.exchange(recv_prev=takes_input(0))
+    for k in range(warmup):  # forwards only; the last also receives the first backward's gradient
+        i, v = at(k, True)
+        out = s.forward(i, x, v)
+        x, grad = s.exchange(send_next=sendable(out, v), recv_prev=takes_input(k + 1),
+                             recv_next=k == warmup - 1 and takes_grad(0))
+    for k in range(total - warmup):  # steady: forward k + warmup, backward k
+        i, v = at(k + warmup, True)
+        out = s.forward(i, x, v)
+        j, u = at(k, False)
+        grad_in = s.backward(j, grad, u)
+        x, grad = s.exchange(send_next=sendable(out, v), send_prev=grad_in,
+                             recv_prev=takes_input(k + warmup + 1), recv_next=takes_grad(k + 1))
+    for k in range(total - warmup, total):  # backwards only
+        j, u = at(k, False)
+        _, grad = s.exchange(send_prev=s.backward(j, grad, u), recv_next=takes_grad(k + 1))
+
+
 class PipelineStage:
-    """One step's work on this stage: the forward and the backward of micro-batch i, and the transfers
-    around them. The schedules above only decide their order."""
+    """One step's work on this stage: the forward and the backward of micro-batch i (on model chunk v,
+    under the interleaved schedule), and the transfers around them. The schedules above only decide their
+    order."""
 
     def __init__(self, model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, before_last_backward,
-                 dtype, stats: dict | None):
+                 dtype, stats: dict | None, chunks: list | None = None):
         self.model, self.batches, self.mesh, self.seq_len = model, batches, mesh, seq_len
         self.loss_fn = loss_fn
         self.before_last_backward, self.dtype, self.stats = before_last_backward, dtype, stats
         self.m, self.device = len(batches), batches[0][0].device
+        self.chunks = chunks or [None]  # each chunk's layer range (None: the stage's layers)
         # what crosses between stages: the residual stream, (B, T / cp, dim), (B, T / cp / tp, dim) under SP
         self.shape = (batches[0][0].shape[0], mesh.local_seq_len(seq_len), dim)
-        self.inputs, self.outputs = [None] * self.m, [None] * self.m
+        self.inputs, self.outputs = {}, {}  # by (micro-batch, chunk)
         self.total = torch.zeros((), device=self.device)
+
+    def embeds(self, v: int) -> bool:
+        """Whether chunk v starts with the embedding (takes token ids, sends no input gradient back)."""
+        return chunk_ends(self.model, self.mesh, self.chunks[v])[0]
+
+    def ends(self, v: int) -> bool:
+        """Whether chunk v ends with the head (computes the loss, sends no output on)."""
+        return chunk_ends(self.model, self.mesh, self.chunks[v])[1]
 
     def empty(self) -> torch.Tensor:
         return torch.empty(self.shape, device=self.device, dtype=self.dtype)
@@ -940,28 +1020,43 @@ class PipelineStage:
                 torch.cuda.synchronize(self.device)
             self.stats["busy_s"] = self.stats.get("busy_s", 0.0) + time.perf_counter() - t0
 
-    def forward(self, i: int, x):
+    def forward(self, i: int, x, v: int = 0):
+        """Micro-batch i through chunk v; returns its output, or its loss where the chunk ends the model."""
         with self.busy():
-            if self.mesh.first_stage:
+            if self.embeds(v):
                 x = self.batches[i][0]
             else:
                 x.requires_grad_()
-            self.inputs[i] = x
-            out = local_forward(self.model, x, self.mesh, self.seq_len, _doc_ids(self.batches[i]))
-            if self.mesh.last_stage:
+            self.inputs[i, v] = x
+            out = local_forward(self.model, x, self.mesh, self.seq_len, _doc_ids(self.batches[i]),
+                                self.chunks[v])
+            if self.ends(v):
                 out = self.loss_fn(out, self.batches[i][1])
                 self.total += out.detach()
-            self.outputs[i] = out
+            self.outputs[i, v] = out
         return out
 
-    def backward(self, i: int, grad):
+    def backward(self, i: int, grad, v: int = 0):
+        """Micro-batch i back through chunk v, from its output's gradient (None: from its loss); returns
+        the gradient of its input (None for the embedding's chunk)."""
         with self.busy():
-            if i == self.m - 1 and self.before_last_backward is not None:
+            if i == self.m - 1 and v == 0 and self.before_last_backward is not None:
                 self.before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
-            _backward(self.outputs[i], grad) if grad is not None else self.outputs[i].backward()
-            grad_in = None if self.mesh.first_stage else self.inputs[i].grad
-            self.inputs[i] = self.outputs[i] = None  # nothing of micro-batch i is needed any more
+            out = self.outputs.pop((i, v))
+            _backward(out, grad) if grad is not None else out.backward()
+            x = self.inputs.pop((i, v))  # nothing of micro-batch i in chunk v is needed any more
+            grad_in = None if self.embeds(v) else x.grad
         return grad_in
+
+    def exchange(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """One batch of transfers (the interleaved schedule's): returns the received input and gradient
+        (None where not asked for); a sent output's values are freed, as in 1F1B."""
+        x = self.empty() if recv_prev else None
+        grad = self.empty() if recv_next else None
+        _p2p(self.mesh, send_next=send_next, send_prev=send_prev, recv_prev=x, recv_next=grad)
+        if send_next is not None:
+            _free(send_next)
+        return x, grad
 
     def recv_forward(self):
         if self.mesh.first_stage:
@@ -993,20 +1088,25 @@ def _doc_ids(batch):
 
 
 @torch.no_grad()
-def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dtype=torch.float32) -> list:
+def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dtype=torch.float32,
+                     virtual: int = 1) -> list:
     """Forward only (validation, reference log-probs): micro-batches flow through the stages one after
-    another; returns [fn(logits, targets) for each micro-batch] on the last stage, [] elsewhere."""
+    another (with model chunks, round the ranks once per chunk); returns [fn(logits, targets) for each
+    micro-batch] on the last stage, [] elsewhere."""
     results = []
+    chunks = chunk_layers(model.args.n_layers, mesh, virtual) if virtual > 1 else [None]
     for batch in batches:
-        x = batch[0]
-        if not mesh.first_stage:
-            x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), dim), device=x.device, dtype=dtype)
-            _p2p(mesh, recv_prev=x)
-        out = local_forward(model, x, mesh, seq_len, _doc_ids(batch))
-        if mesh.last_stage:
-            results.append(fn(out, batch[1]))
-        else:
-            _p2p(mesh, send_next=out)
+        for layers in chunks:
+            first, last = chunk_ends(model, mesh, layers)
+            x = batch[0]
+            if not first:
+                x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), dim), device=x.device, dtype=dtype)
+                _p2p(mesh, recv_prev=x)
+            out = local_forward(model, x, mesh, seq_len, _doc_ids(batch), layers)
+            if last:
+                results.append(fn(out, batch[1]))
+            else:
+                _p2p(mesh, send_next=out)
     return results
 
 

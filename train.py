@@ -108,7 +108,10 @@ def add_parallel_flags(p: argparse.ArgumentParser):
                    help="context-parallel size: each sequence cut along its length over cp ranks")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
     g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
-    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"], help="pipeline schedule")
+    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
+                   help="pipeline schedule (interleaved: 1F1B over --virtual-stages model chunks per rank)")
+    g.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank for --schedule interleaved (2 or more)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2); "
@@ -285,9 +288,9 @@ def check_config(args, recipe) -> Spec:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
-                       args.cp)
-        if args.pp > 1:
-            P.stage_layers(margs.n_layers, args.pp, split)
+                       args.cp, args.virtual_stages)
+        if args.pp > 1:  # interleaved: --pp-layers counts each model chunk's layers, pp x virtual of them
+            P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout: {e}") from None
     check_memory(margs, args, world, device, precision)
@@ -443,7 +446,8 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     if mesh.pp > 1:  # 2-4. forward, loss, backward of every micro-batch, interleaved across stages
         loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
                                lambda *a: scaled_loss(run, *a),
-                               args.schedule, before_last_backward=run.sync.start, dtype=run.dtype)
+                               args.schedule, before_last_backward=run.sync.start, dtype=run.dtype,
+                               virtual=args.virtual_stages)
         timer.mark("2-4 pipeline")
     else:
         loss = torch.zeros((), device=run.device)
@@ -735,7 +739,7 @@ def evaluate(run: Run) -> tuple[float, list]:
         batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
         batches = [P.context_chunks(b, mesh) for b in batches]
         for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, task.loss,
-                                             run.dtype):
+                                             run.dtype, args.virtual_stages):
             loss = loss + chunk_loss
     metrics = task.metrics().to(device)
     sum_over_replicas([loss, metrics], mesh)
@@ -970,7 +974,7 @@ def build_model(margs, state, args, mesh, device, dtype):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_context_parallel(model, mesh)
-    P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers))
+    P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers), args.virtual_stages)
     if state is None:  # drawn on the CPU, so one seed gives one model on any device
         full_value = lambda name, shape: M.init_tensor(margs, name, shape, args.seed)
     else:
@@ -1116,7 +1120,9 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
         f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
         f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
     say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
-        + (f", {args.schedule} schedule" if mesh.pp > 1 else "") + (", sequence parallel" if mesh.sp else "")
+        + (f", {args.schedule} schedule" if mesh.pp > 1 else "")
+        + (f" over {args.virtual_stages} model chunks per rank" if mesh.pp > 1 and args.virtual_stages > 1
+           else "") + (", sequence parallel" if mesh.sp else "")
         + (f", ZeRO-{args.zero}" if args.zero and mesh.dp_cp > 1 else ""))
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
     say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step "

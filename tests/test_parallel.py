@@ -358,6 +358,11 @@ LAYOUTS = [  # (processes, flags)
     (4, ["--zero", "3", "--act-ckpt"]),  # dp 4; each block's forward runs again inside its backward
     (4, ["--tp", "2", "--sp", "--zero", "3"]),
     (4, ["--cp", "2", "--pp", "2", "--zero", "3"]),  # ZeRO-3 over dp x cp, in a pipeline stage
+    # each rank two model chunks of one layer: rank 0 layers 0 and 2, rank 1 layers 1 and 3. With pp 2 the
+    # activations and gradients both travel between the same two ranks, each way
+    (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]),
+    (8, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--tp", "2"]),  # and dp 2
+    (4, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--zero", "3"]),
 ]
 
 
