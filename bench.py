@@ -53,14 +53,15 @@ GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200"
 
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
          grad_accum: int, mfu: float, zero: int = 1, act_ckpt: bool = False, precision: str = "bf16",
-         sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1) -> dict:
+         sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1,
+         virtual: int = 1) -> dict:
     """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
     (under each of ZeRO 0 to 3 and activation checkpointing on/off, the chosen one marked), the bytes each
     GPU sends per step, the bubble, and the step time and days at a stated MFU. The memory fits when it is
     at most the GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and
     kernels, NCCL's buffers (one set per process group) and the allocator's fragmentation."""
     margs = M.PRESETS[model]
-    P.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp)  # what train.py would refuse
+    P.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)  # as train.py would
     dp = gpus // (tp * cp * pp)
     n = M.count_params(margs)
     tokens_micro = micro_batch * seq_len
@@ -68,11 +69,11 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     steps = math.ceil(tokens / tokens_step)
     flops_tok = M.flops_per_token(margs, seq_len)
     memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
-                                             sp, grad_accum, schedule, cp=cp)
+                                             sp, grad_accum, schedule, cp=cp, virtual=virtual)
     variants = {f"zero{z}_ckpt{int(c)}": memory(z, c) for z in (0, 1, 2, 3) for c in (False, True)}
     chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
     comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
-                           grad_accum, cp=cp)
+                           grad_accum, cp=cp, virtual=virtual)
     peak = T.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
     capacity = GPU_MEMORY_GB[gpu] * 1e9
@@ -82,11 +83,11 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
             "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
             "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok, "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
-            "comm_bytes_per_step": comm, "bubble": (pp - 1) / (grad_accum + pp - 1), "mfu": mfu,
+            "comm_bytes_per_step": comm, "bubble": (pp - 1) / (virtual * grad_accum + pp - 1), "mfu": mfu,
             "peak_flops": peak, "step_time_s": step_s, "days": steps * step_s / 86400,
             "gpu_memory_bytes": capacity,
             "reserve_bytes": reserve_gb * 1e9, "fits": chosen["total"] <= capacity - reserve_gb * 1e9,
-            "zero": zero, "act_ckpt": act_ckpt, "sp": sp}
+            "zero": zero, "act_ckpt": act_ckpt, "sp": sp, "schedule": schedule, "virtual_stages": virtual}
 
 
 def print_plan(r: dict):
@@ -100,7 +101,9 @@ def print_plan(r: dict):
           f"({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, "
           f"{r['flops_per_token']['megatron'] / 1e9:.1f} Megatron)")
     print(f"  at {100 * r['mfu']:.0f}% MFU of {r['peak_flops'] / 1e12:,.0f} TFLOP/s ({r['precision']}): "
-          f"{r['step_time_s']:.2f} s per step, {r['days']:.1f} days; pipeline bubble {r['bubble']:.3f}")
+          f"{r['step_time_s']:.2f} s per step, {r['days']:.1f} days; pipeline bubble {r['bubble']:.3f} "
+          f"({r['schedule']}" + (f", {r['virtual_stages']} chunks per rank)" if r["virtual_stages"] > 1
+                                 else ")"))
     zero = f"ZeRO-{int(r['zero'])}" if r["zero"] else "no ZeRO"
     print(f"  memory of the busiest GPU ({zero}, "
           f"{'' if r['act_ckpt'] else 'no '}"
@@ -341,39 +344,53 @@ def dp_vs_ddp(args, mesh, margs, device):
 
 
 def bubble(args, mesh, margs, device):
-    """1F1B at pp = world, for each m: step time, this stage's compute time, measured bubble (fp32, on this
-    rank's device)."""
-    torch.manual_seed(0)
-    model = M.Transformer(margs)
-    P.apply_pipeline(model, mesh)
-    model.to(device)
-    opt = O.AdamW(model.named_parameters(), lr=1e-4)
+    """At pp = world, for each m: --schedule (1F1B or AFAB) and, with --virtual-stages V, the interleaved
+    schedule beside it (where m is a multiple of pp): step time, measured bubble and its formula (fp32, on
+    this rank's device)."""
+    base = "afab" if args.schedule == "afab" else "1f1b"
+    schedules = [(base, 1)] + ([("interleaved", args.virtual_stages)] if args.virtual_stages > 1 else [])
+    for schedule, virtual in schedules:
+        try:
+            P.check_layout(mesh.world, 1, mesh.pp, margs, mesh.pp, schedule, args.seq_len, virtual=virtual)
+        except P.LayoutError as e:
+            raise SystemExit(f"error: invalid parallel layout: {e}") from None
     rows = []
-    for m in args.micro_batches:
-        batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device),
-                    torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device))
-                   for _ in range(m)]
-        loss_fn = lambda logits, y: F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1),
-                                                    reduction="sum")
-        stats = {}
-
-        def step():
-            P.pipeline_step(model, batches, mesh, args.seq_len, margs.dim, loss_fn, args.schedule,
-                            stats=stats)
-            opt.zero_grad()
-
-        step()
-        stats.clear()
-        t = timed_steps(step, args.steps, device, warmup=0)
-        busy = torch.tensor([stats["busy_s"] / args.steps], device=device)
-        total = torch.tensor([statistics.median(t)])
-        every = [torch.zeros(1, device=device) for _ in range(mesh.world)]
-        dist.all_gather(every, busy)
-        measured = [1 - b.item() / total.item() for b in every]
-        rows.append({"m": m, "step_s": total.item(), "bubble_measured_per_stage": measured,
-                     "bubble_measured": sum(measured) / len(measured),
-                     "bubble_formula": (mesh.pp - 1) / (m + mesh.pp - 1)})
+    for schedule, virtual in schedules:
+        torch.manual_seed(0)
+        model = P.apply_pipeline(M.Transformer(margs), mesh, virtual=virtual).to(device)
+        opt = O.AdamW(model.named_parameters(), lr=1e-4)
+        for m in args.micro_batches:
+            if schedule != "interleaved" or m % mesh.pp == 0:
+                rows.append({"schedule": schedule, "virtual": virtual, "m": m,
+                             **measure_bubble(args, mesh, model, opt, m, schedule, virtual, device),
+                             "bubble_formula": (mesh.pp - 1) / (virtual * m + mesh.pp - 1)})
     return rows
+
+
+def measure_bubble(args, mesh, model, opt, m: int, schedule: str, virtual: int, device) -> dict:
+    """Median step time of m micro-batches, and each stage's bubble: 1 - its compute time / step time."""
+    margs = model.args
+    batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device),
+                torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device))
+               for _ in range(m)]
+    loss_fn = lambda logits, y: F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+    stats = {}
+
+    def step():
+        P.pipeline_step(model, batches, mesh, args.seq_len, margs.dim, loss_fn, schedule, stats=stats,
+                        virtual=virtual)
+        opt.zero_grad()
+
+    step()
+    stats.clear()
+    t = timed_steps(step, args.steps, device, warmup=0)
+    busy = torch.tensor([stats["busy_s"] / args.steps], device=device)
+    total = torch.tensor([statistics.median(t)])
+    every = [torch.zeros(1, device=device) for _ in range(mesh.world)]
+    dist.all_gather(every, busy)
+    measured = [1 - b.item() / total.item() for b in every]
+    return {"step_s": total.item(), "bubble_measured_per_stage": measured,
+            "bubble_measured": sum(measured) / len(measured)}
 
 
 def gpu_name(text: str) -> str:
@@ -426,8 +443,11 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
     p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab"],
-                   help="pipeline schedule (--bubble, --plan)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
+                   help="pipeline schedule (--plan; --bubble: the one measured beside the interleaved)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per rank: --plan with --schedule interleaved; --bubble measures the "
+                        "interleaved schedule with this many beside --schedule")
     g = p.add_argument_group("--plan")
     g.add_argument("--tokens", type=float, default=15e12, help="training tokens (Llama 3: 15e12)")
     g.add_argument("--gpu", default="H100", type=gpu_name, choices=sorted(T.GPU_PEAK_TFLOPS),
@@ -467,7 +487,7 @@ def run_plan(a):
     try:
         r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
                  a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
-                 a.reserve_gb, a.schedule, a.cp)
+                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages)
     except P.LayoutError as e:
         raise SystemExit(f"error: invalid parallel layout: {e}") from None
     print(json.dumps(r)) if a.json else print_plan(r)
@@ -493,7 +513,7 @@ def run_comparison(a, versions: dict):
         result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs, device)
     else:
         result["bubble"] = bubble(a, mesh, margs, device)
-        result["schedule"] = a.schedule
+
     if mesh.rank == 0:
         print_comparison(result, a, world)
     dist.destroy_process_group()
@@ -522,13 +542,14 @@ def print_comparison(result, a, world):
             print(f"  {k:12s} median step {1000 * v:8.1f} ms")
         print(f"  DDP / parallel.py step time: {r['ratio_ddp_over_ours']:.3f} (> 1: ours is faster)")
     else:
-        print(f"pipeline bubble, {a.schedule}, pp {world}, {a.model}, micro-batch "
-              f"{a.micro_batch}x{a.seq_len}")
-        print(f"  {'m':>3s} {'step ms':>9s} {'measured':>9s} {'(p-1)/(m+p-1)':>14s}   per stage")
+        print(f"pipeline bubble, pp {world}, {a.model}, micro-batch {a.micro_batch}x{a.seq_len}")
+        print(f"  {'schedule':>16s} {'m':>3s} {'step ms':>9s} {'measured':>9s} {'(p-1)/(Vm+p-1)':>15s}   "
+              "per stage")
         for r in result["bubble"]:
-            print(f"  {r['m']:3d} {1000 * r['step_s']:9.1f} {r['bubble_measured']:9.3f} "
-                  f"{r['bubble_formula']:14.3f}   "
-                  + " ".join(f"{b:.3f}" for b in r["bubble_measured_per_stage"]))
+            name = r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else "")
+            print(f"  {name:>16s} {r['m']:3d} {1000 * r['step_s']:9.1f} {r['bubble_measured']:9.3f} "
+                  f"{r['bubble_formula']:15.3f}   " + " ".join(f"{b:.3f}"
+                                                              for b in r["bubble_measured_per_stage"]))
 
 
 if __name__ == "__main__":

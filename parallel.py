@@ -1654,25 +1654,30 @@ def consolidate(folder: Path, hf: Path, tokens: dict | None = None):
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def rank_layers(n_layers: int, pp: int, stage: int, split=None, virtual: int = 1) -> int:
+    """How many layers pipeline rank `stage` holds (over its `virtual` model chunks)."""
+    ranges = stage_layers(n_layers, pp * virtual, split)
+    return sum(end - start for start, end in ranges[stage::pp])
+
+
 def unit_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
-                split: list[int] | None = None) -> list[int]:
+                split: list[int] | None = None, virtual: int = 1) -> list[int]:
     """Parameters one rank of pipeline stage `stage` holds, unit by unit in forward order (unit_of): the
     embedding on the first stage, its layers (linears split over tp, norms whole), the final norm and the
     head on the last (vocab padded to tp; a tied head is the embedding's unit)."""
     d, hd, V = args.dim, args.head_dim, padded_vocab(args.vocab_size, tp)
     per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd
                  + 3 * d * args.hidden_dim) // tp + 2 * d
-    start, end = stage_layers(args.n_layers, pp, split)[stage]
     units = [V // tp * d] if stage == 0 else []  # embedding
-    units += [per_layer] * (end - start)
+    units += [per_layer] * rank_layers(args.n_layers, pp, stage, split, virtual)
     units += [d] + ([V // tp * d] if not args.tie_embeddings else []) if stage == pp - 1 else []  # norm, head
     return units
 
 
 def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
-                 split: list[int] | None = None) -> int:
+                 split: list[int] | None = None, virtual: int = 1) -> int:
     """Parameters one rank of pipeline stage `stage` holds."""
-    return sum(unit_params(args, tp, pp, stage, split))
+    return sum(unit_params(args, tp, pp, stage, split, virtual))
 
 
 def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
@@ -1713,7 +1718,8 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
 def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
                     act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
-                    split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0) -> dict[str, float]:
+                    split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
+                    virtual: int = 1) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
@@ -1726,7 +1732,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
     (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
     their inputs only) and on the last stage the head and what the loss keeps; without a pipeline the
-    training loop also holds the logits until backward.
+    training loop also holds the logits until backward. The interleaved schedule holds up to its warm-up
+    plus one chunk forwards, each of 1/virtual of the rank's layers.
     temporaries: what comes and goes on top of them at the peak: the largest of the loss's, a layer's
     backward (with the layer recomputed under checkpointing) and the embedding's or head's weight gradient;
     or the optimizer step's packed ZeRO shard, which comes when the activations are gone, if that is more.
@@ -1735,11 +1742,11 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference."""
     if stage is None:
         return max((memory_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
-                                    grad_accum, schedule, s, split, cp, bucket_mb) for s in range(pp)),
-                   key=lambda m: m["total"])
+                                    grad_accum, schedule, s, split, cp, bucket_mb, virtual)
+                    for s in range(pp)), key=lambda m: m["total"])
     dp = dp * cp  # the ranks holding the same weights: ZeRO shards over all of them
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
-    n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
+    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
     out = {"weights": n * b, "grads": n * 4,
            "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
            "optimizer": 3 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
@@ -1747,16 +1754,19 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
         staged = min(n, 4 * bucket_mb * 2 ** 20 / 4)
         out["grads"], out["zero_buffers"] = n * 4 / zdp, staged * 4 * (1 + 1 / zdp)
     if zero >= 3 and zdp > 1:
-        out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp))
+        out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
     elif zdp > 1:  # the all-gathers' inputs (all_gather_params), kept until the next forward waits for them
         out["zero_buffers"] += n * b / zdp
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
-    start, end = stage_layers(args.n_layers, pp, split)[stage]
-    first, last = stage == 0, stage == pp - 1
-    in_flight = 1 if pp == 1 else grad_accum if schedule == "afab" else min(pp - stage, grad_accum)
-    per_micro_batch = (end - start) * (a["layer_input"] if act_ckpt else a["layer"])
-    per_micro_batch += a["head"] + a["loss_saved"] if last else 0.0
-    out["activations"] = in_flight * per_micro_batch + (a["logits"] if pp == 1 else 0.0)
+    layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
+    per_layer = a["layer_input"] if act_ckpt else a["layer"]
+    head = a["head"] + a["loss_saved"] if last else 0.0
+    if schedule == "interleaved" and pp > 1:  # the most chunk forwards alive at once (the warm-up's + 1)
+        chunks = min(2 * (pp - 1 - stage) + (virtual - 1) * pp + 1, grad_accum * virtual)
+        out["activations"] = chunks * layers / virtual * per_layer + head
+    else:
+        in_flight = 1 if pp == 1 else grad_accum if schedule == "afab" else min(pp - stage, grad_accum)
+        out["activations"] = in_flight * (layers * per_layer + head) + (a["logits"] if pp == 1 else 0.0)
     loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
     head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
     layer = a["layer_backward"] + (a["layer"] if act_ckpt else 0.0) - head_done
@@ -1767,14 +1777,15 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     return out
 
 
-def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: int, split, dp: int) -> dict:
+def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: int, split, dp: int,
+                          virtual: int = 1) -> dict:
     """ZeRO-3's model states on one rank: each unit padded to a multiple of dp (x cp), 1/dp of everything
     (the model copy's b bytes a parameter, the fp32 master unless the model copy in fp32 is it, gradients,
     m, v, the update's denominator), and whole weights for two neighbouring units at once (the one
     computing, the one prefetched), three with a tied head (the embedding stays whole from the head's
     backward to its own); the gradients of up to three units being staged or reduce-scattered (two in
     flight, GradSync._launch), with the pieces of two."""
-    units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split)]
+    units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
     n, first, last = sum(units), stage == 0, stage == pp - 1
     whole = max([u + v for u, v in zip(units, units[1:])] or units)
     whole += units[0] if args.tie_embeddings and first and last else 0
@@ -1786,7 +1797,7 @@ def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: in
 def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
                   act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                   sp: bool = False, grad_accum: int = 1, stage: int | None = None,
-                  split: list[int] | None = None, cp: int = 1) -> dict[str, float]:
+                  split: list[int] | None = None, cp: int = 1, virtual: int = 1) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
     all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage`
     (None: per dimension, the most any stage sends). Scalars (the loss normalizer over dp, train.py's step
@@ -1809,28 +1820,28 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
           step."""
     if stage is None:  # per dimension, the most any stage sends
         stages = [comm_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
-                                grad_accum, s, split, cp) for s in range(pp)]
+                                grad_accum, s, split, cp, virtual) for s in range(pp)]
         return {dim: max(c[dim] for c in stages) for dim in ("tp", "cp", "pp", "dp")}
     b, tokens = BYTES[precision], micro_batch * seq_len // cp
     stream = tokens * args.dim * b  # one micro-batch of the residual stream
-    start, end = stage_layers(args.n_layers, pp, split)[stage]
-    first, last = stage == 0, stage == pp - 1
+    layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     ring = lambda n: (n - 1) / n
     recomputed = (1.5 if sp and tp > 1 else 1) if act_ckpt else 0  # in all-reduces' worth of bytes
-    all_reduces = (end - start) * (4 + recomputed) + first + last
+    all_reduces = layers * (4 + recomputed) + first + last
     tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (3 * 2 * ring(tp) * tokens * 4 if last
                                                                     else 0))
     if sp:  # the norms' weight gradients are partial sums over the sequence chunks: all-reduced once per step
-        tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * (end - start) + last)
+        tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * layers + last)
     boundary = stream / tp if sp and tp > 1 else stream  # under SP a stage sends only its sequence chunk
-    pp_bytes = grad_accum * boundary * ((not last) + (not first)) if pp > 1 else 0.0
+    # each micro-batch crosses every chunk boundary but the model's two ends: forward and back
+    pp_bytes = grad_accum * boundary * (2 * virtual - first - last) if pp > 1 else 0.0
     kv = micro_batch * seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K and V
-    cp_bytes = grad_accum * (end - start) * (2 + act_ckpt) * ring(cp) * kv
+    cp_bytes = grad_accum * layers * (2 + act_ckpt) * ring(cp) * kv
     dp = dp * cp  # the ranks holding the same weights
-    n = -(-stage_params(args, tp, pp, stage, split) // dp) * dp
+    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
     dp_bytes = ring(dp) * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring(dp) * n * 4
     if zero >= 3:  # every micro-batch: each unit gathered for its forward and again for its backward
-        units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split)]
+        units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
         again = units[0] if args.tie_embeddings and first and last else 0  # for the tied head's forward
         dp_bytes = ring(dp) * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
     return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,

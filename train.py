@@ -919,7 +919,7 @@ def check_memory(margs, args, world: int, device, precision: str):
     est = P.memory_estimate(margs, precision, args.micro_batch, args.seq_len, args.act_ckpt, args.tp, args.pp,
                             world // (args.tp * args.cp * args.pp), args.zero, args.sp, args.grad_accum,
                             args.schedule, split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None,
-                            cp=args.cp, bucket_mb=args.bucket_mb)
+                            cp=args.cp, bucket_mb=args.bucket_mb, virtual=args.virtual_stages)
     have = available_memory(device)
     if have is not None and est["total"] > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)

@@ -65,6 +65,20 @@ def test_plan_reproduces_the_llama3_405b_layouts():
     # The busiest stage holds 8 of the 126 layers.
     kv = 131072 * 2 * 128 * 2
     assert r["comm_bytes_per_step"]["cp"] == pytest.approx(16 * 8 * 3 * 15 / 16 * kv)
+    # The first layout with the interleaved schedule, 2 chunks per rank: the bubble (p-1)/(Vm+p-1) instead
+    # of (p-1)/(m+p-1), for twice the pipeline's bytes (each micro-batch passes every rank twice each way)
+    one, two = (bench.plan("llama3.1-405b", 15.6e12, 8192, "H100", 8192, tp=8, pp=16, micro_batch=1,
+                           grad_accum=32, mfu=0.4, zero=1, act_ckpt=True, schedule=schedule, virtual=virtual)
+                for schedule, virtual in (("1f1b", 1), ("interleaved", 2)))
+    assert (one["bubble"], two["bubble"]) == (pytest.approx(15 / 47), pytest.approx(15 / 79))
+    assert two["comm_bytes_per_step"]["pp"] == pytest.approx(2 * one["comm_bytes_per_step"]["pp"])
+    # ZeRO-3 over dp 64: 1/64 of a stage's 3.2 billion weights, plus two whole layers (bf16; matrices over
+    # tp 8, the two norms whole)
+    z3, z1 = one["memory_variants"]["zero3_ckpt1"], one["memory_variants"]["zero1_ckpt1"]
+    a = M.PRESETS["llama3.1-405b"]
+    d, hd = a.dim, a.head_dim
+    layer = (2 * d * a.n_heads * hd + 2 * d * a.n_kv_heads * hd + 3 * d * a.hidden_dim) / 8 + 2 * d
+    assert z3["weights"] == pytest.approx(z1["weights"] / 64 + 2 * 2 * layer, rel=1e-4)
 
 
 def test_plan_json_cli_carries_the_required_keys():
@@ -134,9 +148,13 @@ def test_dp_vs_ddp_and_bubble_run_end_to_end():
     ddp = json.loads(subprocess.run(base + ["--dp-vs-ddp", "--blocks", "1"], capture_output=True, text=True,
                                     check=True, env=env).stdout.splitlines()[-1])
     assert ddp["torch_device"] == "cpu" and ddp["dp_vs_ddp"]["ratio_ddp_over_ours"] > 0
-    rows = json.loads(subprocess.run(base + ["--bubble", "--micro-batches", "2,4"], capture_output=True,
-                                     text=True, check=True, env=env).stdout.splitlines()[-1])["bubble"]
-    assert [r["m"] for r in rows] == [2, 4] and [r["bubble_formula"] for r in rows] == [1 / 3, 1 / 5]
+    bubble = base + ["--bubble", "--micro-batches", "1,2,4", "--virtual-stages", "2", "--model", "mini"]  # 4 layers
+    rows = json.loads(subprocess.run(bubble, capture_output=True, text=True, check=True,
+                                     env=env).stdout.splitlines()[-1])["bubble"]
+    # 1F1B at every m, the interleaved schedule (2 chunks per rank) beside it where m is a multiple of pp
+    assert [(r["schedule"], r["m"], r["bubble_formula"]) for r in rows] == [
+        ("1f1b", 1, 1 / 2), ("1f1b", 2, 1 / 3), ("1f1b", 4, 1 / 5), ("interleaved", 2, 1 / 5),
+        ("interleaved", 4, 1 / 9)]
     assert all(0 <= b < 1 for r in rows for b in r["bubble_measured_per_stage"])
 
 

@@ -721,9 +721,12 @@ def test_communication_bytes_match_formulas(tmp_path, tp, pp, dp):
     (2, ["--tp", "2", "--n-kv-heads", "1"], "n_kv_heads 1 is not divisible by tp 2"),
     (4, ["--pp", "4", "--n-layers", "3"], "pp 4 stages need at least 4 layers, the model has 3"),
     (2, ["--pp", "2", "--schedule", "1f1b"], "1F1B needs at least as many micro-batches"),
+    (2, ["--pp", "2", "--virtual-stages", "2"], "--schedule 1f1b with --virtual-stages 2: the interleaved"),
+    (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"],
+     "the interleaved schedule needs --grad-accum 1 divisible by pp 2"),
 ])
 def test_invalid_layouts_are_refused_before_any_collective(tmp_path, n, flags, message):
-    micro = 16 if "1F1B" in message else 4  # 16 x 1 micro-batch: fewer micro-batches than stages
+    micro = 16 if "1F1B" in message or "--grad-accum 1" in message else 4  # 16 x 1 micro-batch
     t0 = time.time()
     p = torchrun(n, tmp_path / "o", *flags, micro=micro, check=False, timeout=120)
     assert p.returncode != 0 and time.time() - t0 < 90
