@@ -147,18 +147,40 @@ def peak_flops(device, precision):
     return T.peak_flops(device, precision)
 
 
+def cpu_census(fn) -> tuple[object, int]:
+    """fn()'s result, and the most bytes of tensors alive at once while it ran, on a CPU: torch keeps no
+    allocator statistics there, but its profiler reports each allocation with the allocator's running
+    total. It slows the run: a census run's timings are not a plain run's."""
+    from torch.profiler import profile, ProfilerActivity
+    from torch._C._profiler import _EventType
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    peak, nodes = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.typed[0] == _EventType.Allocation:
+            peak = max(peak, node.typed[1].total_allocated)
+    return out, peak
+
+
 def measure(a, timing: str = "phases", **over) -> dict:
     """One timed train.py run; phases and step time are medians over the steps after the warm-up. timing
     "phases" synchronizes the device after every phase to split the step; "steps" only at each step's end,
-    as a plain run does (train.PhaseTimer)."""
+    as a plain run does (train.PhaseTimer). Peak memory: the CUDA allocator's, or on a CPU the process's
+    peak RSS, or with --memory-census the census of its tensors (cpu_census)."""
     args = train_args(a, **over)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    census = a.memory_census and not torch.cuda.is_available()
     import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
     with contextlib.redirect_stdout(io.StringIO()):
         T.configure_process(args)  # as train.py's command line does: seeds, TF32, --deterministic
-        run = T.train(args, time_phases=timing)
+        train = lambda: T.train(args, time_phases=timing)
+        run, peak = cpu_census(train) if census else (train(), None)
     mesh, margs = run.mesh, run.margs
+    peak = peak / 1e9 if census else T.peak_memory_gb(run.device)
+    peaks = P.all_gather_objects(peak, mesh) if mesh.world > 1 else [peak]
     ckpt = [s["7 checkpoint"] for s in run.phases if "7 checkpoint" in s]
     steps = [s for s in run.phases if "7 checkpoint" not in s][a.warmup_steps:]
     phases = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
@@ -178,7 +200,8 @@ def measure(a, timing: str = "phases", **over) -> dict:
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
-            "peak_flops": peak, "peak_flops_source": peak_src, "peak_memory_gb": T.peak_memory_gb(run.device),
+            "peak_flops": peak, "peak_flops_source": peak_src, "peak_memory_gb": max(peaks),
+            "peak_memory_gb_per_rank": peaks, "memory_census": census,
             "memory_estimate_gb": {k: v / 1e9 for k, v in est.items()},
             "comm_bytes_per_step": {k: v / (a.warmup_steps + a.steps) for k, v in mesh.comm_bytes.items()},
             "comm_estimate_bytes": comm_est}
@@ -206,9 +229,12 @@ def print_measurement(rows: list[dict], a):
             est = r["comm_estimate_bytes"]
             print("       bytes sent per step (estimate): " + ", ".join(
                 f"{k} {v / 1e6:.2f} MB ({est.get(k, 0) / 1e6:.2f})" for k, v in comm.items()))
-    if r0["peak_flops_source"].startswith("cpu"):
+    if r0["memory_census"]:
+        print("  (mem GB: the busiest rank's tensors at their peak, counted by torch's profiler, which slows "
+              "the steps; est GB: parallel.memory_estimate)")
+    elif r0["peak_flops_source"].startswith("cpu"):
         print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts "
-              "tensors)")
+              "tensors: --memory-census counts them too)")
 
 
 SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "deterministic")
@@ -413,7 +439,7 @@ def get_parser() -> argparse.ArgumentParser:
                       help="under torchrun: our data parallelism against torch's DistributedDataParallel")
     mode.add_argument("--bubble", action="store_true",
                       help="under torchrun: the pipeline bubble measured at pp = processes, beside "
-                      "(p-1)/(m+p-1)")
+                      "(p-1)/(Vm+p-1)")
     p.add_argument("--model", default="mini", choices=sorted(M.PRESETS), help="a model.py preset")
     p.add_argument("--data", default="tinyshakespeare", help="train.py --data")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
@@ -436,6 +462,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")
     p.add_argument("--deterministic", action="store_true",
                    help="train.py --deterministic (sweep key: deterministic)")
+    p.add_argument("--memory-census", action="store_true",
+                   help="on a CPU: measure the peak of tensor memory with torch's profiler (slower steps)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps run before timing starts")
     p.add_argument("--bucket-mb", type=float, default=25.0,
@@ -448,7 +476,13 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="model chunks per rank: --plan with --schedule interleaved; --bubble measures the "
                         "interleaved schedule with this many beside --schedule")
-    g = p.add_argument_group("--plan")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (settings and versions included)")
+    add_plan_args(p.add_argument_group("--plan"))
+    return p
+
+
+def add_plan_args(g):
     g.add_argument("--tokens", type=float, default=15e12, help="training tokens (Llama 3: 15e12)")
     g.add_argument("--gpu", default="H100", type=gpu_name, choices=sorted(T.GPU_PEAK_TFLOPS),
                    help="GPU model, in any case (H100 is the SXM part; h100-pcie names the PCIe one)")
@@ -457,9 +491,6 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--reserve-gb", type=float, default=4.0,
                    help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, "
                    "fragmentation")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (settings and versions included)")
-    return p
 
 
 def main():

@@ -34,9 +34,11 @@ CURVE_RTOL = 0.02
 MODEL = ["--model", "mini", "--seq-len", "256", "--lr", "1e-3", "--warmup", "5", "--log-every", "1",
          "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens", "0"]
 GLOBAL_BATCH = 16  # sequences per step in every layout
-# cp: FlexAttention's block mask over global positions and NCCL's cp group, which the CPU tests cannot run
+# cp: FlexAttention's block mask over global positions and NCCL's cp group, which the CPU tests cannot run;
+# ZeRO-3's storage freed and regathered under CUDA's caching allocator; the interleaved schedule's transfers
+# at pp 2, which NCCL matches by order alone
 LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "dp": 2}, {"cp": 2},
-           {"cp": 2, "tp": 2, "pp": 2}]
+           {"cp": 2, "tp": 2, "pp": 2}, {"dp": 2, "zero": 3}, {"pp": 2, "virtual": 2}]
 
 
 def torchrun(n: int, flags: list, out: Path) -> tuple[bool, str]:
@@ -65,9 +67,11 @@ def compare(name: str, got: list, want: list, rtol: float) -> bool:
 
 def layout_flags(layout: dict, precision: str) -> list:
     dp, micro = layout.get("dp", 1), 4
+    interleaved = ["--schedule", "interleaved", "--virtual-stages", str(layout.get("virtual"))]
     return [*MODEL, "--precision", precision, "--max-steps", str(STEPS), "--micro-batch", str(micro),
             "--grad-accum", str(GLOBAL_BATCH // (micro * dp)), "--tp", str(layout.get("tp", 1)),
-            "--pp", str(layout.get("pp", 1)), "--cp", str(layout.get("cp", 1))]
+            "--pp", str(layout.get("pp", 1)), "--cp", str(layout.get("cp", 1)),
+            "--zero", str(layout.get("zero", 0))] + (interleaved if "virtual" in layout else [])
 
 
 def parity(gpus: int, work: Path) -> list[bool]:

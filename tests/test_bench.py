@@ -148,7 +148,8 @@ def test_dp_vs_ddp_and_bubble_run_end_to_end():
     ddp = json.loads(subprocess.run(base + ["--dp-vs-ddp", "--blocks", "1"], capture_output=True, text=True,
                                     check=True, env=env).stdout.splitlines()[-1])
     assert ddp["torch_device"] == "cpu" and ddp["dp_vs_ddp"]["ratio_ddp_over_ours"] > 0
-    bubble = base + ["--bubble", "--micro-batches", "1,2,4", "--virtual-stages", "2", "--model", "mini"]  # 4 layers
+    bubble = base + ["--bubble", "--micro-batches", "1,2,4", "--virtual-stages", "2",
+                     "--model", "mini"]  # 4 layers: 2 chunks of one on each of 2 ranks
     rows = json.loads(subprocess.run(bubble, capture_output=True, text=True, check=True,
                                      env=env).stdout.splitlines()[-1])["bubble"]
     # 1F1B at every m, the interleaved schedule (2 chunks per rank) beside it where m is a multiple of pp

@@ -28,19 +28,10 @@ RUN = ["--model", "mini", "--seq-len", "64", "--micro-batch", "4", "--max-steps"
 CENSUS = textwrap.dedent(f"""
     import json, os, sys
     sys.path.insert(0, {str(REPO)!r})
-    from torch.profiler import profile, ProfilerActivity
-    from torch._C._profiler import _EventType
-    import train
+    import bench, train
     train.peak_flops = lambda device, precision: (1e12, "a constant: the census is of training")
     args = train.get_parser().parse_args(sys.argv[1:])
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        train.train(args)
-    peak, nodes = 0, list(prof.profiler.kineto_results.experimental_event_tree())
-    while nodes:
-        node = nodes.pop()
-        nodes.extend(node.children)
-        if node.typed[0] == _EventType.Allocation:
-            peak = max(peak, node.typed[1].total_allocated)
+    _, peak = bench.cpu_census(lambda: train.train(args))
     rank = os.environ.get("RANK", "0")  # a file per rank: lines printed by two processes may interleave
     with open(os.path.join(args.out_dir, f"peak_rank{{rank}}.json"), "w") as f:
         json.dump({{"rank": int(rank), "peak": peak}}, f)
