@@ -19,12 +19,14 @@ by a function in this file, and counted. Contents, in reading order:
   6. Pipeline              contiguous layer ranges per stage; materialize(): a model built on the meta
                            device, sharded and cut, gets storage for this rank's pieces only; the stage
                            forward, point-to-point exchange,
-                           schedules AFAB (GPipe, Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan
-                           et al. 2021), with sent activations freed
+                           schedules AFAB (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan
+                           et al. 2021) and interleaved 1F1B over model chunks (Narayanan et al. 2021),
+                           with sent activations freed
   7. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, all-reduced asynchronously
                            from gradient hooks during the last backward (over dp x cp); ZeRO-1 (Rajbhandari
                            et al. 2020): reduce-scatter, update the local shard, all-gather the weights;
-                           ZeRO-2: no full gradient buffer, each micro-batch's buckets reduce-scattered
+                           ZeRO-2: no full gradient buffer, each micro-batch's buckets reduce-scattered;
+                           ZeRO-3 (FSDP's full sharding): each unit's weights gathered only while used
   8. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
   9. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
                            tensor; loadable into any layout; `python parallel.py consolidate` writes a
