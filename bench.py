@@ -25,7 +25,7 @@ and Hugging Face's model are used here, and only here, as baselines.
 from __future__ import annotations
 
 import argparse
-import functools
+import gc
 import json
 import math
 import os
@@ -127,10 +127,12 @@ def train_args(a, **over) -> argparse.Namespace:
             "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum",
                                                                                               a.grad_accum)),
             "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)),
-            "--cp", str(over.get("cp", a.cp)), "--zero",
-            str(over.get("zero", a.zero)),
+            "--cp", str(over.get("cp", a.cp)), "--zero", str(over.get("zero", a.zero)),
+            "--bucket-mb", str(a.bucket_mb),
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
-            "--ckpt-every", str(a.warmup_steps + a.steps),  # one checkpoint, at the end: phase 7, timed apart
+            # one checkpoint, at the end: phase 7, timed apart (none in a census: on a CPU the gathered
+            # optimizer state would count as training's memory)
+            "--ckpt-every", str(0 if a.memory_census else a.warmup_steps + a.steps),
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir",
             tempfile.mkdtemp(prefix="bench-"),
             "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
@@ -141,27 +143,27 @@ def train_args(a, **over) -> argparse.Namespace:
     return T.get_parser().parse_args(argv)
 
 
-@functools.lru_cache(maxsize=None)
-def peak_flops(device, precision):
-    """The device's peak, measured (on a CPU) once per run, so the rows of a sweep share one denominator."""
-    return T.peak_flops(device, precision)
-
-
 def cpu_census(fn) -> tuple[object, int]:
     """fn()'s result, and the most bytes of tensors alive at once while it ran, on a CPU: torch keeps no
-    allocator statistics there, but its profiler reports each allocation with the allocator's running
-    total. It slows the run: a census run's timings are not a plain run's."""
+    allocator statistics there, but its profiler reports each allocation with a running total. That total
+    starts at 0 with the first profiler of the process and then carries over what later goes without one
+    (the tensors of an earlier run freed afterwards), so it is taken relative to where this run found
+    it. The census slows the run: its timings are not a plain run's."""
     from torch.profiler import profile, ProfilerActivity
     from torch._C._profiler import _EventType
+    gc.collect()  # an earlier run's garbage goes now, not as negative allocations in this census
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    peak, nodes = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    events, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while nodes:
         node = nodes.pop()
         nodes.extend(node.children)
         if node.typed[0] == _EventType.Allocation:
-            peak = max(peak, node.typed[1].total_allocated)
-    return out, peak
+            events.append((node.start_time_ns, node.typed[1].total_allocated, node.typed[1].alloc_size))
+    if not events:
+        return out, 0
+    _, total, size = min(events)
+    return out, max(total for _, total, _ in events) - (total - size)
 
 
 def measure(a, timing: str = "phases", **over) -> dict:
@@ -177,6 +179,8 @@ def measure(a, timing: str = "phases", **over) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         T.configure_process(args)  # as train.py's command line does: seeds, TF32, --deterministic
         train = lambda: T.train(args, time_phases=timing)
+        if census:  # the device's peak FLOP/s measured outside the census: its matrices are not training's
+            T.peak_flops(*T.pick_device_and_precision(args))
         run, peak = cpu_census(train) if census else (train(), None)
     mesh, margs = run.mesh, run.margs
     peak = peak / 1e9 if census else T.peak_memory_gb(run.device)
@@ -185,13 +189,15 @@ def measure(a, timing: str = "phases", **over) -> dict:
     steps = [s for s in run.phases if "7 checkpoint" not in s][a.warmup_steps:]
     phases = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
     step_s = statistics.median(sum(s.values()) for s in steps)
-    phases["7 checkpoint"] = ckpt[0]  # one save of model + optimizer state (not part of step_s)
+    if ckpt:
+        phases["7 checkpoint"] = ckpt[0]  # one save of model + optimizer state (not part of step_s)
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
-    peak, peak_src = peak_flops(run.device, run.precision)
+    peak, peak_src = T.peak_flops(run.device, run.precision)
     flops = M.flops_per_token(margs, args.seq_len)
     layout = (margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp, mesh.dp,
               args.zero, mesh.sp)
-    est = P.memory_estimate(*layout, args.grad_accum, args.schedule, stage=mesh.pp_rank, cp=mesh.cp)
+    est = P.memory_estimate(*layout, args.grad_accum, args.schedule, stage=mesh.pp_rank, cp=mesh.cp,
+                            bucket_mb=args.bucket_mb)
     comm_est = P.comm_estimate(*layout, args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
@@ -221,8 +227,8 @@ def print_measurement(rows: list[dict], a):
         print(f"  {r['tp']:2d} {r['cp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} "
               f"{int(r['act_ckpt']):4d} {1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} "
               f"{r['tokens_per_s_per_device']:9,.0f} "
-              f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.2f} "
-              f"{r['memory_estimate_gb']['total']:7.2f}  {ph}"
+              f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.3f} "
+              f"{r['memory_estimate_gb']['total']:7.3f}  {ph}"
               + "".join(f"  {k}" for k in ("sp", "zero", "deterministic") if r[k]))
         comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
         if comm:
@@ -467,7 +473,7 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps run before timing starts")
     p.add_argument("--bucket-mb", type=float, default=25.0,
-                   help="gradient bucket size (--dp-vs-ddp, both sides)")
+                   help="gradient bucket size (train.py --bucket-mb; --dp-vs-ddp: both sides)")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
     p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")

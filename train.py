@@ -20,6 +20,7 @@ checks the configuration, sets the run up and loops. sft.py and dpo.py bring the
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -846,10 +847,12 @@ def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     """Peak dense FLOP/s of the device in the run's precision: the table above for known GPUs, else measured
-    (measured_peak). The description says so when the precision runs at under half of fp32's speed on this
-    device (a CPU without native bf16 kernels): that run would be faster in fp32."""
+    (measured_peak) once per process, so every run in it (bench.py's sweep) has the same denominator. The
+    description says so when the precision runs at under half of fp32's speed on this device (a CPU
+    without native bf16 kernels): that run would be faster in fp32."""
     known = gpu_peak(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
     if known:
         return known
