@@ -33,6 +33,7 @@ import platform
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -209,8 +210,19 @@ def measure(a, timing: str = "phases", **over) -> dict:
             "peak_flops": peak, "peak_flops_source": peak_src, "peak_memory_gb": max(peaks),
             "peak_memory_gb_per_rank": peaks, "memory_census": census,
             "memory_estimate_gb": {k: v / 1e9 for k, v in est.items()},
-            "comm_bytes_per_step": {k: v / (a.warmup_steps + a.steps) for k, v in mesh.comm_bytes.items()},
+            "comm_bytes_per_step": logged_comm(args.out_dir) or {k: v / (a.warmup_steps + a.steps)
+                                                                for k, v in mesh.comm_bytes.items()},
             "comm_estimate_bytes": comm_est}
+
+
+def logged_comm(out_dir) -> dict | None:
+    """Bytes sent per step as the run's log has them (its last line covers every step and leaves out the
+    checkpoint, whose ZeRO gathers are no step's); None where there is no log (only rank 0 writes it)."""
+    log = Path(out_dir) / "metrics.jsonl"
+    if not log.exists():
+        return None
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return [r for r in records if "comm_bytes_per_step" in r][-1]["comm_bytes_per_step"]
 
 
 def print_measurement(rows: list[dict], a):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench
 import model as M
@@ -79,6 +80,22 @@ def test_plan_reproduces_the_llama3_405b_layouts():
     d, hd = a.dim, a.head_dim
     layer = (2 * d * a.n_heads * hd + 2 * d * a.n_kv_heads * hd + 3 * d * a.hidden_dim) / 8 + 2 * d
     assert z3["weights"] == pytest.approx(z1["weights"] / 64 + 2 * 2 * layer, rel=1e-4)
+
+
+def test_cpu_census_counts_each_run_alone():
+    """The profiler's running total carries, from one census to the next, the tensors a run left alive and
+    that were freed between censuses; each census still reports its own run's peak."""
+    def run():
+        keep = torch.zeros(1_000_000)  # 4 MB that outlives the census
+        temporary = torch.zeros(500_000)  # 2 MB, freed inside it
+        del temporary
+        return keep
+    peaks = []
+    for _ in range(3):
+        kept, peak = bench.cpu_census(run)
+        del kept  # freed outside any census
+        peaks.append(peak)
+    assert peaks == [6_000_000] * 3
 
 
 def test_plan_json_cli_carries_the_required_keys():
