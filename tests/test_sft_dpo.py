@@ -250,6 +250,25 @@ def test_dpo_parallel_matches_single_process(tmp_path, flags, micro):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (k, a, b)
 
 
+def test_dpo_interleaved_pipeline_matches_single_process(tmp_path):
+    """pp 2 with 2 model chunks per rank: the policy through the interleaved schedule, the frozen reference
+    (and validation) through the chunks one after another, round the ranks twice."""
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    common = TINY + ["--data", str(path), "--max-steps", "3", "--lr", "3e-3", "--beta", "0.5", "--n-layers",
+                     "4"]
+    ref = _torchrun("dpo.py", 1, tmp_path / "one", *common, "--micro-batch", "4")
+    par = _torchrun("dpo.py", 2, tmp_path / "two", *common, "--micro-batch", "2", "--grad-accum", "2", "--pp",
+                    "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                    "--eval-batches", "2")  # the same 4 validation pairs, as 2 micro-batches of 2
+    assert len(ref) == len(par) == 3
+    for a, b in zip(par, ref):
+        for k in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (k, a, b)
+    val = [[r["val_loss"] for r in records(out) if "val_loss" in r] for out in (tmp_path / "two",
+                                                                               tmp_path / "one")]
+    assert val[0] and val[0] == pytest.approx(val[1], rel=1e-5)
+
+
 def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
     """The README's pipeline in miniature: each stage's checkpoint loads into the next."""
     pre, sft_out, dpo_out = tmp_path / "pre", tmp_path / "sft", tmp_path / "dpo"
