@@ -1353,8 +1353,8 @@ class GradSync:
         """ZeRO-1 and 2: make each unit of the model (the embedding, each block, the final norm, the head)
         wait, as its forward starts, for the buckets its parameters lie in. The all-gathers of later layers
         then run while earlier layers compute. ZeRO-3: each unit gathers its weights itself
-        (ShardedWeights.attach). A block compiled by --compile gets the hooks on its compiled wrapper,
-        outside the compiled code."""
+        (ShardedWeights.attach). A block compiled by --compile is hooked as itself and as its compiled
+        wrapper (hook_unit)."""
         if not (self.zero and self.mesh.dp_cp > 1):
             return
         if self.weights is not None:
@@ -1397,7 +1397,8 @@ class ShardedWeights:
     so tensors autograd saved in forward see the regathered values in backward).
 
     Prefetch: a unit's forward starts the all-gather of the next unit, its backward that of the unit
-    before it, so the transfer runs while this unit computes; at most two units are whole at once.
+    before it, so the transfer runs while this unit computes; two units are whole at once (three with a
+    tied head: the embedding's weights stay whole from the head's backward to the embedding's).
     Activation checkpointing runs a block's forward again inside its backward: that forward finds the
     unit already marked as in its backward, and neither prefetches nor releases anything."""
 
