@@ -146,13 +146,14 @@ def train_args(a, **over) -> argparse.Namespace:
 
 def cpu_census(fn) -> tuple[object, int]:
     """fn()'s result, and the most bytes of tensors alive at once while it ran, on a CPU: torch keeps no
-    allocator statistics there, but its profiler reports each allocation with a running total. That total
-    starts at 0 with the first profiler of the process and then carries over what later goes without one
-    (the tensors of an earlier run freed afterwards), so it is taken relative to where this run found
-    it. The census slows the run: its timings are not a plain run's."""
+    allocator statistics there, but its profiler records every allocation and free. Counted: what fn
+    allocated, less what it freed, replayed in time order. Left out: tensors from before fn (their frees
+    too), and what a collective allocates inside its own op (gloo copies the buckets it reduces and holds
+    the copies while they are in flight, as many as timing has; NCCL keeps its buffers outside torch's
+    allocator). The census slows the run: its timings are not a plain run's."""
     from torch.profiler import profile, ProfilerActivity
     from torch._C._profiler import _EventType
-    gc.collect()  # an earlier run's garbage goes now, not as negative allocations in this census
+    gc.collect()  # an earlier run's garbage goes now, not during this census
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
     events, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -160,11 +161,26 @@ def cpu_census(fn) -> tuple[object, int]:
         node = nodes.pop()
         nodes.extend(node.children)
         if node.typed[0] == _EventType.Allocation:
-            events.append((node.start_time_ns, node.typed[1].total_allocated, node.typed[1].alloc_size))
-    if not events:
-        return out, 0
-    _, total, size = min(events)
-    return out, max(total for _, total, _ in events) - (total - size)
+            allocation = node.typed[1]
+            events.append((node.start_time_ns, allocation.alloc_size, allocation.ptr, _in_collective(node)))
+    live, total, peak = set(), 0, 0
+    for _, size, ptr, collective in sorted(events):
+        if size > 0 and not collective:
+            live.add(ptr)
+            total += size
+        elif size < 0 and ptr in live:
+            live.discard(ptr)
+            total += size
+        peak = max(peak, total)
+    return out, peak
+
+
+def _in_collective(node) -> bool:
+    while node is not None:
+        if node.name.startswith("c10d::"):
+            return True
+        node = node.parent
+    return False
 
 
 def measure(a, timing: str = "phases", **over) -> dict:

@@ -756,10 +756,18 @@ class Positions:
             self._epochs[epoch] = self._draw(np.random.default_rng([self.seed, epoch]))
         return self._epochs[epoch]
 
-    def _next_items(self) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's next batch_size global sequences, as (item index, epoch) arrays."""
+    def _next_seqs(self) -> np.ndarray:
+        """This rank's next batch_size global sequence numbers; every rank moves on by the global batch."""
         seqs = self.consumed + self.dp_rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
         self.consumed += self.batch_size * self.dp_size
+        return seqs
+
+    def _next_items(self) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's next batch_size global sequences, as (item index, epoch) arrays."""
+        return self._items(self._next_seqs())
+
+    def _items(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global sequence numbers -> (item index, epoch) arrays."""
         epochs, within = np.divmod(seqs, self.n)
         items = np.empty_like(seqs)
         for e in np.unique(epochs):
@@ -819,16 +827,135 @@ class Loader(Positions):
         return rng.permutation(self.n), rng.integers(0, self.max_shift + 1)  # order, then a shift per shard
 
     def next(self):
-        window, epochs = self._next_items()
+        return self.batch_at(self._next_seqs())
+
+    def batch_at(self, seqs: np.ndarray):
+        """The (inputs, targets) rows of these global sequence numbers (a mixture reads a source this way)."""
+        window, epochs = self._items(seqs)
         shard = np.searchsorted(self.offsets, window, side="right") - 1
         start = (window - self.offsets[shard]) * self.seq_len
         for e in np.unique(epochs):
             start[epochs == e] += self._epoch(int(e))[1][shard[epochs == e]]
-        batch = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
+        batch = np.empty((len(seqs), self.seq_len + 1), dtype=np.int64)
         for k in np.unique(shard):  # one fancy-indexing read per shard touched
             rows = shard == k
             batch[rows] = self.shards[k][start[rows, None] + self._cols]
         return torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
+
+
+# ======== 6b. Mixtures: several sources, each its share of the sequences ==========================
+# Llama 3 pretrained on a mix (about half general text, a quarter math and reasoning, 17% code, 8%
+# multilingual) and annealed on a higher-quality mix at the end. Here a mixture is "name:weight,...":
+# global sequence i comes from the source the schedule gives it, and is that source's own next sequence,
+# read by its own Loader, so each source goes through its epochs at its own pace.
+
+
+def parse_mixture(spec) -> list[tuple[str, float]]:
+    """--data "c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2" -> [(source, weight)], weights summing to 1.
+    A source without ":weight" weighs 1; a source is anything resolve_data takes (a name, file, glob or
+    shard folder)."""
+    parts = [part.strip() for part in str(spec).split(",") if part.strip()]
+    if not parts:
+        raise DataError(f"--data {spec!r} names no source")
+    mixture = []
+    for part in parts:
+        source, _, weight = part.rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:  # no weight, or a ":" inside the source (C:\..., https://...)
+            source, w = part, 1.0
+        if not source:
+            raise DataError(f"--data {spec!r}: a part names no source")
+        if not (w > 0 and np.isfinite(w)):
+            raise DataError(f"--data {spec!r}: {source} has weight {weight}; weights must be positive "
+                            "numbers")
+        mixture.append((source, w))
+    names = [source for source, _ in mixture]
+    if len(set(names)) < len(names):
+        raise DataError(f"--data {spec!r} names a source twice")
+    total = sum(w for _, w in mixture)
+    return [(source, w / total) for source, w in mixture]
+
+
+class MixtureSchedule:
+    """Which source each global sequence comes from, in blocks of BLOCK sequences: every block holds each
+    source's share (largest remainders, so shares are exact to 1/BLOCK), in an order drawn from (seed,
+    block). So where sequence i comes from, and how many sequences each source gave before it, take one
+    block's draw to compute: nothing is stored, and the loader's position stays one number."""
+
+    BLOCK = 1000
+
+    def __init__(self, weights: list[float], seed: int):
+        quota = np.asarray(weights, dtype=np.float64) * self.BLOCK
+        counts = np.floor(quota).astype(np.int64)
+        counts[np.argsort(counts - quota, kind="stable")[:self.BLOCK - counts.sum()]] += 1
+        self.counts, self.seed = counts, seed
+        self._block = (None, None)
+
+    def _order(self, block: int) -> np.ndarray:
+        if self._block[0] != block:
+            rng = np.random.default_rng([self.seed, 0x6D6978, block])  # 0x6D6978: "mix"
+            self._block = (block, rng.permutation(np.repeat(np.arange(len(self.counts)), self.counts)))
+        return self._block[1]
+
+    def source(self, i: int) -> int:
+        """The source of sequence i."""
+        return int(self._order(i // self.BLOCK)[i % self.BLOCK])
+
+    def before(self, i: int) -> np.ndarray:
+        """How many of sequences 0 .. i-1 each source gave."""
+        block, within = divmod(i, self.BLOCK)
+        return self.counts * block + np.bincount(self._order(block)[:within], minlength=len(self.counts))
+
+
+class MixtureLoader(Positions):
+    """(inputs, targets) batches from a mixture of prepared sources, for one dp rank. Global sequence i
+    (numbered as Positions numbers them, so dp ranks read disjoint sequences whose union is the
+    single-process order) comes from source s = schedule.source(i) and is that source's sequence j = how
+    many sequences s gave before i, read by s's own Loader: each source goes through its epochs at its own
+    pace. With anneal = (i0, weights), sequences from i0 on follow a second schedule, and each source goes
+    on from where the first one left it. The position is still the one number `consumed`."""
+
+    def __init__(self, sources: list[tuple[str, Path]], weights: list[float], split: str, batch_size: int,
+                 seq_len: int, dp_rank=0, dp_size=1, seed=0, tokenizer=None, anneal=None):
+        self.names = [name for name, _ in sources]
+        self.loaders = [Loader(path, split, batch_size, seq_len, seed=seed, tokenizer=tokenizer)
+                        for _, path in sources]
+        self.weights, self.anneal = list(weights), anneal
+        self.schedules = [MixtureSchedule(weights, seed)] + ([MixtureSchedule(anneal[1], seed + 1)]
+                                                             if anneal else [])
+        self.num_tokens = sum(loader.num_tokens for loader in self.loaders)
+        super().__init__(sum(len(loader) for loader in self.loaders), batch_size, seq_len, dp_rank, dp_size,
+                         seed, empty="")
+
+    def _settings(self) -> dict:
+        return {**super()._settings(), "mixture": [[n, w] for n, w in zip(self.names, self.weights)],
+                "anneal": None if self.anneal is None else [self.anneal[0], list(self.anneal[1])]}
+
+    def counts(self, i: int) -> np.ndarray:
+        """How many of global sequences 0 .. i-1 each source gave."""
+        start = self.anneal[0] if self.anneal else i
+        first = self.schedules[0].before(min(i, start))
+        return first if i <= start else first + self.schedules[1].before(i - start)
+
+    def source(self, i: int) -> int:
+        start = self.anneal[0] if self.anneal else i + 1
+        return self.schedules[0].source(i) if i < start else self.schedules[1].source(i - start)
+
+    def tokens_seen(self) -> dict[str, int]:
+        """Target tokens each source has given so far, over every dp rank."""
+        return {name: int(n) * self.seq_len for name, n in zip(self.names, self.counts(self.consumed))}
+
+    def next(self):
+        seqs = self._next_seqs()
+        sources = np.array([self.source(int(i)) for i in seqs])
+        local = np.array([self.counts(int(i))[s] for i, s in zip(seqs, sources)], dtype=np.int64)
+        inputs = torch.empty(len(seqs), self.seq_len, dtype=torch.int64)
+        targets = torch.empty_like(inputs)
+        for s in np.unique(sources):
+            rows = torch.from_numpy(np.flatnonzero(sources == s))
+            inputs[rows], targets[rows] = self.loaders[s].batch_at(local[sources == s])
+        return inputs, targets
 
 
 # ======== 7. Chat format ==========================================================================

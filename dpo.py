@@ -360,6 +360,8 @@ class DPO(sft.SFT):
 
     def data(self, tok, mesh):
         a = self.args
+        if a.anneal_data:
+            raise T.ConfigError(f"--anneal-data {a.anneal_data}: DPO reads one dataset, --data")
         pairs = read_preferences(a.data, mirror=a.mirror)
         examples, counts = preference_examples(tok, pairs, a.seq_len)
         train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)

@@ -27,9 +27,16 @@ from typing import Callable, Iterable
 import torch
 
 
-def lr_at(step: int, max_lr: float, warmup: int, max_steps: int, min_lr_ratio: float = 0.1) -> float:
+def lr_at(step: int, max_lr: float, warmup: int, max_steps: int, min_lr_ratio: float = 0.1,
+          anneal_from: int | None = None) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup over `warmup` steps, then cosine
-    decay to min_lr_ratio * max_lr at max_steps, flat after that."""
+    decay to min_lr_ratio * max_lr at max_steps, flat after that. With anneal_from (Llama 3's annealing):
+    from that step on, a straight line from wherever the schedule was there down to 0 at the last step,
+    max_steps - 1."""
+    if anneal_from is not None and step >= anneal_from:
+        last = max_steps - 1
+        return lr_at(anneal_from, max_lr, warmup, max_steps, min_lr_ratio) * (last - step) / max(1, last -
+                                                                                                 anneal_from)
     if step < warmup:
         return max_lr * (step + 1) / warmup
     if step >= max_steps:

@@ -1729,8 +1729,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     the weights are the master), m, v and the update's denominator (fp32), all three and the master divided
     over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket and, until the next
     forward waits for them, the all-gathers' inputs (its updated pieces, b bytes each); ZeRO-2 divides the
-    gradient buffer too and keeps instead up to four buckets of bucket_mb being filled or reduced (and
-    their pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank
+    gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced (and two
+    pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank
     holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
     activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
     (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
@@ -1753,9 +1753,9 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     out = {"weights": n * b, "grads": n * 4,
            "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
            "optimizer": 3 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
-    if zero >= 2 and zdp > 1:  # staging: at most 4 buckets at a time (GradSync._stage), each with its piece
-        staged = min(n, 4 * bucket_mb * 2 ** 20 / 4)
-        out["grads"], out["zero_buffers"] = n * 4 / zdp, staged * 4 * (1 + 1 / zdp)
+    if zero >= 2 and zdp > 1:  # staging (GradSync._launch): the bucket filling, two in flight, their pieces
+        bucket = min(n, bucket_mb * 2 ** 20 / 4)
+        out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
     if zero >= 3 and zdp > 1:
         out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
     elif zdp > 1:  # the all-gathers' inputs (all_gather_params), kept until the next forward waits for them

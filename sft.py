@@ -346,6 +346,8 @@ class SFT(T.Pretraining):
 
     def data(self, tok, mesh):
         args = self.args
+        if args.anneal_data:  # (--anneal-tokens alone anneals the learning rate, as in pretraining)
+            raise T.ConfigError(f"--anneal-data {args.anneal_data}: fine-tuning reads one dataset, --data")
         conversations = read_sft(args.data, mirror=args.mirror)
         examples, counts = sft_examples(tok, conversations, args.seq_len)
         train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)

@@ -75,7 +75,13 @@ def get_parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
     g = p.add_argument_group("data")
     g.add_argument("--data", default="tinyshakespeare",
-                   help="registry name, text/JSONL file or glob, or a folder of prepared shards")
+                   help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
+                        "mixture of them, e.g. c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2 (weights "
+                        "normalized)")
+    g.add_argument("--anneal-tokens", type=int, default=0,
+                   help="anneal over the run's last N tokens: the learning rate falls linearly to 0 from "
+                        "wherever the schedule is, and the data switches to --anneal-data if given")
+    g.add_argument("--anneal-data", default=None, help="the mixture to anneal on (same form as --data)")
     g.add_argument("--tokenizer", default="byte",
                    help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path to a Llama 3 tokenizer.model "
                         "(sft.py, dpo.py: the one --init was trained with)")
@@ -294,9 +300,23 @@ def check_config(args, recipe) -> Spec:
             P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout: {e}") from None
+    check_anneal(args, world // (args.tp * args.cp * args.pp))
     check_memory(margs, args, world, device, precision)
     C.check_out_dir(Path(args.out_dir))
     return Spec(device, precision, tok, margs)
+
+
+def check_anneal(args, dp: int):
+    if args.anneal_tokens < 0:
+        raise ConfigError(f"--anneal-tokens {args.anneal_tokens} must be 0 (no annealing) or more")
+    if args.anneal_data and not args.anneal_tokens:
+        raise ConfigError("--anneal-data needs --anneal-tokens: how many of the run's last tokens to "
+                          "anneal on")
+    start = anneal_start(args, dp)
+    if start is not None and start < 0:
+        total = args.max_steps * args.micro_batch * args.grad_accum * dp * args.seq_len
+        raise ConfigError(f"--anneal-tokens {args.anneal_tokens:,} is more than the run's {total:,} tokens "
+                          f"(--max-steps {args.max_steps} x {total // args.max_steps:,} tokens a step)")
 
 
 class Spec(NamedTuple):
@@ -340,13 +360,39 @@ class Pretraining:
         """(train loader, make_val_loader, description). Token shards are prepared (and cached) by one
         process per cache folder, never by two at once (parallel.on_rank0_first)."""
         args = self.args
-        prepare = lambda: data.resolve_data(args.data, args.tokenizer, mirror=args.mirror)
+        mixture = data.parse_mixture(args.data)
+        final = data.parse_mixture(args.anneal_data) if args.anneal_data else None
+        if len(mixture) > 1 or final:
+            return self.mixture(tok, mesh, mixture, final)
+        prepare = lambda: data.resolve_data(mixture[0][0], args.tokenizer, mirror=args.mirror)
         data_dir = P.on_rank0_first(prepare, mesh)
         make = lambda split, seed: data.Loader(data_dir, split, args.micro_batch, args.seq_len, seed=seed,
                                                dp_rank=mesh.dp_rank, dp_size=mesh.dp, tokenizer=tok)
         train = make("train", args.seed)
         make("val", 0)  # fail now, not at the first evaluation
-        return train, lambda: make("val", 0), f"{data_dir}: {train.num_tokens:,} train tokens"
+        return train, lambda source=None: make("val", 0), f"{data_dir}: {train.num_tokens:,} train tokens"
+
+    def mixture(self, tok, mesh, mixture, final):
+        """The loaders of a mixture (and of the one annealing switches to): every source prepared with the
+        run's tokenizer; validation on the mixture, or (source=name) on one source's own split."""
+        args = self.args
+        names = list(dict.fromkeys(name for name, _ in mixture + (final or [])))
+        prepare = lambda name: data.resolve_data(name, args.tokenizer, mirror=args.mirror)
+        folders = [P.on_rank0_first(lambda name=name: prepare(name), mesh) for name in names]
+        weights = lambda mix: [dict(mix).get(name, 0.0) for name in names]
+        start = anneal_start(args, mesh.dp)
+        anneal = (start * args.micro_batch * args.grad_accum * mesh.dp, weights(final)) if final else None
+        make = lambda split, seed, anneal=None: data.MixtureLoader(
+            list(zip(names, folders)), weights(mixture), split, args.micro_batch, args.seq_len, mesh.dp_rank,
+            mesh.dp, seed, tok, anneal)
+        train, folder = make("train", args.seed, anneal), dict(zip(names, folders))
+        make_val = lambda source=None: make("val", 0) if source is None else data.Loader(
+            folder[source], "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp,
+            tokenizer=tok)
+        for name in names:
+            make_val(name)  # fail now, not at the first evaluation
+        shares = ", ".join(f"{name} {w:.0%}" for name, w in mixture)
+        return train, make_val, f"a mixture of {shares}: {train.num_tokens:,} train tokens"
 
     def task(self, margs, mesh, device, dtype):
         return LMTask(margs, mesh)
@@ -472,7 +518,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
         run.opt.zero_grad()  # then nothing changes, and the same data comes again
         run.loader.load_state_dict(rewind)
         return None
-    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio)
+    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio, anneal_start(args, mesh.dp))
     run.opt.clip_grad_norm(args.grad_clip, tally.norm)
     run.opt.step(lr)
     run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
@@ -643,7 +689,7 @@ class Meter:
                "lr": result.lr, "grad_norm": result.grad_norm,
                "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
                "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
-               **metrics}
+               **metrics, **tokens_by_source(self.run)}
         comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
             f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
         extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
@@ -652,9 +698,10 @@ class Meter:
             f"{comm_txt}{extra_txt}")
         self.write(rec)
 
-    def validation(self, step: int, loss: float, metrics: list):
-        """Log a validation (called while paused: the pause so far is its time)."""
-        extra = self.named(metrics, "val_")
+    def validation(self, step: int, loss: float, metrics: list, by_source: dict):
+        """Log a validation (called while paused: the pause so far is its time); by_source: a mixture's
+        loss on each source's own validation split."""
+        extra = {**self.named(metrics, "val_"), **{f"val_loss/{k}": v for k, v in by_source.items()}}
         say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
             + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
         self.write({"step": step, "tokens": step * self.tokens_per_step, "val_loss": loss, **extra,
@@ -705,6 +752,15 @@ class Trackers:
             self.tensorboard.close()
 
 
+def anneal_start(args, dp: int) -> int | None:
+    """The step where --anneal-tokens' annealing starts (None without it): the run's last steps that hold
+    that many tokens, rounded up to whole steps."""
+    if not args.anneal_tokens:
+        return None
+    return args.max_steps - math.ceil(args.anneal_tokens / (args.micro_batch * args.grad_accum * dp *
+                                                             args.seq_len))
+
+
 def step_tokens(args, task, mesh) -> int:
     """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
     return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
@@ -716,6 +772,28 @@ def model_flops_per_token(margs, seq_len: int, task) -> float:
     return M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
 
 
+def tokens_by_source(run: Run) -> dict[str, int]:
+    """A mixture's tokens seen so far from each source, over every rank ({} for a single source)."""
+    if not isinstance(run.loader, data.MixtureLoader):
+        return {}
+    return {f"tokens/{name}": n for name, n in run.loader.tokens_seen().items()}
+
+
+def mixture_seen(run: Run) -> str | None:
+    """A mixture's realized shares of the tokens seen so far, as one line."""
+    seen = tokens_by_source(run)
+    total = sum(seen.values())
+    return "data seen: " + ", ".join(f"{k.split('/', 1)[1]} {n / total:.1%} ({n:,} tokens)"
+                                     for k, n in seen.items()) if total else None
+
+
+def validation(run: Run) -> tuple[float, list, dict]:
+    """The validation loss and metrics, and for a mixture each source's loss on its own split."""
+    loss, metrics = evaluate(run)
+    names = run.loader.names if isinstance(run.loader, data.MixtureLoader) else []
+    return loss, metrics, {name: evaluate(run, name)[0] for name in names}
+
+
 def validation_due(step: int, args) -> bool:
     """Every --eval-every steps and at the last (0: only at the last, -1: never)."""
     every = args.eval_every
@@ -723,14 +801,14 @@ def validation_due(step: int, args) -> bool:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> tuple[float, list]:
+def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
     """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
     successive values are comparable; at most one pass over the split), split over dp ranks and run
     through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
     targets (the normalizer, as in training), once for the losses; memory never holds more than that."""
     args, mesh, task, device = run.args, run.mesh, run.task, run.device
     run.model.eval()
-    counting, scoring = run.make_val(), run.make_val()
+    counting, scoring = (run.make_val() if source is None else run.make_val(source) for _ in range(2))
     one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
     n = max(1, min(args.eval_batches // mesh.dp, one_pass))
     task.total = global_total(task, (P.context_chunks(counting.next(), mesh) for _ in range(n)), mesh, device)
@@ -1162,7 +1240,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
             meter.step(step, result)
             if validation_due(step, args):
                 with meter.paused():
-                    meter.validation(step, *evaluate(run))
+                    meter.validation(step, *validation(run))
             if checkpointer.due(step):
                 with meter.paused():
                     checkpointer.save(step)  # 7. checkpoint
@@ -1172,6 +1250,8 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                     f"step_{step:06d} written, --resume continues from it")
                 break
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
+        if mixture_seen(run):
+            say(mixture_seen(run))
     finally:
         if meter:
             meter.close()

@@ -487,3 +487,81 @@ def test_a_clone_alone_without_internet_says_what_the_tests_need(tmp_path):
     assert len(said) == 1
     assert "set DATA_MIRROR to a folder holding them, or run with internet access" in said[0]
     assert "1 passed" not in p.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixtures
+
+
+MIX = "c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2"
+
+
+def mixture_loader(batch_size=8, dp_rank=0, dp_size=1, seed=3, anneal=None, seq_len=64):
+    mix = data.parse_mixture(MIX)
+    sources = [(name, data.resolve_data(name, "byte")) for name, _ in mix]
+    return data.MixtureLoader(sources, [w for _, w in mix], "train", batch_size, seq_len, dp_rank, dp_size,
+                              seed, "byte", anneal)
+
+
+def test_a_mixture_gives_each_source_its_share_and_dp_ranks_split_the_single_process_order(mirror):
+    one = mixture_loader()
+    batches = [one.next() for _ in range(250)]  # 2,000 sequences
+    seen = one.tokens_seen()
+    total = sum(seen.values())
+    for name, weight in data.parse_mixture(MIX):
+        assert abs(seen[name] / total - weight) <= 0.02, (name, seen)
+    # each row is the next sequence of the source the schedule names, read by that source's own loader
+    first = torch.cat([b[0] for b in batches[:2]])  # global sequences 0-15
+    rows = [k for k in range(16) if one.source(k) == 2]
+    assert rows and torch.equal(first[rows], one.loaders[2].batch_at(np.arange(len(rows)))[0])
+    # dp 2, 4 sequences each: disjoint halves of the same global order
+    ranks = [mixture_loader(4, r, 2) for r in range(2)]
+    for k in range(20):
+        a, b = (r.next()[0] for r in ranks)
+        assert torch.equal(torch.cat([a, b]), batches[k][0])
+    assert ranks[0].state_dict() == ranks[1].state_dict() == {**one.state_dict(), "consumed": 160}
+
+
+def test_a_short_source_starts_its_next_epoch_without_disturbing_the_others(mirror, tmp_path):
+    """A source of a few sequences goes round its epochs while the long ones read straight on: each
+    source's k-th sequence is the k-th of its own order, however often the others wrapped around."""
+    short = tmp_path / "short.txt"
+    short.write_text("a short source. " * 40)  # 640 bytes: 8 windows of 64 tokens in train
+    mix = [("tinyshakespeare", 0.5), (str(short), 0.5)]
+    sources = [(name, data.resolve_data(name, "byte", val_fraction=0.0) if name == str(short) else
+                data.resolve_data(name, "byte")) for name, _ in mix]
+    loader = data.MixtureLoader(sources, [0.5, 0.5], "train", 8, 64, seed=1, tokenizer="byte")
+    alone = data.Loader(sources[0][1], "train", 8, 64, seed=1, tokenizer="byte")
+    n_short = len(loader.loaders[1])
+    ts_rows = []
+    for _ in range(40):  # 320 sequences: the short source around its epochs many times
+        x, _ = loader.next()
+        ts_rows += [x[k] for k in range(8) if loader.source(loader.consumed - 8 + k) == 0]
+    assert loader.counts(loader.consumed)[1] > 5 * n_short
+    want = torch.cat([alone.next()[0] for _ in range(len(ts_rows) // 8 + 1)])[:len(ts_rows)]
+    assert torch.equal(torch.stack(ts_rows), want)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("c4_demo:0.5,wiki_demo:0", "wiki_demo has weight 0; weights must be positive"),
+    ("c4_demo:-1", "c4_demo has weight -1"),
+    ("c4_demo:1,c4_demo:2", "names a source twice"),
+    (":2", "a part names no source"),
+    (" , ", "names no source"),
+])
+def test_bad_mixtures_are_one_line(spec, message):
+    with pytest.raises(DataError, match=message):
+        data.parse_mixture(spec)
+
+
+def test_annealing_switches_the_mixture_and_each_source_goes_on_where_it_was(mirror):
+    plain, annealed = mixture_loader(), mixture_loader(anneal=(96, [0.0, 1.0, 0.0]))
+    for _ in range(12):  # the first 96 sequences: the same mixture
+        assert torch.equal(plain.next()[0], annealed.next()[0])
+    before = annealed.counts(96)
+    for _ in range(4):  # then wiki_demo only, from where it was
+        x, _ = annealed.next()
+    assert (annealed.counts(128) - before).tolist() == [0, 32, 0]
+    wiki = annealed.loaders[1]
+    assert torch.equal(x, wiki.batch_at(np.arange(before[1] + 24, before[1] + 32))[0])
+    assert annealed.state_dict()["anneal"] == [96, [0.0, 1.0, 0.0]]

@@ -1,12 +1,12 @@
 """What a layout costs, held against what a run does: parallel.memory_estimate against a census of the
 memory a CPU training run allocates, and parallel.comm_estimate against the bytes its collectives count.
 
-The census: torch's profiler reports each allocation of the CPU allocator with the allocator's running
-total, so the peak of that total over a run is the most memory ever held at once. It starts before the
-model is built, so everything is counted, and covers two training steps. The CPU peak-FLOP measurement for
-MFU is replaced by a constant (its 12 MB of matrices are not training). The total includes what gloo
-allocates in its own threads: copies of what it sends, which NCCL keeps outside torch's allocator (bench.py's
-plan has a reserve for them)."""
+The census (bench.cpu_census): torch's profiler records every allocation and free of the CPU allocator,
+replayed in time order their running total peaks at the most memory ever held at once. It starts before
+the model is built, so everything is counted, and covers two training steps. The CPU peak-FLOP measurement
+for MFU is replaced by a constant (its 12 MB of matrices are not training). Left out: what a collective
+allocates inside its own op (gloo's copies of the buckets it reduces, held while in flight, as many as
+timing has), which NCCL keeps outside torch's allocator (bench.py's plan has a reserve for it)."""
 
 import json
 import os
@@ -37,8 +37,7 @@ CENSUS = textwrap.dedent(f"""
         json.dump({{"rank": int(rank), "peak": peak}}, f)
 """)
 
-# gloo's asynchronous reduce-scatter copies its input bucket and keeps the copy while in flight, which may be
-# when a rank's memory peaks (NCCL reads the bucket in place): small buckets keep that copy small.
+# several buckets a step, so that reductions overlap the backward as they do at scale
 SMALL_BUCKETS = ["--bucket-mb", "0.25"]
 GPT2 = ["--tokenizer", "gpt2"]  # a 50K vocabulary: the logits, the loss and the embedding weigh in the total
 LAYOUTS = {  # name: (processes, flags, estimate's keywords); TP's memory: see the test after this one

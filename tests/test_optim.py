@@ -115,6 +115,15 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
 
+def test_annealing_falls_linearly_to_zero_at_the_last_step():
+    """From anneal_from on, a straight line from the schedule's value there to 0 at step max_steps - 1."""
+    start = O.lr_at(55, 1.0, 10, 100)
+    lrs = [O.lr_at(s, 1.0, 10, 100, anneal_from=55) for s in range(100)]
+    assert lrs[:56] == [O.lr_at(s, 1.0, 10, 100) for s in range(56)]  # the schedule, up to where it starts
+    assert lrs[99] == 0 and lrs[77] == pytest.approx(start / 2)
+    assert [O.lr_at(s, 1.0, 10, 100, anneal_from=99) for s in (98, 99)] == [O.lr_at(98, 1.0, 10, 100), 0]
+
+
 def test_loss_scaler_skips_overflow_and_recovers():
     m = tiny_model(dtype=torch.float16)
     opt = O.AdamW(m.named_parameters())
