@@ -13,7 +13,8 @@ The data path of the project, in the order the bytes travel through this file:
                  as the completion marker. resolve_data() is what train.py calls with its --data value.
   6. Loader      Positions: the order every loader reads its items in, one global counter as the whole
                  position, so a run resumes exactly under any dp. Loader: shards -> windows -> (inputs,
-                 targets) for each data-parallel rank.
+                 targets) for each data-parallel rank. MixtureLoader: several sources, each its share of
+                 the sequences (parse_mixture, MixtureSchedule), and annealing's switch to another mix.
   7. Chat        encode_chat(): the Llama 3 chat format, with a mask of the tokens the model learns to say.
                  sft.py reads conversations and dpo.py preference pairs with it (json_records, named_file).
   8. CLI         python data.py prepare | download | info

@@ -352,7 +352,7 @@ def test_a_mixture_resumes_bit_exact_in_its_mix_and_in_its_annealing(tmp_path):
 
 def test_a_bad_mixture_is_one_line_and_writes_nothing(tmp_path):
     gpt2 = data.resolve_data("tinyshakespeare", "gpt2")
-    for spec, message in ((f"tinyshakespeare:1,{gpt2}:1", "was tokenized with 'gpt2', but 'byte' is expected"),
+    for spec, message in ((f"tinyshakespeare:1,{gpt2}:1", "tokenized with 'gpt2', but 'byte' is expected"),
                           ("tinyshakespeare:1,no_such_source:1", "no data found at 'no_such_source'"),
                           ("tinyshakespeare:1,wiki_demo:0", "wiki_demo has weight 0")):
         out = tmp_path / "o"
