@@ -352,9 +352,12 @@ def test_a_mixture_resumes_bit_exact_in_its_mix_and_in_its_annealing(tmp_path):
 
 def test_a_bad_mixture_is_one_line_and_writes_nothing(tmp_path):
     gpt2 = data.resolve_data("tinyshakespeare", "gpt2")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
     for spec, message in ((f"tinyshakespeare:1,{gpt2}:1", "tokenized with 'gpt2', but 'byte' is expected"),
                           ("tinyshakespeare:1,no_such_source:1", "no data found at 'no_such_source'"),
-                          ("tinyshakespeare:1,wiki_demo:0", "wiki_demo has weight 0")):
+                          ("tinyshakespeare:1,wiki_demo:0", "wiki_demo has weight 0"),
+                          (f"{empty}:1,tinyshakespeare:1", "no documents")):
         out = tmp_path / "o"
         code, _, err = run_cli(*TINY, "--max-steps", "1", "--data", spec, "--out-dir", str(out))
         assert code == 1 and len(error_lines(err)) == 1 and message in error_lines(err)[0], err[-2000:]
