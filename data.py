@@ -927,7 +927,7 @@ class MixtureLoader(Positions):
                                                              if anneal else [])
         self.num_tokens = sum(loader.num_tokens for loader in self.loaders)
         super().__init__(sum(len(loader) for loader in self.loaders), batch_size, seq_len, dp_rank, dp_size,
-                         seed, empty="")
+                         seed, empty=f"the {split} splits of {', '.join(self.names)} hold no sequence")
 
     def _settings(self) -> dict:
         return {**super()._settings(), "mixture": [[n, w] for n, w in zip(self.names, self.weights)],
