@@ -354,6 +354,9 @@ class DPO(sft.SFT):
     """train.py's recipe with SFT's model (from --init), preference pairs as the data, and DPOTask as the
     loss, against a frozen reference built from the same initial weights."""
 
+    rows_per_example = DPOTask.rows_per_example
+    frozen_copies = 1  # the reference (with --precompute-ref too: it lives while its log-probs are computed)
+
     def weights(self, mesh) -> dict | None:
         self.initial = super().weights(mesh)  # kept: the reference is built from them too (task)
         return self.initial

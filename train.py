@@ -301,7 +301,7 @@ def check_config(args, recipe) -> Spec:
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout: {e}") from None
     check_anneal(args, world // (args.tp * args.cp * args.pp))
-    check_memory(margs, args, world, device, precision)
+    check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies)
     C.check_out_dir(Path(args.out_dir))
     return Spec(device, precision, tok, margs)
 
@@ -339,6 +339,8 @@ class Pretraining:
     next-token prediction (LMTask)."""
 
     chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
+    rows_per_example = 1  # model input rows per example of the loader (check_memory; DPO: a pair's two)
+    frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
 
     def __init__(self, args):
         self.args = args
@@ -993,14 +995,22 @@ def available_memory(device) -> float | None:
     return kib * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def check_memory(margs, args, world: int, device, precision: str):
+def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
+                 frozen_copies: int = 0):
     """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
-    (model states, activations and temporaries of its busiest pipeline stage, parallel.memory_estimate)
+    (model states, activations and temporaries of its busiest pipeline stage, parallel.memory_estimate, for
+    micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference)
     against what its device has free."""
-    est = P.memory_estimate(margs, precision, args.micro_batch, args.seq_len, args.act_ckpt, args.tp, args.pp,
-                            world // (args.tp * args.cp * args.pp), args.zero, args.sp, args.grad_accum,
-                            args.schedule, split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None,
-                            cp=args.cp, bucket_mb=args.bucket_mb, virtual=args.virtual_stages)
+    split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
+    rows = args.micro_batch * rows_per_example
+    dp = world // (args.tp * args.cp * args.pp)
+    est = P.memory_estimate(margs, precision, rows, args.seq_len, args.act_ckpt, args.tp, args.pp, dp,
+                            args.zero, args.sp, args.grad_accum, args.schedule, split=split, cp=args.cp,
+                            bucket_mb=args.bucket_mb, virtual=args.virtual_stages)
+    if frozen_copies:  # in the training precision, cut as the trained model is
+        est["frozen"] = frozen_copies * P.BYTES[precision] * max(P.stage_params(
+            margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))
+        est["total"] += est["frozen"]
     have = available_memory(device)
     if have is not None and est["total"] > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)

@@ -362,3 +362,19 @@ def test_a_bad_mixture_is_one_line_and_writes_nothing(tmp_path):
         code, _, err = run_cli(*TINY, "--max-steps", "1", "--data", spec, "--out-dir", str(out))
         assert code == 1 and len(error_lines(err)) == 1 and message in error_lines(err)[0], err[-2000:]
         assert not out.exists()
+
+
+def test_the_memory_check_counts_dpo_pairs_and_its_reference(monkeypatch):
+    """DPO holds two rows per pair and a frozen reference beside the trained model: a device with room for
+    the model trained on single rows but not for that is refused before anything is allocated."""
+    args = train.get_parser().parse_args(["--model", "small", "--micro-batch", "8", "--seq-len", "256"])
+    margs = train.model_args_from(args, 320)
+    rows = parallel.memory_estimate(margs, "fp32", 8, 256)["total"]
+    pairs = parallel.memory_estimate(margs, "fp32", 16, 256)["total"] + 4 * parallel.stage_params(margs)
+    dpo = dict(rows_per_example=2, frozen_copies=1)
+    monkeypatch.setattr(train, "available_memory", lambda device: (rows + pairs) / 2)
+    train.check_memory(margs, args, 1, torch.device("cpu"), "fp32")  # pretraining fits
+    with pytest.raises(train.ResourceError, match="model small needs about"):
+        train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)
+    monkeypatch.setattr(train, "available_memory", lambda device: pairs + 1)
+    train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
