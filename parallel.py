@@ -1727,8 +1727,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
     the weights are the master), m, v and the update's denominator (fp32), all three and the master divided
-    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket and, until the next
-    forward waits for them, the all-gathers' inputs (its updated pieces, b bytes each); ZeRO-2 divides the
+    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2 divides the
     gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced (and two
     pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank
     holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
@@ -1739,7 +1738,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     plus one chunk forwards, each of 1/virtual of the rank's layers.
     temporaries: what comes and goes on top of them at the peak: the largest of the loss's, a layer's
     backward (with the layer recomputed under checkpointing) and the embedding's or head's weight gradient;
-    or the optimizer step's packed ZeRO shard, which comes when the activations are gone, if that is more.
+    or what comes when the activations are gone, if that is more: the optimizer step's packed ZeRO-1 shard,
+    then ZeRO's all-gather inputs (the updated pieces, b bytes each) until the next forward waits for them.
     Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps a
     reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (one byte per
     parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference."""
@@ -1758,8 +1758,6 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
         out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
     if zero >= 3 and zdp > 1:
         out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
-    elif zdp > 1:  # the all-gathers' inputs (all_gather_params), kept until the next forward waits for them
-        out["zero_buffers"] += n * b / zdp
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     per_layer = a["layer_input"] if act_ckpt else a["layer"]
@@ -1774,8 +1772,11 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
     layer = a["layer_backward"] + (a["layer"] if act_ckpt else 0.0) - head_done
     during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
-    during_step = n * 4 / zdp if zdp > 1 and zero < 2 else 0.0  # AdamW.step's packed gradient shard
-    out["temporaries"] = max(during_backward, during_step - out["activations"])
+    # after the backward, the activations gone: AdamW.step's packed gradient shard (ZeRO-1), then ZeRO-1/2's
+    # all-gather inputs (all_gather_params' copies of the updated pieces), kept until the next forward waits
+    packed = n * 4 / zdp if zdp > 1 and zero < 2 else 0.0
+    gathers = n * b / zdp if zdp > 1 and zero < 3 else 0.0
+    out["temporaries"] = max(during_backward, max(packed, gathers) - out["activations"])
     out["total"] = sum(out.values())
     return out
 
