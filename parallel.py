@@ -1760,14 +1760,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
         out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
-    per_layer = a["layer_input"] if act_ckpt else a["layer"]
-    head = a["head"] + a["loss_saved"] if last else 0.0
-    if schedule == "interleaved" and pp > 1:  # the most chunk forwards alive at once (the warm-up's + 1)
-        chunks = min(2 * (pp - 1 - stage) + (virtual - 1) * pp + 1, grad_accum * virtual)
-        out["activations"] = chunks * layers / virtual * per_layer + head
-    else:
-        in_flight = 1 if pp == 1 else grad_accum if schedule == "afab" else min(pp - stage, grad_accum)
-        out["activations"] = in_flight * (layers * per_layer + head) + (a["logits"] if pp == 1 else 0.0)
+    out["activations"] = held_activations(a, layers, stage, pp, schedule, grad_accum, virtual, act_ckpt)
     loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
     head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
     layer = a["layer_backward"] + (a["layer"] if act_ckpt else 0.0) - head_done
@@ -1779,6 +1772,21 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     out["temporaries"] = max(during_backward, max(packed, gathers) - out["activations"])
     out["total"] = sum(out.values())
     return out
+
+
+def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, grad_accum: int, virtual: int,
+                     act_ckpt: bool) -> float:
+    """The activations (activation_bytes `a`) a schedule holds at its peak on pipeline rank `stage` of its
+    `layers` layers: 1F1B pp - stage micro-batches at most, AFAB all, the interleaved schedule its warm-up's
+    chunk forwards + 1 (each 1/virtual of the layers); the last stage also the head's, and without a
+    pipeline the logits the training loop holds until backward."""
+    per_layer = a["layer_input"] if act_ckpt else a["layer"]
+    head = a["head"] + a["loss_saved"] if stage == pp - 1 else 0.0
+    if schedule == "interleaved" and pp > 1:
+        chunks = min(2 * (pp - 1 - stage) + (virtual - 1) * pp + 1, grad_accum * virtual)
+        return chunks * layers / virtual * per_layer + head
+    in_flight = 1 if pp == 1 else grad_accum if schedule == "afab" else min(pp - stage, grad_accum)
+    return in_flight * (layers * per_layer + head) + (a["logits"] if pp == 1 else 0.0)
 
 
 def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: int, split, dp: int,
