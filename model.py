@@ -29,9 +29,12 @@ import hashlib
 import json
 import math
 import mmap
+import os
+import shutil
 import struct
+import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -42,6 +45,59 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Hyperparameters
+
+
+# Far past any real size or context; a 5000-digit one from a JSON file would otherwise reach torch, whose
+# int64 sizes overflow with an error that says nothing about which field was wrong.
+_MAX_SIZE = 2 ** 31 - 1
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not a size
+
+
+def _is_positive_number(v) -> bool:
+    """An int or float in (0, largest float]: NaN fails the comparison, and an int too large for a float
+    (from a 400-digit number in a JSON file) would overflow inside torch."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max
+
+
+def _show(v, limit: int = 60) -> str:
+    """repr(v) for a message, cut to `limit` characters (Python refuses to print ints of 4300+ digits)."""
+    try:
+        text = repr(v)
+    except (ValueError, RecursionError):
+        text = f"<{type(v).__name__} too large to print>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_rope_scaling(s):
+    """Llama 3.1's frequency scaling needs all four numbers, with high_freq_factor > low_freq_factor (it
+    divides by their difference) and factor >= 1: anything else gives NaN or infinite frequencies, and a run
+    would train on with a NaN loss. None means no scaling."""
+    if s is None:
+        return
+    if not isinstance(s, dict):
+        raise ValueError(f"rope_scaling must be null or an object with {', '.join(ROPE_SCALING_KEYS)}, got "
+                         f"{_show(s)}")
+    wrong = [f"missing {k}" for k in ROPE_SCALING_KEYS if k not in s] + \
+        [f"unknown {_show(k)}" for k in s if k not in ROPE_SCALING_KEYS]
+    if wrong:
+        raise ValueError(f"rope_scaling needs exactly the keys {', '.join(ROPE_SCALING_KEYS)} (null: no "
+                         f"scaling): {', '.join(wrong)}")
+    for k in ROPE_SCALING_KEYS[:3]:
+        if not _is_positive_number(s[k]):
+            raise ValueError(f"rope_scaling {k} must be a positive number, got {_show(s[k])}")
+    if s["factor"] < 1:
+        raise ValueError(f"rope_scaling factor must be at least 1 (how much longer the context gets), got "
+                         f"{s['factor']}")
+    if not s["high_freq_factor"] > s["low_freq_factor"]:
+        raise ValueError(f"rope_scaling high_freq_factor ({s['high_freq_factor']}) must be larger than "
+                         f"low_freq_factor ({s['low_freq_factor']})")
+    if not _is_int(s["original_max_seq_len"]) or not 1 <= s["original_max_seq_len"] <= _MAX_SIZE:
+        raise ValueError(f"rope_scaling original_max_seq_len must be a positive integer, got "
+                         f"{_show(s['original_max_seq_len'])}")
 
 
 @dataclass
@@ -62,23 +118,53 @@ class ModelArgs:
     tie_embeddings: bool = False
 
     def __post_init__(self):
+        """Every value a model cannot be built from, or would train on with a NaN loss, is refused here, so
+        each way in (presets, flags, config.json, params.json, a checkpoint's meta.json) is checked."""
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len",
                      *(["ffn_hidden"] if self.ffn_hidden is not None else [])):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("norm_eps", "rope_theta"):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {_show(value)}")
+            if value > _MAX_SIZE:
+                raise ValueError(f"{name} must be at most {_MAX_SIZE}, got {_show(value)}")
+        for name in ("norm_eps", "rope_theta", *(["ffn_dim_multiplier"] if self.ffn_dim_multiplier is not None
+                                                 else [])):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if not _is_positive_number(value):
+                raise ValueError(f"{name} must be a positive number, got {_show(value)}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be true or false, got {_show(self.tie_embeddings)}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.ffn_hidden is None and self.ffn_dim_multiplier is not None and \
+                not 1 <= self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3) <= _MAX_SIZE:
+            raise ValueError(f"ffn_dim_multiplier {self.ffn_dim_multiplier} makes the FFN hidden size of dim "
+                             f"{self.dim} less than 1 or more than {_MAX_SIZE}")
+        check_rope_scaling(self.rope_scaling)
+
+    @classmethod
+    def from_dict(cls, d) -> "ModelArgs":
+        """Model args as a file records them (a checkpoint's meta.json "model_args": dataclasses.asdict) ->
+        ModelArgs. ValueError, one readable line, for anything but a dict, for keys ModelArgs does not have
+        (a file from another version or another program: named, so the reader knows which), for a missing
+        size the weights depend on (the defaults are a toy model's), and for impossible values."""
+        if not isinstance(d, dict):
+            raise ValueError(f"model args must be an object of named values, got {_show(d)}")
+        known = [f.name for f in fields(cls)]
+        unknown = [_show(k) for k in d if k not in known]
+        if unknown:
+            raise ValueError(f"model args have unknown keys {', '.join(unknown)}; ModelArgs takes "
+                             f"{', '.join(known)}: was the file written by another version?")
+        missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"model args miss {', '.join(missing)}: the file is incomplete")
+        return cls(**d)
 
     @property
     def head_dim(self) -> int:
@@ -507,29 +593,104 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
               "BOOL": torch.bool}
 
 
+_ST_MAX_HEADER = 100_000_000  # the safetensors library's own limit: a longer header is a damaged file
+
+
+def _one_line(e: BaseException, limit: int = 120) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _parse_json(raw: bytes, what: str):
+    """json.loads, every failure as a ValueError naming `what`: bad syntax, bad UTF-8 and a 5000-digit
+    number raise ValueError, deeply nested arrays RecursionError (which is not one)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{what} is not valid JSON ({_one_line(e)})") from None
+
+
+def args_in(file: Path, parse) -> "ModelArgs":
+    """The model args a config file holds (parse: args_from_hf_config, args_from_meta_params); a ValueError
+    names the file."""
+    found = read_json_object(file)
+    try:
+        return parse(found)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+
+
+def read_json_object(path) -> dict:
+    """A JSON file that must hold an object (config.json, params.json) -> the dict, or ValueError naming
+    the file."""
+    obj = _parse_json(Path(path).read_bytes(), str(path))
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object {{...}}, not {_show(obj)}")
+    return obj
+
+
+def _safetensors_entry_problem(info, data_len: int) -> str | None:
+    """What is wrong with one tensor's header entry (None: nothing), judged from the header and the size of
+    the data alone: a dtype, a shape and offsets that fit the file and agree with each other."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        return f"is {_show(info)}, not an object with dtype, shape and data_offsets"
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        return f"has dtype {_show(dtype)}, not one of {', '.join(_ST_DTYPES)}"
+    # a zero among the dimensions makes any others legal; their product must still fit torch's int64 strides
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape) or \
+            math.prod(max(d, 1) for d in shape) > 2 ** 62:
+        return f"has shape {_show(shape)}, not a list of non-negative integers"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+            and 0 <= offsets[0] <= offsets[1] <= data_len):
+        return f"has data_offsets {_show(offsets)}, not [start, end] within its {data_len} bytes of data"
+    need = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != need:
+        return f"has {offsets[1] - offsets[0]} bytes of data, but {dtype} x {shape} takes {need}"
+    return None
+
+
 def _safetensors_header(path) -> tuple[int, dict]:
-    """(where the data starts, {name: {dtype, shape, data_offsets}}) without reading any tensor."""
+    """(where the data starts, {name: {dtype, shape, data_offsets}}) without reading any tensor. Each entry is
+    checked against the file here, so a truncated, damaged or hostile file is one ValueError naming it, not
+    a struct, memory or torch error when a tensor is read."""
+    size = os.path.getsize(path)
+    damaged = f"{path} is not a valid safetensors file"
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{damaged}: {size} bytes, too few for the header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:  # checked before reading: the length alone could ask for exabytes
+            raise ValueError(f"{damaged}: its header length {n} is past the end of the file ({size} bytes); "
+                             "is it truncated?")
+        if n > _ST_MAX_HEADER:
+            raise ValueError(f"{damaged}: its header of {n} bytes is over the format's {_ST_MAX_HEADER}")
+        header = _parse_json(f.read(n), f"the header of {path}")
+    if not isinstance(header, dict):
+        raise ValueError(f"{damaged}: its header is {_show(header)}, not a JSON object")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        problem = _safetensors_entry_problem(info, size - 8 - n)
+        if problem:
+            raise ValueError(f"{damaged}: tensor {_show(name)} {problem}")
     return 8 + n, header
 
 
 def read_safetensors(path, names=None) -> dict[str, torch.Tensor]:
     """Read a .safetensors file, or only `names` from it, into CPU tensors (copied out of a memory map, so
     files can be large)."""
-    base, header = _safetensors_header(path)
+    base, header = _safetensors_header(path)  # every entry checked: offsets, dtype and shape agree
     out = {}
     # copy-on-write: torch wants writable memory
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
         for name in header if names is None else names:
+            if name not in header:
+                raise ValueError(f"{path} holds no tensor {_show(name)}")
             info = header[name]
-            start, end = info["data_offsets"]
-            dtype = _ST_DTYPES[info["dtype"]]
-            count = (end - start) // torch.empty((), dtype=dtype).element_size()
-            t = torch.frombuffer(m, dtype=dtype, count=count, offset=base + start) if count else \
-                torch.empty(0, dtype=dtype)
+            dtype, count = _ST_DTYPES[info["dtype"]], math.prod(info["shape"])
+            t = torch.frombuffer(m, dtype=dtype, count=count, offset=base + info["data_offsets"][0]) \
+                if count else torch.empty(0, dtype=dtype)
             out[name] = t.reshape(info["shape"]).clone()
             del t  # no view of the map may outlive it
     return out
@@ -540,7 +701,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path):
     header, offset, blobs = {}, 0, []
     for name, t in tensors.items():
         t = t.detach().contiguous().cpu()
-        b = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        b = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # a 0-dim one too
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset
                                                                                           + len(b)]}
         blobs.append(b)
@@ -571,24 +732,43 @@ def _hf_name(ours: str) -> str:
             "output.weight": "lm_head.weight"}[ours]
 
 
+_HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+_HF_ROPE_KEYS = {"factor": "factor", "low_freq_factor": "low_freq_factor",  # ours -> Hugging Face's
+                 "high_freq_factor": "high_freq_factor",
+                 "original_max_seq_len": "original_max_position_embeddings"}
+
+
 def args_from_hf_config(cfg: dict) -> ModelArgs:
+    """A Hugging Face config.json's contents -> ModelArgs; ValueError for one this model cannot be built
+    from: not a Llama config, a rope type other than llama3, impossible values (ModelArgs checks them)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"the config must be a JSON object, got {_show(cfg)}")
+    missing = [k for k in _HF_REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"the config misses {', '.join(missing)}: is it a Llama model's config.json?")
     # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling must be an object, got {_show(rope)}")
     theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = None
-    if rope.get("rope_type", rope.get("type")) == "llama3":
-        scaling = dict(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-                       high_freq_factor=rope["high_freq_factor"],
-                       original_max_seq_len=rope["original_max_position_embeddings"])
-    elif rope.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"unsupported rope type {rope.get('rope_type')!r}")
-    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-                     n_heads=cfg["num_attention_heads"],
-                     n_kv_heads=cfg.get("num_key_value_heads"), vocab_size=cfg["vocab_size"],
-                     ffn_hidden=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
-                     rope_theta=theta, rope_scaling=scaling, max_seq_len=cfg.get("max_position_embeddings",
-                                                                                 2048),
+    kind, scaling = rope.get("rope_type", rope.get("type")), None
+    if kind == "llama3":
+        missing = [hf for hf in _HF_ROPE_KEYS.values() if hf not in rope]
+        if missing:
+            raise ValueError(f"rope type llama3 needs {', '.join(missing)} in rope_scaling")
+        scaling = {ours: rope[hf] for ours, hf in _HF_ROPE_KEYS.items()}
+    elif kind not in ("default", None):  # another scaling (linear, dynamic, yarn): ignoring it is wrong
+        raise ValueError(f"unsupported rope type {_show(kind)}: only llama3 and default are")
+    args = ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+                     n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
+                     vocab_size=cfg["vocab_size"], ffn_hidden=cfg["intermediate_size"],
+                     norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
+                     max_seq_len=cfg.get("max_position_embeddings", 2048),
                      tie_embeddings=cfg.get("tie_word_embeddings", False))
+    if cfg.get("head_dim") not in (None, args.head_dim):  # heads here are always hidden_size / n_heads wide
+        raise ValueError(f"head_dim {_show(cfg['head_dim'])} is not hidden_size / num_attention_heads = "
+                         f"{args.head_dim}, which this model requires")
+    return args
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -650,12 +830,12 @@ def hf_state(path) -> tuple[ModelArgs, LazyState]:
     parameter names). Names and shapes are checked against the config from the files' headers, before any
     weight is read."""
     path = Path(path)
-    args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+    args = args_in(path / "config.json", args_from_hf_config)
     where = {}  # Hugging Face name -> (file, shape)
     for f in sorted(path.glob("*.safetensors")):
         where.update({name: (f, info["shape"]) for name, info in _safetensors_header(f)[1].items()})
     if not where:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
+        raise FileNotFoundError(f"no *.safetensors files holding a tensor in {path}")
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     if args.tie_embeddings:
@@ -685,22 +865,81 @@ def load_hf(path, dtype=torch.float32) -> Transformer:
     return _load_state(model, {k: state[k].to(dtype) for k in state if k not in tied}, str(path))
 
 
+HF_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json")  # all save_hf writes
+
+
 def save_hf(model: Transformer, path, tokens: dict | None = None):
     """Write a Hugging Face Llama directory: config.json and model.safetensors (in the model's dtype). With
     `tokens` (data.hf_tokens: the tokenizer's name and its bos, eos and pad ids under transformers' names),
     config.json records them and generation_config.json tells generate() where to stop: without them,
-    transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here.
+
+    All or nothing: the files are written and fsynced in a temporary sibling folder, which is then renamed
+    to `path`, so a full disk or a kill never leaves a truncated model in a folder that looks complete. An
+    existing `path` is replaced only if it is empty or holds nothing but files save_hf writes (an earlier
+    export); anything else is refused (FileExistsError) before anything is written."""
+    path = Path(os.path.abspath(path))  # "." and "x/.." have no name to put a sibling next to
+    _check_export_target(path)
     state = {_hf_name(k): v for k, v in model.state_dict().items()
              if not (k == "output.weight" and model.args.tie_embeddings)}
     cfg = hf_config(model.args) | (tokens or {})
     cfg["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    write_safetensors(state, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    if tokens:
-        generation = {k: tokens[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save of an earlier process with our pid
+        tmp.mkdir(parents=True)
+        write_safetensors(state, tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if tokens:
+            generation = {k: tokens[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        for f in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them the export
+            _fsync(f)
+        _swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_export_target(path: Path):
+    """save_hf replaces only what it wrote itself: a file, a link or a folder holding anything else (a
+    checkpoint, someone's notes) is refused, and nothing is written."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):  # a link would be replaced, not followed
+        raise FileExistsError(f"{path} exists and is a file or a link, not a folder; nothing was written: "
+                              "remove it or export to another path")
+    if path.is_dir():
+        others = sorted(p.name for p in path.iterdir()
+                        if p.name not in HF_EXPORT_FILES or p.is_symlink() or not p.is_file())
+        if others:
+            raise FileExistsError(f"{path} holds files an export does not write ({', '.join(others[:5])}"
+                                  f"{', ...' if len(others) > 5 else ''}); nothing was written: export to a "
+                                  "new or empty folder, or move them away")
+
+
+def _swap_in(new: Path, path: Path):
+    """Rename folder `new` to `path`. An earlier export there is renamed aside first and deleted only once
+    the new one is in place; if the second rename fails, it is put back."""
+    if path.exists():
+        old = path.parent / f".old-{path.name}-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        try:
+            os.rename(new, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(new, path)
+    _fsync(path.parent)  # the rename itself on disk
+
+
+def _fsync(path: Path):
+    fd = os.open(path, os.O_RDONLY)  # a folder too: Linux syncs its entries this way
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def meta_to_hf_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -720,18 +959,30 @@ _META_CAT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_
                  "w2": 1}
 
 
+def args_from_meta_params(p: dict) -> ModelArgs:
+    """A Meta params.json's contents -> ModelArgs; ValueError for missing keys or impossible values. The
+    scaling is built before ModelArgs, so ModelArgs checks the factor too."""
+    missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "norm_eps")
+               if k not in p]
+    if missing:
+        raise ValueError(f"misses {', '.join(missing)}: is it a Llama 3 params.json?")
+    if not isinstance(p.get("use_scaled_rope", False), bool):
+        raise ValueError(f"use_scaled_rope must be true or false, got {_show(p['use_scaled_rope'])}")
+    scaling = None
+    if p.get("use_scaled_rope"):
+        factor = p.get("rope_scaling_factor")
+        scaling = dict(LLAMA31_ROPE) | ({"factor": factor} if factor is not None else {})
+    return ModelArgs(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"],
+                     n_kv_heads=p.get("n_kv_heads"), vocab_size=p["vocab_size"], multiple_of=p["multiple_of"],
+                     ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p["norm_eps"],
+                     rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
+                     max_seq_len=p.get("max_seq_len", 8192))
+
+
 def load_meta(path, dtype=torch.float32) -> Transformer:
     """A Meta Llama 3 checkpoint directory (params.json + consolidated.*.pth) -> Transformer."""
     path = Path(path)
-    p = json.loads((path / "params.json").read_text())
-    args = ModelArgs(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"],
-                     n_kv_heads=p.get("n_kv_heads"), vocab_size=p["vocab_size"], multiple_of=p["multiple_of"],
-                     ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p["norm_eps"],
-                     rope_theta=p.get("rope_theta", 500000.0),
-                     rope_scaling=dict(LLAMA31_ROPE) if p.get("use_scaled_rope") else None,
-                     max_seq_len=p.get("max_seq_len", 8192))
-    if p.get("use_scaled_rope") and p.get("rope_scaling_factor"):
-        args.rope_scaling["factor"] = float(p["rope_scaling_factor"])
+    args = args_in(path / "params.json", args_from_meta_params)
     files = sorted(path.glob("consolidated.*.pth"))
     if not files:
         raise FileNotFoundError(f"no consolidated.*.pth files in {path}")

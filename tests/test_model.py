@@ -242,3 +242,261 @@ def test_flops_per_token_conventions():
     assert f["megatron"] == 6 * n_matmul + 6 * 32 * 4096 * 8192
     tied = M.PRESETS["llama3.2-1b"]  # a tied head still costs its matmul
     assert M.flops_per_token(tied, 1)["palm"] == 6 * M.count_params(tied) + 12 * 16 * 2048
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hostile inputs: impossible model args, damaged safetensors and JSON files, interrupted exports
+
+import errno  # noqa: E402
+import re  # noqa: E402
+import struct  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+
+ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(rope_scaling=ROPE | dict(factor=0.0)), "factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(factor=-8.0)), "factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(factor=0.5)), "factor must be at least 1"),
+    (dict(rope_scaling=ROPE | dict(factor=math.nan)), "factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(factor=math.inf)), "factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(factor="8")), "factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(factor=True)), "factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(factor=None)), "factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(low_freq_factor=0.0)), "low_freq_factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(high_freq_factor=1.0)), "high_freq_factor .* must be larger"),
+    (dict(rope_scaling=ROPE | dict(high_freq_factor=0.5)), "high_freq_factor .* must be larger"),
+    (dict(rope_scaling=ROPE | dict(high_freq_factor=math.nan)), "high_freq_factor must be a positive number"),
+    (dict(rope_scaling=ROPE | dict(original_max_seq_len=0)), "original_max_seq_len must be a positive"),
+    (dict(rope_scaling=ROPE | dict(original_max_seq_len=-64)), "original_max_seq_len must be a positive"),
+    (dict(rope_scaling=ROPE | dict(original_max_seq_len=math.nan)), "original_max_seq_len must be a"),
+    (dict(rope_scaling=ROPE | dict(original_max_seq_len="64")), "original_max_seq_len must be a positive"),
+    (dict(rope_scaling={k: v for k, v in ROPE.items() if k != "factor"}), "missing factor"),
+    (dict(rope_scaling=ROPE | dict(rope_type="llama3")), "unknown 'rope_type'"),
+    (dict(rope_scaling={}), "missing factor"),
+    (dict(rope_scaling="llama3"), "rope_scaling must be null or an object"),
+    (dict(rope_scaling=[8.0, 1.0, 4.0, 64]), "rope_scaling must be null or an object"),
+    (dict(ffn_hidden=None, ffn_dim_multiplier=math.nan), "ffn_dim_multiplier must be a positive number"),
+    (dict(ffn_hidden=None, ffn_dim_multiplier=math.inf), "ffn_dim_multiplier must be a positive number"),
+    (dict(ffn_hidden=None, ffn_dim_multiplier=-1.3), "ffn_dim_multiplier must be a positive number"),
+    (dict(ffn_hidden=None, ffn_dim_multiplier="1.3"), "ffn_dim_multiplier must be a positive number"),
+    (dict(ffn_hidden=None, ffn_dim_multiplier=1e-9), "FFN hidden size"),
+    (dict(ffn_hidden=None, ffn_dim_multiplier=1e300), "FFN hidden size"),
+    (dict(tie_embeddings="false"), "tie_embeddings must be true or false"),
+    (dict(tie_embeddings=1), "tie_embeddings must be true or false"),
+    (dict(tie_embeddings=None), "tie_embeddings must be true or false"),
+    (dict(norm_eps=True), "norm_eps must be a positive number"),
+    (dict(rope_theta=10 ** 400), "rope_theta must be a positive number"),
+    (dict(vocab_size=10 ** 5000), "vocab_size must be at most"),
+    (dict(max_seq_len=2 ** 63), "max_seq_len must be at most"),
+])
+def test_model_args_refuse_impossible_values(kw, message):
+    """Each would build a model that trains on with NaN frequencies or loss, or crash later inside torch."""
+    with pytest.raises(ValueError, match=message):
+        tiny_args(**kw)
+
+
+def test_model_args_from_dict_round_trips_every_preset():
+    for args in M.PRESETS.values():
+        assert M.ModelArgs.from_dict(json.loads(json.dumps(asdict(args)))) == args
+
+
+@pytest.mark.parametrize("d,message", [
+    (None, "must be an object"), ([["dim", 64]], "must be an object"), ("dim=64", "must be an object"),
+    (asdict(tiny_args()) | {"n_expert": 8, "moe": True}, "unknown keys 'n_expert', 'moe'"),
+    (asdict(tiny_args()) | {3: 1}, "unknown keys 3"),
+    ({k: v for k, v in asdict(tiny_args()).items() if k != "dim"}, "miss dim"),
+    (asdict(tiny_args()) | {"dim": "64"}, "dim must be a positive integer"),
+    (asdict(tiny_args()) | {"dim": 64.0}, "dim must be a positive integer"),
+    (asdict(tiny_args()) | {"rope_scaling": ROPE | {"factor": 0}}, "factor must be a positive number"),
+])
+def test_model_args_from_dict_refuses_with_one_value_error(d, message):
+    with pytest.raises(ValueError, match=message):
+        M.ModelArgs.from_dict(d)
+
+
+def write_st(path, header, data=b"", length=None):
+    """A hand-made safetensors file: the 8-byte length (`length` if given), the header (an object, dumped,
+    or raw bytes), then `data`."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+F32x4 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+
+
+def short_id(v):
+    """Test ids of at most 40 characters (some inputs are 5000 digits or 100,000 brackets long)."""
+    return repr(v)[:40] if isinstance(v, (str, bytes)) and len(v) > 40 else None
+
+
+@pytest.mark.parametrize("header,data,length,message", [
+    (b"", b"", None, "not valid JSON"),  # a file of 8 bytes: an empty header
+    ({"w": F32x4}, bytes(16), 10 ** 6, "past the end of the file"),  # truncated
+    ({"w": F32x4}, bytes(16), 2 ** 63 - 1, "past the end of the file"),  # would allocate exabytes
+    (b"{not json", b"", None, "not valid JSON"),
+    (b'{"w": "\xff\xfe"}', b"", None, "not valid JSON"),  # not UTF-8
+    (b"[" * 100_000 + b"]" * 100_000, b"", None, "not valid JSON.*RecursionError"),
+    (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + b"9" * 5000 + b"]}}", b"", None,
+     "not valid JSON"),
+    ([1, 2], b"", None, "not a JSON object"),
+    ({"w": 3}, b"", None, "not an object with dtype, shape and data_offsets"),
+    ({"w": {"dtype": "F32", "shape": [2, 2]}}, bytes(16), None, "not an object with dtype"),
+    ({"w": F32x4 | {"dtype": "Q7"}}, bytes(16), None, "dtype 'Q7'"),
+    ({"w": F32x4 | {"dtype": ["F32"]}}, bytes(16), None, "dtype"),
+    ({"w": F32x4 | {"shape": "2x2"}}, bytes(16), None, "shape '2x2'"),
+    ({"w": F32x4 | {"shape": [-2, -2]}}, bytes(16), None, "not a list of non-negative integers"),
+    ({"w": F32x4 | {"shape": [2.0, 2.0]}}, bytes(16), None, "not a list of non-negative integers"),
+    ({"w": F32x4 | {"shape": [4, None]}}, bytes(16), None, "not a list of non-negative integers"),
+    ({"w": F32x4 | {"data_offsets": [0, 400]}}, bytes(16), None, "within its 16 bytes"),
+    ({"w": F32x4 | {"data_offsets": [16, 0]}}, bytes(16), None, "data_offsets"),
+    ({"w": F32x4 | {"data_offsets": [-16, 0]}}, bytes(16), None, "data_offsets"),
+    ({"w": F32x4 | {"data_offsets": [0]}}, bytes(16), None, "data_offsets"),
+    ({"w": F32x4 | {"data_offsets": [0, "16"]}}, bytes(16), None, "data_offsets"),
+    ({"w": F32x4 | {"data_offsets": [0, 8]}}, bytes(16), None, "8 bytes of data, but F32 x .2, 2. takes 16"),
+    ({"w": F32x4 | {"shape": [4, 4]}}, bytes(16), None, "takes 64"),
+], ids=short_id)
+def test_damaged_safetensors_are_one_value_error_naming_the_file(tmp_path, header, data, length, message):
+    """Refused from the header alone, by both the header reader (hf_state's shape checks) and the reader."""
+    f = write_st(tmp_path / "bad.safetensors", header, data, length)
+    for read in (M._safetensors_header, M.read_safetensors):
+        with pytest.raises(ValueError, match=re.escape(str(f)) + ".*" + message):
+            read(f)
+
+
+@pytest.mark.parametrize("size", [0, 3, 7])
+def test_safetensors_shorter_than_its_length_field(tmp_path, size):
+    (tmp_path / "short.safetensors").write_bytes(b"\x10" * size)
+    with pytest.raises(ValueError, match="short.safetensors.*too few for the header length"):
+        M.read_safetensors(tmp_path / "short.safetensors")
+
+
+def test_safetensors_round_trip_odd_shapes_and_a_missing_name(tmp_path):
+    tensors = {"scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3), "bf16": torch.randn(3, 5).bfloat16(),
+               "ids": torch.arange(7), "mask": torch.tensor([True, False])}
+    M.write_safetensors(tensors, tmp_path / "ok.safetensors")
+    back = M.read_safetensors(tmp_path / "ok.safetensors")
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match="holds no tensor 'nope'"):
+        M.read_safetensors(tmp_path / "ok.safetensors", ["nope"])
+
+
+HF_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, rms_norm_eps=1e-5, max_position_embeddings=256,
+                 rope_theta=500000.0,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", "not valid JSON"),
+    ("[" * 100_000, "not valid JSON.*RecursionError"),
+    ('{"hidden_size": ' + "9" * 5000 + "}", "not valid JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ("null", "must hold a JSON object"),
+    (json.dumps({"hidden_size": 64}), "misses num_hidden_layers"),
+    (json.dumps(HF_CONFIG | {"rope_scaling": "llama3"}), "rope_scaling must be an object"),
+    (json.dumps(HF_CONFIG | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+     "llama3 needs low_freq_factor"),
+    (json.dumps(HF_CONFIG | {"rope_scaling": {"type": "linear", "factor": 2.0}}), "unsupported rope type"),
+    (json.dumps(HF_CONFIG | {"rope_scaling": HF_CONFIG["rope_scaling"] | {"factor": math.nan}}),
+     "factor must be a positive number"),
+    (json.dumps(HF_CONFIG | {"rope_scaling": HF_CONFIG["rope_scaling"] | {"high_freq_factor": 1.0}}),
+     "must be larger than low_freq_factor"),
+    (json.dumps(HF_CONFIG | {"hidden_size": "64"}), "dim must be a positive integer"),
+    (json.dumps(HF_CONFIG | {"tie_word_embeddings": "no"}), "tie_embeddings must be true or false"),
+    (json.dumps(HF_CONFIG | {"head_dim": 32}), "head_dim 32"),
+], ids=short_id)
+def test_bad_hf_config_is_one_value_error_naming_it(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    write_st(tmp_path / "model.safetensors", {})  # a folder that would otherwise be read
+    for read in (M.hf_state, M.load_hf):
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path / "config.json")) + ".*" + message):
+            read(tmp_path)
+
+
+def test_hf_state_names_a_damaged_safetensors_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    write_st(tmp_path / "model.safetensors", {"w": F32x4}, bytes(16), length=10 ** 9)
+    with pytest.raises(ValueError, match="model.safetensors.*past the end of the file"):
+        M.hf_state(tmp_path)
+
+
+META_PARAMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
+                   ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True,
+                   max_seq_len=128)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", "not valid JSON"),
+    ("[" * 100_000, "not valid JSON.*RecursionError"),
+    ("[]", "must hold a JSON object"),
+    (json.dumps({k: v for k, v in META_PARAMS.items() if k != "norm_eps"}), "misses norm_eps"),
+    (json.dumps(META_PARAMS | {"rope_scaling_factor": 0}), "factor must be a positive number"),
+    (json.dumps(META_PARAMS | {"rope_scaling_factor": -32.0}), "factor must be a positive number"),
+    (json.dumps(META_PARAMS | {"rope_scaling_factor": math.nan}), "factor must be a positive number"),
+    (json.dumps(META_PARAMS | {"rope_scaling_factor": "32"}), "factor must be a positive number"),
+    (json.dumps(META_PARAMS | {"use_scaled_rope": "yes"}), "use_scaled_rope must be true or false"),
+    (json.dumps(META_PARAMS | {"ffn_dim_multiplier": math.inf}), "ffn_dim_multiplier must be a positive"),
+], ids=short_id)
+def test_bad_meta_params_is_one_value_error_naming_it(tmp_path, text, message):
+    (tmp_path / "params.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "params.json")) + ".*" + message):
+        M.load_meta(tmp_path)
+
+
+def export_files(path):
+    return {f.name: f.read_bytes() for f in path.iterdir()}
+
+
+def test_save_hf_replaces_an_earlier_export_and_syncs(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    a, b = M.Transformer(tiny_args(n_layers=1)), M.Transformer(tiny_args(n_layers=1))
+    synced = []
+    real_fsync = M.os.fsync
+    monkeypatch.setattr(M.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    (tmp_path / "out").mkdir()  # an empty folder is taken
+    M.save_hf(a, tmp_path / "out", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    assert sorted(export_files(tmp_path / "out")) == sorted(M.HF_EXPORT_FILES) and len(synced) >= 4
+    M.save_hf(b, tmp_path / "out")  # an earlier export is replaced as a whole: no stale generation config
+    assert sorted(export_files(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert torch.equal(M.load_hf(tmp_path / "out").output.weight, b.output.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
+
+
+@pytest.mark.parametrize("existing", ["notes.txt", "checkpoint/meta.json", "model.safetensors/x", "file"])
+def test_save_hf_refuses_a_folder_holding_other_files(tmp_path, existing):
+    out = tmp_path / "out"
+    if existing == "file":
+        out.write_text("not a folder")
+    else:
+        (out / existing).parent.mkdir(parents=True)
+        (out / existing).write_text("mine")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(FileExistsError, match="nothing was written"):
+        M.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_save_hf_interrupted_leaves_no_half_export(tmp_path, monkeypatch, earlier):
+    """A full disk halfway through model.safetensors: the target is absent, or the earlier export intact,
+    and no temporary folder is left beside it."""
+    out = tmp_path / "out"
+    if earlier:
+        M.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
+        before = export_files(out)
+
+    def half_then_full(tensors, path):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(M, "write_safetensors", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        M.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if earlier else [])
+    if earlier:
+        assert export_files(out) == before
