@@ -19,11 +19,16 @@ The data path of the project, in the order the bytes travel through this file:
                  sft.py reads conversations and dpo.py preference pairs with it (json_records, named_file).
   8. CLI         python data.py prepare | download | info
 
-Every failure a user can cause ends in DataError, whose message is one line saying what to do.
+Every failure a user can cause ends in DataError, whose message is one line saying what to do: a file a user
+names is checked to be a regular file before it is opened (regular_file), JSON goes through load_json,
+writes into the cache through writing() (a read-only folder, a full disk), and prepare() turns SIGTERM into
+KeyboardInterrupt so that it cleans up (sigterm_raises_keyboard_interrupt).
 """
 import argparse
 import base64
 import binascii
+import contextlib
+import errno
 import functools
 import glob
 import gzip
@@ -32,9 +37,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
+import stat
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,7 +58,7 @@ class DataError(Exception):
 
 def cache_dir() -> Path:
     path = Path(os.environ.get("DATA_CACHE") or "~/.cache/llama3-train").expanduser()
-    if path.exists() and not path.is_dir():
+    if os.path.exists(path) and not os.path.isdir(path):
         raise DataError(f"the data cache {path} is not a folder; point DATA_CACHE at a folder")
     return path
 
@@ -73,6 +81,101 @@ def one_line(error) -> str:
         return (f"refused to unpickle it (weights_only=True loads tensors and plain containers only, never "
                 f"code): {reason}")
     return " ".join(text.split()) or type(error).__name__
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def regular_file(path, what: str) -> Path:
+    """`path` if it is a regular file (or a symlink to one), else DataError saying what it is instead.
+    Checked before every file a user names is opened: open() on a FIFO waits forever for a writer, and a
+    folder, device or socket is no data either. (Where this file probes a path a user gave, it asks
+    os.path.exists / isdir: they say False for a name too long or with a NUL byte, where pathlib raises.)"""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode  # follows symlinks: a link to a regular file is one
+    except FileNotFoundError:
+        dangling = " (a symlink to nothing)" if path.is_symlink() else ""
+        raise DataError(f"no {what} at {path}{dangling}") from None
+    except OSError as e:  # a symlink loop, a folder we may not enter
+        raise DataError(f"cannot read the {what} {path}: {one_line(e)}") from None
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a plain file")
+        raise DataError(f"the {what} {path} is {kind}, not a regular file; replace it with a regular "
+                        "file (a symlink to one is fine)")
+    return path
+
+
+def load_json(text: str):
+    """json.loads, failing only with json.JSONDecodeError: json itself raises RecursionError for nesting
+    deeper than the interpreter's recursion limit ([[[[...]]]]) and a plain ValueError for an integer of more
+    than sys.get_int_max_str_digits() digits. Those two carry no position (lineno and colno are None)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as e:
+        reason = (f"an integer of more than {sys.get_int_max_str_digits():,} digits"
+                  if "integer string conversion" in str(e) else one_line(e))
+    error = json.JSONDecodeError(reason, text, 0)
+    error.lineno = error.colno = None
+    raise error from None
+
+
+def json_reason(e: json.JSONDecodeError) -> str:
+    """What is wrong with some JSON, and where in its line when that is known."""
+    return f"{e.msg} at column {e.colno}" if e.colno else e.msg
+
+
+# read-only or not ours; a full disk or quota; a path that cannot be a folder (too long, a file on the way)
+_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG,
+                 errno.ENOTDIR}
+
+
+@contextlib.contextmanager
+def writing(folder, target, cleanup=()):
+    """Turns the write failures a user must fix outside the program (_WRITE_ERRNOS: a read-only folder, a
+    full disk, ...) into one DataError line naming `folder`, or `target` for a full disk. First removes
+    `cleanup` (partial files, temporary folders), so nothing half-written stays behind."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        for path in map(Path, cleanup):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"no space left on device while writing {target} ({one_line(e)}); free some "
+                            "space or point DATA_CACHE (or --out) at a disk with room") from None
+        raise DataError(f"cannot write into {folder} ({one_line(e)}); make it writable or point DATA_CACHE "
+                        "(or --out) at a folder you can write to") from None
+
+
+@contextlib.contextmanager
+def sigterm_raises_keyboard_interrupt():
+    """Within it, SIGTERM (what `kill` and schedulers send) raises KeyboardInterrupt as Ctrl-C does, so
+    `finally` blocks clean up before the process ends; the previous handler is back afterwards. Only in
+    the main thread (the only one Python lets set handlers) and only while SIGTERM has its default action:
+    a handler someone else installed (train.py's preemption flag) is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ======== 1. Sources and download =================================================================
@@ -152,11 +255,13 @@ def fetch(name: str, mirror=None) -> Path:
         raise DataError(f"registry entry {name!r} has a mirror path outside the mirror: {entry['mirror']}")
     dest = cache_dir() / "downloads" / (name + Path(entry["mirror"]).suffix)
     root = _mirror_root(mirror)
-    if "gzip_sha256" in entry and not dest.exists() and not (root and (root / entry["mirror"]).is_file()):
+    in_mirror = root is not None and os.path.exists(root / entry["mirror"])
+    if "gzip_sha256" in entry and not os.path.exists(dest) and not in_mirror:
         # the URL serves a .gz; the cache (like the mirror) keeps the unpacked file, checked against sha256
         packed = download(entry["url"], entry["gzip_sha256"], dest.with_name(dest.name + ".gz"))
         part = dest.with_name(dest.name + ".part")
-        with gzip.open(packed, "rb") as src, open(part, "wb") as out:
+        with writing(dest.parent, dest, cleanup=[part]), gzip.open(packed, "rb") as src, \
+                open(part, "wb") as out:
             shutil.copyfileobj(src, out)
         packed.unlink()
         return _verify_and_place(part, dest, entry["sha256"], f"{entry['url']} (unpacked)", "fetch it again")
@@ -173,22 +278,30 @@ def download(url, sha256, dest, mirror=None, mirror_path=None, *, retries=4, tim
     if not (url.startswith("https://") or allow_http):
         raise DataError(f"refusing to download {url}: only https URLs are accepted")
     dest = Path(dest)
-    if dest.exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.exists(dest):  # only a verified file is ever put there
+        return regular_file(dest, "cached download")
     part = dest.with_name(dest.name + ".part")
+    if os.path.exists(part):  # open() of a FIFO there would wait forever
+        regular_file(part, "partial download")
     root = _mirror_root(mirror)
     wanted = mirror_path or dest.name
     hint = f"to work offline, set DATA_MIRROR or --mirror to a folder holding {wanted}"
-    if root is not None and mirror_path:
-        if (root / mirror_path).is_file():
-            print(f"copying {root / mirror_path} -> {dest}", file=sys.stderr)
-            shutil.copyfile(root / mirror_path, part)
-            return _verify_and_place(part, dest, sha256, f"{url} (mirror copy {root / mirror_path})", hint)
-        hint = f"the mirror {root} has no {mirror_path}; {hint}"
-    print(f"downloading {url} -> {dest}", file=sys.stderr)
-    _fetch_url(url, part, retries, timeout, backoff, hint)
-    return _verify_and_place(part, dest, sha256, url, hint)
+    # a full disk or a read-only cache is one line, and leaves no partial file behind
+    with writing(dest.parent, dest, cleanup=[part]):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if root is not None and mirror_path:
+            if os.path.exists(root / mirror_path):
+                src = regular_file(root / mirror_path, "mirror file")
+                if not os.access(src, os.R_OK):  # (or the refusal below would blame the cache)
+                    raise DataError(f"cannot read the mirror file {src}: permission denied; make it readable "
+                                    "or point DATA_MIRROR (or --mirror) at another mirror")
+                print(f"copying {src} -> {dest}", file=sys.stderr)
+                shutil.copyfile(src, part)
+                return _verify_and_place(part, dest, sha256, f"{url} (mirror copy {src})", hint)
+            hint = f"the mirror {root} has no {mirror_path}; {hint}"
+        print(f"downloading {url} -> {dest}", file=sys.stderr)
+        _fetch_url(url, part, retries, timeout, backoff, hint)
+        return _verify_and_place(part, dest, sha256, url, hint)
 
 
 def _fetch_url(url, part, retries, timeout, backoff, hint):
@@ -273,7 +386,7 @@ def get_tokenizer(name_or_path, mirror=None) -> tiktoken.Encoding:
         return _with_specials(name, base._mergeable_ranks, base._pat_str, base._special_tokens)
     if name == "llama3":
         path = fetch("llama3", mirror)
-    elif Path(name).expanduser().is_file():
+    elif os.path.exists(Path(name).expanduser()):  # a folder or FIFO there is refused in _read_rank_file
         path = Path(name).expanduser()
     else:
         raise DataError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)} "
@@ -305,7 +418,7 @@ def _openai_encoding(name, mirror):
     # is unset but a mirror is configured, borrow the mirror's copy of tiktoken's cache for this call.
     unset = "TIKTOKEN_CACHE_DIR" not in os.environ
     root = _mirror_root(mirror)
-    if unset and root is not None and (root / "tiktoken_cache").is_dir():
+    if unset and root is not None and os.path.isdir(root / "tiktoken_cache"):
         os.environ["TIKTOKEN_CACHE_DIR"] = str(root / "tiktoken_cache")
     try:
         return tiktoken.get_encoding(name)
@@ -321,7 +434,7 @@ def _openai_encoding(name, mirror):
 def _read_rank_file(path) -> dict:
     # Parsed by hand: tiktoken.load.load_tiktoken_bpe(local_path) writes a copy into TIKTOKEN_CACHE_DIR,
     # which fails when that folder is read-only (GUIDE section 4).
-    raw = Path(path).read_bytes()
+    raw = regular_file(path, "tokenizer file").read_bytes()
     official = hashlib.sha256(raw).hexdigest() == LLAMA3_SHA256
     ranks = {}
     for lineno, line in enumerate(raw.splitlines(), 1):
@@ -373,12 +486,14 @@ def resolve_source(source, mirror=None) -> list:
         entry = DATASETS[source]
         return [(fetch(source, mirror), entry["format"], entry.get("encoding", "utf-8"))]
     path = Path(source).expanduser()
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
+    if os.path.isdir(path):
+        found = [p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")]
+    elif os.path.exists(path):
+        found = [path]
     else:
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        found = [Path(p) for p in glob.glob(str(path), recursive=True)]
+    # folders are skipped (rglob looks inside them); a FIFO, device or socket is refused, not read or skipped
+    files = sorted(regular_file(p, "document file") for p in found if not os.path.isdir(p))
     if not files:
         raise DataError(f"no data found at {source!r}: not a dataset name ({', '.join(DATASETS)}), "
                         f"a file, a folder of .txt/.jsonl files or a glob that matches files")
@@ -391,7 +506,7 @@ def read_documents(path, fmt="text", text_field="text", encoding="utf-8") -> lis
     Read in text mode, like nanoGPT, so CRLF and CR line ends become "\n".
     """
     try:
-        text = Path(path).read_text(encoding=encoding)
+        text = regular_file(path, "document file").read_text(encoding=encoding)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not {encoding} text ({e.reason} at byte {e.start:,})") from None
     if fmt == "text":
@@ -404,7 +519,7 @@ def read_documents(path, fmt="text", text_field="text", encoding="utf-8") -> lis
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = load_json(line)
         except json.JSONDecodeError as e:
             raise jsonl_error(path, lineno, line, text, e) from None
         value = record.get(text_field) if isinstance(record, dict) else None
@@ -421,14 +536,14 @@ def jsonl_error(path, lineno, line, text, e: json.JSONDecodeError) -> DataError:
     """A JSON Lines line that does not parse: where and why, or what the file is instead when a pretty-
     printer spread its records over several lines."""
     try:
-        whole = json.loads(text)
+        whole = load_json(text)
     except json.JSONDecodeError:
         whole = None
     if isinstance(whole, (dict, list)) or line.strip() in ("{", "["):
         what = {dict: "one JSON object", list: "a JSON array"}.get(type(whole), "JSON records")
         return DataError(f"{path}: {what} spread over several lines (pretty-printed), not JSON Lines: write "
                          "one record per line")
-    return DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
+    return DataError(f"{path}:{lineno}: malformed JSON ({json_reason(e)})")
 
 
 def split_documents(docs, val_fraction):
@@ -476,21 +591,29 @@ def write_shard(path, tokens, tokenizer_name, vocab_size=None) -> Path:
     header = _HEADER.pack(SHARD_MAGIC, SHARD_VERSION, dtype.itemsize, tokens.size, name,
                           int(tokens.max(initial=0))).ljust(HEADER_BYTES, b"\0")
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:  # a crash leaves a .tmp file, never a short shard under the real name
-        f.write(header)
-        tokens.astype(dtype, copy=False).tofile(f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:  # a crash leaves a .tmp file, never a short shard under the real name
+            f.write(header)
+            tokens.astype(dtype, copy=False).tofile(f)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an interrupt: no .tmp left behind either
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
 def shard_info(path) -> dict:
     """Read and check a shard header: {"tokenizer", "tokens", "dtype", "version", "max_id"} (max_id: None
     in a version 1 shard)."""
-    path = Path(path)
+    path = regular_file(path, "token shard")
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
-    if len(head) < HEADER_BYTES or head[:8] != SHARD_MAGIC:
+    if head[:8] != SHARD_MAGIC[:len(head)]:  # (a file shorter than the magic is checked as far as it goes)
         raise DataError(f"{path} is not a token shard (bad magic {head[:8]!r}, expected {SHARD_MAGIC!r})")
+    if len(head) < HEADER_BYTES:  # what there is of the magic is right: the file was cut short
+        raise DataError(f"{path} is cut short: it holds {len(head)} of the {HEADER_BYTES} bytes of a shard "
+                        "header; re-run prepare")
     _, version, itemsize, count, name, max_id = _HEADER.unpack_from(head)
     if version not in (1, SHARD_VERSION) or itemsize not in _DTYPES:
         raise DataError(f"{path}: unsupported shard format version {version} / dtype code {itemsize}")
@@ -504,7 +627,8 @@ def shard_info(path) -> dict:
 
 def read_shard(path, tokenizer_name=None, n_vocab=None) -> np.memmap:
     """Memory-map a shard's tokens, refusing it if it was written with another tokenizer or (given n_vocab)
-    holds an id the tokenizer does not have."""
+    its header's largest id is one the tokenizer does not have. The header is trusted here (reading every id
+    would read the whole shard); whoever hands the ids on checks those it reads (check_token_ids)."""
     info = shard_info(path)
     if tokenizer_name is not None and info["tokenizer"] != tokenizer_name:
         raise DataError(f"{path} was tokenized with {info['tokenizer']!r}, but {tokenizer_name!r} is "
@@ -514,11 +638,24 @@ def read_shard(path, tokenizer_name=None, n_vocab=None) -> np.memmap:
     tokens = np.memmap(path, dtype=info["dtype"], mode="r", offset=HEADER_BYTES, shape=(info["tokens"],))
     if n_vocab is not None:
         top = info["max_id"] if info["max_id"] is not None else int(tokens.max())  # version 1: read them all
-        if top >= n_vocab:
-            raise DataError(f"{path} holds token id {top:,}, but the {info['tokenizer']} tokenizer has "
-                            f"{n_vocab:,} ids (0..{n_vocab - 1:,}): the shard is corrupt or was not written "
-                            "by this tokenizer; prepare the data again")
+        check_token_ids(np.array([top]), path, info["tokenizer"], n_vocab)
     return tokens
+
+
+def check_token_ids(ids: np.ndarray, path, tokenizer: str, n_vocab=None, max_id=None) -> None:
+    """Refuse ids read from the shard at `path` that the tokenizer (of n_vocab ids) does not have, or that lie
+    above the largest id its header records (max_id; then the data behind an intact header is damaged).
+    One max over the ids read: a Loader does it for every batch. Under tensor parallelism an id past the
+    vocabulary would train silently (each rank looks up only its own slice of the embedding): it is caught
+    here, where the shard can be named (parallel.py's vocab-parallel layers refuse it too, nameless)."""
+    top = int(ids.max(initial=0))
+    if n_vocab is not None and top >= n_vocab:
+        raise DataError(f"{path} holds token id {top:,}, but the {tokenizer} tokenizer has {n_vocab:,} ids "
+                        f"(0..{n_vocab - 1:,}): the shard is corrupt or was not written by this tokenizer; "
+                        "prepare the data again")
+    if max_id is not None and top > max_id:
+        raise DataError(f"{path} holds token id {top:,}, above the largest id its header records "
+                        f"({max_id:,}): the shard is corrupt; prepare the data again")
 
 
 # ======== 5. prepare: documents -> shards =========================================================
@@ -533,57 +670,119 @@ def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, work
     """Tokenize a source into <out_dir>/train_*.bin, val_*.bin, meta.json; a finished folder is reused.
 
     Everything is read and checked, and the new shards written into a temporary folder inside out_dir,
-    before the old ones are touched: a bad setting or source leaves a prepared folder as it was."""
+    before the old ones are touched: a bad setting or source leaves a prepared folder as it was. A failure
+    or an interrupt (Ctrl-C, or SIGTERM, which raises KeyboardInterrupt in here) removes the folders this
+    call made; an interrupt says on stderr what it stopped, then goes on up as KeyboardInterrupt."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise DataError(f"shard_tokens must be a positive number of tokens, got {shard_tokens}")
-    enc = tokenizer if isinstance(tokenizer, tiktoken.Encoding) else get_tokenizer(tokenizer, mirror)
-    inputs = resolve_source(source, mirror)
-    out = Path(out_dir) if out_dir else cache_dir() / "shards" / f"{_slug(source)}-{enc.name}"
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out} exists and is not a folder")
-    settings = {"source": str(source), "tokenizer": enc.name, "val_fraction": val_fraction,
-                "text_field": text_field, "shard_tokens": shard_tokens, "format": SHARD_VERSION,
-                "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size,
-                            "mtime_ns": p.stat().st_mtime_ns}
-                           for p, *_ in inputs]}
-    old = _read_json_object(out / "meta.json")
-    if all(old.get(key) == value for key, value in settings.items()):
-        print(f"{out}: already prepared", file=sys.stderr)
-        return out
-    docs = [doc for path, fmt, encoding in inputs for doc in read_documents(path, fmt, text_field, encoding)]
-    if not docs:
-        raise DataError(f"{source}: no documents (empty files, or no non-empty {text_field!r} fields)")
-    out.mkdir(parents=True, exist_ok=True)
-    # beside the old shards, so the swap below is a rename; named by host and pid, so two jobs preparing
-    # into one shared cache at once never write into the same folder
-    tmp = out / f".prepare-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with sigterm_raises_keyboard_interrupt():
+        doing = f"reading {source}: no shards were written"
+        try:
+            enc = tokenizer if isinstance(tokenizer, tiktoken.Encoding) else get_tokenizer(tokenizer, mirror)
+            inputs = resolve_source(source, mirror)
+            out = Path(out_dir) if out_dir else cache_dir() / "shards" / f"{_slug(source)}-{enc.name}"
+            if os.path.exists(out) and not os.path.isdir(out):
+                raise DataError(f"{out} exists and is not a folder")
+            settings = {"source": str(source), "tokenizer": enc.name, "val_fraction": val_fraction,
+                        "text_field": text_field, "shard_tokens": shard_tokens, "format": SHARD_VERSION,
+                        "inputs": _input_records(source, inputs)}
+            if _prepared(out, settings):
+                print(f"{out}: already prepared", file=sys.stderr)
+                return out
+            docs = [doc for path, fmt, encoding in inputs
+                    for doc in read_documents(path, fmt, text_field, encoding)]
+            if not docs:
+                raise DataError(f"{source}: no documents (empty files, or no non-empty {text_field!r} "
+                                "fields)")
+            doing = f"tokenizing {source}: nothing was written"
+            with writing(out, f"the shards of {source} into {out}"), _scratch_folder(out) as tmp:
+                parts = zip(("train", "val"), split_documents(docs, val_fraction))
+                splits = {split: _tokenize_split(part, enc, tmp, split, workers, shard_tokens)
+                          for split, part in parts if part}
+                meta = {**settings, "n_vocab": enc.n_vocab, "splits": splits,
+                        "input_sha256": _input_sha256(source, inputs)}
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                doing = f"replacing the shards in {out}: they are prepared again on the next run"
+                _swap_in(tmp, out)
+            return out
+        except KeyboardInterrupt:
+            print(f"interrupted while {doing}", file=sys.stderr)
+            raise
+
+
+def _input_records(source, inputs) -> list:
+    """What the reuse test compares of the inputs. A registry dataset is its name and sha256 (fetch checked
+    the file against it), not its path: a cache moved or copied elsewhere is still prepared. A user's file
+    is its path, size and mtime: an edited file is prepared again."""
+    if str(source) in DATASETS:
+        return [{"dataset": str(source), "sha256": DATASETS[str(source)]["sha256"]}]
+    return [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+            for p, *_ in inputs]
+
+
+def _input_sha256(source, inputs) -> dict:
+    if str(source) in DATASETS:
+        return {str(source): DATASETS[str(source)]["sha256"]}
+    return {str(p.resolve()): sha256_file(p) for p, *_ in inputs}
+
+
+def _prepared(out, settings) -> bool:
+    """Whether `out` holds a finished preparation with these settings: its meta.json (written last) says so,
+    and every shard it lists is there."""
+    old = _read_json_object(out / "meta.json", "meta.json of a prepared folder")
+    if any(old.get(key) != value for key, value in settings.items()):
+        return False
     try:
-        splits = {split: _tokenize_split(part, enc, tmp, split, workers, shard_tokens)
-                  for split, part in zip(("train", "val"), split_documents(docs, val_fraction)) if part}
-        meta = {**settings, "n_vocab": enc.n_vocab, "splits": splits,
-                "input_sha256": {str(p.resolve()): sha256_file(p) for p, *_ in inputs}}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        # meta.json is the completion marker: removed first, moved in last, so a crash is always redone
-        (out / "meta.json").unlink(missing_ok=True)
-        for stale in [*out.glob("train_*.bin"), *out.glob("val_*.bin")]:
-            stale.unlink(missing_ok=True)  # (another process preparing the same shards may be here too)
-        for shard in sorted(tmp.glob("*.bin")):
-            os.replace(shard, out / shard.name)
-        os.replace(tmp / "meta.json", out / "meta.json")
+        return isinstance(old["n_vocab"], int) and all(
+            isinstance(split["tokens"], int) and isinstance(split["documents"], int)
+            and all((out / name).is_file() for name in split["shards"]) for split in old["splits"].values())
+    except (KeyError, TypeError, AttributeError, OSError, ValueError):  # a damaged meta.json: prepared again
+        return False
+
+
+@contextlib.contextmanager
+def _scratch_folder(out):
+    """A fresh temporary folder inside `out`, which is made (parents too) if missing. The temporary folder
+    is removed on the way out; after a failure or an interrupt, so are the folders made for it, if still
+    empty. It lies beside the old shards, so the swap is a rename; it is named by host and pid, so two jobs
+    preparing into one shared cache at once never write into the same folder."""
+    made = [folder for folder in [out, *out.parents] if not os.path.exists(folder)]  # innermost first
+    tmp = out / f".prepare-{socket.gethostname()}-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:
+            with contextlib.suppress(OSError):  # rmdir removes only an empty folder: another job's stays
+                folder.rmdir()
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
-def _read_json_object(path) -> dict:
-    """A JSON object from a file; {} when it is missing, unreadable or not an object (then it is redone)."""
+def _swap_in(tmp, out):
+    # meta.json is the completion marker: removed first, moved in last, so a crash is always redone
+    (out / "meta.json").unlink(missing_ok=True)
+    for stale in [*out.glob("train_*.bin"), *out.glob("val_*.bin")]:
+        stale.unlink(missing_ok=True)  # (another process preparing the same shards may be here too)
+    for shard in sorted(tmp.glob("*.bin")):
+        os.replace(shard, out / shard.name)
+    os.replace(tmp / "meta.json", out / "meta.json")
+
+
+def _read_json_object(path, what="JSON file") -> dict:
+    """A JSON object from a file; {} when it is missing, unreadable or not an object (then it is redone).
+    Anything but a regular file there is refused, before open() (of a FIFO it would wait forever)."""
+    if not os.path.exists(path):
+        return {}
     try:
-        found = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        found = load_json(regular_file(path, what).read_text())
+    except (OSError, ValueError):  # ValueError: json.JSONDecodeError, UnicodeDecodeError
         return {}
     return found if isinstance(found, dict) else {}
 
@@ -709,17 +908,32 @@ def _tokenizer_name(tokenizer):
 def resolve_data(data, tokenizer, mirror=None, **prepare_kwargs) -> Path:
     """train.py's --data: a folder of prepared shards is checked and used as is; anything else is prepared."""
     name, folder = _tokenizer_name(tokenizer), Path(str(data)).expanduser()
-    shards = sorted(folder.glob("train_*.bin")) + sorted(folder.glob("val_*.bin")) if folder.is_dir() else []
+    shards = sorted(folder.glob("train_*.bin")) + sorted(folder.glob("val_*.bin")) if os.path.isdir(folder) \
+        else []
     if not shards:
         return prepare(data, tokenizer, mirror=mirror, **prepare_kwargs)
-    if not (folder / "meta.json").is_file():
+    if not os.path.exists(folder / "meta.json"):
         raise DataError(f"{folder} has shards but no meta.json (an interrupted prepare?); prepare it again")
+    regular_file(folder / "meta.json", "meta.json of a prepared folder")
     for shard in shards:
         read_shard(shard, name)
     return folder
 
 
 # ======== 6. Loader: shards -> batches ============================================================
+
+def _ends_sha256(path, size=1 << 12) -> str:
+    """sha256 of a file's first and last `size` bytes (of the whole file, once, when it is shorter than 2 *
+    size): cheap, and it sees the header and both ends of a shard."""
+    h = hashlib.sha256()
+    with open(regular_file(path, "token shard"), "rb") as f:
+        length = os.fstat(f.fileno()).st_size
+        h.update(f.read(size if length > 2 * size else length))
+        if length > 2 * size:
+            f.seek(length - size)
+            h.update(f.read(size))
+    return h.hexdigest()
+
 
 class Positions:
     """Where every loader is in its data: n items (windows of a token stream, or fixed rows) read in an
@@ -782,12 +996,19 @@ class Positions:
         return {"consumed": self.consumed, **self._settings()}
 
     def load_state_dict(self, state):
+        if not isinstance(state, dict):
+            raise DataError(f"loader state is a {type(state).__name__}, not a dict: the saved state is "
+                            "damaged")
         saved, mine = {key: state.get(key) for key in self._settings()}, self._settings()
         if saved != mine:
             say = lambda s: ", ".join(f"{k} {v}" for k, v in s.items())
             raise DataError(f"loader state is for {say(saved)}, but this loader has {say(mine)}; "
                             f"resume with the same values")
-        self.consumed = int(state["consumed"])
+        consumed = state.get("consumed")
+        if isinstance(consumed, bool) or not isinstance(consumed, (int, np.integer)) or consumed < 0:
+            raise DataError(f"loader state has consumed {consumed!r}, not a number of sequences (a whole "
+                            "number >= 0): the saved state is damaged; resume from another checkpoint")
+        self.consumed = int(consumed)
 
 
 class Loader(Positions):
@@ -802,17 +1023,25 @@ class Loader(Positions):
         every epoch sees other context boundaries.
       * The windows of all shards share one index space of len(self) windows, read in the order Positions
         gives (8 bytes a window: 1B tokens at seq_len 1024 take 8 MB).
+      * Every read is checked (check_token_ids): an id the tokenizer does not have (given an Encoding) or one
+        above the largest id its shard's header records is refused, naming the shard.
+    fingerprint() names the data's content cheaply, for resume checks: a 16-digit hex digest of each
+    shard's file name, token count, tokenizer and the sha256 of its first and last 4 KiB. A copy of the
+    folder (a moved or copied cache) gives the same fingerprint, other data another (a change in the middle
+    of a shard that keeps its size goes unseen: every rank reads this at the start, so for the 150,000
+    shards of 15T tokens it reads 1.2 GB, never the shards themselves). Computed once.
     """
 
     def __init__(self, data_dir, split, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, tokenizer=None):
         """tokenizer: a name, or an Encoding (then every id must also be below its n_vocab)."""
-        paths = sorted(Path(data_dir).glob(f"{split}_*.bin"))
+        paths = sorted(Path(data_dir).glob(f"{split}_*.bin")) if os.path.isdir(data_dir) else []
         if not paths:
             raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}; run: python data.py prepare "
                             "...")
         name = _tokenizer_name(tokenizer)
-        n_vocab = tokenizer.n_vocab if isinstance(tokenizer, tiktoken.Encoding) else None
-        self.shards = [read_shard(p, name, n_vocab) for p in paths]
+        self.n_vocab = tokenizer.n_vocab if isinstance(tokenizer, tiktoken.Encoding) else None
+        self.paths, self.shards = paths, [read_shard(p, name, self.n_vocab) for p in paths]
+        self.infos = [shard_info(p) for p in paths]  # for check_token_ids: tokenizer, max_id
         n = np.array([len(s) for s in self.shards], dtype=np.int64)
         counts = np.where(n > seq_len, np.maximum(n // seq_len - 1, 1), 0)
         self.max_shift = np.clip(np.minimum(n - 1 - counts * seq_len, seq_len - 1), 0, None)
@@ -838,10 +1067,24 @@ class Loader(Positions):
         for e in np.unique(epochs):
             start[epochs == e] += self._epoch(int(e))[1][shard[epochs == e]]
         batch = np.empty((len(seqs), self.seq_len + 1), dtype=np.int64)
-        for k in np.unique(shard):  # one fancy-indexing read per shard touched
+        for k in np.unique(shard):  # one fancy-indexing read per shard touched, and one max of what it read
             rows = shard == k
-            batch[rows] = self.shards[k][start[rows, None] + self._cols]
+            ids = self.shards[k][start[rows, None] + self._cols]
+            info = self.infos[k]
+            check_token_ids(ids, self.paths[k], info["tokenizer"], self.n_vocab, info["max_id"])
+            batch[rows] = ids
         return torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for path, info in zip(self.paths, self.infos):
+            h.update(json.dumps([path.name, info["tokens"], info["tokenizer"], _ends_sha256(path)]).encode())
+        return h.hexdigest()[:16]
+
+    def fingerprint(self) -> str:
+        """A short hex digest of the shards' content (see the class docstring); never reads whole shards."""
+        return self._fingerprint
 
 
 # ======== 6b. Mixtures: several sources, each its share of the sequences ==========================
@@ -853,29 +1096,69 @@ class Loader(Positions):
 
 def parse_mixture(spec) -> list[tuple[str, float]]:
     """--data "c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2" -> [(source, weight)], weights summing to 1.
-    A source without ":weight" weighs 1; a source is anything resolve_data takes (a name, file, glob or
-    shard folder)."""
+    A source is anything resolve_data takes (a name, file, glob or shard folder). Each comma-separated part
+    is, in this order:
+      * an existing file or folder, if the whole part names one: that source, weight 1 (a file named
+        "x:2" is that file, never x at weight 2);
+      * else, if the text after its last ":" reads as a number, the source before it with that weight (so
+        the file "x:2" at weight 0.5 is "x:2:0.5");
+      * else the whole part, weight 1 (C:\\data, https://...).
+    Two parts naming one source are refused: the same name twice, or two spellings of one existing file or
+    folder (./x.txt and x.txt, a symlink and its target, a relative and an absolute path). A weight must be
+    a positive finite number, large enough that its source gets some of every MixtureSchedule.BLOCK
+    sequences."""
     parts = [part.strip() for part in str(spec).split(",") if part.strip()]
     if not parts:
         raise DataError(f"--data {spec!r} names no source")
-    mixture = []
-    for part in parts:
-        source, _, weight = part.rpartition(":")
-        try:
-            w = float(weight)
-        except ValueError:  # no weight, or a ":" inside the source (C:\..., https://...)
-            source, w = part, 1.0
-        if not source:
-            raise DataError(f"--data {spec!r}: a part names no source")
-        if not (w > 0 and np.isfinite(w)):
-            raise DataError(f"--data {spec!r}: {source} has weight {weight}; weights must be positive "
-                            "numbers")
-        mixture.append((source, w))
-    names = [source for source, _ in mixture]
-    if len(set(names)) < len(names):
-        raise DataError(f"--data {spec!r} names a source twice")
-    total = sum(w for _, w in mixture)
-    return [(source, w / total) for source, w in mixture]
+    mixture = [_mixture_part(spec, part) for part in parts]
+    _refuse_repeats(spec, [source for source, _ in mixture])
+    weights = [w for _, w in mixture]
+    total = sum(weights)
+    if not np.isfinite(total):  # each finite, their sum not (1e308 + 1e308): the largest becomes 1 first
+        weights = [w / max(weights) for w in weights]
+        total = sum(weights)
+    shares = [w / total for w in weights]
+    counts = MixtureSchedule(shares, seed=0).counts
+    for (source, weight), share, count in zip(mixture, shares, counts):
+        if count == 0:  # it would be prepared and never read
+            raise DataError(f"--data {spec!r}: {source} has weight {weight:g}, {share:.2g} of the mixture: "
+                            f"too little for one of every {MixtureSchedule.BLOCK:,} sequences; raise its "
+                            "weight or leave it out")
+    return [(source, share) for (source, _), share in zip(mixture, shares)]
+
+
+def _mixture_part(spec, part) -> tuple[str, float]:
+    """One part of --data -> (source, weight), by parse_mixture's rules."""
+    if os.path.exists(Path(part).expanduser()):
+        return part, 1.0
+    source, _, weight = part.rpartition(":")
+    try:
+        w = float(weight)
+    except ValueError:  # no weight, or a ":" inside the source (C:\..., https://...)
+        return part, 1.0
+    if not source:
+        raise DataError(f"--data {spec!r}: a part names no source")
+    if not (w > 0 and np.isfinite(w)):
+        raise DataError(f"--data {spec!r}: {source} has weight {weight}; weights must be positive numbers")
+    return source, w
+
+
+def _refuse_repeats(spec, sources):
+    """Refuse a mixture naming one source twice: the same name, or two spellings of one path (compared
+    resolved where the file or folder exists, else normalized)."""
+    seen = {}
+    for source in sources:
+        path = Path(source).expanduser()
+        if source in DATASETS:
+            key = source
+        elif os.path.exists(path):
+            key = str(path.resolve())
+        else:
+            key = os.path.normpath(path.absolute())
+        if key in seen:
+            said = repr(source) if seen[key] == source else f"{seen[key]!r} and {source!r} are one source"
+            raise DataError(f"--data {spec!r} names a source twice ({said}); give each source once")
+        seen[key] = source
 
 
 class MixtureSchedule:
@@ -915,7 +1198,8 @@ class MixtureLoader(Positions):
     single-process order) comes from source s = schedule.source(i) and is that source's sequence j = how
     many sequences s gave before i, read by s's own Loader: each source goes through its epochs at its own
     pace. With anneal = (i0, weights), sequences from i0 on follow a second schedule, and each source goes
-    on from where the first one left it. The position is still the one number `consumed`."""
+    on from where the first one left it. The position is still the one number `consumed`. fingerprint():
+    as Loader's, over the sources' names, weights and fingerprints."""
 
     def __init__(self, sources: list[tuple[str, Path]], weights: list[float], split: str, batch_size: int,
                  seq_len: int, dp_rank=0, dp_size=1, seed=0, tokenizer=None, anneal=None):
@@ -946,6 +1230,13 @@ class MixtureLoader(Positions):
     def tokens_seen(self) -> dict[str, int]:
         """Target tokens each source has given so far, over every dp rank."""
         return {name: int(n) * self.seq_len for name, n in zip(self.names, self.counts(self.consumed))}
+
+    def fingerprint(self) -> str:
+        """A short hex digest of the mixture's content: each source's name, weight and Loader.fingerprint().
+        Never reads whole shards. (The annealing switch is a setting, checked by load_state_dict.)"""
+        sources = [[name, float(weight), loader.fingerprint()]
+                   for name, weight, loader in zip(self.names, self.weights, self.loaders)]
+        return hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
 
     def next(self):
         seqs = self._next_seqs()
@@ -1007,28 +1298,29 @@ def named_file(path_or_name, registered, mirror) -> Path:
     if name in registered:
         return fetch(name, mirror)
     path = Path(name).expanduser()
-    if not path.is_file():
+    if not os.path.exists(path):
         raise DataError(f"no file {name!r}, and it is not a registered name ({', '.join(registered)})")
-    return path
+    return regular_file(path, "data file")
 
 
 def json_records(path) -> list:
     """A JSON array or a JSONL file -> [(where, record)], where = "file:line" or "file: record i" (from 0)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = regular_file(path, "data file").read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not utf-8 text ({e.reason} at byte {e.start:,})") from None
     if text.lstrip().startswith("["):  # one JSON array, as Alpaca ships
         try:
-            records = json.loads(text)
+            records = load_json(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            where = f"{path}:{e.lineno}" if e.lineno else str(path)
+            raise DataError(f"{where}: malformed JSON ({json_reason(e)})") from None
         return [(f"{path}: record {i}", record) for i, record in enumerate(records)]
     records = []
     for lineno, line in enumerate(text.split("\n"), 1):  # split("\n"): see read_documents
         if line.strip():
             try:
-                records.append((f"{path}:{lineno}", json.loads(line)))
+                records.append((f"{path}:{lineno}", load_json(line)))
             except json.JSONDecodeError as e:
                 raise jsonl_error(path, lineno, line, text, e) from None
     return records
@@ -1038,9 +1330,9 @@ def json_records(path) -> list:
 
 def _print_info(path):
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"no file or folder {path}")
-    shards = sorted(path.glob("*.bin")) if path.is_dir() else [path]
+    if not os.path.exists(path):
+        raise DataError(f"no file or folder {path}")  # a FIFO or device there: refused by shard_info
+    shards = sorted(path.glob("*.bin")) if os.path.isdir(path) else [path]
     if not shards:
         raise DataError(f"{path} holds no token shards (*.bin)")
     for shard in shards:
@@ -1077,7 +1369,7 @@ def main(argv=None) -> int:
                           workers=args.workers,
                           val_fraction=args.val_fraction, text_field=args.text_field,
                           shard_tokens=args.shard_tokens)
-            meta = json.loads((out / "meta.json").read_text())
+            meta = _read_json_object(out / "meta.json", "meta.json")  # complete: prepare checked it
             print(f"shards in {out} (tokenizer {meta['tokenizer']}, vocab {meta['n_vocab']:,})")
             for split, s in meta["splits"].items():
                 print(f"  {split:<5} {s['tokens']:>14,} tokens {s['documents']:>9,} documents "
@@ -1089,6 +1381,9 @@ def main(argv=None) -> int:
     except (DataError, OSError) as e:  # OSError: a folder that cannot be written or read
         print(f"error: {e if isinstance(e, DataError) else one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; prepare has said what it stopped
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,10 +1,14 @@
 """Tests for data.py: tokenizers, downloads (against a local HTTP server), the mirror, shards, prepare,
 the Loader's determinism / data-parallel split / exact resume, and the CLI. No test touches the network."""
+import contextlib
+import errno
 import hashlib
 import http.server
+import io
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -565,3 +569,388 @@ def test_annealing_switches_the_mixture_and_each_source_goes_on_where_it_was(mir
     wiki = annealed.loaders[1]
     assert torch.equal(x, wiki.batch_at(np.arange(before[1] + 24, before[1] + 32))[0])
     assert annealed.state_dict()["anneal"] == [96, [0.0, 1.0, 0.0]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hostile inputs: ids past the vocabulary, files that are not files, cut headers, JSON Python cannot read,
+# mixture specs, a moved / read-only / full cache, SIGTERM during prepare, fingerprints, loader state
+
+def poke(path, index, value):
+    """Overwrite token `index` of a shard in place, leaving its header (and its max_id) as it was."""
+    info = data.shard_info(path)
+    with open(path, "r+b") as f:
+        f.seek(data.HEADER_BYTES + index * info["dtype"].itemsize)
+        f.write(np.array([value], info["dtype"]).tobytes())
+
+
+@pytest.mark.parametrize("reader, message", [
+    ("encoding", r"train_000001.bin holds token id 1,000, but the byte tokenizer has 268 ids"),
+    ("name", r"train_000001.bin holds token id 1,000, above the largest id its header records \(199\)"),
+    ("mixture", r"train_000001.bin holds token id 1,000, but the byte tokenizer has 268 ids"),
+])
+def test_ids_beyond_the_vocabulary_behind_an_intact_header_are_refused_when_read(tmp_path, reader, message):
+    for i in range(2):
+        write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(2000) % 200, "byte")  # max_id 199 < 268
+    poke(tmp_path / "train_000001.bin", 1234, 1000)
+    assert data.shard_info(tmp_path / "train_000001.bin")["max_id"] == 199  # the header still says 199
+    if reader == "mixture":
+        loader = data.MixtureLoader([("a", tmp_path)], [1.0], "train", 8, 16, tokenizer=get_tokenizer("byte"))
+    else:
+        loader = Loader(tmp_path, "train", 8, 16, tokenizer=get_tokenizer("byte") if reader == "encoding"
+                        else "byte")
+    with pytest.raises(DataError, match=message):
+        for _ in range(len(loader) // 8 + 1):  # one epoch reads every window
+            loader.next()
+
+
+@contextlib.contextmanager
+def fifo_released(path, every=2.0):
+    """A FIFO at `path`. Code that opens it to read waits for a writer: one comes every `every` seconds and
+    leaves at once, so such code reads an empty file and the test fails instead of hanging."""
+    os.mkfifo(path)
+    stop = threading.Event()
+
+    def release():
+        while not stop.wait(every):
+            with contextlib.suppress(OSError):  # ENXIO: nobody is reading
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _refusal_of_info(folder):
+    def run():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            if data.main(["info", str(folder)]):
+                raise DataError(err.getvalue())
+    return run
+
+
+def _site(name, tmp, bad):
+    """-> what reads `bad` (a FIFO or a folder where a file should be) at each place data.py opens a file."""
+    text = tmp / "a.txt"
+    text.write_text("some text " * 50)
+    if name in ("loader", "resolve_data shard", "resolve_data meta.json"):
+        write_shard(tmp / "val_000000.bin", np.arange(100), "byte")
+        if name != "resolve_data meta.json":
+            (tmp / "meta.json").write_text("{}")
+    return {
+        "loader": lambda: Loader(tmp, "train", 2, 16),
+        "resolve_data shard": lambda: data.resolve_data(tmp, "byte"),
+        "resolve_data meta.json": lambda: data.resolve_data(tmp, "byte"),
+        "info": _refusal_of_info(tmp),
+        "prepared meta.json": lambda: prepare(str(text), "byte", out_dir=tmp),
+        "source in a folder": lambda: prepare(str(bad.parent), "byte", out_dir=tmp / "out"),
+        "read_documents": lambda: data.read_documents(bad, "jsonl"),
+        "json_records": lambda: data.json_records(bad),
+        "named_file": lambda: data.named_file(str(bad), {}, None),
+        "tokenizer": lambda: get_tokenizer(str(bad)),
+        "mirror file": lambda: download("https://127.0.0.1:9/x", BLOB_SHA, tmp / "c" / "x", mirror=tmp,
+                                        mirror_path=bad.name, retries=1, timeout=1),
+        "cached download": lambda: download("https://127.0.0.1:9/x", BLOB_SHA, bad, retries=1, timeout=1),
+    }[name]
+
+
+BAD_FILES = {"loader": "train_000000.bin", "resolve_data shard": "train_000000.bin",
+             "resolve_data meta.json": "meta.json", "info": "x.bin", "prepared meta.json": "meta.json",
+             "source in a folder": "docs/b.txt", "read_documents": "d.jsonl", "json_records": "r.json",
+             "named_file": "r.jsonl", "tokenizer": "tokenizer.model", "mirror file": "m.txt",
+             "cached download": "blob.bin"}
+
+
+@pytest.mark.parametrize("site, kind", [(site, kind) for site in BAD_FILES for kind in ("fifo", "folder")
+                                        # a folder in a folder of documents is looked into, not read
+                                        if (site, kind) != ("source in a folder", "folder")])
+def test_a_fifo_or_folder_where_a_file_should_be_is_refused_in_one_line(tmp_path, site, kind):
+    bad = tmp_path / BAD_FILES[site]
+    bad.parent.mkdir(exist_ok=True)
+    if site == "source in a folder":
+        (bad.parent / "a.txt").write_text("fine " * 50)
+    said = {"fifo": r"is a FIFO \(named pipe\), not a regular file",
+            "folder": "is a folder, not a regular file"}
+    with fifo_released(bad) if kind == "fifo" else contextlib.nullcontext(bad.mkdir()):
+        run = _site(site, tmp_path, bad)
+        with pytest.raises(DataError, match=said[kind]) as refused:
+            run()
+    message = str(refused.value).strip()
+    assert str(bad) in message and "\n" not in message
+
+
+def test_a_symlink_to_a_shard_is_a_shard(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "data").mkdir()
+    write_shard(tmp_path / "real" / "t.bin", np.arange(1000) % 200, "byte")
+    (tmp_path / "data" / "train_000000.bin").symlink_to(tmp_path / "real" / "t.bin")
+    loader = Loader(tmp_path / "data", "train", 4, 16, tokenizer=get_tokenizer("byte"))
+    assert loader.next()[0].shape == (4, 16)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 8, 100, 255])
+def test_a_shard_cut_inside_its_header_says_it_is_cut_short(tmp_path, cut):
+    path = write_shard(tmp_path / "s.bin", np.arange(1000), "byte")
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    with pytest.raises(DataError, match=rf"s.bin is cut short: it holds {cut} of the 256 bytes of a shard "
+                                        "header; re-run prepare"):
+        read_shard(path)
+    path.write_bytes(b"GPT2")  # short, and what there is of it is not the magic: bad magic
+    with pytest.raises(DataError, match=r"s.bin is not a token shard \(bad magic b'GPT2'"):
+        read_shard(path)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # nested far deeper than the recursion limit: RecursionError
+LONG_INT = "1" * 5_000  # more digits than int() reads by default: a plain ValueError
+
+
+@pytest.mark.parametrize("payload, reason", [
+    pytest.param(DEEP, "nested too deeply", id="deep"),
+    pytest.param(LONG_INT, r"an integer of more than 4,300 digits", id="long_int")])
+@pytest.mark.parametrize("reader", ["read_documents", "json_records array", "json_records lines"])
+def test_json_that_python_cannot_read_is_malformed_json(tmp_path, payload, reason, reader):
+    path = tmp_path / "d.jsonl"
+    if reader == "json_records array":
+        path.write_text(f"[{payload}]")
+    else:
+        path.write_text('{"text": "fine"}\n' + payload + "\n")
+    where = "d.jsonl: malformed JSON" if reader == "json_records array" else "d.jsonl:2: malformed JSON"
+    with pytest.raises(DataError, match=rf"{where} \({reason}\)"):
+        data.read_documents(path, "jsonl") if reader == "read_documents" else data.json_records(path)
+
+
+def test_a_meta_json_python_cannot_read_is_prepared_again(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 50)
+    out = prepare(str(text), "byte", out_dir=tmp_path / "out")
+    (out / "meta.json").write_text(DEEP)
+    assert prepare(str(text), "byte", out_dir=out) == out
+    assert json.loads((out / "meta.json").read_text())["splits"]["train"]["tokens"] > 0
+
+
+def test_mixture_weights_whose_sum_overflows_or_whose_share_is_nothing():
+    assert data.parse_mixture("c4_demo:1e308,wiki_demo:1e308") == [("c4_demo", 0.5), ("wiki_demo", 0.5)]
+    names, shares = zip(*data.parse_mixture("c4_demo:3e307,wiki_demo:1e308,tinyshakespeare:1e308"))
+    assert names == ("c4_demo", "wiki_demo", "tinyshakespeare")
+    assert shares == pytest.approx([3 / 23, 10 / 23, 10 / 23])
+    with pytest.raises(DataError, match=r"wiki_demo has weight 1e-300, 1e-300 of the mixture: too little "
+                                        r"for one of every 1,000 sequences"):
+        data.parse_mixture("c4_demo:1,wiki_demo:1e-300")
+    with pytest.raises(DataError, match="wiki_demo has weight 0.0001"):
+        data.parse_mixture("c4_demo:1,wiki_demo:0.0001")
+    # ordinary weights come out exactly as they always did (a mixture's weights are part of its saved state)
+    assert data.parse_mixture(MIX) == [("c4_demo", 0.5), ("wiki_demo", 0.3), ("tinyshakespeare", 0.2)]
+
+
+def test_a_file_name_with_a_colon_is_one_source(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("x:2", "x"):
+        Path(name).write_text("text")
+    assert data.parse_mixture("x:2") == [("x:2", 1.0)]  # the whole part names a file: that file
+    assert data.parse_mixture("x:2:3,x") == [("x:2", 0.75), ("x", 0.25)]
+    assert data.parse_mixture("x:3,c4_demo") == [("x", 0.75), ("c4_demo", 0.25)]  # no file "x:3"
+
+
+@pytest.mark.parametrize("spelling", ["dot", "symlink", "absolute", "folder"])
+def test_one_source_under_two_spellings_is_refused(tmp_path, monkeypatch, spelling):
+    monkeypatch.chdir(tmp_path)
+    Path("x.txt").write_text("text")
+    Path("d").mkdir()
+    Path("link.txt").symlink_to("x.txt")
+    other = {"dot": "./x.txt", "symlink": "link.txt", "absolute": str(tmp_path / "x.txt"),
+             "folder": "d/../x.txt"}
+    spec = f"x.txt:1,{other[spelling]}:2"
+    with pytest.raises(DataError, match=rf"names a source twice \('x.txt' and '{other[spelling]}' are one "
+                                        r"source\)"):
+        data.parse_mixture(spec)
+
+
+@pytest.mark.parametrize("how", ["copied", "moved"])
+def test_a_moved_or_copied_cache_is_still_prepared_and_a_changed_file_is_not(tmp_path, monkeypatch, capsys,
+                                                                            how, mirror):
+    monkeypatch.setenv("DATA_CACHE", str(tmp_path / "one"))
+    first = data.resolve_data("wiki_demo", "byte")
+    text = tmp_path / "mine.txt"
+    text.write_text("my own text " * 100)
+    mine = prepare(str(text), "byte")
+    (shutil.copytree if how == "copied" else shutil.move)(tmp_path / "one", tmp_path / "two")
+    monkeypatch.setenv("DATA_CACHE", str(tmp_path / "two"))
+    capsys.readouterr()
+    second = data.resolve_data("wiki_demo", "byte")
+    assert second == tmp_path / "two" / first.relative_to(tmp_path / "one")
+    assert f"{second}: already prepared" in capsys.readouterr().err
+    assert prepare(str(text), "byte") == tmp_path / "two" / mine.relative_to(tmp_path / "one")
+    assert "already prepared" in capsys.readouterr().err  # the user's file did not change
+    text.write_text("my own text, edited " * 100)
+    prepare(str(text), "byte")
+    assert "already prepared" not in capsys.readouterr().err
+
+
+def _read_only(monkeypatch, folder):
+    """Make os.mkdir refuse inside `folder`, as a read-only folder does (chmod does not stop root)."""
+    mkdir = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+        if Path(path).is_relative_to(folder):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+
+
+@pytest.mark.parametrize("what", ["prepare --out", "DATA_CACHE prepare", "DATA_CACHE download"])
+def test_a_read_only_cache_or_out_folder_is_one_line(tmp_path, monkeypatch, mirror, what):
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 50)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setenv("DATA_CACHE", str(locked / "cache"))
+    _read_only(monkeypatch, locked)
+    with pytest.raises(DataError, match=r"cannot write into .*locked.*Permission denied.*point DATA_CACHE "
+                                        r"\(or --out\) at a folder"):
+        if what == "prepare --out":
+            prepare(str(text), "byte", out_dir=locked / "out")
+        elif what == "DATA_CACHE prepare":
+            data.resolve_data(str(text), "byte")
+        else:
+            data.fetch("wiki_demo")
+    assert list(locked.iterdir()) == []
+
+
+class _FullDisk:
+    """A file whose first write puts 10 bytes down and then finds the disk full."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, b):
+        self.f.write(b[:10])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("where", ["mirror copy", "url download", "tokenizing", "tokenizing over a prepared "
+                                                                                  "folder"])
+def test_a_full_disk_is_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch, server, mirror, where):
+    monkeypatch.setenv("DATA_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 50)
+    out = tmp_path / "new" / "out"
+    if where.endswith("prepared folder"):
+        prepare(str(text), "byte", out_dir=out)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    if where == "mirror copy":
+        def copyfile(src, dst):
+            Path(dst).write_bytes(b"half a file")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(shutil, "copyfile", copyfile)
+    else:  # every file data.py opens for writing finds the disk full
+        monkeypatch.setattr(data, "open", lambda path, mode="r", *a, **k: (
+            _FullDisk(open(path, mode, *a, **k)) if set(mode) & set("wa") else open(path, mode, *a, **k)),
+            raising=False)
+    srv, base = server
+    srv.files["/blob"] = BLOB
+    with pytest.raises(DataError, match="no space left on device while writing") as refused:
+        if where == "mirror copy":
+            data.fetch("wiki_demo")
+        elif where == "url download":
+            download(f"{base}/blob", BLOB_SHA, tmp_path / "cache" / "blob.bin", **FAST)
+        else:
+            prepare(str(text), "byte", out_dir=out, val_fraction=0.2)
+    assert {"mirror copy": "wiki_demo.txt", "url download": "blob.bin"}.get(where, "the shards of") \
+        in str(refused.value)
+    left = [p.name for p in tmp_path.rglob("*") if p.name.endswith((".part", ".tmp")) or ".prepare" in p.name]
+    assert left == []
+    if where.startswith("tokenizing"):  # not even the out folder made for them; a prepared one as it was
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+SLOW_PREPARE = """
+import sys, time, data
+def slow(*args):
+    print("tokenizing", flush=True)
+    time.sleep(120)
+    yield
+data._encode_batch = slow
+args = dict(out_dir=sys.argv[2], val_fraction=0.2)
+if sys.argv[3] == "cli":
+    sys.exit(data.main(["prepare", "--source", sys.argv[1], "--out", sys.argv[2], "--val-fraction", "0.2"]))
+data.prepare(sys.argv[1], "byte", **args)
+"""
+
+
+@pytest.mark.parametrize("entry", ["prepare", "cli"])
+@pytest.mark.parametrize("out_was", ["missing", "prepared"])
+def test_sigterm_while_tokenizing_cleans_up_and_says_so(tmp_path, entry, out_was):
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 50)
+    out = tmp_path / "new" / "out"
+    if out_was == "prepared":
+        prepare(str(text), "byte", out_dir=out)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    p = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, str(text), str(out), entry], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "tokenizing\n", p.stderr.read()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode != 0 and (entry == "prepare" or p.returncode == 130)
+    assert f"interrupted while tokenizing {text}: nothing was written" in err
+    if entry == "cli":
+        assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no .prepare-* folder, no empty out folder
+
+
+def test_prepare_gives_sigterm_back_as_it_found_it(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 50)
+    prepare(str(text), "byte", out_dir=tmp_path / "one")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    mine = lambda signum, frame: None
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        prepare(str(text), "byte", out_dir=tmp_path / "two")
+        assert signal.getsignal(signal.SIGTERM) is mine  # someone else's handler is left alone
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_fingerprint_names_the_content_not_the_folder(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        write_shard(tmp_path / name / "train_000000.bin", np.arange(5000) % 200, "byte")
+        write_shard(tmp_path / name / "train_000001.bin", np.arange(3_000_000) % 200, "byte")  # 6 MB
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    fp = lambda folder: Loader(tmp_path / folder, "train", 4, 16).fingerprint()
+    assert len(fp("a")) == 16 and int(fp("a"), 16) >= 0
+    assert fp("a") == fp("copy") == fp("b")
+    poke(tmp_path / "b" / "train_000000.bin", 10, 7)  # one token near the start of a shard
+    poke(tmp_path / "copy" / "train_000001.bin", 2_999_999, 7)  # the last token of a large one
+    assert len({fp("a"), fp("b"), fp("copy")}) == 3
+    mix = lambda folders, weights: data.MixtureLoader(
+        [(f"s{i}", tmp_path / f) for i, f in enumerate(folders)], weights, "train", 4, 16).fingerprint()
+    assert mix(["a", "a"], [0.5, 0.5]) == mix(["a", "a"], [0.5, 0.5]) != mix(["a", "a"], [0.25, 0.75])
+    assert mix(["a", "b"], [0.5, 0.5]) != mix(["a", "a"], [0.5, 0.5])
+
+
+@pytest.mark.parametrize("consumed", [-1, 2.5, "3", None, True])
+def test_a_loader_state_with_a_bad_consumed_is_refused(shard_dir, consumed):
+    loader = Loader(shard_dir, "train", 4, 16, seed=7)
+    with pytest.raises(DataError, match=rf"loader state has consumed {consumed!r}, not a number"):
+        loader.load_state_dict({"consumed": consumed, "seed": 7, "seq_len": 16})
