@@ -5,18 +5,22 @@ run on the same folder never costs the last good state.
     <out-dir>/metrics.jsonl   one JSON record per log line, validation and skipped step
     <out-dir>/step_000500/    a complete checkpoint: shard_ppXX_tpYY.pt per (pp, tp) rank (parallel.py,
                               section 9) and meta.json (step, loader position, flags, model args, layout,
-                              tokenizer, chat or not, and a manifest of every shard's size and sha256)
+                              tokenizer, chat or not, the recipe that wrote it, its data's fingerprint,
+                              and a manifest of every shard's size and sha256)
     <out-dir>/latest          the name of the newest complete step directory
 
 Read in this order:
   1. Names     step_name, step_dirs: steps sort by number (step_1000000 comes after step_999999)
   2. Lock      RunLock: one run per out-dir; a lock left by a dead process on this host is taken over
   3. Saving    save(): every writer writes, hashes and fsyncs its shards in .tmp-step_N; when all agree
-               it worked, rank 0 writes meta.json with their manifest, renames the folder, replaces
-               `latest`, then rotate()s. Any failure removes the partial folder; the previous checkpoint
-               is never touched.
+               it worked, rank 0 writes meta.json with their manifest, renames the folder (replacing
+               whatever is under its name), replaces `latest`, then rotate()s while the others wait on
+               the "io" group. Any failure removes the partial folder; the previous checkpoint is never
+               touched.
   4. Finding   read_latest, damage, find_latest, resolve: which checkpoint --resume or --init uses, verified
-               against its manifest; a pointer out of the folder or a damaged step is said out loud
+               against its manifest (shared_check: every rank hashes a share of the files, at once); a
+               pointer out of the folder, a damaged step or a shard file outside the manifest (unlisted:
+               never read) is said out loud
   5. Records  recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all)
   6. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
 """
@@ -45,7 +49,7 @@ class CheckpointError(Exception):
 # 1. Names
 
 STEP_RE = re.compile(r"step_(\d+)")
-SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")
+SHARD_RE = P.SHARD_RE  # shard_ppXX_tpYY.pt
 
 
 def step_name(step: int) -> str:
@@ -117,7 +121,7 @@ class RunLock:
             return holder if isinstance(holder, dict) else {}
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return {}  # unreadable: treated as held, the message says how to clear it
 
     def _gone(self, holder: dict) -> bool:
@@ -144,7 +148,7 @@ class RunLock:
             return False
         try:
             moved = json.loads(aside.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             moved = None
         if moved != stale:
             try:
@@ -170,12 +174,14 @@ class RunLock:
 # 3. Saving
 
 
-def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int):
+def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int, last_good: Path | None = None):
     """Phase 7, on every rank. write_shards(folder) writes this rank's files (parallel.save_shards) and
     returns their manifest entries; `meta` (step, loader, args, ...) goes into meta.json with the manifest.
-    Raises CheckpointError, on every rank, if any write failed anywhere; the partial folder is then gone
-    and `latest` still names the previous checkpoint. The waits for other ranks' disk work are on the "io"
-    group (--io-timeout): writing hundreds of GB takes longer than any collective should."""
+    Raises CheckpointError, on every rank, if any write failed anywhere; the partial folder is then gone,
+    `latest` is untouched, and the message names `last_good` (the checkpoint the run resumed from or last
+    wrote: after a fallback past a damaged step, `latest` names the damaged one). Every wait for other
+    ranks' disk work, rank 0's deletions included, is on the "io" group (--io-timeout): writing or deleting
+    hundreds of GB takes longer than any collective should."""
     name = step_name(step)
     tmp, final = out_dir / f".tmp-{name}", out_dir / name
     failure, _ = _agreed(mesh, lambda: _fresh_folder(out_dir, tmp), everyone=False)
@@ -187,12 +193,12 @@ def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int):
     if failure:
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = read_latest(out_dir)
-        raise CheckpointError(f"could not write checkpoint {final}: {failure}; the previous checkpoint "
-                              f"({previous.name if previous else 'none'}) is intact and --resume will use it")
+        kept = (f"the previous checkpoint ({last_good.name}) is intact and --resume will use it" if last_good
+                else "this run has no earlier checkpoint")
+        raise CheckpointError(f"could not write checkpoint {final}: {failure}; {kept}")
     if mesh.rank == 0:
         rotate(out_dir, final, keep)
-    P.barrier(mesh)
+    P.barrier(mesh, long=True)
 
 
 def _agreed(mesh, write, everyone: bool) -> tuple[str | None, list]:
@@ -230,8 +236,17 @@ def write_error(e: Exception) -> str:
 
 def _fresh_folder(out_dir: Path, tmp: Path):
     for stale in out_dir.glob(".tmp-step_*"):  # left by a crash; only this run writes here (RunLock)
-        shutil.rmtree(stale, ignore_errors=True)
+        remove(stale)
     tmp.mkdir(parents=True)  # the writers make it too where the out-dir is not one shared disk
+
+
+def remove(path: Path):
+    """Delete whatever is at `path`: a folder with its contents; a file, a link (never what it points
+    to), a FIFO or anything else in the way, such as a file where a step folder should be."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
 
 
 def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict, manifest: dict):
@@ -239,8 +254,9 @@ def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict, manifest: dict):
     fsynced; the rename; then `latest` (replaced atomically)."""
     write_durably(tmp / "meta.json", json.dumps({**meta, "files": dict(sorted(manifest.items()))}, indent=1))
     _fsync_dir(tmp)
-    if final.exists():  # an earlier attempt at this step (a resume from an older checkpoint) is replaced
-        shutil.rmtree(final)
+    # an earlier attempt at this step (a resume from an older checkpoint), or anything else under its name,
+    # is replaced
+    remove(final)
     os.replace(tmp, final)
     try:
         pointer = out_dir / ".latest.tmp"
@@ -278,7 +294,10 @@ def rotate(out_dir: Path, newest: Path, keep: int):
     damaged) leaves such, and the run replaces each when it gets there."""
     older = [d for d in step_dirs(out_dir) if step_number(d) < step_number(newest)]
     for d in older[:max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(d, ignore_errors=True)
+        try:
+            remove(d)
+        except OSError:  # what cannot be deleted now is tried again at the next rotation
+            pass
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -312,9 +331,11 @@ def read_meta(d: Path) -> dict:
 
 
 def _load_meta(d: Path) -> tuple[dict | None, str | None]:
+    if not (d / "meta.json").is_file():  # (a FIFO would hang the read)
+        return None, f"meta.json is {'missing' if not (d / 'meta.json').exists() else 'not a regular file'}"
     try:
         meta = json.loads((d / "meta.json").read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (deep nesting: RecursionError, not ValueError)
         return None, f"meta.json unreadable: {type(e).__name__}"
     why = _meta_problem(meta)
     return meta, (f"meta.json malformed: {why}" if why else None)
@@ -326,8 +347,12 @@ def _meta_problem(meta) -> str | None:
     for key, kind in (("step", int), ("loader", dict), ("args", dict), ("model_args", dict), ("files", dict)):
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             return f"{key!r} is {meta.get(key)!r:.60}, not {'an' if kind is int else 'a'} {kind.__name__}"
-    if meta["step"] < 0 or not isinstance(meta["loader"].get("consumed"), int):
+    consumed = meta["loader"].get("consumed")
+    if meta["step"] < 0 or not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
         return "'step' or the loader's 'consumed' is not a count"
+    for key in ("recipe", "data"):  # (absent in checkpoints written before they were recorded)
+        if key in meta and not isinstance(meta[key], str):
+            return f"{key!r} is {meta[key]!r:.60}, not a string"
     layout = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
     if not (isinstance(layout, dict) and all(isinstance(layout.get(k), int) for k in ("tp", "pp", "dp"))):
         return f"'layout' is {layout!r:.60}, not {{tp, pp, dp}}"
@@ -342,16 +367,23 @@ def _meta_problem(meta) -> str | None:
     return None
 
 
-def damage(d: Path) -> str | None:
+def damage(d: Path, check=None) -> str | None:
     """Why a step directory cannot be used (None: it is intact): meta.json unreadable or malformed, or a
-    shard missing, truncated or altered according to the manifest of sizes and checksums written with it."""
+    shard missing, truncated or altered according to the manifest of sizes and checksums written with it.
+    check(d, files): how the files are checked (default file_problem; shared_check splits it over ranks)."""
     meta, why = _load_meta(d)
     if why:
         return why
-    for name, info in meta["files"].items():
+    return (check or file_problem)(d, meta["files"])
+
+
+def file_problem(d: Path, files: dict) -> str | None:
+    """The first of these manifest entries {name: {bytes, sha256}} whose file is missing, not a regular
+    file, of another size or another checksum; None if all match."""
+    for name, info in sorted(files.items()):
         f = d / name
-        if not f.is_file():
-            return f"{name} is missing"
+        if not f.is_file():  # (a FIFO or a folder under a shard's name: reading it would hang or fail)
+            return f"{name} is {'missing' if not f.exists() else 'not a regular file'}"
         if f.stat().st_size != info["bytes"]:
             return f"{name} has {f.stat().st_size:,} bytes, the manifest says {info['bytes']:,}"
         if data.sha256_file(f) != info["sha256"]:
@@ -359,10 +391,33 @@ def damage(d: Path) -> str | None:
     return None
 
 
-def find_latest(out_dir: Path, verify: bool = True) -> tuple[Path | None, list[tuple[str, str]]]:
+def shared_check(mesh):
+    """file_problem with the work split over the job's ranks, for --resume and --init at scale (405B's
+    checkpoint is ~4.9 TB: one rank hashing it would take hours): rank r checks the files r, r + world,
+    r + 2 world, ... in name order, all at once, and every rank gets the first problem any rank found.
+    Collective: every rank must call it on the same folder."""
+    if mesh.world == 1:
+        return file_problem
+
+    def check(d: Path, files: dict) -> str | None:
+        mine = {name: files[name] for name in sorted(files)[mesh.rank::mesh.world]}
+        found = [why for why in P.all_gather_objects(file_problem(d, mine), mesh) if why]
+        return found[0] if found else None
+    return check
+
+
+def unlisted(d: Path) -> list[str]:
+    """Shard files in a step directory that its manifest does not name: never read (parallel.py reads the
+    manifest's files, exactly), but said, since someone put them there."""
+    meta, why = _load_meta(d)
+    listed = meta["files"] if not why else {}
+    return sorted(f.name for f in Path(d).glob("shard_pp*_tp*.pt") if f.name not in listed)
+
+
+def find_latest(out_dir: Path, verify: bool = True, check=None) -> tuple[Path | None, list[tuple[str, str]]]:
     """The newest usable checkpoint -- the one `latest` names, else the newest step directory that passes
     its manifest -- and (name, why) for every newer one passed over: damaged, or named by `latest` but
-    missing. verify=False skips the checksums (cheap, for reading settings only)."""
+    missing. verify=False skips the checksums (cheap, for reading settings only); check: see damage."""
     out_dir = Path(out_dir)
     skipped, seen = [], set()
     named = read_latest(out_dir)
@@ -374,7 +429,7 @@ def find_latest(out_dir: Path, verify: bool = True) -> tuple[Path | None, list[t
         if d.name in seen:
             continue
         seen.add(d.name)
-        why = damage(d) if verify else _load_meta(d)[1]
+        why = damage(d, check) if verify else _load_meta(d)[1]
         if why is None:
             return d, skipped
         skipped.append((d.name, f"damaged ({why})"))
@@ -390,25 +445,35 @@ def is_checkpoint(path) -> bool:
             or ((path / "meta.json").is_file() and any(path.glob("shard_pp*_tp*.pt"))))
 
 
-def resolve(path, say=print, verify: bool = True) -> Path:
+def resolve(path, say=print, verify: bool = True, check=None) -> Path:
     """--init, evaluate.py or consolidate's checkpoint argument -> a verified step directory: the folder
     itself if it is one, else the out-dir's newest intact checkpoint (as --resume picks it, saying which
     damaged ones it passed over). Refuses a damaged one, as --resume does. verify=False reads meta.json
-    alone, no checksums: the step a verified resolve picks too when nothing is damaged, cheap enough for
-    every rank of a large job (which then leaves the checksums to one rank: parallel.on_rank0)."""
+    alone, no checksums: the step a verified resolve picks too when nothing is damaged. check: how the
+    shards are checked (damage); a job passes shared_check(mesh) and calls this on every rank."""
     path = Path(path)
     if (path / "meta.json").is_file():
-        why = damage(path) if verify else _load_meta(path)[1]
+        why = damage(path, check) if verify else _load_meta(path)[1]
         if why:
             raise CheckpointError(f"checkpoint {path} is damaged ({why})")
-        return path
-    found, skipped = find_latest(path, verify)
-    for name, why in skipped:
-        say(f"checkpoint {name} is {why}; falling back to an older one")
-    if found is None:
-        detail = f": {skipped[0][0]} is {skipped[0][1]}" if skipped else ""
-        raise CheckpointError(f"no intact checkpoint in {path}{detail}")
+        found = path
+    else:
+        found, skipped = find_latest(path, verify, check)
+        for name, why in skipped:
+            say(f"checkpoint {name} is {why}; falling back to an older one")
+        if found is None:
+            detail = f": {skipped[0][0]} is {skipped[0][1]}" if skipped else ""
+            raise CheckpointError(f"no intact checkpoint in {path}{detail}")
+    if verify:
+        say_unlisted(found, say)
     return found
+
+
+def say_unlisted(d: Path, say):
+    extra = unlisted(d)
+    if extra:
+        say(f"checkpoint {d}: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} not in its manifest: "
+            "ignored (only the manifest's shards are read)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -424,9 +489,11 @@ def recorded(path) -> dict:
     if is_checkpoint(path):  # an out-dir: its newest checkpoint (the one loaded is verified when it is read)
         path = resolve(path, say=lambda msg: None, verify=False)
     for name in ("meta.json", "config.json", "params.json"):
+        if not (path / name).is_file():
+            continue
         try:
             found = json.loads((path / name).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         if not isinstance(found, dict):
             break
@@ -509,8 +576,5 @@ def clear_run(out_dir: Path) -> list[str]:
     gone = [*step_dirs(out_dir), *out_dir.glob(".tmp-step_*")]
     gone += [out_dir / n for n in RUN_FILES if (out_dir / n).is_file()]
     for p in gone:
-        if p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
+        remove(p)
     return [p.name for p in gone]

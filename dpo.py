@@ -149,8 +149,11 @@ def read_preferences(path_or_name, mirror=None) -> list:
 def preference_examples(enc, pairs, seq_len) -> tuple:
     """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side encoded as
     prompt + [assistant reply] with the mask on the reply (and its eot) only. The SFT length rule applies
-    to each side; a pair is dropped if either side is. counts as in sft_examples, tokens over both sides."""
-    examples, truncated, dropped = [], 0, 0
+    to each side; a pair is dropped if either side is, and if its two sides are the same once cut to
+    seq_len + 1 tokens (replies that differ only after the cut: no preference is left to learn, and the
+    pair would only dilute the batch's mean). counts as in sft_examples, tokens over both sides, plus
+    "identical": the pairs dropped for that."""
+    examples, truncated, dropped, identical = [], 0, 0, 0
     for pair in pairs:
         prompt_len = len(data.encode_chat(enc, pair["prompt"])[0])
         sides = {}
@@ -161,10 +164,15 @@ def preference_examples(enc, pairs, seq_len) -> tuple:
         if any(example is None for example, _ in sides.values()):
             dropped += 1
             continue
+        (chosen, _), (rejected, _) = sides["chosen"], sides["rejected"]
+        if np.array_equal(chosen[0], rejected[0]) and np.array_equal(chosen[1], rejected[1]):
+            identical += 1
+            continue
         truncated += any(cut for _, cut in sides.values())
         examples.append({key: example for key, (example, _) in sides.items()})
     both = [side for example in examples for side in example.values()]
-    return examples, {**sft.example_counts(both, truncated, dropped), "examples": len(examples)}
+    return examples, {**sft.example_counts(both, truncated, dropped), "examples": len(examples),
+                      "identical": identical}
 
 
 class PreferenceLoader(data.Positions):
@@ -191,6 +199,10 @@ class PreferenceLoader(data.Positions):
         rows, _ = self._next_items()
         batch = self.pairs(rows)
         return (*batch, torch.from_numpy(rows + self.index_offset)) if self.with_index else batch
+
+    def fingerprint(self) -> str:
+        """What identifies the data (a checkpoint records it; --resume refuses other data): its rows."""
+        return sft.rows_fingerprint(*self.chosen, *self.rejected)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,6 +260,8 @@ def precompute_reference(reference, loaders, mesh, args, device) -> torch.Tensor
 def read_cache(path: Path, key: dict) -> torch.Tensor | None:
     """The cached reference log-probs if `path` holds them for this `key`; None if absent, unreadable (a
     crash while writing) or made for other settings."""
+    if not path.is_file():  # (absent, or something else under its name: a FIFO would hang the read)
+        return None
     try:
         saved = torch.load(path, weights_only=True)
         return saved["logps"] if saved.get("key") == key else None
@@ -309,7 +323,10 @@ def cached_reference(reference, loaders, mesh, args, device, tokenizer: str) -> 
     them for exactly these sequences, weights, tokenizer and precision, else computed (collectively) and
     written there, whole, then renamed."""
     cache = Path(args.out_dir) / "ref_logps.pt"
-    key = {"rows": rows_digest(loaders), "weights": weights_digest(reference, mesh), "tokenizer": tokenizer,
+    # the rows the reference scores, with where their pair indices start (another seed's split, seq_len or
+    # tokenizer gives other rows)
+    key = {"rows": [(loader.index_offset, loader.fingerprint()) for loader in loaders],
+           "weights": weights_digest(reference, mesh), "tokenizer": tokenizer,
            "dtype": str(next(reference.parameters()).dtype)}
     cached = read_cache(cache, key)
     # every rank must take the same branch (precomputing is collective): use the cache only if all can
@@ -322,17 +339,6 @@ def cached_reference(reference, loaders, mesh, args, device, tokenizer: str) -> 
             torch.save({"key": key, "logps": cached}, cache.with_suffix(".tmp"))
             os.replace(cache.with_suffix(".tmp"), cache)
     return cached
-
-
-def rows_digest(loaders) -> str:
-    """sha256 of the token rows the reference scores, in the order their pair indices give them (another
-    seed's split, seq_len or tokenizer gives other rows)."""
-    h = hashlib.sha256()
-    for loader in loaders:
-        h.update(b"%d" % loader.index_offset)
-        for array in (*loader.chosen, *loader.rejected):
-            h.update(np.ascontiguousarray(array).tobytes())
-    return h.hexdigest()
 
 
 def weights_digest(model, mesh) -> str:
@@ -354,6 +360,7 @@ class DPO(sft.SFT):
     """train.py's recipe with SFT's model (from --init), preference pairs as the data, and DPOTask as the
     loss, against a frozen reference built from the same initial weights."""
 
+    kind = "dpo"
     rows_per_example = DPOTask.rows_per_example
     frozen_copies = 1  # the reference (with --precompute-ref too: it lives while its log-probs are computed)
 
@@ -390,6 +397,9 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
         raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+    if args.label_smoothing and args.loss != "sigmoid":  # (TRL ignores it there, silently)
+        raise T.ConfigError(f"--label-smoothing {args.label_smoothing} is conservative DPO's, a change to the "
+                            f"sigmoid loss; --loss {args.loss} has no use for it: drop one of them")
     if args.cp > 1:  # a pair's log-probability is a sum over the whole sequence, which no cp rank holds
         raise T.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
     T.configure_process(args)

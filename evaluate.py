@@ -56,11 +56,13 @@ import train as T
 
 def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
     """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off. A checkpoint is verified
-    against its manifest by rank 0 alone, which tells the others which step folder to read."""
+    against its manifest by all the ranks at once, each a share of its shards."""
     # load_init may report a grown vocabulary; stdout is for results
     with contextlib.redirect_stdout(sys.stderr):
         if C.is_checkpoint(path):
-            path = P.on_rank0(lambda: C.resolve(path), mesh)
+            # every rank checks a share of the shards, rank 0 says what it passed over
+            path = C.resolve(path, say=lambda msg: print(msg) if mesh.rank == 0 else None,
+                             check=C.shared_check(mesh))
         margs, state = sft.load_init(path, tok, verify=False)
     with torch.device("meta"):
         model = M.Transformer(margs)  # no random initialization: every weight comes from the state dict
@@ -153,6 +155,10 @@ def perplexity(model, tok, arrays, seq_len, batch_size, mesh, limit=None) -> dic
     mine = spans[mesh.dp_rank::mesh.dp]
     for i in range(0, len(mine), batch_size):
         seqs = [np.asarray(arrays[a][s:s + seq_len + 1], dtype=np.int64) for a, s in mine[i:i + batch_size]]
+        top = max(int(seq.max()) for seq in seqs)  # a shard's ids: its header may not tell the truth
+        if top >= tok.n_vocab:
+            raise data.DataError(f"the evaluated data holds token id {top:,}, but the {tok.name} tokenizer "
+                                 f"has {tok.n_vocab:,} ids: a shard is corrupt or not of this tokenizer")
         for seq, logp in zip(seqs, token_logprobs(model, seqs)):
             b = nbytes[seq[1:]]
             sums += [-logp.sum(), len(logp), -logp[b > 0].sum(), b.sum()]
@@ -480,6 +486,7 @@ def training_pieces(source, tok, mirror=None):
         text_id = np.array([i if table[i] else tok.encode_ordinary("\n")[0] for i in range(len(table))])
         for shard in shards:
             tokens, start = data.read_shard(shard, tok.name), 0
+            data.check_token_ids(tokens, shard, tok.name, tok.n_vocab)  # (read whole here anyway)
             while start < len(tokens):
                 end = min(start + CHUNK, len(tokens))
                 cut = np.flatnonzero(breaks[tokens[start + 1:end]]) if end < len(tokens) else []
@@ -494,7 +501,7 @@ def training_pieces(source, tok, mirror=None):
                 try:
                     text = "".join(json.loads(line)["text"] + "\n" if fmt == "jsonl" and line.strip()
                                    else line for line in lines)
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, RecursionError):  # (deep nesting: not a ValueError)
                     raise data.DataError(f"{file}: a line is not a JSON record with a \"text\" "
                                          "field") from None
                 yield np.array(tok.encode_ordinary(text), dtype=np.int64), text

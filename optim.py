@@ -64,14 +64,18 @@ class AdamW:
     ZeRO-3 shards the model's own copy too (`shard(ranges, grads=True, weights=True)`): `model_flat` is then
     compact, and parallel.py gathers each unit's weights when they are used. `unit_of` (ZeRO-3) lays out
     the parameters of one unit (a block, say) together and pads each unit's span to a multiple of pad_to,
-    so that every unit is one bucket with equal pieces.
+    so that every unit is one bucket with equal pieces. With `initial` (ZeRO-3 at scale) the parameters
+    hold no values yet (parallel.materialize_empty) and no full-length model copy is ever made:
+    initial(name, shape) is a parameter's value, read only where it overlaps the owned ranges, when
+    shard(weights=True) fills the compact copy.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
                  allocate_state: bool = True, full_grad: bool = True,
-                 unit_of: Callable[[str], str] | None = None):
+                 unit_of: Callable[[str], str] | None = None,
+                 initial: Callable[[str, torch.Size], torch.Tensor] | None = None):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         uniq, seen = [], set()
         for name, p in named_params:
@@ -85,6 +89,35 @@ class AdamW:
         self.names = [n for n, _ in uniq]
         self.params = [p for _, p in uniq]
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.lay_out(uniq, decide, pad_to, unit_of)
+        p0 = self.params[0]
+        self.dtype, self.device = p0.dtype, p0.device
+        self.step_count = 0
+        # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces, see shard) and
+        # the model's own copy of the weights.
+        self.grads_sharded, self.weights_sharded = not full_grad, False
+        self.grad = torch.zeros(self.numel if full_grad else 0, dtype=torch.float32, device=self.device)
+        self.initial = initial  # (with it: no model copy until shard() makes the compact one)
+        self.model_flat = None if initial else torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.on_grad_ready: Callable[[int], None] | None = None  # called with the param index (parallel.py)
+        for i, p in enumerate(self.params):
+            if p.dtype != self.dtype or p.device != self.device:
+                raise ValueError(f"all parameters must share one dtype/device; {self.names[i]} is {p.dtype} "
+                                 f"on {p.device}, {self.names[0]} is {self.dtype} on {self.device}")
+            if not initial:
+                view = self.model_flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view  # the parameter now lives inside the flat buffer
+            if p.dtype == torch.float32 and full_grad:
+                p.grad = self.grad_view(i)  # ... and so does its gradient (no copy after each backward)
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self.ranges, self.master = None, None  # no state until shard() says what this rank owns
+        if allocate_state:
+            self.shard([(0, self.numel)])
+
+    def lay_out(self, uniq: list, decide, pad_to: int, unit_of):
+        """Where each parameter lives in the flat buffers (offsets), which flat ranges decay, and with unit_of
+        each unit's span; numel, the length, padded to a multiple of pad_to."""
         self.offsets, off = [], 0
         self.decay_ranges = []  # [lo, hi) flat ranges of decayed parameters, neighbours merged
         self.units = []  # with unit_of: each unit's [lo, hi), padded to a multiple of pad_to
@@ -102,28 +135,6 @@ class AdamW:
             if unit_of:
                 self.units[-1] = (self.units[-1][0], -(-off // pad_to) * pad_to)
         self.numel = -(-off // pad_to) * pad_to  # padding at the end: zero gradients, never read back
-        p0 = self.params[0]
-        self.dtype, self.device = p0.dtype, p0.device
-        self.step_count = 0
-        # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces, see shard) and
-        # the model's own copy of the weights.
-        self.grads_sharded, self.weights_sharded = not full_grad, False
-        self.grad = torch.zeros(self.numel if full_grad else 0, dtype=torch.float32, device=self.device)
-        self.model_flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.on_grad_ready: Callable[[int], None] | None = None  # called with the param index (parallel.py)
-        for i, p in enumerate(self.params):
-            if p.dtype != self.dtype or p.device != self.device:
-                raise ValueError(f"all parameters must share one dtype/device; {self.names[i]} is {p.dtype} "
-                                 f"on {p.device}, {self.names[0]} is {self.dtype} on {self.device}")
-            view = self.model_flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
-            view.copy_(p.detach())
-            p.data = view  # the parameter now lives inside the flat buffer
-            if p.dtype == torch.float32 and full_grad:
-                p.grad = self.grad_view(i)  # ... and so does its gradient (no copy after each backward)
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-        self.ranges, self.master = None, None  # no state until shard() says what this rank owns
-        if allocate_state:
-            self.shard([(0, self.numel)])
 
     def shard(self, ranges: list[tuple[int, int]], grads: bool = False, weights: bool = False):
         """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
@@ -137,9 +148,15 @@ class AdamW:
             for p in self.params:
                 p.grad = None
         if weights:
-            compact = torch.empty(size, dtype=self.dtype, device=self.device)
-            self.pack(self.model_flat, compact)
+            compact = torch.zeros(size, dtype=self.dtype, device=self.device)  # (units' padding stays 0)
+            if self.initial:
+                self.fill(compact)
+            else:
+                self.pack(self.model_flat, compact)
             self.weights_sharded, self.model_flat = True, compact
+        elif self.initial:
+            raise ValueError("an optimizer built with initial= holds its model copy sharded: "
+                             "shard(..., weights=True)")
         self.master = self.exp_avg = self.exp_avg_sq = self._denom = None  # free any earlier state first
         if (weights or ranges == [(0, self.numel)]) and self.dtype == torch.float32:
             self.master = self.model_flat
@@ -180,6 +197,19 @@ class AdamW:
         c = 0
         for lo, hi in self.ranges:
             compact[c:c + hi - lo].copy_(full[lo:hi])
+            c += hi - lo
+
+    @torch.no_grad()
+    def fill(self, compact: torch.Tensor):
+        """The owned ranges of the model copy, from initial(name, shape): one parameter's value at a time,
+        and only the parameters that overlap an owned range."""
+        c = 0
+        for lo, hi in self.ranges:
+            for i, off in enumerate(self.offsets):
+                a, b = max(lo, off), min(hi, off + self.params[i].numel())
+                if a < b:
+                    value = self.initial(self.names[i], self.params[i].shape).reshape(-1)
+                    compact[c + a - lo:c + b - lo].copy_(value[a - off:b - off])
             c += hi - lo
 
     def unpack(self, compact: torch.Tensor, full: torch.Tensor):

@@ -49,6 +49,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -212,6 +213,37 @@ def exit_with_agent(poll_s: float = 1.0):
     threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
 
 
+def launch_env() -> tuple[int, int]:
+    """(rank, world size) from the variables torchrun sets, checked: a wrong or missing one would otherwise
+    be a ValueError traceback, or a wait for peers that never come. Without WORLD_SIZE: one process.
+    Raises LayoutError, whose message says which variable is wrong and how to launch instead."""
+    def whole(name: str, default: int | None) -> int | None:
+        text = os.environ.get(name)
+        if text is None or not text.strip():
+            return default
+        if not text.strip().isdigit():
+            raise LayoutError(f"{name}={text[:40]!r} is not a whole number >= 0")
+        return int(text)
+    launch = "start the processes with torchrun (e.g. torchrun --standalone --nproc_per_node=N ...)"
+    world = whole("WORLD_SIZE", 1)
+    rank = whole("RANK", 0 if world == 1 else None)
+    if world < 1 or rank is None or rank >= world:
+        raise LayoutError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} do "
+                          f"not name a process of a job (0 <= RANK < WORLD_SIZE): {launch}")
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        whole(name, 0)
+    if world > 1:
+        addr, port = os.environ.get("MASTER_ADDR", "").strip(), whole("MASTER_PORT", None)
+        if not addr or port is None or not 0 < port < 65536:
+            raise LayoutError(f"WORLD_SIZE={world} needs MASTER_ADDR (a host) and MASTER_PORT (1-65535); "
+                              f"got {addr or 'none'!r} and {os.environ.get('MASTER_PORT')!r}: {launch}")
+        try:
+            socket.getaddrinfo(addr, port)
+        except (socket.gaierror, UnicodeError):
+            raise LayoutError(f"MASTER_ADDR={addr[:80]!r} is not a host this machine can find") from None
+    return rank, world
+
+
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
               timeout_s: float = 300.0, io_timeout_s: float = 3600.0, cp: int = 1) -> Mesh:
     """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
@@ -221,8 +253,7 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     give up after timeout_s instead of hanging forever; the "io" group (every rank) is for the waits that
     are long by nature -- ranks waiting while others prepare data or write a checkpoint -- and gives up
     after io_timeout_s."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = launch_env()
     dp = world // (tp * cp * pp)
     mesh = Mesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
                 io_timeout_s=io_timeout_s,
@@ -233,18 +264,7 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     if world == 1:
         return mesh
     if not dist.is_initialized():
-        options = process_group_options(device, timeout_s)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if restart is None:
-            dist.init_process_group(**options)
-        else:
-            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
-            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
-            agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
-            dist.init_process_group(store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
-                                    world_size=world, **options)
+        join_job(rank, world, device, timeout_s)
     # new_group is collective over the whole world: every rank creates every group, in the same order.
     # Each group needs the timeout itself (a new group does not inherit the world's), and its name shows up
     # in NCCL's watchdog messages.
@@ -264,6 +284,28 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     mesh.group_ranks["io"] = list(range(world))
     barrier(mesh)
     return mesh
+
+
+def join_job(rank: int, world: int, device, timeout_s: float):
+    """The process group of the whole job, through the rendezvous at MASTER_ADDR:MASTER_PORT. A peer that
+    never comes (a wrong address or port, a rank not started) fails after timeout_s as one CommError."""
+    options = process_group_options(device, timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    try:
+        if restart is None:
+            dist.init_process_group(**options)
+        else:
+            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
+            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
+            agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
+            dist.init_process_group(store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
+                                    world_size=world, **options)
+    except (RuntimeError, ValueError, OSError) as e:  # (DistNetworkError and DistStoreError: RuntimeErrors)
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise CommError(f"could not join the job of {world} processes at {where} (--dist-timeout "
+                        f"{timeout_s:g} s): {' '.join(str(e).split())[:300]}") from None
 
 
 # ====================================================================================================
@@ -553,17 +595,29 @@ def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return padded.chunk(mesh.tp, dim=0)[mesh.tp_rank].clone()
 
 
+def check_ids(ids: torch.Tensor, vocab_size: int, what: str):
+    """Refuse ids outside [0, vocab_size) (IGNORE_INDEX targets aside), as one process's F.embedding and
+    F.cross_entropy do. The vocab-parallel layers below treat an id outside a rank's rows as another rank's,
+    so without this an id outside every rank's rows (or in the padding) would silently become a zero
+    embedding, or a target scored as if it had the largest logit. The check is asynchronous (on a GPU a
+    device-side assert: the step's one host sync stays its only one; on a CPU a RuntimeError at once), so
+    it cannot say which id; train.py's data loader has already named the shard and the id."""
+    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != IGNORE_INDEX if what == "target" else True)
+    torch._assert_async(~bad.any(), f"a {what} id is outside the vocabulary [0, {vocab_size})")
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r*V/tp, (r+1)*V/tp) of the table: it looks up the ids it owns, writes zeros for
     the others, and g sums the ranks' partial embeddings (each id is owned by exactly one rank)."""
 
     def __init__(self, full: nn.Embedding, mesh: Mesh):
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.vocab_size = mesh, full.weight.shape[0]
         self.weight = nn.Parameter(_vocab_shard(full.weight, mesh))
         self.start = mesh.tp_rank * self.weight.shape[0]
 
     def forward(self, ids):
+        check_ids(ids, self.vocab_size, "token")
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
@@ -611,6 +665,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: Mesh):
     """logits (..., V/tp) on each TP rank, targets (...) global ids -> per-token losses (...)."""
+    check_ids(targets, vocab_size, "target")
     Vl = logits.shape[-1]
     start = mesh.tp_rank * Vl
     n_valid = max(0, min(Vl, vocab_size - start))
@@ -801,25 +856,47 @@ def local_piece(full: torch.Tensor, shape, dim: int | None, mesh: Mesh) -> torch
     return piece
 
 
+def local_value(model: M.Transformer, mesh: Mesh, full_value, name: str, shape) -> torch.Tensor:
+    """This rank's piece, of `shape`, of parameter `name`: full_value(name, full shape) (model.init_tensor
+    from a seed, or a tensor of a full state dict) cut as apply_tensor_parallel cut the model."""
+    dim, size = getattr(model, "tp_placement", {}).get(name, (None, None))
+    full_shape = list(shape)
+    if dim is not None:
+        full_shape[dim] = size
+    full = full_value(name, tuple(full_shape))
+    if tuple(full.shape) != tuple(full_shape):
+        raise ValueError(f"{name} has shape {tuple(full.shape)}, this model needs {tuple(full_shape)}")
+    return local_piece(full, shape, dim, mesh)
+
+
 @torch.no_grad()
 def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Transformer:
-    """Give a model built on the meta device, and already sharded and cut by the two functions above, real
-    storage for this rank's parameters only: each is this rank's piece of full_value(name, full shape)
-    (model.init_tensor from a seed, or a tensor of a full state dict). One full parameter exists at a time,
-    so a rank of a 405B model never holds more than its shards plus the largest single weight."""
-    placement = getattr(model, "tp_placement", {})
+    """Give a model built on the meta device, and already sharded and cut by the two functions above (and
+    cast to its training dtype), real storage for this rank's parameters only: each is this rank's piece
+    of full_value(name, full shape) (local_value). One full parameter exists at a time, so a rank of a
+    405B model never holds more than its shards plus the largest single weight (in fp32)."""
     model.to_empty(device=device)
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # to_empty() gave each its own storage: re-tie
     for name, p in model.named_parameters():
-        dim, size = placement.get(name, (None, None))
-        shape = list(p.shape)
-        if dim is not None:
-            shape[dim] = size
-        full = full_value(name, tuple(shape))
-        if tuple(full.shape) != tuple(shape):
-            raise ValueError(f"{name} has shape {tuple(full.shape)}, this model needs {tuple(shape)}")
-        p.copy_(local_piece(full, p.shape, dim, mesh))
+        p.copy_(local_value(model, mesh, full_value, name, p.shape))  # (cast to p's dtype as it is copied)
+    return model
+
+
+def materialize_empty(model: M.Transformer, device) -> M.Transformer:
+    """ZeRO-3's start (with dp x cp > 1): every parameter becomes a tensor on `device` that holds no storage
+    at all, its values to be written straight into this rank's pieces of the optimizer's flat buffers
+    (optim.AdamW(initial=), GradSync), so the build never holds this rank's whole model: at 70B on one GPU
+    that would be 140 GB in bf16. One parameter is allocated at a time, and freed at once."""
+    made = {}  # id of the meta parameter -> its replacement (a tied weight is one parameter in two places)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in made:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                t.untyped_storage().resize_(0)
+                made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+            if p is not None:
+                module._parameters[name] = made[id(p)]
     return model
 
 
@@ -1404,14 +1481,16 @@ class ShardedWeights:
 
     def __init__(self, opt, mesh: Mesh, spans: list[tuple[int, int]], piece_starts: list[int]):
         self.opt, self.mesh, self.dim, self.spans = opt, mesh, mesh.grad_dim, spans
-        self.bufs = [opt.model_flat[lo:hi].clone() for lo, hi in spans]  # (unit numel,) each, whole for now
         # where this rank's piece of each unit is in the optimizer's compact model copy, and its length
         self.pieces = [(start, (hi - lo) // mesh.dp_cp) for start, (lo, hi) in zip(piece_starts, spans)]
-        for i, p in enumerate(opt.params):
-            b = self.unit_of_param(p)
-            start = opt.offsets[i] - spans[b][0]
-            p.data = self.bufs[b][start:start + p.numel()].view_as(p)  # (own version counter: see above)
-        self.held, self.gathers, self.in_backward = set(range(len(spans))), {}, set()
+        self.bufs = []  # (unit numel,) each
+        for b, (lo, hi) in enumerate(spans):  # one unit's storage at a time, released at once: the values
+            self.bufs.append(torch.empty(hi - lo, dtype=opt.dtype, device=opt.device))  # are the optimizer's
+            for i, p in enumerate(opt.params):
+                if lo <= opt.offsets[i] < hi:  # a view: its own version counter (see above)
+                    p.data = self.bufs[b][opt.offsets[i] - lo:opt.offsets[i] - lo + p.numel()].view_as(p)
+            self.bufs[b].untyped_storage().resize_(0)
+        self.held, self.gathers, self.in_backward = set(), {}, set()
 
     def fetch(self, b: int):
         """Start gathering unit b's weights, unless they are held already (or on their way)."""
@@ -1518,6 +1597,9 @@ def grad_norm(sync: GradSync, model) -> torch.Tensor:
 #    the model copy is always the master rounded to the training dtype.
 
 
+SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")
+
+
 def shard_file(mesh: Mesh) -> str:
     return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
 
@@ -1585,15 +1667,22 @@ def _assemble(parts: list[dict], keys=STATE_KEYS) -> dict[str, torch.Tensor]:
     return out
 
 
+def manifest_files(folder: Path) -> list[Path]:
+    """The shard files a checkpoint's meta.json lists (its manifest, which checkpoint.py verifies), and no
+    other: a stray file beside them, even one named like a shard, is never read."""
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    names = sorted(meta["files"]) if isinstance(meta, dict) and isinstance(meta.get("files"), dict) else []
+    if not names or not all(SHARD_RE.fullmatch(name) for name in names):
+        raise ValueError(f"{folder}/meta.json lists no shard files ('files')")
+    return [Path(folder) / name for name in names]
+
+
 def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[M.LazyState, dict]:
-    """Every shard file of a checkpoint (memory-mapped) -> {name: {"master", "exp_avg", "exp_avg_sq"}} (or
-    only `keys`) as full tensors, each assembled when looked up, so loading into another layout holds one
-    full parameter at a time; plus the first file's extra fields. Works for any layout the checkpoint was
-    written in."""
-    files = sorted(Path(folder).glob("shard_pp*_tp*.pt"))
-    if not files:
-        raise FileNotFoundError(f"no shard_pp*_tp*.pt files in {folder}")
-    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
+    """The shard files of a checkpoint's manifest (memory-mapped) -> {name: {"master", "exp_avg",
+    "exp_avg_sq"}} (or only `keys`) as full tensors, each assembled when looked up, so loading into another
+    layout holds one full parameter at a time; plus the first file's extra fields. Works for any layout
+    the checkpoint was written in."""
+    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in manifest_files(folder)]
     pieces: dict[str, list] = {}
     for s in shards:
         for name, e in s["params"].items():
@@ -1633,7 +1722,7 @@ def consolidate(folder: Path, hf: Path, tokens: dict | None = None):
     `tokens` (data.hf_tokens), the folder records its tokenizer and special ids (model.save_hf)."""
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
-    args = M.ModelArgs(**meta["model_args"])
+    args = M.ModelArgs.from_dict(meta["model_args"])
     full, _ = read_full_state(folder, keys=("master",))
     with torch.device("meta"):
         model = M.Transformer(args)
@@ -1772,6 +1861,27 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     out["temporaries"] = max(during_backward, max(packed, gathers) - out["activations"])
     out["total"] = sum(out.values())
     return out
+
+
+def build_bytes(args: M.ModelArgs, precision: str = "bf16", tp: int = 1, pp: int = 1, dp: int = 1,
+                zero: int = 0, stage: int = 0, split: list[int] | None = None, cp: int = 1,
+                virtual: int = 1) -> float:
+    """The most one rank of pipeline stage `stage` holds while train.py builds its model and optimizer,
+    before the optimizer's state exists (the steady state after that is memory_estimate's). Each parameter
+    is drawn or read whole in fp32, one at a time, and cut to this rank's tp piece (another fp32 copy
+    when tp cuts it). Without ZeRO-3 the pieces make the model (b bytes each), which AdamW then copies into
+    its flat buffer beside the fp32 gradient buffer: for a moment both copies exist. ZeRO-3 over dp x cp
+    writes each piece straight into this rank's 1/dp share of the model copy (materialize_empty,
+    AdamW(initial=)): the share, beside one parameter or one unit's buffer (made and released once)."""
+    dp, b = dp * cp, BYTES[precision]
+    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    fulls = [args.dim * args.hidden_dim, args.n_heads * args.head_dim * args.dim]
+    fulls += [args.vocab_size * args.dim] if stage in (0, pp - 1) else []
+    one = max(4 * f * (1 + (1 / tp if tp > 1 else 0)) for f in fulls)
+    if zero == 3 and dp > 1:
+        return n * b / dp + max(one, max(unit_params(args, tp, pp, stage, split, virtual)) * b)
+    grads = n * 4 if zero < 2 or dp == 1 else 0
+    return max(n * b + one, 2 * n * b + grads)
 
 
 def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, grad_accum: int, virtual: int,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +56,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
     """--init -> (model args, full state dict), from any of the three formats. A checkpoint is verified
-    against its manifest, as --resume does, unless verify=False: for a job whose rank 0 has verified it."""
+    against its manifest, as --resume does, unless verify=False: for a job whose ranks have verified it."""
     path = Path(path)
     if C.is_checkpoint(path):
         path = C.resolve(path, verify=verify)
@@ -85,14 +87,14 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
 
 def checkpoint_args(step: Path) -> M.ModelArgs:
     """A checkpoint's model args, from its meta.json alone."""
-    return M.ModelArgs(**C.read_meta(step)["model_args"])
+    return M.ModelArgs.from_dict(C.read_meta(step)["model_args"])
 
 
 def with_room_for(margs: M.ModelArgs, n_vocab: int) -> M.ModelArgs:
     """The model args with a row for every id of a tokenizer with n_vocab ids (rounded up to 64 rows)."""
     if n_vocab <= margs.vocab_size:
         return margs
-    return M.ModelArgs(**{**margs.__dict__, "vocab_size": 64 * ((n_vocab + 63) // 64)})
+    return replace(margs, vocab_size=64 * ((n_vocab + 63) // 64))
 
 
 def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelArgs, dict]:
@@ -280,6 +282,18 @@ class SFTLoader(data.Positions):
     def _settings(self) -> dict:
         return {**super()._settings(), "pack": self.pack}
 
+    def fingerprint(self) -> str:
+        """What identifies the data (a checkpoint records it; --resume refuses other data): its rows."""
+        return rows_fingerprint(self.inputs, self.targets, self.doc_ids)
+
+
+def rows_fingerprint(*arrays) -> str:
+    """A short digest of token rows (every byte of them: fine-tuning sets fit in memory)."""
+    h = hashlib.sha256()
+    for array in arrays:
+        h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()[:16]
+
 
 def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
     """Train/val split of tokenized examples, with the length rule's counts printed once."""
@@ -287,10 +301,12 @@ def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
         raise data.DataError(f"{args.data}: no usable {what} (all dropped: {counts})")
     train_ex, val_ex = split_examples(examples, args.val_fraction, args.seed)
     if mesh.rank == 0:
+        same = (f", {counts['identical']:,} dropped as the same on both sides once cut"
+                if counts.get("identical") else "")  # (preference pairs)
         print(f"{args.data}: {n_read:,} {what}s -> {counts['examples']:,} examples ({counts['truncated']:,} "
               f"truncated to {args.seq_len + 1} tokens keeping their first targets, {counts['dropped']:,} "
-              f"dropped with no target left), {counts['target_tokens']:,} target tokens; {len(train_ex):,} "
-              f"train / {len(val_ex):,} val", flush=True)
+              f"dropped with no target left{same}), {counts['target_tokens']:,} target tokens; "
+              f"{len(train_ex):,} train / {len(val_ex):,} val", flush=True)
     return train_ex, val_ex
 
 
@@ -301,6 +317,7 @@ def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
 class SFT(T.Pretraining):
     """train.py's recipe with the model from --init and conversations as the data."""
 
+    kind = "sft"
     chat = True
 
     def tokenizer(self):
@@ -314,9 +331,9 @@ class SFT(T.Pretraining):
 
     def model_args(self, tok) -> M.ModelArgs:
         """The shape at once; the weights (below) once the job's processes can talk. From a checkpoint the
-        shape comes from meta.json alone, and no shard is opened until rank 0 has checked them all against
-        the manifest and told the others which step folder to read (every rank hashing every shard would
-        take hours at thousands of ranks); each rank then reads only the weights it keeps, lazily."""
+        shape comes from meta.json alone, and no shard is opened until the job's ranks have checked them
+        against the manifest, each a share of the files (one rank hashing a 405B checkpoint would take
+        hours); each rank then reads only the weights it keeps, lazily."""
         args, self.state = self.args, None
         if args.init is None:
             print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
@@ -328,7 +345,7 @@ class SFT(T.Pretraining):
         self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)
         try:
             self.margs = with_room_for(checkpoint_args(self.picked), tok.n_vocab)
-        except (TypeError, ValueError) as e:
+        except ValueError as e:
             raise T.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
                                 f"{data.one_line(e)}") from None
         self.tok = tok
@@ -337,7 +354,8 @@ class SFT(T.Pretraining):
     def weights(self, mesh) -> dict | None:
         if self.args.init is None or not C.is_checkpoint(self.args.init):
             return self.state
-        verified = P.on_rank0(lambda: C.resolve(self.args.init), mesh)  # may fall back past a damaged step
+        # every rank checks a share of the shards; may fall back past a damaged step
+        verified = C.resolve(self.args.init, say=T.say, check=C.shared_check(mesh))
         verified_margs, state = load_init(verified, self.tok, verify=False)
         if verified_margs != self.margs:
             raise T.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has another "

@@ -62,6 +62,11 @@ class ResourceError(ConfigError):
     """This process's machine cannot run the job (too little memory): said by every rank that finds it."""
 
 
+class LaunchError(ConfigError):
+    """This process was not started as part of a job (torchrun's variables wrong or missing): said by
+    every rank that finds it, since its rank may not be known."""
+
+
 # ----------------------------------------------------------------------------------------------------
 # Configuration
 
@@ -77,7 +82,8 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--data", default="tinyshakespeare",
                    help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
                         "mixture of them, e.g. c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2 (weights "
-                        "normalized)")
+                        "normalized; a part naming an existing file or folder whole is that source, so the "
+                        "file x:2 at weight 0.5 is x:2:0.5; each source once, under any spelling)")
     g.add_argument("--anneal-tokens", type=int, default=0,
                    help="anneal over the run's last N tokens: the learning rate falls linearly to 0 from "
                         "wherever the schedule is, and the data switches to --anneal-data if given")
@@ -206,6 +212,31 @@ def validate(args):
     need(0 < args.io_timeout < math.inf, "io_timeout", "a positive number of seconds")
     need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
     need(0 <= args.seed < 2 ** 63, "seed", "in [0, 2^63)")
+    need(args.virtual_stages >= 1, "virtual_stages", "at least 1 (2 or more with --schedule interleaved)")
+    if not str(args.out_dir).strip():
+        raise ConfigError("--out-dir '' names no folder; give one (an empty name would write into the "
+                          "current folder)")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --out-dir and --overwrite deletes it: pass one of "
+                          "them")
+    check_path_lengths(args)
+
+
+NAME_MAX = 255  # bytes in one file or folder name, on every common file system
+
+
+def check_path_lengths(args):
+    """A path with a component longer than a file system allows makes every look at it fail (even
+    Path.exists raises): refused here, by flag, instead."""
+    paths = [(flag, getattr(args, flag, None)) for flag in ("out_dir", "init", "tokenizer", "mirror",
+                                                             "tensorboard")]
+    paths += [(flag, part) for flag in ("data", "anneal_data")
+              for part in str(getattr(args, flag) or "").split(",")]
+    for flag, path in paths:
+        long = [c for c in Path(str(path or "")).parts if len(c.encode()) > NAME_MAX]
+        if long:
+            raise ConfigError(f"--{flag.replace('_', '-')}: the name {long[0][:40]}... is "
+                              f"{len(long[0].encode())} bytes long; file systems allow {NAME_MAX}")
 
 
 def parse_pp_layers(text: str | None) -> list[int] | None:
@@ -253,6 +284,7 @@ def configure_process(args):
     kernels sum in another order: the flag pins both to AVX2. Both read these variables at their first
     use: effective in a fresh process, as the command line is."""
     validate(args)
+    launch_world()
     device, _ = pick_device_and_precision(args)
     P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     torch.manual_seed(args.seed)
@@ -275,9 +307,24 @@ def configure_process(args):
                 "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
 
 
+def env_rank() -> int:
+    """This process's global rank (torchrun's RANK) for deciding who prints: 0 when RANK is unset or not a
+    number (check_config refuses the latter, in a line that this lets through)."""
+    text = os.environ.get("RANK", "0").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def launch_world() -> int:
+    """The job's world size, from torchrun's variables, which must be whole and consistent (launch_env)."""
+    try:
+        return P.launch_env()[1]
+    except P.LayoutError as e:
+        raise LaunchError(f"cannot join the job: {e}") from None
+
+
 def say(msg: str):
     """Print on global rank 0 only (torchrun's RANK): one line per job, not one per process."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env_rank() == 0:
         print(msg, flush=True)
 
 
@@ -285,6 +332,7 @@ def check_config(args, recipe) -> Spec:
     """Everything that can be wrong, refused before any process talks and before --out-dir is touched:
     the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
     validate(args)
+    world = launch_world()
     device, precision = pick_device_and_precision(args)
     Trackers.check(args)
     tok = recipe.tokenizer()
@@ -292,7 +340,6 @@ def check_config(args, recipe) -> Spec:
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
     split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
                        args.cp, args.virtual_stages)
@@ -303,7 +350,24 @@ def check_config(args, recipe) -> Spec:
     check_anneal(args, world // (args.tp * args.cp * args.pp))
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies)
     C.check_out_dir(Path(args.out_dir))
+    check_overwrite(args)
     return Spec(device, precision, tok, margs)
+
+
+def check_overwrite(args):
+    """--overwrite deletes an earlier run's checkpoints and metrics in --out-dir: never what this run reads.
+    A model to start from (--init) or data (--data, --anneal-data) inside the out-dir is refused."""
+    if not args.overwrite:
+        return
+    out = Path(args.out_dir).expanduser().resolve()
+    reads = [("init", getattr(args, "init", None))] + [
+        (flag, source) for flag in ("data", "anneal_data") if getattr(args, flag, None)
+        for source, _ in data.parse_mixture(getattr(args, flag))]
+    for flag, path in reads:
+        where = Path(str(path)).expanduser() if path else None
+        if where is not None and where.exists() and (out == where.resolve() or out in where.resolve().parents):
+            raise ConfigError(f"--overwrite would delete what --{flag.replace('_', '-')} {path} reads: it is "
+                              f"inside --out-dir {args.out_dir}; write this run to another --out-dir")
 
 
 def check_anneal(args, dp: int):
@@ -338,6 +402,7 @@ class Pretraining:
     """Pretraining: the preset (or --dim ...) from a seeded random initialization, token shards, and
     next-token prediction (LMTask)."""
 
+    kind = "pretraining"  # which recipe wrote a checkpoint (meta.json): --resume continues the same one
     chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
     rows_per_example = 1  # model input rows per example of the loader (check_memory; DPO: a pair's two)
     frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
@@ -481,7 +546,8 @@ class StepResult(NamedTuple):
     lr: float
     grad_norm: float  # global, before clipping
     metrics: list  # the task's metric sums over the global batch
-    stop: bool  # some rank caught a stop signal
+    stop: bool  # some rank caught a stop signal, or failed to write its log (then `failed` too)
+    failed: bool
 
 
 def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepResult | None:
@@ -526,7 +592,8 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
     run.opt.zero_grad()
     timer.end("6 optimizer")
-    return StepResult(tally.loss, lr, tally.grad_norm, tally.metrics, tally.stops > 0)
+    return StepResult(tally.loss, lr, tally.grad_norm, tally.metrics, tally.stops + tally.failures > 0,
+                      tally.failures > 0)
 
 
 class Tally(NamedTuple):
@@ -535,13 +602,15 @@ class Tally(NamedTuple):
     (on a GPU the host otherwise runs ahead, queueing kernels). Summed over every rank: each rank's part
     of the squared gradient norm; the loss and the task's metric sums, counted once per (pp, dp) place
     (tp ranks hold equal values, stages before the last hold zeros); the ranks whose own copy of the
-    gradients is not finite; the ranks that caught a stop signal."""
+    gradients is not finite; the ranks that caught a stop signal; the ranks that could not write their log
+    (StopFlag.fail)."""
     norm: torch.Tensor  # () the global gradient norm on the device: the clip factor never leaves it
     grad_norm: float
     loss: float
     metrics: list
     bad_copies: int
     stops: int
+    failures: int
 
     @classmethod
     def of(cls, run: Run, loss: torch.Tensor, stop: StopFlag) -> Tally:
@@ -552,13 +621,14 @@ class Tally(NamedTuple):
         # ZeRO-1 ranks apply only their own pieces, and a single replica has no others.
         copy = run.opt.grad_norm() if mesh.dp_cp > 1 and not run.args.zero else torch.zeros((), device=device)
         flags = torch.stack([(~torch.isfinite(copy)).float(),
-                             torch.full((), float(stop.signal is not None), device=device)])
+                             torch.full((), float(stop.signal is not None), device=device),
+                             torch.full((), float(stop.failure is not None), device=device)])
         v = torch.cat([P.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
                        run.task.metrics() * once])
         P.all_reduce(v, mesh, "world")
         host = v.tolist()  # the step's one host-device synchronization
-        return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], host[4:], int(host[2]),
-                   int(host[3]))
+        return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], host[5:], int(host[2]),
+                   int(host[3]), int(host[4]))
 
 
 def load_batches(run: Run) -> list:
@@ -633,9 +703,14 @@ class Meter:
     tokens/s and MFU, peak memory and the bytes sent per step. Its clock stops while paused: validation
     and checkpoints are not training time, and their bytes are not a step's."""
 
-    def __init__(self, run: Run):
-        self.run, self.args, self.mesh = run, run.args, run.mesh
-        self.file = open(Path(run.args.out_dir) / "metrics.jsonl", "a") if run.mesh.rank == 0 else None
+    def __init__(self, run: Run, stop: StopFlag):
+        self.run, self.args, self.mesh, self.stop = run, run.args, run.mesh, stop
+        self.path, self.file = Path(run.args.out_dir) / "metrics.jsonl", None
+        if run.mesh.rank == 0:
+            try:  # unbuffered: each record is written, and made durable, as it is logged
+                self.file = open(self.path, "ab", buffering=0)
+            except OSError as e:
+                raise C.CheckpointError(f"cannot write {self.path}: {C.write_error(e)}") from None
         self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
         self.tokens_per_step = step_tokens(run.args, run.task, run.mesh)
         self.flops_per_token = model_flops_per_token(run.margs, run.args.seq_len, run.task)
@@ -664,9 +739,30 @@ class Meter:
 
     def write(self, record: dict):
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            self.append((json.dumps(record) + "\n").encode())
+        if self.trackers:
             self.trackers.log(record)
+
+    def append(self, line: bytes):
+        """One record onto metrics.jsonl, fsynced: a full disk or a lost mount is found at this record, not
+        at the end of the run (some file systems report it only when the data is flushed). Then the
+        partial record is cut off, the log closed, and the run stops at the next step with a checkpoint
+        (StopFlag.fail), as for any write that fails."""
+        at = os.fstat(self.file.fileno()).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[self.file.write(view):]
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            # the log keeps whole records only; closing may report the same failure again
+            for cleanup in (lambda: os.ftruncate(self.file.fileno(), at), self.file.close):
+                try:
+                    cleanup()
+                except OSError:
+                    pass
+            self.file = None
+            self.stop.fail(f"cannot write {self.path} ({C.write_error(e)}); its records from here on are lost")
 
     def named(self, values: list, prefix="") -> dict:
         return {prefix + k: v for k, v in zip(self.run.task.metric_names, values)}
@@ -712,6 +808,7 @@ class Meter:
     def close(self):
         if self.file:
             self.file.close()
+        if self.trackers:
             self.trackers.close()
 
 
@@ -833,11 +930,15 @@ class Checkpointer:
     """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
     checkpoint holds every rank's shards with global names (parallel.py, section 9), so it loads into any
     layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
-    the flags, the model's shape, its tokenizer and whether it was trained on chats (chat: an export then
-    stops generating at <|eot_id|>). checkpoint.py keeps the folder: atomic save, manifest, rotation."""
+    the flags, the model's shape, its tokenizer, whether it was trained on chats (chat: an export then
+    stops generating at <|eot_id|>), the recipe that wrote it and its data's fingerprint (--resume refuses
+    another recipe or other data). checkpoint.py keeps the folder: atomic save, manifest, rotation."""
 
-    def __init__(self, run: Run, start_step: int, chat: bool):
-        self.run, self.saved_at, self.chat = run, start_step, chat
+    def __init__(self, run: Run, start_step: int, recipe: Pretraining):
+        self.run, self.saved_at, self.recipe = run, start_step, recipe
+        self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
+        out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
+        self.last_good = out / C.step_name(start_step) if start_step else None
 
     def due(self, step: int) -> bool:
         every = self.run.args.ckpt_every
@@ -850,12 +951,14 @@ class Checkpointer:
         run.timer.start()  # timed as an entry of its own, apart from the training step
         extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
         meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
-                "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.chat,
+                "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
+                "recipe": self.recipe.kind, "data": self.data,
                 "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
         write = lambda folder: P.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
-        C.save(Path(run.args.out_dir), step, run.mesh, write, meta, run.args.keep_ckpts)
+        out = Path(run.args.out_dir)
+        C.save(out, step, run.mesh, write, meta, run.args.keep_ckpts, self.last_good)
         run.timer.mark("7 checkpoint")
-        self.saved_at = step
+        self.saved_at, self.last_good = step, out / C.step_name(step)
 
 
 def rng_state(device) -> dict:
@@ -884,12 +987,13 @@ class StopFlag:
     signal to the same process, 2 s or more after the first, means "now": KeyboardInterrupt wherever the
     process is (the last complete checkpoint stays the good one). Sooner, it is the same event delivered
     twice (the scheduler signals every process and torchrun forwards its own copy; a terminal's Ctrl-C
-    reaches torchrun and the workers alike)."""
+    reaches torchrun and the workers alike). fail(why): the same stop for a write that failed (the
+    log's), except that the run then ends with that line and exit code 1 (stopped())."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.signal, self.at, self.previous = None, None, {}
+        self.signal, self.at, self.previous, self.failure = None, None, {}, None
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             self.previous = {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
 
@@ -898,6 +1002,9 @@ class StopFlag:
             raise KeyboardInterrupt
         if self.at is None:
             self.signal, self.at = signal.Signals(signum).name, time.monotonic()
+
+    def fail(self, why: str):
+        self.failure = self.failure or why
 
     def release(self):
         """Give the signals back to whoever had them before the run."""
@@ -999,8 +1106,9 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
                  frozen_copies: int = 0):
     """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
     (model states, activations and temporaries of its busiest pipeline stage, parallel.memory_estimate, for
-    micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference)
-    against what its device has free."""
+    micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference),
+    or what it holds while the model is built (parallel.build_bytes) if that is more, against what its
+    device has free."""
     split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
     rows = args.micro_batch * rows_per_example
     dp = world // (args.tp * args.cp * args.pp)
@@ -1011,11 +1119,14 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
         est["frozen"] = frozen_copies * P.BYTES[precision] * max(P.stage_params(
             margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))
         est["total"] += est["frozen"]
-    have = available_memory(device)
-    if have is not None and est["total"] > have:
+    build = max(P.build_bytes(margs, precision, args.tp, args.pp, dp, args.zero, s, split, args.cp,
+                              args.virtual_stages) for s in range(args.pp))
+    have, need = available_memory(device), max(est["total"], build)
+    if have is not None and need > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
-        raise ResourceError(f"model {args.model} needs about {est['total'] / 1e9:.1f} GB per process "
-                            f"({parts} GB) but {device.type} has {have / 1e9:.1f} GB available; "
+        built = f"; {build / 1e9:.1f} GB while it is built" if build > est["total"] else ""
+        raise ResourceError(f"model {args.model} needs about {need / 1e9:.1f} GB per process "
+                            f"({parts} GB{built}) but {device.type} has {have / 1e9:.1f} GB available; "
                             "use a smaller model, shard it "
                             f"over more processes (--tp, --pp, --zero 1-3) or a device with more memory")
 
@@ -1057,27 +1168,43 @@ class PhaseTimer:
 # Setting up: the model, the optimizer, the resume point
 
 
-def build_model(margs, state, args, mesh, device, dtype):
-    """The model on the meta device (shapes, no storage), sharded (tp) and cut (pp) there; then this rank's
-    pieces get storage and values, from the seed or from `state` (a full state dict), and are cast. Every
-    layout starts from bit-identical weights, and a rank holds only its own."""
+def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False):
+    """The model on the meta device (shapes, no storage), sharded (tp), cut (pp) and cast there; then this
+    rank's pieces get storage and values, from the seed or from `state` (a full state dict). Every layout
+    starts from bit-identical weights, and a rank holds only its own. lazy (ZeRO-3 over dp x cp > 1): no
+    values here and no storage kept (parallel.materialize_empty); the optimizer writes each rank's pieces
+    of them straight into its shard (AdamW(initial=initial_values(...)))."""
     with torch.device("meta"):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_context_parallel(model, mesh)
     P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers), args.virtual_stages)
-    if state is None:  # drawn on the CPU, so one seed gives one model on any device
-        full_value = lambda name, shape: M.init_tensor(margs, name, shape, args.seed)
-    else:
+    model.to(dtype)  # still on the meta device: each piece is cast as it is written, no fp32 model exists
+    if state is not None:
         missing = sorted({n for n, _ in model.named_parameters()} - set(state))
         if missing:
             raise ValueError("the initial state has no "
                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-        full_value = lambda name, shape: read_initial(state, name)
-    P.materialize(model, mesh, device, full_value)
-    model.to(dtype)
+    if lazy:
+        P.materialize_empty(model, device)
+    else:
+        P.materialize(model, mesh, device, full_values(margs, state, args.seed))
     model.act_ckpt = args.act_ckpt
     return model
+
+
+def full_values(margs, state, seed: int):
+    """full_value(name, full shape) -> the whole initial tensor of one parameter: drawn from the seed on
+    the CPU (one seed gives one model on any device), or read from `state`."""
+    if state is None:
+        return lambda name, shape: M.init_tensor(margs, name, shape, seed)
+    return lambda name, shape: read_initial(state, name)
+
+
+def initial_values(model, margs, state, args, mesh):
+    """For a lazily built model (build_model(lazy=True)): initial(name, shape) -> this rank's piece."""
+    full_value = full_values(margs, state, args.seed)
+    return lambda name, shape: P.local_value(model, mesh, full_value, name, shape)
 
 
 def read_initial(state, name: str) -> torch.Tensor:
@@ -1098,13 +1225,13 @@ def compile_blocks(model, backend="inductor"):
 
 
 def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
-    """The run's pieces, in the order they may fail: the checkpoint to resume (rank 0 verifies it), the
+    """The run's pieces, in the order they may fail: the checkpoint to resume (the ranks verify it), the
     initial weights, the data, the model, its optimizer and gradient sync, the task; then the resumed
     state. The earlier run's files (--overwrite) go only after all of that worked.
     Returns (the run, the step it starts from, the data's description)."""
     out_dir = Path(args.out_dir)
-    resume, meta = P.on_rank0(lambda: resume_point(out_dir, args, spec.margs), mesh)
-    initial = recipe.weights(mesh)  # --init: verified by rank 0 likewise
+    resume, meta = resume_point(out_dir, args, spec.margs, mesh)  # every rank checks its share of the files
+    initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
     per_step = loader.batch_size * args.grad_accum * mesh.dp
     if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
@@ -1112,22 +1239,24 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
                              f"{args.seq_len}, fewer than one global batch of {per_step:,} "
                              f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
                              f"dp {mesh.dp}); use more data or a smaller batch")
-    dtype = DTYPES[spec.precision]
+    dtype, lazy = DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
-        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype)
+        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy)
+        opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                      weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
+                      allocate_state=False,  # GradSync shards
+                      full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
+                      unit_of=P.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
+                      initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
+        sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
+        sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)  # (lazy: values now)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
-    opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                  weight_decay=args.weight_decay, pad_to=mesh.dp_cp, allocate_state=False,  # GradSync shards
-                  full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
-                  unit_of=P.unit_of if args.zero == 3 else None)  # ZeRO-3: weights move a unit at a time
-    sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
-    sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)
     scaler = O.LossScaler() if spec.precision == "fp16" else None
     task = recipe.task(spec.margs, mesh, spec.device, dtype)
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
               loader, make_val, PhaseTimer(spec.device, time_phases))
-    start_step = restore(run, resume, meta) if resume else 0
+    start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
     sync.prefetch_into(model)  # ZeRO-1: the next forward waits for each bucket's all-gather only when due
@@ -1135,7 +1264,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
         gone = C.clear_run(out_dir)
         if gone:
             say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
-    P.barrier(mesh)
+    P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
     return run, start_step, data_desc
 
 
@@ -1154,11 +1283,13 @@ def lock_out_dir(out_dir: Path, mesh) -> C.RunLock:
     return lock
 
 
-def resume_point(out_dir: Path, args, margs) -> tuple[Path | None, dict | None]:
-    """The checkpoint this run continues from and its meta.json (None, None: a fresh start). A fresh run
-    never mixes into an earlier one's folder: that takes --resume (continue it) or --overwrite (remove it
-    first)."""
-    ckpt, skipped = C.find_latest(out_dir) if out_dir.is_dir() else (None, [])
+def resume_point(out_dir: Path, args, margs, mesh) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run continues from and its meta.json (None, None: a fresh start), on every
+    rank: the checkpoints' shards are checked against their manifests by all the ranks at once, each a
+    share of the files (checkpoint.shared_check). A fresh run never mixes into an earlier one's folder:
+    that takes --resume (continue it) or --overwrite (remove it first)."""
+    verify = args.resume  # (without --resume only whether something is there matters: no checksums)
+    ckpt, skipped = C.find_latest(out_dir, verify, C.shared_check(mesh)) if out_dir.is_dir() else (None, [])
     earlier = C.earlier_run(out_dir)
     if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
         what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
@@ -1168,19 +1299,21 @@ def resume_point(out_dir: Path, args, margs) -> tuple[Path | None, dict | None]:
         return None, None
     for name, why in skipped:
         say(f"checkpoint {name} is {why}; falling back to an older one")
-    if ckpt is None and skipped and not args.overwrite:
+    if ckpt is None and skipped:
         raise ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
                           f"nothing was overwritten")
     if ckpt is None and not skipped:
         say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+    if ckpt is not None:
+        C.say_unlisted(ckpt, say)
     return ckpt, (read_meta(ckpt, margs) if ckpt else None)
 
 
 def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
     meta = C.read_meta(ckpt)
     try:
-        saved = M.ModelArgs(**meta["model_args"])
-    except (TypeError, ValueError) as e:
+        saved = M.ModelArgs.from_dict(meta["model_args"])
+    except ValueError as e:
         raise ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: {data.one_line(e)}")
     if saved != margs:
         diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
@@ -1188,20 +1321,44 @@ def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
     return meta
 
 
-def restore(run: Run, ckpt: Path, meta: dict) -> int:
+def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
     """Load a checkpoint (written under any layout) into the run; returns its step."""
+    check_continues(ckpt, meta, recipe, run)
     try:
         extra = P.load_shards(ckpt, run.model, run.opt, run.mesh)
     except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
         raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
     if run.scaler and extra.get("scaler"):
         run.scaler.load_state_dict(extra["scaler"])
-    run.loader.load_state_dict(meta["loader"])
     restore_rng(extra["rng"], run.device)
     old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
     say(f"resumed from {ckpt} at step {meta['step']} "
         f"(written at tp {old['tp']}, cp {old.get('cp', 1)}, pp {old['pp']}, dp {old['dp']})")
     return meta["step"]
+
+
+SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py"}
+
+
+def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
+    """--resume continues the run in --out-dir: the same recipe on the same data. Another script's
+    checkpoint (an SFT run's, resumed by dpo.py, would go on with SFT's optimizer state and step count) or
+    other data (its loader position means nothing there) is refused; --init starts from a checkpoint
+    instead. Checkpoints from before these were recorded: the recipe from its flags, the data unchecked.
+    The loader takes its position here, after checking that its own settings are the checkpoint's."""
+    args = meta["args"]
+    kind = meta.get("recipe") or ("dpo" if "beta" in args else "sft" if "init" in args else "pretraining")
+    if kind != recipe.kind:
+        script = SCRIPTS.get(kind, kind)
+        raise ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
+                          f"--resume would continue it as {recipe.kind}: resume it with {script}, or start "
+                          f"from it with --init and another --out-dir")
+    run.loader.load_state_dict(meta["loader"])  # the loader's settings (seq_len, seed, mixture) first
+    if "data" in meta and meta["data"] != run.loader.fingerprint():
+        start = " (--init from it)" if kind != "pretraining" else ""
+        raise ConfigError(f"checkpoint {ckpt} was trained on other data (--data {args.get('data')!r} then, "
+                          f"{run.args.data!r} now, whose contents differ); --resume needs the same data: "
+                          f"start a new run in another --out-dir{start}")
 
 
 def announce(run: Run, meter: Meter, name: str, data_desc: str):
@@ -1238,8 +1395,9 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
-        meter, stop = Meter(run), StopFlag()
-        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe.chat)
+        stop = StopFlag()
+        meter = Meter(run, stop)
+        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe)
         announce(run, meter, recipe.name(), data_desc)
         run.model.train()
         while step < args.max_steps:
@@ -1254,10 +1412,9 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
             if checkpointer.due(step):
                 with meter.paused():
                     checkpointer.save(step)  # 7. checkpoint
-            if result.stop:  # preemption, on any rank: this step is finished; save it and leave
+            if result.stop:  # preemption or a failed write, on any rank: this step is finished; save, leave
                 checkpointer.save(step)
-                say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; checkpoint "
-                    f"step_{step:06d} written, --resume continues from it")
+                stopped(stop, step, result.failed)
                 break
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
         if mixture_seen(run):
@@ -1269,6 +1426,15 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
             stop.release()
         lock.release()
     return run
+
+
+def stopped(stop: StopFlag, step: int, failed: bool):
+    """After an early stop's checkpoint: say why (a signal), or end the run with the failure's line."""
+    saved = f"checkpoint step_{step:06d} written, --resume continues from it"
+    if failed:
+        raise TrainingError(f"stopped after step {step}: {stop.failure or 'another rank could not write'}; "
+                            f"{saved}")
+    say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; {saved}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1306,11 +1472,11 @@ def main(argv=None):
 def run(main_fn=main, argv=None):
     """main_fn() with user errors as one line on stderr (from rank 0, or from the rank whose own input is
     bad, or from each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = env_rank()
     try:
         main_fn(argv)
     except (ConfigError, C.CheckpointError) as e:
-        if rank == 0 or isinstance(e, ResourceError):
+        if rank == 0 or isinstance(e, (ResourceError, LaunchError)):
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
         else:  # rank 0 says it; leave after it does, or torchrun (which stops the job at the first exit)
             time.sleep(5)  # may kill rank 0 before its line is out

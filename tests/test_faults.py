@@ -296,23 +296,26 @@ def test_fp16_loss_scale_overflows_do_not_stop_the_run(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("io_timeout", [60, 3])
 def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_path, io_timeout):
-    """Rank 0 takes 6 s to prepare the data and 6 s more to write its checkpoint shard, while rank 1, with
-    nothing to write, waits for it: longer than --dist-timeout 3, which bounds a collective, and within
-    --io-timeout, which bounds waits for disk work. With --io-timeout 3 the wait fails, naming it."""
+    """Rank 0 takes 6 s to prepare the data, 6 s to delete an earlier run (--overwrite), 6 s to write its
+    checkpoint shard and 6 s to delete old checkpoints (rotation), while rank 1, with nothing to do, waits
+    for it: longer than --dist-timeout 3, which bounds a collective, and within --io-timeout, which bounds
+    waits for disk work (deleting a TB-sized run on a parallel file system takes minutes). With
+    --io-timeout 3 the wait fails, naming it."""
     script = tmp_path / "slow_disk.py"
     script.write_text(textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(REPO)!r})
-        import data, parallel, train
+        import checkpoint, data, parallel, train
         slow = lambda real: (lambda *a, **k: (time.sleep(6) if os.environ["RANK"] == "0" else None,
                                               real(*a, **k))[1])
         data.resolve_data = slow(data.resolve_data)
         parallel.save_shards = slow(parallel.save_shards)
+        checkpoint.clear_run, checkpoint.rotate = slow(checkpoint.clear_run), slow(checkpoint.rotate)
         train.run(argv=sys.argv[1:])
     """))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script), *TINY, "--max-steps", "2", "--ckpt-every", "2", "--dist-timeout", "3",
-                        "--io-timeout", str(io_timeout), "--out-dir", str(tmp_path / "o")],
+                        "--io-timeout", str(io_timeout), "--out-dir", str(tmp_path / "o"), "--overwrite"],
                        capture_output=True, text=True, timeout=240, env={**os.environ,
                                                                          "OMP_NUM_THREADS": "1"})
     if io_timeout == 60:
@@ -325,9 +328,11 @@ def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_
         assert "--io-timeout 3 s" in errors[0]
 
 
-def test_writers_hash_their_own_shards_and_rank_0_alone_verifies_a_resume(tmp_path, monkeypatch):
+def test_writers_hash_their_own_shards_and_the_ranks_share_a_resumes_checks(tmp_path, monkeypatch):
     """Saving: no rank reads a shard back to hash it (at 70B that is hundreds of GB, while the others
-    wait). Resuming a 2-process job: only rank 0 hashes the checkpoint, once, and tells the other."""
+    wait). Resuming: each shard is hashed once, by one rank, the ranks sharing the files (405B's ~4.9 TB
+    hashed by one rank would take longer than --io-timeout): one shard under 2 processes is rank 0's;
+    a tp 2 checkpoint's two shards are one each."""
     real = data.sha256_file
     def no_reading_back(path):  # downloads are still hashed: only a checkpoint's shards must not be
         assert not Path(path).name.startswith("shard_"), f"{path} was read back to hash it"
@@ -340,6 +345,11 @@ def test_writers_hash_their_own_shards_and_rank_0_alone_verifies_a_resume(tmp_pa
                                                    "--resume"])
     assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
     assert (tmp_path / "hashed").read_text() == "0\n"  # one shard, hashed once, by rank 0
+    tp2 = TINY + ["--tp", "2", "--out-dir", str(tmp_path / "tp2")]
+    assert counting_hashes(tmp_path, "train", tp2 + ["--max-steps", "2"]).returncode == 0
+    p = counting_hashes(tmp_path, "train", tp2 + ["--max-steps", "3", "--resume"])
+    assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
+    assert sorted((tmp_path / "hashed").read_text().split()) == ["0", "1"]  # two shards, one each
 
 
 def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.CompletedProcess:
@@ -365,9 +375,10 @@ def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.Comple
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_rank_0_alone_verifies_an_init_checkpoint(tmp_path):
-    """--init from a checkpoint in a 2-process sft.py or evaluate.py job: rank 0 hashes the shards, once, and
-    tells the other which step folder to read; falling back past a damaged newest step works the same way."""
+def test_the_ranks_share_the_checks_of_an_init_checkpoint(tmp_path):
+    """--init from a checkpoint in a 2-process sft.py or evaluate.py job: each shard is hashed once, by one
+    rank (its one shard here: rank 0's), and every rank reads the step folder they agree is intact; falling
+    back past a damaged newest step works the same way."""
     base = tmp_path / "base"
     train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(base)])
     conversations = tmp_path / "c.jsonl"

@@ -6,9 +6,11 @@ write failure mid-checkpoint, a `latest` that points elsewhere, a damaged --init
 a custom tokenizer.model, ids beyond the vocabulary, zero-token shards, an enormous --eval-batches. Flags and
 files that must be refused, and messages that must be whole."""
 
+import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -235,6 +237,32 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_training(tmp_path, c
     assert not out.exists()
 
 
+def test_ids_beyond_the_vocabulary_behind_an_intact_header_stop_a_tensor_parallel_run(tmp_path):
+    """A shard whose header is intact (its largest id 267, the byte tokenizer's last) but whose tokens hold
+    id 300: under --tp 2 the vocab-parallel embedding gave it a zero row and the loss a free target, and
+    the run trained on and exited 0. The loader checks the ids it reads, on every layout."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for split in ("train", "val"):
+        data.write_shard(shards / f"{split}_000000.bin", np.arange(20_000) % 268, "byte")
+    (shards / "meta.json").write_text("{}")
+    train_shard = shards / "train_000000.bin"
+    tokens = np.memmap(train_shard, dtype="<u2", mode="r+", offset=data.HEADER_BYTES)
+    tokens[::500] = 300
+    tokens.flush()
+    del tokens
+    assert data.shard_info(train_shard)["max_id"] == 267  # the header says nothing is wrong
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(REPO / "train.py"), *TINY, "--tp", "2", "--max-steps", "3", "--data", str(shards),
+                        "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=240,
+                       cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode != 0 and errors, p.stderr[-3000:]
+    refusal = f"{train_shard} holds token id 300, but the byte tokenizer has 268 ids"
+    assert all(refusal in line for line in errors)
+    assert not checkpoint.step_dirs(tmp_path / "o")
+
+
 def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path):
     """--eval-batches past the size of the split reads the split once (and a few micro-batches at a time)."""
     flags = TINY + ["--max-steps", "1", "--eval-every", "0", "--ckpt-every", "0", "--micro-batch", "64"]
@@ -267,6 +295,11 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--eval-every", "-2"], "--eval-every must be -1 (never)"),
     (["--skip-spikes", "0.5"], "--skip-spikes must be 0 (off) or a factor above 1"),
     (["--model", "llama3.1-405b"], "model llama3.1-405b needs about"),
+    (["--virtual-stages", "0"], "--virtual-stages must be at least 1"),
+    (["--resume", "--overwrite"], "--resume continues the run in --out-dir and --overwrite deletes it"),
+    (["--out-dir", ""], "--out-dir '' names no folder"),
+    (["--out-dir", "x" * 300], "--out-dir: the name xxxxxxxx"),
+    (["--data", "/tmp/" + "y" * 256 + "/a.txt"], "is 256 bytes long; file systems allow 255"),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flags, message):
     out = tmp_path / "o"
@@ -281,6 +314,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flag
     (evaluate.main, ["--prompt", "a", "--top-p", "0"], "top_p must be in (0, 1]"),
     (evaluate.main, ["--prompt", "a", "--top-k", "0"], "top_k must be at least 1"),
     (evaluate.main, ["--prompt", "a", "--top-k", "-3"], "top_k must be at least 1"),
+    (dpo.main, ["--loss", "hinge", "--label-smoothing", "0.1"], "--loss hinge has no use for it"),
 ])
 def test_bad_flags_of_the_other_scripts_are_refused(tmp_path, capsys, main, flags, message):
     assert message in refused(capsys, main, ["--init", str(tmp_path), *flags])
@@ -398,3 +432,207 @@ def test_pretty_printed_json_is_named_as_such(tmp_path):
     pretty.write_text("\n".join(json.dumps({"instruction": "a", "output": "b"}, indent=2) for _ in range(2)))
     with pytest.raises(data.DataError, match="JSON records spread over several lines"):
         sft.read_sft(str(pretty))
+
+
+# ----------------------------------------------------------------------------------------------------
+# round three: what a later sweep broke, each as a class
+
+CONVERSATION = {"messages": [{"role": "user", "content": "Name a colour."},
+                             {"role": "assistant", "content": "Blue."}]}
+PAIR = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "I will not."}
+
+
+def jsonl(path: Path, record: dict, n: int = 40) -> Path:
+    path.write_text((json.dumps(record) + "\n") * n)
+    return path
+
+
+def losses(out):
+    return [(r["step"], r["loss"]) for r in records(out) if "loss" in r]
+
+
+def test_only_the_manifests_shards_are_read(tmp_path, capsys):
+    """A stray file named like a shard, sorting before the real one, holding a zero model: --resume,
+    --init, evaluate and consolidate read the manifest's files only, and say the stray is ignored."""
+    straight, out = tmp_path / "straight", tmp_path / "o"
+    train.main(TINY + ["--max-steps", "4", "--out-dir", str(straight)])
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    step = out / "step_000002"
+    real = torch.load(step / "shard_pp00_tp00.pt", weights_only=True)
+    zeros = {**real, "params": {name: {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v)
+                                       for k, v in e.items()} for name, e in real["params"].items()}}
+    stray = step / "shard_pp00_tp0.pt"
+    torch.save(zeros, stray)
+    assert sorted(f.name for f in step.glob("shard_pp*_tp*.pt"))[0] == stray.name  # read first, once
+    full, _ = parallel.read_full_state(step)
+    assert all(torch.equal(full[n]["master"], e["master"]) for n, e in real["params"].items())
+    capsys.readouterr()
+    train.main(TINY + ["--max-steps", "4", "--out-dir", str(out), "--resume"])
+    said = capsys.readouterr().out
+    assert "shard_pp00_tp0.pt not in its manifest: ignored" in said
+    assert losses(out) == losses(straight)  # the run went on from the real weights, bit for bit
+    assert parallel.main(["consolidate", str(step), "--hf", str(tmp_path / "hf")]) == 0
+    hf = M.read_safetensors(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(hf["lm_head.weight"], real["params"]["output.weight"]["master"])
+
+
+def test_overwrite_never_deletes_what_the_run_reads(tmp_path, capsys):
+    """sft.py --init X --out-dir X --overwrite deleted the model it was to start from, then exited 0."""
+    base = tmp_path / "base"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(base)])
+    before = checkpoint.find_latest(base)
+    sft_flags = TINY + ["--data", str(jsonl(tmp_path / "c.jsonl", CONVERSATION)), "--val-fraction", "0.2",
+                        "--max-steps", "1", "--seq-len", "64"]
+    for init in (base, base / "step_000002"):
+        message = refused(capsys, sft.main, sft_flags + ["--init", str(init), "--out-dir", str(base),
+                                                         "--overwrite"])
+        assert f"--overwrite would delete what --init {init} reads" in message
+    inside = base / "data.txt"
+    inside.write_text("to be or not to be " * 500)
+    message = refused(capsys, train.main, TINY + ["--max-steps", "2", "--data", str(inside), "--out-dir",
+                                                  str(base), "--overwrite"])
+    assert "--overwrite would delete what --data" in message
+    assert checkpoint.find_latest(base) == before and checkpoint.damage(before[0]) is None
+
+
+def test_resume_continues_only_its_own_recipe_on_its_own_data(tmp_path, capsys):
+    """dpo.py --resume in an SFT run's out-dir went on with SFT's optimizer state and step count; train.py
+    --resume with another --data went on at the old position in other data."""
+    base = tmp_path / "base"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(base)])
+    message = refused(capsys, train.main, TINY + ["--max-steps", "4", "--out-dir", str(base), "--resume",
+                                                  "--data", "wiki_demo"])
+    assert "was trained on other data (--data 'tinyshakespeare' then, 'wiki_demo' now" in message
+    s = tmp_path / "s"
+    sft_flags = ["--val-fraction", "0.2", "--seq-len", "64", "--init", str(base), "--out-dir", str(s)]
+    sft.main(TINY + sft_flags + ["--data", str(jsonl(tmp_path / "c.jsonl", CONVERSATION)),
+                                 "--max-steps", "1"])
+    dpo_flags = TINY + sft_flags + ["--data", str(jsonl(tmp_path / "p.jsonl", PAIR)), "--max-steps", "2",
+                                    "--resume"]
+    message = refused(capsys, dpo.main, dpo_flags)
+    assert "was written by sft.py (sft); dpo.py --resume would continue it as dpo" in message
+    meta_path = s / "step_000001" / "meta.json"  # a checkpoint from before the recipe was recorded
+    meta = json.loads(meta_path.read_text())
+    del meta["recipe"], meta["data"]
+    meta_path.write_text(json.dumps(meta))
+    assert "was written by sft.py" in refused(capsys, dpo.main, dpo_flags)
+    assert [r["step"] for r in records(s) if "loss" in r] == [1]  # nothing was added to the SFT run
+
+
+def test_a_file_in_a_step_folders_place_is_replaced_and_failures_name_the_real_checkpoint(tmp_path,
+                                                                                          monkeypatch):
+    """After --resume fell back past a damaged step_000004 (here a file where the folder was), a failed
+    save named that junk as "intact"; saving step 4 again must replace whatever is under its name."""
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(out)])
+    shutil.rmtree(out / "step_000004")
+    (out / "step_000004").write_text("junk")
+    real, calls = torch.save, [0]
+
+    def full_disk(*a, **k):
+        calls[0] += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as failed:
+        train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(out), "--resume"])
+    assert "the previous checkpoint (step_000002) is intact" in str(failed.value) and calls[0] == 1
+    monkeypatch.setattr(torch, "save", real)
+    train.main(TINY + ["--max-steps", "6", "--ckpt-every", "2", "--out-dir", str(out), "--resume"])
+    assert checkpoint.find_latest(out) == (out / "step_000006", [])
+    assert (out / "step_000004").is_dir() and checkpoint.damage(out / "step_000004") is None
+
+
+def test_a_full_disk_under_the_log_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """Some file systems report a full disk only when data is flushed to them: metrics.jsonl is fsynced
+    record by record, and the first failure stops the run at the next step, with a checkpoint and one line
+    (here fsync fails for metrics.jsonl from step 3's record on, as it does on such a disk)."""
+    out, real = tmp_path / "o", os.fsync
+    full = {"now": False}
+
+    def fsync(fd):
+        if full["now"] and os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    real_step = train.Meter.step
+
+    def step(self, n, result):
+        full["now"] = n >= 3
+        return real_step(self, n, result)
+    monkeypatch.setattr(train.Meter, "step", step)
+    message = refused(capsys, train.main, TINY + ["--max-steps", "20", "--ckpt-every", "100", "--out-dir",
+                                                  str(out)])
+    assert "stopped after step 4: cannot write" in message and "metrics.jsonl" in message
+    assert "No space left on device" in message and "checkpoint step_000004 written" in message
+    assert [r["step"] for r in records(out)] == [1, 2]  # whole records only: step 3's was cut off
+    monkeypatch.undo()
+    train.main(TINY + ["--max-steps", "6", "--out-dir", str(out), "--resume"])
+    assert [r["step"] for r in records(out)] == [1, 2, 5, 6]
+
+
+def test_a_fifo_in_a_shards_place_is_refused_not_waited_on(tmp_path):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(out)])
+    shard = out / "step_000004" / "shard_pp00_tp00.pt"
+    shard.unlink()
+    os.mkfifo(shard)
+    p = cli("train.py", *TINY, "--max-steps", "5", "--out-dir", out, "--resume", timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt is not a regular file)" in p.stdout
+    assert "at step 2" in p.stdout
+
+
+def test_an_interrupted_consolidate_leaves_no_half_model(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+
+    def half_then_full(tensors, path):
+        Path(path).write_bytes(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(M, "write_safetensors", half_then_full)
+    assert parallel.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
+    assert "No space left on device" in error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no model folder, half or whole
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),
+    ({"WORLD_SIZE": "2"}, "do not name a process of a job"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "do not name a process of a job"),
+    ({"WORLD_SIZE": "2", "RANK": "1"}, "needs MASTER_ADDR (a host) and MASTER_PORT"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "99999"},
+     "needs MASTER_ADDR (a host) and MASTER_PORT (1-65535)"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"},
+     "MASTER_ADDR='no-such-host.invalid' is not a host this machine can find"),
+])
+def test_a_process_not_started_as_part_of_a_job_says_so(tmp_path, capsys, monkeypatch, env, message):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = refused(capsys, train.main, TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "o")])
+    assert "cannot join the job" in line and message in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("negative consumed", "the loader's 'consumed' is not a count"),
+    ("unknown model args", "model args have unknown keys 'n_experts'"),
+    ("meta.json nested too deep", "meta.json unreadable: RecursionError"),
+])
+def test_a_tampered_meta_json_is_one_line(tmp_path, capsys, case, expected):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    path = out / "step_000002" / "meta.json"
+    meta = json.loads(path.read_text())
+    if case == "negative consumed":
+        meta["loader"]["consumed"] = -8
+    elif case == "unknown model args":
+        meta["model_args"]["n_experts"] = 8
+    path.write_text("[" * 100_000 + "]" * 100_000 if case.endswith("too deep") else json.dumps(meta))
+    assert expected in refused(capsys, train.main, TINY + ["--max-steps", "4", "--out-dir", str(out),
+                                                           "--resume"])
+    if case == "unknown model args":  # the same line wherever the checkpoint is read
+        assert expected in refused(capsys, evaluate.main, ["--init", str(out), "--prompt", "a"])
+        assert parallel.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
+        assert expected in error_line(capsys.readouterr().err)

@@ -16,9 +16,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+import bench
 import data
 import model as M
+import optim as O
 import parallel as P
 import train
 
@@ -189,3 +192,57 @@ def test_activations_saved_for_backward_by_layout(tmp_path):
         a = P.activation_bytes(margs, 4 * 64, "fp32", tp, sp)
         expected = margs.n_layers * a["layer"] + a["head"]
         assert expected == pytest.approx(saved, rel=0.02), (layout, expected, saved)  # RoPE's cos/sin aside
+
+
+def zero3_build(margs, dtype, dp: int, lazy: bool):
+    """train.set_up's build of a ZeRO-3 rank (dp rank 1 of dp): the model, AdamW, GradSync. No collective
+    runs while building, so one process can be any rank."""
+    args = train.get_parser().parse_args(["--zero", "3"])
+    mesh = P.Mesh(dp=dp, dp_rank=1)
+    model = train.build_model(margs, None, args, mesh, torch.device("cpu"), dtype, lazy=lazy)
+    initial = train.initial_values(model, margs, None, args, mesh) if lazy else None
+    opt = O.AdamW(model.named_parameters(), pad_to=dp, allocate_state=False, full_grad=False,
+                  unit_of=P.unit_of, initial=initial)
+    P.GradSync(opt, mesh, zero=3)
+    return opt
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_zero3_rank_never_holds_its_whole_model_while_it_is_built(precision):
+    """ZeRO-3 built each rank's whole model (in fp32, then in the training dtype, then a flat copy and a
+    clone of every unit) before sharding it: 70B at tp 1 needs ~280 GB per GPU to start. Now each
+    parameter goes straight into this rank's pieces: the census of the build (dp 16) peaks at what the rank
+    keeps (its 1/16 of the model states) plus what parallel.build_bytes counts on top of that (one full
+    parameter in fp32), below one whole model in the training dtype; and the pieces are exactly the
+    ones cut from the whole model."""
+    margs, dtype, dp = M.PRESETS["small"], train.DTYPES[precision], 16
+    opt, peak = bench.cpu_census(lambda: zero3_build(margs, dtype, dp, lazy=True))
+    kept = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in (
+        opt.model_flat, opt.master, opt.exp_avg, opt.exp_avg_sq, opt._denom, opt.grad)}.values())
+    whole = M.count_params(margs) * P.BYTES[precision]
+    transient = P.build_bytes(margs, precision, dp=dp, zero=3) - opt.model_flat.untyped_storage().nbytes()
+    assert kept <= peak <= kept + transient and peak < whole, (peak, kept, transient, whole)
+    reference, peak_whole = bench.cpu_census(lambda: zero3_build(margs, dtype, dp, lazy=False))
+    assert peak_whole >= 2 * whole  # (the model, then its flat copy beside it)
+    assert torch.equal(opt.model_flat, reference.model_flat)
+
+
+def test_the_memory_check_counts_the_build(monkeypatch):
+    """The memory check counted the steady state only. Building a rank holds its model and then AdamW's
+    flat copy of it beside it: for 8B under ZeRO-2 over 64 ranks that is 32 GB, more than the 21 GB it keeps
+    while training, and a device with room for the second and not the first is refused. 70B under ZeRO-3
+    over 512 ranks builds in 4.5 GB now, below its steady state (it was ~280 GB: the whole model, thrice)."""
+    args = train.get_parser().parse_args(["--model", "llama3-8b", "--zero", "2", "--seq-len", "128",
+                                          "--micro-batch", "1"])
+    margs = train.model_args_from(args, 128_256)
+    steady = P.memory_estimate(margs, "bf16", 1, 128, dp=64, zero=2)["total"]
+    build = P.build_bytes(margs, "bf16", dp=64, zero=2)
+    assert build > steady and build >= 2 * 2 * M.count_params(margs)
+    monkeypatch.setattr(train, "available_memory", lambda device: (steady + build) / 2)
+    with pytest.raises(train.ResourceError, match=f"{build / 1e9:.1f} GB while it is built"):
+        train.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
+    monkeypatch.setattr(train, "available_memory", lambda device: build + 1)
+    train.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
+    big = M.PRESETS["llama3-70b"]
+    assert P.build_bytes(big, "bf16", dp=512, zero=3) < min(5e9, P.memory_estimate(
+        big, "bf16", 1, 128, dp=512, zero=3)["total"])

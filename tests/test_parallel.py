@@ -125,6 +125,14 @@ def _layers(tp, sp):
     full_grad = torch.cat([logits.grad, torch.zeros(B, T, P.padded_vocab(37, tp) - 37)], dim=-1)
     torch.testing.assert_close(local.grad, chunk(full_grad, 2), atol=1e-6, rtol=1e-5)
 
+    # ids outside the vocabulary (37: a padding row at tp 2; 99: no rank's) are refused on every rank, as
+    # one process's embedding and cross-entropy refuse them: never a zero row or a free target
+    for bad in (37, 99):
+        with pytest.raises(RuntimeError, match=r"a token id is outside the vocabulary \[0, 37\)"):
+            pemb(torch.full((B, T), bad))
+        with pytest.raises(RuntimeError, match=r"a target id is outside the vocabulary \[0, 37\)"):
+            P.vocab_parallel_cross_entropy(local, torch.full((B, T), bad), 37, mesh)
+
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False)])
 def test_parallel_layers_match_unsharded(tp, sp):

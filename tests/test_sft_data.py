@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import data
+import dpo
+import train
 from data import IGNORE_INDEX, DataError, encode_chat, get_tokenizer
 from dpo import PreferenceLoader, preference_examples, read_preferences
 from sft import SFTLoader, read_sft, sft_examples, split_examples
@@ -262,7 +264,8 @@ def test_sft_examples_length_rule():
     pref, counts = preference_examples(enc, pairs, seq_len)
     assert len(pref) == 1 and [len(pref[0][k][0]) for k in ("chosen", "rejected")] == [30, 65]
     # the rejected reply starts at token 24 (after BOS, the user turn and the assistant header): 41 learned
-    assert counts == {"examples": 1, "truncated": 1, "dropped": 1, "tokens": 30 + 65, "target_tokens": 6 + 41}
+    assert counts == {"examples": 1, "truncated": 1, "dropped": 1, "tokens": 30 + 65, "target_tokens": 6 + 41,
+                      "identical": 0}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -451,3 +454,24 @@ def test_preference_loader(mirror):
         rank.load_state_dict(state)
     halves = [rank.next()[1] for rank in ranks]  # rank r: chosen of its pairs, then their rejected
     assert torch.equal(torch.cat([halves[0][:2], halves[1][:2], halves[0][2:], halves[1][2:]]), expected[1])
+
+
+def test_preference_pairs_that_are_the_same_once_cut_are_dropped_and_counted(tmp_path, capsys):
+    """Two replies that differ only past --seq-len are the same sequence once cut: no preference is left,
+    and the pair would train with zero signal. They are dropped and counted; none left is refused."""
+    enc = get_tokenizer("byte")
+    prompt = [{"role": "user", "content": "q"}]
+    pairs = [{"prompt": prompt, "chosen": "a" * 80 + "yes", "rejected": "a" * 80 + "no"},
+             {"prompt": prompt, "chosen": "short", "rejected": "other"}]
+    examples, counts = preference_examples(enc, pairs, 64)
+    assert counts["identical"] == 1 and counts["examples"] == len(examples) == 1
+    assert not np.array_equal(examples[0]["chosen"][0], examples[0]["rejected"][0])  # the pair that differs
+    same = tmp_path / "same.jsonl"
+    same.write_text((json.dumps({"prompt": "q", "chosen": "a" * 80 + "yes", "rejected": "a" * 80 + "no"})
+                     + "\n") * 10)
+    with pytest.raises(SystemExit) as stop:
+        train.run(dpo.main, ["--model", "tiny", "--data", str(same), "--seq-len", "64", "--max-steps", "1",
+                             "--out-dir", str(tmp_path / "o"), "--sample-prompt", ""])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "no usable preference pair (all dropped" in err and "'identical': 10" in err
+    assert not (tmp_path / "o").exists()
