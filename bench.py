@@ -272,23 +272,45 @@ def print_measurement(rows: list[dict], a):
 
 
 SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "deterministic")
+# what a --sweep key may be set to: its flag's rule (the others: at least 1)
+SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1), "deterministic": (0, 1)}
+SWEEP_FORMAT = "';'-separated settings of key=integer pairs, e.g. 'tp=2,mb=8;act_ckpt=1'"
+
+
+def refuse(message: str):
+    """A value bench.py cannot use: one line on stderr, exit code 1, before any work."""
+    raise SystemExit(f"error: {message}")
 
 
 def parse_sweep(text: str) -> list[dict]:
-    """'tp=2,mb=8;act_ckpt=1' -> [{'tp': 2, 'mb': 8}, {'act_ckpt': 1}]"""
-    out = []
-    for item in text.split(";"):
-        try:
-            row = {k.strip(): int(v) for k, v in (kv.split("=") for kv in item.split(",") if kv.strip())}
-        except ValueError:
-            raise SystemExit(f"error: bad --sweep item {item!r}: expected key=integer pairs, e.g. "
-                             "'tp=2,mb=8'")
-        unknown = sorted(set(row) - set(SWEEP_KEYS))
-        if unknown:
-            raise SystemExit(f"error: unknown --sweep key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(SWEEP_KEYS)}")
-        out.append(row)
-    return out
+    """'tp=2,mb=8;act_ckpt=1' -> [{'tp': 2, 'mb': 8}, {'act_ckpt': 1}]. An empty setting is refused, not
+    read as the flags' own setting: a stray ';' would otherwise measure the flags' run twice."""
+    return [parse_setting(item, text) for item in text.split(";")]
+
+
+def parse_setting(item: str, text: str) -> dict:
+    pairs = [kv.split("=") for kv in item.split(",") if kv.strip()]
+    if not pairs:
+        refuse(f"--sweep {text!r} has an empty setting; expected {SWEEP_FORMAT}")
+    try:
+        keys, values = [k.strip() for k, _ in pairs], [int(v) for _, v in pairs]
+    except ValueError:  # no '=', two of them, or a value that is no integer
+        refuse(f"bad --sweep item {item!r}: expected {SWEEP_FORMAT}")
+    unknown = sorted(set(keys) - set(SWEEP_KEYS))
+    if unknown:
+        refuse(f"unknown --sweep key(s) {', '.join(unknown)} in {item!r}; known: {', '.join(SWEEP_KEYS)}")
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:  # the last value would win silently; two runs are two settings
+        refuse(f"--sweep setting {item!r} sets {', '.join(repeated)} more than once; one value per key in a "
+               "setting (';' separates settings)")
+    row = dict(zip(keys, values))
+    for k, v in row.items():
+        if k in SWEEP_CHOICES and v not in SWEEP_CHOICES[k]:
+            refuse(f"--sweep setting {item!r}: {k} must be one of {', '.join(map(str, SWEEP_CHOICES[k]))}, "
+                   f"got {v}")
+        if k not in SWEEP_CHOICES and v < 1:
+            refuse(f"--sweep setting {item!r}: {k} must be at least 1, got {v}")
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -403,23 +425,22 @@ def dp_vs_ddp(args, mesh, margs, device):
             "grad_mb": 4 * M.count_params(margs) / 2 ** 20, "steps_each": args.steps * args.blocks}
 
 
-def bubble(args, mesh, margs, device):
-    """At pp = world, for each m: --schedule (1F1B or AFAB) and, with --virtual-stages V, the interleaved
-    schedule beside it (where m is a multiple of pp): step time, measured bubble and its formula (fp32, on
-    this rank's device)."""
+def bubble_schedules(args) -> list[tuple[str, int]]:
+    """--schedule (1F1B or AFAB) and, with --virtual-stages V > 1, the interleaved schedule beside it."""
     base = "afab" if args.schedule == "afab" else "1f1b"
-    schedules = [(base, 1)] + ([("interleaved", args.virtual_stages)] if args.virtual_stages > 1 else [])
-    for schedule, virtual in schedules:
-        try:
-            P.check_layout(mesh.world, 1, mesh.pp, margs, mesh.pp, schedule, args.seq_len, virtual=virtual)
-        except P.LayoutError as e:
-            raise SystemExit(f"error: invalid parallel layout: {e}") from None
+    return [(base, 1)] + ([("interleaved", args.virtual_stages)] if args.virtual_stages > 1 else [])
+
+
+def bubble(args, mesh, margs, device):
+    """At pp = world, for each m: the bubble_schedules (the interleaved one where m is a multiple of pp):
+    step time, measured bubble and its formula (fp32, on this rank's device). The layouts were checked by
+    validate()."""
     rows = []
-    for schedule, virtual in schedules:
+    for schedule, virtual in bubble_schedules(args):
         torch.manual_seed(0)
         model = P.apply_pipeline(M.Transformer(margs), mesh, virtual=virtual).to(device)
         opt = O.AdamW(model.named_parameters(), lr=1e-4)
-        for m in args.micro_batches:
+        for m in micro_batch_counts(args.micro_batches):
             if schedule != "interleaved" or m % mesh.pp == 0:
                 rows.append({"schedule": schedule, "virtual": virtual, "m": m,
                              **measure_bubble(args, mesh, model, opt, m, schedule, virtual, device),
@@ -503,7 +524,7 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="gradient bucket size (train.py --bucket-mb; --dp-vs-ddp: both sides)")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
-    p.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16],
+    p.add_argument("--micro-batches", default="1,2,4,8,16",  # read by micro_batch_counts
                    help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
                    help="pipeline schedule (--plan; --bubble: the one measured beside the interleaved)")
@@ -527,12 +548,98 @@ def add_plan_args(g):
                    "fragmentation")
 
 
+def validate(a):
+    """Every flag value bench.py cannot use, refused in one line before any work, as train.py's validate()
+    does: a count below 1, a float out of range (NaN fails every comparison below, so it is refused
+    wherever a range is), a malformed --micro-batches or --sweep, a layout that this run's processes
+    cannot hold. All flags, whichever mode reads them: a bad value is a mistake in any mode."""
+    def need(ok: bool, name: str, rule: str):
+        if not ok:
+            refuse(f"--{name.replace('_', '-')} must be {rule}, got {getattr(a, name)}")
+    for name in ("micro_batch", "seq_len", "grad_accum", "tp", "pp", "cp", "virtual_stages", "steps",
+                 "blocks", "gpus"):
+        need(getattr(a, name) >= 1, name, "at least 1")
+    need(a.warmup_steps >= 0, "warmup_steps", "at least 0")
+    need(0 < a.bucket_mb < math.inf, "bucket_mb", "a positive number")
+    need(0 < a.tokens < math.inf, "tokens", "a positive number")
+    need(0 < a.mfu <= 1, "mfu", "in (0, 1]")
+    need(0 <= a.reserve_gb < math.inf, "reserve_gb", "a number >= 0")
+    max_seq_len = M.PRESETS[a.model].max_seq_len
+    need(a.seq_len <= max_seq_len, "seq_len", f"at most model {a.model}'s max_seq_len {max_seq_len}")
+    micro_batch_counts(a.micro_batches)
+    try:
+        world = P.launch_env()[1]
+    except P.LayoutError as e:
+        refuse(f"cannot join the job: {e}")
+    if a.dp_vs_ddp or a.bubble:
+        check_comparison(a, world)
+    elif not a.plan:  # --plan's layout is over --gpus, not this run's processes: plan() checks it
+        for row in parse_sweep(a.sweep) if a.sweep is not None else [{}]:
+            check_measured_run(a, row, world)
+
+
+def micro_batch_counts(text: str) -> list[int]:
+    """--micro-batches '1,2,4' -> [1, 2, 4]."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        refuse(f"--micro-batches {text!r} must be ','-separated counts of at least 1, e.g. 1,2,4")
+    return counts
+
+
+def check_measured_run(a, row: dict, world: int):
+    """One measured run (the flags, with a --sweep setting over them), refused as train.py's check_config
+    would refuse it, but before the first run starts, so that no setting is measured in vain before a
+    later one fails. A layout needing more processes than this run has says how to start them."""
+    tp, cp, pp = (row.get(k, getattr(a, k)) for k in ("tp", "cp", "pp"))
+    seq_len = row.get("seq_len", a.seq_len)
+    what = (f"--sweep setting {','.join(f'{k}={v}' for k, v in row.items())!r}" if row
+            else f"--tp {tp} --cp {cp} --pp {pp}")
+    if world % (tp * cp * pp):
+        refuse(f"{what} needs tp x cp x pp = {tp * cp * pp} processes (or a multiple), this run has {world}: "
+               f"launch it with torchrun --standalone --nproc_per_node={tp * cp * pp} bench.py ...")
+    margs = M.PRESETS[a.model]
+    if seq_len > margs.max_seq_len:
+        refuse(f"{what}: seq_len must be at most model {a.model}'s max_seq_len {margs.max_seq_len}, "
+               f"got {seq_len}")
+    try:  # train_args passes no --schedule: train.py's default, 1F1B
+        P.check_layout(world, tp, pp, margs, row.get("accum", a.grad_accum), "1f1b", seq_len,
+                       bool(row.get("sp", a.sp)), cp)
+    except P.LayoutError as e:
+        refuse(f"invalid parallel layout ({what}): {e}")
+
+
+def check_comparison(a, world: int):
+    """--dp-vs-ddp and --bubble compare processes: 2 or more, and for --bubble one pipeline stage per
+    process under each schedule it measures."""
+    mode = "--dp-vs-ddp" if a.dp_vs_ddp else "--bubble"
+    if world < 2:
+        refuse(f"{mode} needs 2 or more processes, this run has {world}: launch it with torchrun "
+               f"--standalone --nproc_per_node=2 bench.py {mode} ...")
+    for schedule, virtual in bubble_schedules(a) if a.bubble else []:
+        try:
+            P.check_layout(world, 1, world, M.PRESETS[a.model], world, schedule, a.seq_len, virtual=virtual)
+        except P.LayoutError as e:
+            refuse(f"invalid parallel layout: {e}")
+
+
 def main():
     a = get_parser().parse_args()
+    validate(a)  # before any process group, run or output
     P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     versions = {"torch": torch.__version__, "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                 else f"cpu x{os.cpu_count()}"}
+    try:
+        run_mode(a, versions)
+    except T.ConfigError as e:  # what train.py refuses and validate() cannot foresee (--device, memory)
+        refuse(str(e))
+
+
+def run_mode(a, versions: dict):
+    """The mode the flags name; measuring train.py's loop when they name none."""
     if a.plan:
         run_plan(a)
     elif a.dp_vs_ddp or a.bubble:
@@ -540,7 +647,7 @@ def main():
     elif a.compare_hf:
         run_compare_hf(a, versions)
     else:
-        rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep else [{}])]
+        rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep is not None else [{}])]
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps({**versions, "model": a.model,
                               "rows": rows})) if a.json else print_measurement(rows, a)
@@ -554,15 +661,13 @@ def run_plan(a):
                  a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
                  a.reserve_gb, a.schedule, a.cp, a.virtual_stages)
     except P.LayoutError as e:
-        raise SystemExit(f"error: invalid parallel layout: {e}") from None
+        refuse(f"invalid parallel layout: {e}")
     print(json.dumps(r)) if a.json else print_plan(r)
 
 
 def run_comparison(a, versions: dict):
     """--dp-vs-ddp or --bubble, under torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        raise SystemExit("run under torchrun with --nproc_per_node=2 or more")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # 2 or more: validate()
     device = T.pick_device_and_precision(a)[0]  # this rank's GPU (LOCAL_RANK), else the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it

@@ -1,6 +1,7 @@
 """bench.py: the planner's arithmetic against GUIDE section 2, and the measuring modes run end to end
 (their output is checked for content, never for speed)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -208,6 +209,8 @@ def test_a_measured_peak_says_when_the_precision_is_slow_here(monkeypatch):
     import train
     speeds = {torch.float32: 1.6e11, torch.bfloat16: 1.4e10, torch.float16: 1.2e11}
     monkeypatch.setattr(train, "measured_peak", lambda device, dtype: speeds[dtype])
+    # a cache of its own: the process's may hold an earlier test's real measurement, and must not keep these
+    monkeypatch.setattr(train, "peak_flops", functools.lru_cache(maxsize=None)(train.peak_flops.__wrapped__))
     cpu = torch.device("cpu")
     assert train.peak_flops(cpu, "bf16") == (1.4e10, "cpu measured: the best bf16 nn.Linear matmul; bf16 "
                                              "runs 11x slower than fp32 (160.0 GFLOP/s) on this cpu: "
@@ -225,3 +228,63 @@ def test_gpu_check_skips_in_one_line_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main() == 0
     assert capsys.readouterr().out == "SKIP gpu_check: no CUDA device on this machine\n"
+
+
+BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)
+    *[(["--plan", flag, value], 1, flag) for flag, value in [
+        ("--gpus", "0"), ("--gpus", "-8"), ("--mfu", "0"), ("--mfu", "1.5"), ("--mfu", "nan"),
+        ("--seq-len", "0"), ("--seq-len", "100000"), ("--tokens", "nan"), ("--tokens", "inf"),
+        ("--tokens", "0"), ("--tokens", "-1"), ("--reserve-gb", "-1"), ("--reserve-gb", "nan"),
+        ("--reserve-gb", "inf"), ("--micro-batch", "0"), ("--grad-accum", "0"), ("--virtual-stages", "0"),
+        ("--tp", "0"), ("--cp", "-1"), ("--pp", "0")]],
+    *[(["--sweep", text], 1, "--sweep") for text in ["", ";", " ; ", "mb=4;", "tp=2,tp=4", "mb=x", "tp",
+                                                      "mb=0", "seq_len=-1", "zero=4", "act_ckpt=2",
+                                                      "seq_len=4096", "tp=3"]],
+    (["--sweep", "tp=2"], 1, "torchrun --standalone --nproc_per_node=2"),
+    (["--sweep", "mb=4;cp=2"], 1, "torchrun --standalone --nproc_per_node=2"),
+    (["--sweep", "pp=2,accum=2"], 1, "torchrun --standalone --nproc_per_node=2"),
+    (["--sweep", "tp=4"], 2, "torchrun --standalone --nproc_per_node=4"),
+    (["--tp", "2"], 1, "torchrun --standalone --nproc_per_node=2"),
+    (["--compare-hf", "--pp", "2"], 1, "torchrun --standalone --nproc_per_node=2"),
+    *[([flag, value], 1, flag) for flag, value in [
+        ("--steps", "0"), ("--steps", "-3"), ("--warmup-steps", "-1"), ("--micro-batch", "0"),
+        ("--grad-accum", "-1"), ("--seq-len", "0"), ("--bucket-mb", "0"), ("--bucket-mb", "nan"),
+        ("--bucket-mb", "inf"), ("--blocks", "0")]],
+    *[(["--bubble", "--micro-batches", text], 2, "--micro-batches")
+      for text in ["0", "1,-2", "a", "", "1,,2"]],
+    (["--bubble"], 1, "torchrun --standalone --nproc_per_node=2"),
+    (["--dp-vs-ddp"], 1, "torchrun --standalone --nproc_per_node=2"),
+    (["--bubble", "--model", "tiny", "--virtual-stages", "2", "--schedule", "interleaved"], 2, "layers"),
+]
+
+
+@pytest.mark.parametrize("argv,world,names", BAD_FLAGS, ids=[" ".join(c[0]) + f" w{c[1]}" for c in BAD_FLAGS])
+def test_a_bad_flag_value_is_one_error_line_before_any_work(monkeypatch, capsys, argv, world, names):
+    """A value bench.py cannot use ends in one line on stderr naming the flag, and a non-zero exit, before
+    anything is planned, measured or started (each of those here would raise DidWork)."""
+    class DidWork(Exception):
+        pass
+
+    def work(*args, **kwargs):
+        raise DidWork
+    for name in ("plan", "measure", "compare_hf", "dp_vs_ddp", "bubble"):
+        monkeypatch.setattr(bench, name, work)
+    monkeypatch.setattr(parallel, "init_mesh", work)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    code, err = e.value.code, capsys.readouterr().err
+    if isinstance(code, str):  # the interpreter prints it to stderr and exits with 1
+        code, err = 1, err + code + "\n"
+    assert code != 0 and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and names in err, err
+
+
+def test_a_bad_flag_value_on_the_command_line():
+    """The same end to end: the line on stderr, nothing on stdout, exit code 1."""
+    for argv in (["--plan", "--tokens", "nan"], ["--bubble", "--micro-batches", "1,x"]):
+        r = subprocess.run([sys.executable, str(REPO / "bench.py"), *argv], capture_output=True, text=True,
+                           env={**os.environ, "WORLD_SIZE": "2"})
+        assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (1, "", 1), r.stderr
+        assert r.stderr.startswith(f"error: {argv[-2]} ")
