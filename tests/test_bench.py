@@ -131,6 +131,13 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
         assert hf["ratio_ours_over_hf"] > 0
 
 
+def as_rank(monkeypatch, rank: int, world: int):
+    """The environment torchrun gives rank `rank` of `world` processes on one node."""
+    for name, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=29500).items():
+        monkeypatch.setenv(name, str(value))
+
+
 def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
     """No GPU here: the calls a GPU run makes are recorded. Each rank takes its own GPU (LOCAL_RANK) and the
     mesh is built for it (NCCL, bound to it), not for the CPU under a GPU banner."""
@@ -149,8 +156,7 @@ def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
         meshes.append(kwargs)
         raise Stop
     monkeypatch.setattr(parallel, "init_mesh", init_mesh)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    as_rank(monkeypatch, 1, 2)
     for mode in ("--dp-vs-ddp", "--bubble"):
         monkeypatch.setattr(sys, "argv", ["bench.py", mode])
         with pytest.raises(Stop):
@@ -270,7 +276,7 @@ def test_a_bad_flag_value_is_one_error_line_before_any_work(monkeypatch, capsys,
     for name in ("plan", "measure", "compare_hf", "dp_vs_ddp", "bubble"):
         monkeypatch.setattr(bench, name, work)
     monkeypatch.setattr(parallel, "init_mesh", work)
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+    as_rank(monkeypatch, 0, world)
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
     with pytest.raises(SystemExit) as e:
         bench.main()
@@ -285,6 +291,7 @@ def test_a_bad_flag_value_on_the_command_line():
     """The same end to end: the line on stderr, nothing on stdout, exit code 1."""
     for argv in (["--plan", "--tokens", "nan"], ["--bubble", "--micro-batches", "1,x"]):
         r = subprocess.run([sys.executable, str(REPO / "bench.py"), *argv], capture_output=True, text=True,
-                           env={**os.environ, "WORLD_SIZE": "2"})
+                           env={**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                "MASTER_PORT": "29500"})
         assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (1, "", 1), r.stderr
         assert r.stderr.startswith(f"error: {argv[-2]} ")
