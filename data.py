@@ -468,6 +468,11 @@ def pad_id(enc) -> int:  # fills the tail of an SFT or DPO row; never a target
     return enc.encode_single_token("<|finetune_right_pad_id|>")
 
 
+def format_ids(enc) -> list[int]:
+    """The chat format's own tokens (encode_chat): each turn's header and the <|eot_id|> that ends it."""
+    return [enc.encode_single_token(t) for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")]
+
+
 def hf_tokens(enc, chat: bool) -> dict:
     """What a Hugging Face export records about its tokenizer (model.save_hf): the name that loads it here,
     and its special ids under transformers' names. A chat model's reply ends with <|eot_id|>, so that

@@ -18,6 +18,12 @@ plain DPO), so the two agree only at 0. Logged with TRL's names: rewards/chosen 
 rewards/rejected = beta * r_r, rewards/accuracies (share with r_c > r_r), rewards/margins,
 logps/chosen, logps/rejected.
 
+Llama 3's two changes (Dubey et al. 2024, section 4.1.4), both off by default: --mask-format-tokens leaves
+the chat format's tokens (headers and <|eot_id|>: the same in both replies, so their log-probs only add
+noise to the margin) out of every DPO log-prob, the rewards and logps metrics included; --nll-coef c adds c
+times the chosen reply's negative log-likelihood per token (its length-normalized NLL, as in Pang et al.
+2024's RPO, on every learned token, <|eot_id|> included), averaged over the pairs, logged as nll_loss.
+
 It is train.py's loop with another task: each micro-batch holds B pairs as 2B rows (chosen rows first), and
 the task's prepare() adds the reference log-probs to it, either computed alongside by the reference model
 (default) or, with --precompute-ref, computed once for the whole dataset before training (split over the
@@ -55,6 +61,11 @@ def get_parser() -> argparse.ArgumentParser:
                         "published betas carry over); ipo-sum: on summed log-probs (Eq. 17 as written); "
                         "hinge: SLiC (formulas in the module docstring)")
     g.add_argument("--label-smoothing", type=float, default=0.0, help="conservative DPO: assumed label noise")
+    g.add_argument("--nll-coef", type=float, default=0.0,
+                   help="add this times the chosen replies' negative log-likelihood per token (Llama 3: 0.2)")
+    g.add_argument("--mask-format-tokens", action="store_true",
+                   help="leave the chat format's tokens (headers, <|eot_id|>) out of the DPO log-probs, as "
+                        "Llama 3 did")
     g.add_argument("--precompute-ref", action="store_true",
                    help="score the whole dataset with the reference once, cache it, and free the reference")
     g.add_argument("--val-fraction", type=float, default=0.05, help="share of pairs held out")
@@ -222,21 +233,30 @@ def dpo_loss(pc, pr, rc, rr, beta: float, kind: str = "sigmoid", label_smoothing
     raise ValueError(f"unknown DPO loss {kind!r}")
 
 
-def sequence_logps(logits, targets, vocab_size, mesh):
-    """Sum of log p(target) over each row's response tokens (IGNORE_INDEX elsewhere): (rows, T) -> (rows,)."""
-    return -P.token_losses(logits, targets, vocab_size, mesh).sum(dim=-1)
+def sequence_logps(logits, targets, vocab_size, mesh, skip=None):
+    """Sum of log p(target) over each row's response tokens (IGNORE_INDEX elsewhere), leaving out the target
+    ids in `skip` (a tensor of token ids, or None): (rows, T) -> (rows,)."""
+    return -P.token_losses(logits, skipping(targets, skip), vocab_size, mesh).sum(dim=-1)
 
 
-def reference_logps(reference, batches, mesh, args) -> list:
-    """Sequence log-probs of every micro-batch under the frozen reference (pipelined like the policy); only
-    the last stage computes them, the others get None."""
+def skipping(targets, skip):
+    """targets with the ids in `skip` made IGNORE_INDEX (no loss, no log-prob)."""
+    if skip is None:
+        return targets
+    return targets.masked_fill(torch.isin(targets, skip.to(targets.device)), data.IGNORE_INDEX)
+
+
+def reference_logps(reference, batches, mesh, args, skip=None) -> list:
+    """Sequence log-probs of every micro-batch under the frozen reference (pipelined like the policy), the
+    target ids in `skip` left out; only the last stage computes them, the others get None."""
     scored = P.pipeline_forward(reference, batches, mesh, args.seq_len, reference.args.dim,
-                                lambda logits, y: sequence_logps(logits, y, reference.args.vocab_size, mesh),
+                                lambda logits, y: sequence_logps(logits, y, reference.args.vocab_size, mesh,
+                                                                 skip),
                                 next(reference.parameters()).dtype, args.virtual_stages)
     return scored if mesh.last_stage else [None] * len(batches)
 
 
-def precompute_reference(reference, loaders, mesh, args, device) -> torch.Tensor:
+def precompute_reference(reference, loaders, mesh, args, device, skip=None) -> torch.Tensor:
     """Score every pair of every loader once: a (pairs, 2) tensor of (chosen, rejected) log-probs, indexed
     by the loaders' pair indices (their index_offset keeps them apart). The micro-batches are dealt out
     over the dp replicas; each pair is scored by one replica, zeros stand elsewhere, and a sum over dp
@@ -249,7 +269,7 @@ def precompute_reference(reference, loaders, mesh, args, device) -> torch.Tensor
             continue
         rows = list(range(lo, min(lo + args.micro_batch, len(loader))))
         x, y = (t.to(device) for t in loader.pairs(rows))
-        (logps,) = reference_logps(reference, [(x, y)], mesh, args)
+        (logps,) = reference_logps(reference, [(x, y)], mesh, args, skip)
         if logps is not None:
             start = loader.index_offset + lo
             out[start:start + len(rows)] = logps.view(2, -1).T.float()
@@ -270,16 +290,17 @@ def read_cache(path: Path, key: dict) -> torch.Tensor | None:
 
 
 class DPOTask:
-    """The loss of train.py's loop for preference pairs; see the module docstring."""
+    """The loss of train.py's loop for preference pairs; see the module docstring. skip: the token ids left
+    out of the DPO log-probs (--mask-format-tokens), or None."""
 
-    metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                    "logps/chosen", "logps/rejected")
     rows_per_example = 2  # a pair: its chosen and its rejected row (train.py counts tokens and FLOPs by rows)
 
-    def __init__(self, margs, mesh, args, reference=None, cached=None):
-        self.vocab_size, self.mesh, self.args = margs.vocab_size, mesh, args
+    def __init__(self, margs, mesh, args, reference=None, cached=None, skip=None):
+        self.vocab_size, self.mesh, self.args, self.skip = margs.vocab_size, mesh, args, skip
         self.reference, self.cached = reference, cached  # a model, or (pairs, 2) log-probs by pair index
         self.reference_forwards = 1 if reference is not None else 0  # its forward costs FLOPs every step
+        self.metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                             "logps/chosen", "logps/rejected") + (("nll_loss",) if args.nll_coef else ())
         self.total = None
         self._sums = torch.zeros(len(self.metric_names))
 
@@ -289,7 +310,7 @@ class DPOTask:
             # looked up on the device (moved there once): an index taken back to the host would wait for it
             self.cached = self.cached.to(batches[0][0].device)
             return [(b[0], (b[1], self.cached[b[2]].T.reshape(-1))) for b in batches]
-        ref = reference_logps(self.reference, [b[:2] for b in batches], self.mesh, self.args)
+        ref = reference_logps(self.reference, [b[:2] for b in batches], self.mesh, self.args, self.skip)
         return [(b[0], (b[1], r)) for b, r in zip(batches, ref)]
 
     def count(self, batch) -> torch.Tensor:
@@ -297,20 +318,30 @@ class DPOTask:
 
     def loss(self, logits, targets):
         y, ref = targets
-        logps = sequence_logps(logits, y, self.vocab_size, self.mesh)  # (2B,)
+        token_logps = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (2B, T), 0 where not learned
+        in_dpo = skipping(y, self.skip) != data.IGNORE_INDEX  # (2B, T): the tokens DPO's log-probs sum
+        logps = token_logps.masked_fill(~in_dpo, 0.0).sum(dim=-1)  # (2B,)
         if self.args.loss == "ipo":  # log-probs per response token, the IPO authors' (and TRL's) convention
-            length = (y != data.IGNORE_INDEX).sum(dim=-1).clamp(min=1)  # (2B,)
+            length = in_dpo.sum(dim=-1).clamp(min=1)  # (2B,)
             logps, ref = logps / length, ref / length
         B = logps.shape[0] // 2
         pc, pr, rc, rr = logps[:B], logps[B:], ref[:B], ref[B:]
         losses = dpo_loss(pc, pr, rc, rr, self.args.beta, self.args.loss, self.args.label_smoothing)
-        with torch.no_grad():
-            reward_c, reward_r = self.args.beta * (pc - rc), self.args.beta * (pr - rr)
-            stats = torch.stack([reward_c.sum(), reward_r.sum(), (reward_c > reward_r).float().sum(),
-                                 (reward_c - reward_r).sum(), pc.sum(), pr.sum()])
-            # on the device: a .cpu() here would wait for the GPU at every micro-batch
-            self._sums = self._sums.to(stats.device) + stats / self.total
+        nll = None
+        if self.args.nll_coef:  # the chosen reply's NLL per token, over every learned token (eot included)
+            nll = -token_logps[:B].sum(dim=-1) / (y[:B] != data.IGNORE_INDEX).sum(dim=-1).clamp(min=1)
+            losses = losses + self.args.nll_coef * nll
+        self.tally(pc, pr, rc, rr, nll)
         return losses.sum() / self.total
+
+    @torch.no_grad()
+    def tally(self, pc, pr, rc, rr, nll):
+        """Add this micro-batch's pairs to the metric sums (each over the global pair count)."""
+        reward_c, reward_r = self.args.beta * (pc - rc), self.args.beta * (pr - rr)
+        stats = [reward_c.sum(), reward_r.sum(), (reward_c > reward_r).float().sum(),
+                 (reward_c - reward_r).sum(), pc.sum(), pr.sum()] + ([nll.sum()] if nll is not None else [])
+        # on the device: a .cpu() here would wait for the GPU at every micro-batch
+        self._sums = self._sums.to(pc.device) + torch.stack(stats) / self.total
 
     def metrics(self) -> torch.Tensor:
         """Metric sums since the last call (each divided by the global pair count: means when summed)."""
@@ -318,22 +349,23 @@ class DPOTask:
         return out
 
 
-def cached_reference(reference, loaders, mesh, args, device, tokenizer: str) -> torch.Tensor:
+def cached_reference(reference, loaders, mesh, args, device, tokenizer: str, skip=None) -> torch.Tensor:
     """--precompute-ref: the reference's log-probs of every pair, from <out-dir>/ref_logps.pt when it holds
-    them for exactly these sequences, weights, tokenizer and precision, else computed (collectively) and
-    written there, whole, then renamed."""
+    them for exactly these sequences, weights, tokenizer, precision and left-out tokens (skip), else
+    computed (collectively) and written there, whole, then renamed."""
     cache = Path(args.out_dir) / "ref_logps.pt"
     # the rows the reference scores, with where their pair indices start (another seed's split, seq_len or
     # tokenizer gives other rows)
     key = {"rows": [(loader.index_offset, loader.fingerprint()) for loader in loaders],
            "weights": weights_digest(reference, mesh), "tokenizer": tokenizer,
-           "dtype": str(next(reference.parameters()).dtype)}
+           "dtype": str(next(reference.parameters()).dtype),
+           "skip": None if skip is None else skip.tolist()}
     cached = read_cache(cache, key)
     # every rank must take the same branch (precomputing is collective): use the cache only if all can
     if mesh.world > 1 and not P.all_true(torch.tensor(cached is not None, device=device), mesh):
         cached = None
     if cached is None:
-        cached = precompute_reference(reference, loaders, mesh, args, device)
+        cached = precompute_reference(reference, loaders, mesh, args, device, skip)
         if mesh.last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0:
             cache.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"key": key, "logps": cached}, cache.with_suffix(".tmp"))
@@ -356,6 +388,21 @@ def weights_digest(model, mesh) -> str:
     return hashlib.sha256(" ".join(everyone).encode()).hexdigest()
 
 
+def preference_data(a, tok, mesh, with_index: bool = False):
+    """A recipe's data (train.Pretraining.data) for preference pairs: --data read, encoded and split,
+    PreferenceLoaders of this dp rank for training and validation (the validation pairs' indices follow
+    the training pairs', for a cache by pair index), and a description."""
+    if a.anneal_data:
+        raise T.ConfigError(f"--anneal-data {a.anneal_data}: preference training reads one dataset, --data")
+    pairs = read_preferences(a.data, mirror=a.mirror)
+    examples, counts = preference_examples(tok, pairs, a.seq_len)
+    train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
+    make = lambda ex, seed, offset: PreferenceLoader(
+        ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
+        pad_id=data.pad_id(tok), with_index=with_index, index_offset=offset)
+    return make(train_ex, a.seed, 0), lambda: make(val_ex, 0, len(train_ex)), f"{len(train_ex):,} train pairs"
+
+
 class DPO(sft.SFT):
     """train.py's recipe with SFT's model (from --init), preference pairs as the data, and DPOTask as the
     loss, against a frozen reference built from the same initial weights."""
@@ -370,33 +417,29 @@ class DPO(sft.SFT):
 
     def data(self, tok, mesh):
         a = self.args
-        if a.anneal_data:
-            raise T.ConfigError(f"--anneal-data {a.anneal_data}: DPO reads one dataset, --data")
-        pairs = read_preferences(a.data, mirror=a.mirror)
-        examples, counts = preference_examples(tok, pairs, a.seq_len)
-        train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
-        make = lambda ex, seed, offset: PreferenceLoader(
-            ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
-            pad_id=data.pad_id(tok), with_index=a.precompute_ref, index_offset=offset)
+        train, make_val, desc = preference_data(a, tok, mesh, with_index=a.precompute_ref)
         self.tok_name = tok.name  # part of the cached reference's key
-        self.loaders = make(train_ex, a.seed, 0), make(val_ex, 0, len(train_ex))  # precomputing scores both
-        return self.loaders[0], lambda: make(val_ex, 0, len(train_ex)), f"{len(train_ex):,} train pairs"
+        self.skip = torch.tensor(data.format_ids(tok)) if a.mask_format_tokens else None
+        self.loaders = train, make_val()  # precomputing scores both
+        return train, make_val, desc
 
     def task(self, margs, mesh, device, dtype):
         reference = T.build_model(margs, self.initial, self.args, mesh, device, dtype).eval()
         for p in reference.parameters():
             p.requires_grad_(False)
         if not self.args.precompute_ref:
-            return DPOTask(margs, mesh, self.args, reference=reference)
+            return DPOTask(margs, mesh, self.args, reference=reference, skip=self.skip)
         # the point of precomputing: the reference is freed when this returns, before training starts
-        cached = cached_reference(reference, self.loaders, mesh, self.args, device, self.tok_name)
-        return DPOTask(margs, mesh, self.args, cached=cached)
+        cached = cached_reference(reference, self.loaders, mesh, self.args, device, self.tok_name, self.skip)
+        return DPOTask(margs, mesh, self.args, cached=cached, skip=self.skip)
 
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
     if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
         raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+    if not 0 <= args.nll_coef < math.inf:
+        raise T.ConfigError(f"--nll-coef must be a number >= 0, got {args.nll_coef}")
     if args.label_smoothing and args.loss != "sigmoid":  # (TRL ignores it there, silently)
         raise T.ConfigError(f"--label-smoothing {args.label_smoothing} is conservative DPO's, a change to the "
                             f"sigmoid loss; --loss {args.loss} has no use for it: drop one of them")

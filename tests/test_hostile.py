@@ -315,6 +315,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flag
     (evaluate.main, ["--prompt", "a", "--top-k", "0"], "top_k must be at least 1"),
     (evaluate.main, ["--prompt", "a", "--top-k", "-3"], "top_k must be at least 1"),
     (dpo.main, ["--loss", "hinge", "--label-smoothing", "0.1"], "--loss hinge has no use for it"),
+    (dpo.main, ["--nll-coef", "-1"], "--nll-coef must be a number >= 0, got -1.0"),
 ])
 def test_bad_flags_of_the_other_scripts_are_refused(tmp_path, capsys, main, flags, message):
     assert message in refused(capsys, main, ["--init", str(tmp_path), *flags])

@@ -190,6 +190,58 @@ def test_reference_cache_key_covers_rows_weights_and_precision(tmp_path, monkeyp
         got = dpo.cached_reference(model, loader(ex), P.Mesh(), args, cpu, tokenizer)
         assert bool(computed) == recompute
         assert torch.equal(got, real(model, loader(ex), P.Mesh(), args, cpu))
+    # --mask-format-tokens: other log-probs (rows long enough to hold each reply's <|eot_id|>)
+    skip = torch.tensor(data.format_ids(data.get_tokenizer("byte")))
+    args.seq_len = 128
+    whole = [dpo.PreferenceLoader(dpo.preference_examples(data.get_tokenizer("byte"), pairs, 128)[0], 4, 128,
+                                  with_index=True)]
+    for masked, recompute in ((False, True), (True, True), (True, False)):
+        computed.clear()
+        got = dpo.cached_reference(other, whole, P.Mesh(), args, cpu, "gpt2", skip if masked else None)
+        assert bool(computed) == recompute
+    assert torch.equal(got, real(other, whole, P.Mesh(), args, cpu, skip))
+    assert not torch.equal(got, real(other, whole, P.Mesh(), args, cpu))
+
+
+def test_llama3_dpo_masks_the_format_tokens_and_adds_the_chosen_nll():
+    """Llama 3's two changes against their closed forms: --mask-format-tokens leaves the format's tokens
+    out of every DPO log-prob (so out of the rewards and logps metrics too); --nll-coef c adds c times the
+    chosen reply's NLL per token, over all its learned tokens, logged as nll_loss. Off, plain DPO."""
+    torch.manual_seed(0)
+    B, T, V = 2, 7, 13
+    skip = torch.tensor([10, 11, 12])  # the format's ids (headers, eot) in this small vocabulary
+    logits, ref = torch.randn(2 * B, T, V), torch.randn(2 * B)
+    y = torch.randint(0, 10, (2 * B, T))
+    y[:, -1], y[0, 2], y[3, 4] = 12, 10, 11  # every reply ends with eot; a header inside two of them
+    y[0, :1] = y[1, :2] = y[2, :1] = y[3, :3] = data.IGNORE_INDEX
+    token = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    token = token.masked_fill(y == data.IGNORE_INDEX, 0.0)
+    nll = -token[:B].sum(-1) / (y[:B] != data.IGNORE_INDEX).sum(-1)
+    for flags, logps, coef in ((["--mask-format-tokens", "--nll-coef", "0.2"],
+                                token.masked_fill(torch.isin(y, skip), 0.0).sum(-1), 0.2),
+                               ([], token.sum(-1), 0.0)):
+        args = dpo.get_parser().parse_args(["--beta", "0.5", *flags])
+        task = dpo.DPOTask(M.ModelArgs(vocab_size=V), P.Mesh(), args, cached={},
+                           skip=skip if args.mask_format_tokens else None)
+        task.total = torch.tensor(B)
+        margin = 0.5 * ((logps[:B] - ref[:B]) - (logps[B:] - ref[B:]))
+        want = (-torch.nn.functional.logsigmoid(margin) + coef * nll).mean()
+        assert task.loss(logits, (y, ref)).item() == pytest.approx(want.item(), rel=1e-6)
+        metrics = dict(zip(task.metric_names, task.metrics().tolist()))
+        assert metrics["logps/chosen"] == pytest.approx(logps[:B].mean().item(), rel=1e-6)
+        assert metrics["rewards/margins"] == pytest.approx(margin.mean().item(), rel=1e-6)
+        assert metrics.get("nll_loss", 0.0) == pytest.approx(nll.mean().item() if coef else 0.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_llama3_dpo_runs_and_logs_its_nll(tmp_path, precompute):
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    dpo.main(TINY + ["--data", str(path), "--max-steps", "2", "--micro-batch", "4", "--seq-len", "128",
+                     "--mask-format-tokens", "--nll-coef", "0.2", "--out-dir", str(tmp_path / "o")]
+             + (["--precompute-ref"] if precompute else []))
+    first = [r for r in records(tmp_path / "o") if "loss" in r][0]
+    assert first["rewards/margins"] == 0.0 and first["nll_loss"] > 0  # policy == reference at the start
+    assert first["loss"] == pytest.approx(math.log(2) + 0.2 * first["nll_loss"], rel=1e-5)
 
 
 def test_ipo_uses_per_token_log_probs_and_ipo_sum_the_sums():
@@ -317,7 +369,7 @@ def test_dpo_counts_both_rows_of_a_pair_and_the_reference_forward():
     """tokens/s and MFU count what the model computes: a DPO micro-batch of B pairs is 2B rows, and a
     reference computed alongside adds its forward (a third of forward + backward) to the FLOPs."""
     margs = M.PRESETS["tiny"]
-    args = train.get_parser().parse_args(["--micro-batch", "4", "--seq-len", "32", "--grad-accum", "3"])
+    args = dpo.get_parser().parse_args(["--micro-batch", "4", "--seq-len", "32", "--grad-accum", "3"])
     mesh = P.Mesh(dp=2)
     live, cached = dpo.DPOTask(margs, mesh, args, reference=object()), dpo.DPOTask(margs, mesh, args,
                                                                                    cached={})
