@@ -116,6 +116,9 @@ class ModelArgs:
     rope_scaling: Optional[dict] = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # a head of num_labels outputs in place of the vocabulary's logits: a reward model's score (1), as
+    # Hugging Face's LlamaForSequenceClassification; None: a language model
+    num_labels: Optional[int] = None
 
     def __post_init__(self):
         """Every value a model cannot be built from, or would train on with a NaN loss, is refused here, so
@@ -136,6 +139,10 @@ class ModelArgs:
                 raise ValueError(f"{name} must be a positive number, got {_show(value)}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {_show(self.tie_embeddings)}")
+        if self.num_labels is not None and not (_is_int(self.num_labels) and 1 <= self.num_labels <= _MAX_SIZE):
+            raise ValueError(f"num_labels must be null or a positive integer, got {_show(self.num_labels)}")
+        if self.num_labels is not None and self.tie_embeddings:
+            raise ValueError("a head of num_labels outputs cannot be tied to the embedding table")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -165,6 +172,12 @@ class ModelArgs:
         if missing:
             raise ValueError(f"model args miss {', '.join(missing)}: the file is incomplete")
         return cls(**d)
+
+    @property
+    def output_size(self) -> int:
+        """Outputs of the model's head: num_labels for a reward (or classification) head, else the
+        vocabulary's logits."""
+        return self.num_labels or self.vocab_size
 
     @property
     def head_dim(self) -> int:
@@ -443,7 +456,7 @@ class Transformer(nn.Module):
         # Keyed by global layer index so names survive pipeline stages dropping layers (parallel.py).
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = nn.Linear(args.dim, args.output_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.act_ckpt = False  # activation checkpointing: recompute each block in backward (train.py sets)
@@ -724,12 +737,13 @@ _HF_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.N / model.layers.N
 }
 
 
-def _hf_name(ours: str) -> str:
+def _hf_name(ours: str, classifier: bool = False) -> str:
+    """Our parameter name -> Hugging Face's; classifier: the head is LlamaForSequenceClassification's."""
     if ours.startswith("layers."):
         _, i, rest = ours.split(".", 2)
         return f"model.layers.{i}.{_HF_LAYER_NAMES[rest]}"
     return {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight"}[ours]
+            "output.weight": "score.weight" if classifier else "lm_head.weight"}[ours]
 
 
 _HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
@@ -759,20 +773,35 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         scaling = {ours: rope[hf] for ours, hf in _HF_ROPE_KEYS.items()}
     elif kind not in ("default", None):  # another scaling (linear, dynamic, yarn): ignoring it is wrong
         raise ValueError(f"unsupported rope type {_show(kind)}: only llama3 and default are")
+    labels = classifier_labels(cfg)
     args = ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
                      n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
                      vocab_size=cfg["vocab_size"], ffn_hidden=cfg["intermediate_size"],
                      norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
                      max_seq_len=cfg.get("max_position_embeddings", 2048),
-                     tie_embeddings=cfg.get("tie_word_embeddings", False))
+                     # (a classifier's head is its own "score": nothing to tie)
+                     tie_embeddings=False if labels else cfg.get("tie_word_embeddings", False),
+                     num_labels=labels)
     if cfg.get("head_dim") not in (None, args.head_dim):  # heads here are always hidden_size / n_heads wide
         raise ValueError(f"head_dim {_show(cfg['head_dim'])} is not hidden_size / num_attention_heads = "
                          f"{args.head_dim}, which this model requires")
     return args
 
 
+def classifier_labels(cfg: dict) -> int | None:
+    """A LlamaForSequenceClassification config's number of outputs (transformers records them as id2label;
+    its default is 2), or None for a causal LM."""
+    if not any("ForSequenceClassification" in str(a) for a in cfg.get("architectures") or []):
+        return None
+    labels = cfg.get("id2label")
+    return len(labels) if isinstance(labels, dict) and labels else cfg.get("num_labels", 2)
+
+
 def hf_config(args: ModelArgs) -> dict:
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    """config.json of a Hugging Face Llama: LlamaForCausalLM, or LlamaForSequenceClassification for a model
+    with num_labels outputs (a reward model: 1)."""
+    kind = "LlamaForSequenceClassification" if args.num_labels else "LlamaForCausalLM"
+    cfg = {"architectures": [kind], "model_type": "llama", "hidden_act": "silu",
            "hidden_size": args.dim, "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
            "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
@@ -785,6 +814,8 @@ def hf_config(args: ModelArgs) -> dict:
                                "low_freq_factor": s["low_freq_factor"],
                                "high_freq_factor": s["high_freq_factor"],
                                "original_max_position_embeddings": s["original_max_seq_len"]}
+    if args.num_labels:
+        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(args.num_labels)}  # (its num_labels)
     return cfg
 
 
@@ -840,14 +871,15 @@ def hf_state(path) -> tuple[ModelArgs, LazyState]:
         expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     if args.tie_embeddings:
         expected.pop("output.weight")  # the head is the embedding
-    missing = [_hf_name(k) for k in expected if _hf_name(k) not in where]
+    hf_name = lambda ours: _hf_name(ours, classifier=args.num_labels is not None)
+    missing = [hf_name(k) for k in expected if hf_name(k) not in where]
     if missing:
         raise ValueError(f"{path}: missing {missing[:4]}")
     for k, shape in expected.items():
-        if tuple(where[_hf_name(k)][1]) != shape:
-            raise ValueError(f"{path}: {k} has shape {tuple(where[_hf_name(k)][1])}, the config says {shape}")
+        if tuple(where[hf_name(k)][1]) != shape:
+            raise ValueError(f"{path}: {k} has shape {tuple(where[hf_name(k)][1])}, the config says {shape}")
     read = lambda hf: (lambda: read_safetensors(where[hf][0], [hf])[hf])
-    readers = {k: read(_hf_name(k)) for k in expected}
+    readers = {k: read(hf_name(k)) for k in expected}
     if args.tie_embeddings:
         readers["output.weight"] = readers["tok_embeddings.weight"]
     return args, LazyState(readers)
@@ -880,7 +912,8 @@ def save_hf(model: Transformer, path, tokens: dict | None = None):
     export); anything else is refused (FileExistsError) before anything is written."""
     path = Path(os.path.abspath(path))  # "." and "x/.." have no name to put a sibling next to
     _check_export_target(path)
-    state = {_hf_name(k): v for k, v in model.state_dict().items()
+    classifier = model.args.num_labels is not None  # (LlamaForSequenceClassification's head: "score")
+    state = {_hf_name(k, classifier): v for k, v in model.state_dict().items()
              if not (k == "output.weight" and model.args.tie_embeddings)}
     cfg = hf_config(model.args) | (tokens or {})
     cfg["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
@@ -1020,7 +1053,7 @@ def count_params(args: ModelArgs, embedding: bool = True) -> int:
     attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo + wk, wv
     ffn = 3 * d * args.hidden_dim
     n = L * (attn + ffn + 2 * d) + d  # + two norms per layer, the final norm
-    n += V * d if not args.tie_embeddings else 0  # output head
+    n += args.output_size * d if not args.tie_embeddings else 0  # output head
     return n + (V * d if embedding else 0)
 
 

@@ -717,14 +717,29 @@ def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
             p + "feed_forward.w2.weight": (1, a.hidden_dim)})
     model.norm = ParallelNorm(model.norm, mesh)
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, mesh)
-    head = nn.Linear(model.args.dim, padded_vocab(V, mesh.tp) // mesh.tp, bias=False, device="meta")
+    out = model.args.output_size  # the vocabulary, or a reward model's num_labels (head_outputs)
+    head = nn.Linear(model.args.dim, padded_vocab(out, mesh.tp) // mesh.tp, bias=False, device="meta")
     if model.args.tie_embeddings:
         head.weight = model.tok_embeddings.weight
     else:
         head.weight = nn.Parameter(_vocab_shard(model.output.weight, mesh))
-    model.output = head  # column-parallel over the vocabulary; its input is in the TP region (model.norm's f)
-    model.tp_placement.update({"tok_embeddings.weight": (0, V), "output.weight": (0, V)})
+    model.output = head  # column-parallel over its outputs; its input is in the TP region (model.norm's f)
+    model.tp_placement.update({"tok_embeddings.weight": (0, V), "output.weight": (0, out)})
     return model
+
+
+def head_outputs(logits, n: int, mesh: Mesh) -> torch.Tensor:
+    """The head's n outputs (..., n), whole on every tp rank, from this rank's columns (..., n_padded / tp)
+    of a column-parallel head: for a head too small to split (a reward model's one score), what the
+    vocab-parallel cross-entropy does for the vocabulary. Each rank places its own real columns among
+    zeros and g sums them (each output is one rank's); backward hands each rank its columns' gradient."""
+    if mesh.tp == 1:
+        return logits[..., :n]
+    local, start = logits.shape[-1], mesh.tp_rank * logits.shape[-1]
+    mine = max(0, min(local, n - start))
+    full = logits.new_zeros(*logits.shape[:-1], n)
+    full[..., start:start + mine] = logits[..., :mine]
+    return _ReduceFromTP.apply(full, mesh)
 
 
 # ====================================================================================================
@@ -1762,7 +1777,8 @@ def unit_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
                  + 3 * d * args.hidden_dim) // tp + 2 * d
     units = [V // tp * d] if stage == 0 else []  # embedding
     units += [per_layer] * rank_layers(args.n_layers, pp, stage, split, virtual)
-    units += [d] + ([V // tp * d] if not args.tie_embeddings else []) if stage == pp - 1 else []  # norm, head
+    head = padded_vocab(args.output_size, tp) // tp * d
+    units += [d] + ([head] if not args.tie_embeddings else []) if stage == pp - 1 else []  # norm, head
     return units
 
 

@@ -103,7 +103,7 @@ def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelAr
     'average' token, and its logit as the mean logit, rather than as noise of an unrelated scale."""
     grown = with_room_for(margs, n_vocab)
     state = collections.ChainMap({}, state)  # the grown tensors over the rest (a lazy state stays lazy)
-    for name in ("tok_embeddings.weight", "output.weight"):
+    for name in ("tok_embeddings.weight", "output.weight")[:1 if margs.num_labels else 2]:  # (not a score)
         if name in state:
             w = state[name]
             state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(grown.vocab_size - w.shape[0],

@@ -1337,7 +1337,7 @@ def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
     return meta["step"]
 
 
-SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py"}
+SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py", "reward": "reward.py"}
 
 
 def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
