@@ -103,16 +103,27 @@ def _parse_hh(text) -> tuple:
     return messages, text[cut + len("\n\nAssistant:"):].strip()
 
 
+NO_PROMPT = ('a pair needs a prompt: a "prompt" field (a string or messages), or "chosen" and "rejected" as '
+             'whole conversations (message lists, or HH-RLHF dialogues "\n\nHuman: ...\n\nAssistant: ...")')
+
+
 def _preference_side(value, prompt) -> tuple:
-    """One of "chosen" / "rejected" -> (the conversation before the reply, the reply)."""
+    """One of "chosen" / "rejected" -> (the conversation before the reply, the reply). A reply with no user
+    message before it has nothing it answers: refused (NO_PROMPT)."""
     if isinstance(value, str):
-        return (prompt, value) if prompt is not None else _parse_hh(value)
-    data.check_messages(value)
-    if not value or value[-1]["role"] != "assistant":
-        raise data.DataError("a chosen/rejected message list must end with an assistant message")
-    prefix, prompt = value[:-1], prompt or []
-    # the list may repeat the prompt (chosen = [user, assistant]) or continue it (chosen = [assistant])
-    return (prefix if prefix[:len(prompt)] == prompt else prompt + prefix), value[-1]["content"]
+        if prompt is None and "\n\nAssistant:" not in value:
+            raise data.DataError(NO_PROMPT)
+        before, reply = (prompt, value) if prompt is not None else _parse_hh(value)
+    else:
+        data.check_messages(value)
+        if not value or value[-1]["role"] != "assistant":
+            raise data.DataError("a chosen/rejected message list must end with an assistant message")
+        prefix, prompt = value[:-1], prompt or []
+        # the list may repeat the prompt (chosen = [user, assistant]) or continue it (chosen = [assistant])
+        before, reply = (prefix if prefix[:len(prompt)] == prompt else prompt + prefix), value[-1]["content"]
+    if not any(m["role"] == "user" for m in before):
+        raise data.DataError(NO_PROMPT)
+    return before, reply
 
 
 def read_preferences(path_or_name, mirror=None) -> list:

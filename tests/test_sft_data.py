@@ -475,3 +475,20 @@ def test_preference_pairs_that_are_the_same_once_cut_are_dropped_and_counted(tmp
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "no usable preference pair (all dropped" in err and "'identical': 10" in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("record", [
+    {"chosen": "Yes.", "rejected": "No."},
+    {"chosen": [{"role": "assistant", "content": "Yes."}],
+     "rejected": [{"role": "assistant", "content": "No."}]},
+    {"prompt": [], "chosen": "Yes.", "rejected": "No."},
+    {"prompt": [{"role": "system", "content": "Be brief."}], "chosen": "Yes.", "rejected": "No."},
+])
+def test_a_pair_without_a_prompt_is_refused_naming_its_line(tmp_path, record):
+    """A reply that answers nothing: no prompt field, and chosen/rejected neither message lists with a user
+    turn nor HH-RLHF dialogues (this used to be called an HH-RLHF dialogue without its marker)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi.", "chosen": "Yes.", "rejected": "No."}) + "\n"
+                    + json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=r"p.jsonl:2: a pair needs a prompt"):
+        read_preferences(str(path))
