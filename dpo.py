@@ -126,6 +126,21 @@ def _preference_side(value, prompt) -> tuple:
     return before, reply
 
 
+def pair_sides(record) -> tuple:
+    """One preference record -> ((prompt, chosen reply), (prompt, rejected reply)), each prompt a message
+    list (a pair whose two prompts differ is the caller's to skip)."""
+    if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
+        fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+        raise data.DataError(f"unknown preference record {fields}: expected {{prompt, chosen, rejected}} or "
+                             "HH-RLHF {chosen, rejected}")
+    prompt = record.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    elif prompt is not None:
+        data.check_messages(prompt)
+    return tuple(_preference_side(record[k], prompt) for k in ("chosen", "rejected"))
+
+
 def read_preferences(path_or_name, mirror=None) -> list:
     """A registered name (data.PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen",
     "rejected"}].
@@ -139,18 +154,7 @@ def read_preferences(path_or_name, mirror=None) -> list:
     pairs, skipped = [], {"different prompts": 0, "an empty reply": 0, "identical replies": 0}
     for where, record in data.json_records(path):
         try:
-            if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
-                fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-                raise data.DataError(f"unknown preference record {fields}: expected "
-                                     f"{{prompt, chosen, rejected}} "
-                                f"or HH-RLHF {{chosen, rejected}}")
-            prompt = record.get("prompt")
-            if isinstance(prompt, str):
-                prompt = [{"role": "user", "content": prompt}]
-            elif prompt is not None:
-                data.check_messages(prompt)
-            (prompt, chosen), (other, rejected) = (_preference_side(record[k], prompt) for k in ("chosen",
-                                                                                                 "rejected"))
+            (prompt, chosen), (other, rejected) = pair_sides(record)
         except data.DataError as e:
             raise data.DataError(f"{where}: {e}") from None
         if prompt != other:
@@ -168,6 +172,16 @@ def read_preferences(path_or_name, mirror=None) -> list:
     return pairs
 
 
+def reply_example(enc, prompt, reply, seq_len) -> tuple:
+    """A prompt (messages) and one reply -> ((ids, mask) by the SFT length rule, sft.fit_example: None if no
+    reply token survives the cut to seq_len + 1 tokens; whether it was cut). The mask is on the reply and
+    its <|eot_id|> only: earlier assistant turns of the prompt are context here."""
+    prompt_len = len(data.encode_chat(enc, prompt)[0])
+    ids, mask = data.encode_chat(enc, prompt + [{"role": "assistant", "content": reply}])
+    mask[:prompt_len] = [False] * prompt_len
+    return sft.fit_example(ids, mask, seq_len), len(ids) > seq_len + 1
+
+
 def preference_examples(enc, pairs, seq_len) -> tuple:
     """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side encoded as
     prompt + [assistant reply] with the mask on the reply (and its eot) only. The SFT length rule applies
@@ -177,12 +191,7 @@ def preference_examples(enc, pairs, seq_len) -> tuple:
     "identical": the pairs dropped for that."""
     examples, truncated, dropped, identical = [], 0, 0, 0
     for pair in pairs:
-        prompt_len = len(data.encode_chat(enc, pair["prompt"])[0])
-        sides = {}
-        for key in ("chosen", "rejected"):
-            ids, mask = data.encode_chat(enc, pair["prompt"] + [{"role": "assistant", "content": pair[key]}])
-            mask[:prompt_len] = [False] * prompt_len  # earlier assistant turns of the prompt are context here
-            sides[key] = (sft.fit_example(ids, mask, seq_len), len(ids) > seq_len + 1)
+        sides = {key: reply_example(enc, pair["prompt"], pair[key], seq_len) for key in ("chosen", "rejected")}
         if any(example is None for example, _ in sides.values()):
             dropped += 1
             continue

@@ -2,6 +2,8 @@
 
     python reward.py --init out-sft --data hh_rlhf_harmless_test --out-dir out-rm   # train it
     python reward.py score --reward out-rm --data PAIRS                              # accuracy and margin
+    python reward.py sample --reward out-rm --policy out-sft --prompts FILE --k 8 --out best.jsonl
+                                                          # rejection sampling: the best of 8 replies, for SFT
 
 RLHF (Ouyang et al. 2022, "InstructGPT") and Llama 2 and 3's post-training (Touvron et al. 2023; Dubey et
 al. 2024, section 4.1.2) train a reward model on comparisons before they optimize a policy against it:
@@ -20,6 +22,9 @@ It is train.py's loop with another recipe (RewardModel: the model from --init, p
 reads them) and loss (RewardTask): the same phases, flags, layouts (tp, pp, dp, ZeRO; not cp: a score
 needs the whole sequence), checkpoints and --resume. `python parallel.py consolidate` writes it as a
 LlamaForSequenceClassification folder, and such a folder is an --init or a --reward here.
+
+`reward.py sample` is Llama 3's rejection sampling (its section below says how): the reward model picks the
+best of K replies of the policy to each prompt, and those conversations are the next round's SFT data.
 """
 
 from __future__ import annotations
@@ -27,15 +32,19 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import checkpoint as C
 import data
 import dpo
+import evaluate
 import model as M
 import parallel as P
 import sft
@@ -161,17 +170,15 @@ class RewardModel(sft.SFT):
 # Scoring pairs with a trained reward model (reward.py score)
 
 
-def load_reward_model(path, device, mirror=None):
-    """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode, its tokenizer)."""
+def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None):
+    """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode, its tokenizer).
+    Under a job (mesh), its ranks check a checkpoint's shards together."""
     tok = C.tokenizer_for(path, None, mirror)
-    margs, state = sft.load_init(path, tok)
-    if margs.num_labels != 1:
+    model = evaluate.load_model(path, tok, device, dtype, mesh or P.Mesh())
+    if model.args.num_labels != 1:
         raise T.ConfigError(f"--reward {path} is not a reward model (a head of one output): train one with "
                             "reward.py")
-    with torch.device("meta"):
-        model = M.Transformer(margs)
-    model.load_state_dict(dict(state), assign=True)
-    return model.to(device).eval().requires_grad_(False), tok
+    return model, tok
 
 
 @torch.no_grad()
@@ -209,10 +216,234 @@ def score_main(argv) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------
+# Rejection sampling (reward.py sample): K replies per prompt, the reward model keeps the best
+#
+# Llama 2 and 3 (Dubey et al. 2024, section 4.2.2) sample K replies to each prompt from the current policy,
+# score them with the reward model and keep the best as fine-tuning data for the next round of SFT. Here:
+#   - the K replies to one prompt are one batch for model.generate (K copies of the prompt: one prefill
+#     shape, one KV cache), drawn from a generator seeded by (--seed, the prompt's index), so a prompt's
+#     replies are the same however many ranks share the prompts (rank r takes prompts r, r + world, ...);
+#   - each reply is scored as the reward model was trained: the conversation with the reply as the
+#     assistant's turn, read at its <|eot_id|> (score_replies);
+#   - a reply that --max-new-tokens cut before its <|eot_id|> is no candidate: written as SFT data it would
+#     teach the model to stop where the budget ran out. A prompt with no finished reply is counted, not kept.
+
+
+def read_prompts(path_or_name, mirror=None) -> list[tuple[str, list]]:
+    """Prompts -> [(where, messages ending with a user turn)]. A record is a string (one user message),
+    {"prompt": a string or messages}, a preference pair as dpo.py reads it (its prompt), or any record
+    sft.py reads (its conversation up to its last user turn: a fine-tuning set's instructions are prompts)."""
+    path = data.named_file(path_or_name, {**data.SFT_DATASETS, **data.PREFERENCE_DATASETS}, mirror)
+    prompts = []
+    for where, record in data.json_records(path):
+        try:
+            if isinstance(record, str):
+                messages = [{"role": "user", "content": record}]
+            elif isinstance(record, dict) and "chosen" in record:
+                messages = dpo.pair_sides(record)[0][0]
+            elif isinstance(record, dict) and "prompt" in record and "response" not in record:
+                prompt = record["prompt"]
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                data.check_messages(messages)
+            else:
+                messages = sft._conversation(record)
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if not users:
+                raise data.DataError("a prompt needs a user message")
+            prompts.append((where, messages[:users[-1] + 1]))
+        except data.DataError as e:
+            raise data.DataError(f"{where}: {e}") from None
+    if not prompts:
+        raise data.DataError(f"{path}: no prompts")
+    return prompts
+
+
+def prompt_generator(seed: int, index: int, device) -> torch.Generator:
+    """The random stream of prompt `index`'s replies: one per (seed, prompt), whichever rank draws it."""
+    state = int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+    return torch.Generator(device=device).manual_seed(state)
+
+
+@torch.no_grad()
+def sample_replies(policy, tok, prompt, k: int, max_new_tokens: int, seq_len: int, generator,
+                   temperature: float = 1.0, top_p: float | None = None) -> list[tuple[str, bool]]:
+    """K replies to one prompt, sampled as one batch -> [(text, finished)]; finished: it ended with
+    <|eot_id|> within max_new_tokens (and within seq_len)."""
+    ids, _ = data.encode_chat(tok, prompt, add_generation_prompt=True)
+    eot = data.eot_id(tok)
+    new = M.generate(policy, [ids] * k, min(max_new_tokens, seq_len - len(ids)), temperature=temperature,
+                     top_p=top_p, eos_id=eot, generator=generator, n_vocab=tok.n_vocab)
+    return [(tok.decode(row[:row.index(eot)]), True) if eot in row else (tok.decode(row), False)
+            for row in new.tolist()]
+
+
+@torch.no_grad()
+def score_replies(reward_model, tok, prompt, replies: list[str], seq_len: int) -> torch.Tensor:
+    """(K,) scores r(prompt, reply), each read as training reads it (dpo.reply_example's rows, the score
+    at the reply's <|eot_id|>), all K in one batch padded to the longest."""
+    examples = [dpo.reply_example(tok, prompt, reply, seq_len)[0] for reply in replies]
+    longest = max(len(ids) for ids, _ in examples) - 1
+    x, y, _ = sft.pack_rows(examples, longest, data.pad_id(tok), pack=False)
+    device = reward_model.tok_embeddings.weight.device
+    x, y = sft.as_int64(x).to(device), sft.as_int64(y).to(device)
+    return scores(reward_model(x), y, P.Mesh())
+
+
+def best_of_k(policy, reward_model, tok, prompt, index: int, a, seq_len: int) -> dict:
+    """Prompt `index`'s K replies and their scores -> its record: the SFT conversation with the best
+    finished reply ("messages", absent if none finished), and every reply, score and finished flag."""
+    device = policy.tok_embeddings.weight.device
+    replies = sample_replies(policy, tok, prompt, a.k, a.max_new_tokens, seq_len,
+                             prompt_generator(a.seed, index, device), a.temperature, a.top_p)
+    texts = [text for text, _ in replies]
+    r = score_replies(reward_model, tok, prompt, texts, seq_len).float().cpu().tolist()
+    finished = [done for _, done in replies]
+    record = {"index": index, "scores": r, "finished": finished, "replies": texts}
+    candidates = [i for i in range(a.k) if finished[i]]
+    if candidates:
+        best = max(candidates, key=lambda i: r[i])
+        record.update(best=best, messages=prompt + [{"role": "assistant", "content": texts[best]}])
+    return record
+
+
+def expected_best(scores_k: list[float], k: int) -> float:
+    """The expected best score of k replies drawn from these K (without replacement): the i-th smallest of
+    K is the best of a draw of k with probability C(i-1, k-1) / C(K, k). Best of 1 is the plain mean."""
+    ordered, K = sorted(scores_k), len(scores_k)
+    return sum(math.comb(i, k - 1) * s for i, s in enumerate(ordered)) / math.comb(K, k)
+
+
+def sampling_summary(records: list[dict], k: int) -> dict:
+    """What reward.py sample prints: the prompts kept, the mean reward of every reply and of the kept ones,
+    and the expected best of 1, 2, 4, ... K replies (every reply a candidate, finished or not), estimated
+    from each prompt's K scores: how the best rises with K, from one run."""
+    kept = [r for r in records if "messages" in r]
+    n, ks = len(records), sorted({min(2 ** j, k) for j in range(k.bit_length() + 1)})
+    return {"prompts": n, "k": k, "kept": len(kept), "no_finished_reply": n - len(kept),
+            "unfinished_replies": sum(not f for r in records for f in r["finished"]),
+            "reward_mean": sum(sum(r["scores"]) / k for r in records) / n,
+            "kept_reward_mean": sum(r["scores"][r["best"]] for r in kept) / len(kept) if kept else None,
+            "best_of_k": {str(j): sum(expected_best(r["scores"], j) for r in records) / n for j in ks}}
+
+
+def sample_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reward.py sample", description=(
+        "Rejection sampling: K replies per prompt from --policy, scored by --reward; the best finished reply "
+        "of each prompt is written to --out as an SFT conversation (sft.py --data reads it), with every "
+        "reply and score. Under torchrun the ranks share the prompts."))
+    p.add_argument("--reward", required=True, help="a reward model: reward.py's --out-dir, or an HF folder")
+    p.add_argument("--policy", required=True, help="the model that replies: an sft.py/dpo.py checkpoint or "
+                                                   "a Hugging Face / Meta folder")
+    p.add_argument("--prompts", required=True, help="a JSON/JSONL file or registered name (read_prompts)")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    p.add_argument("--k", type=int, default=4, help="replies sampled per prompt (at least 2)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="the longest reply")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this probability mass")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="prompt + reply at most this many tokens (default: the models' context)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--seed", type=int, default=0, help="replies are drawn from (seed, prompt index)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: bf16 on a GPU, fp32 elsewhere")
+    p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
+    return p
+
+
+def check_sample_flags(a):
+    """Everything wrong with the flags, before a model is loaded."""
+    if a.k < 2:
+        raise T.ConfigError(f"--k {a.k}: rejection sampling keeps the best of at least 2 replies (--k 1 "
+                            "would keep whatever the policy says)")
+    for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--seq-len", a.seq_len), ("--limit", a.limit)):
+        if value is not None and value < 1:
+            raise T.ConfigError(f"{flag} must be at least 1, got {value}")
+    try:
+        M.check_sampling(a.temperature, None, a.top_p)
+    except ValueError as e:
+        raise T.ConfigError(str(e)) from None
+    out = Path(a.out)
+    if os.path.isdir(out) or (os.path.exists(out) and not a.overwrite):
+        raise T.ConfigError(f"--out {out} exists: give another file, or --overwrite to replace it"
+                            if not os.path.isdir(out) else f"--out {out} is a folder: name a file")
+    if os.path.exists(a.prompts) and out.resolve() == Path(a.prompts).resolve():
+        raise T.ConfigError(f"--out {out} is the --prompts file: writing it would lose the prompts")
+
+
+def load_policy_and_reward(a, device, dtype, mesh):
+    """The policy and the reward model, which must read the same ids: a reward model of another tokenizer
+    would score text it reads as something else."""
+    tok = C.tokenizer_for(a.policy, None, a.mirror)
+    reward_tok = C.tokenizer_for(a.reward, None, a.mirror)
+    if reward_tok.name != tok.name:
+        raise T.ConfigError(f"--reward {a.reward} reads the tokenizer {reward_tok.name}, --policy {a.policy} "
+                            f"writes {tok.name}: train the reward model from the policy's SFT model")
+    policy = evaluate.load_model(a.policy, tok, device, dtype, mesh)
+    if policy.args.num_labels is not None:
+        raise T.ConfigError(f"--policy {a.policy} is a reward model (a head of {policy.args.num_labels} "
+                            "output); the policy is a language model")
+    reward_model, _ = load_reward_model(a.reward, device, a.mirror, dtype, mesh)
+    return policy, reward_model, tok
+
+
+def with_room(prompts, tok, seq_len: int, say) -> list[int]:
+    """The indices of the prompts that leave a token for a reply under seq_len. The others are left out
+    and counted (the first named), as sft.py and dpo.py drop what their length rule cannot keep; none left
+    is an error."""
+    lengths = [len(data.encode_chat(tok, prompt, add_generation_prompt=True)[0]) for _, prompt in prompts]
+    long = [(where, n) for (where, _), n in zip(prompts, lengths) if n >= seq_len]
+    if long:
+        (where, n), what = long[0], f"{len(long):,} of {len(prompts):,} prompt(s)"
+        first = f"the first, {where}, is {n:,} tokens with its chat headers"
+        if len(long) == len(prompts):
+            raise data.DataError(f"{what} leave no room for a reply under --seq-len {seq_len} ({first}): "
+                                 "shorten them, or raise --seq-len up to the models' context")
+        say(f"left out: {what} that leave no room for a reply under --seq-len {seq_len} ({first})")
+    return [i for i, n in enumerate(lengths) if n < seq_len]
+
+
+def write_records(path: Path, records: list[dict]):
+    """JSONL, whole or not at all: written beside `path` and renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with data.writing(path.parent, path, cleanup=[tmp]):
+        C.write_durably(tmp, "".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, path)
+
+
+def sample_main(argv) -> int:
+    a = sample_parser().parse_args(argv)
+    check_sample_flags(a)
+    device, precision = T.pick_device_and_precision(a)
+    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mesh = P.init_mesh(device=device)  # every rank a dp rank: each samples its share of the prompts
+    policy, reward_model, tok = load_policy_and_reward(a, device, T.DTYPES[precision], mesh)
+    context = min(policy.args.max_seq_len, reward_model.args.max_seq_len)
+    seq_len = min(a.seq_len or context, context)
+    prompts = P.on_rank0_first(lambda: read_prompts(a.prompts, a.mirror), mesh)[:a.limit]
+    kept = with_room(prompts, tok, seq_len, say=lambda msg: print(msg, file=sys.stderr) if mesh.rank == 0
+                     else None)
+    mine = [best_of_k(policy, reward_model, tok, prompts[i][1], i, a, seq_len)
+            for i in kept[mesh.rank::mesh.world]]
+    records = sorted((r for part in P.all_gather_objects(mine, mesh) for r in part), key=lambda r: r["index"])
+    if mesh.rank == 0:
+        write_records(Path(a.out), [{"where": prompts[r["index"]][0], **r} for r in records if "messages" in r])
+        print(json.dumps({"out": a.out, **sampling_summary(records, a.k)}), flush=True)
+    if mesh.world > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["score"]:
         return score_main(argv[1:])
+    if argv[:1] == ["sample"]:
+        return sample_main(argv[1:])
     args = get_parser().parse_args(argv)
     if not -1e6 < args.margin < 1e6:  # (NaN fails too)
         raise T.ConfigError(f"--margin must be a number, got {args.margin}")

@@ -19,6 +19,7 @@ import dpo
 import model as M
 import parallel as P
 import reward
+import sft
 import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,3 +169,132 @@ def test_scoring_with_a_language_model_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         train.run(reward.main, ["score", "--reward", str(base), "--data", str(pairs)])
     assert stop.value.code == 1 and "is not a reward model" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rejection sampling (reward.py sample)
+
+QUESTIONS = [{"prompt": f"Question {i}: is {i} a number?", "response": f"Yes, {i} is a number."}
+             for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def policy_and_reward(tmp_path_factory):
+    """A tiny SFT policy that has learned to answer short and stop (<|eot_id|>), and a reward model trained
+    from it that prefers "Yes, i is a number." to "No idea about i."."""
+    root = tmp_path_factory.mktemp("rejection")
+    sft_data, pairs = write_jsonl(root / "sft.jsonl", QUESTIONS), write_jsonl(root / "p.jsonl", PAIRS * 2)
+    policy, rm = root / "sft", root / "rm"
+    sft.main(TINY + ["--data", str(sft_data), "--max-steps", "40", "--lr", "3e-3", "--micro-batch", "4",
+                     "--sample-prompt", "", "--out-dir", str(policy)])
+    reward.main(TINY + ["--init", str(policy), "--data", str(pairs), "--max-steps", "30", "--lr", "3e-3",
+                        "--micro-batch", "4", "--out-dir", str(rm)])
+    return policy, rm, write_jsonl(root / "prompts.jsonl", QUESTIONS[:16])
+
+
+def sample(capsys, policy, rm, prompts, out, *flags):
+    capsys.readouterr()
+    assert reward.main(["sample", "--policy", str(policy), "--reward", str(rm), "--prompts", str(prompts),
+                        "--out", str(out), "--max-new-tokens", "40", *flags]) == 0
+    printed = capsys.readouterr()
+    return json.loads(printed.out), [json.loads(line) for line in out.read_text().splitlines()], printed.err
+
+
+def test_rejection_sampling_keeps_the_best_finished_reply_as_sft_data(policy_and_reward, tmp_path, capsys):
+    """Each kept record: K replies with their scores, the best finished one as the assistant's turn (its
+    score the one the reward model gives that conversation); the file is SFT data; a seed gives one file."""
+    policy, rm, prompts = policy_and_reward
+    summary, recs, _ = sample(capsys, policy, rm, prompts, tmp_path / "a.jsonl", "--k", "4")
+    assert summary["prompts"] == 16 and summary["kept"] == len(recs) >= 12
+    model, tok = reward.load_reward_model(rm, torch.device("cpu"))
+    for r in recs:
+        assert len(r["replies"]) == len(r["scores"]) == len(r["finished"]) == 4 and r["finished"][r["best"]]
+        assert r["scores"][r["best"]] == max(s for s, done in zip(r["scores"], r["finished"]) if done)
+        prompt = [{"role": "user", "content": QUESTIONS[r["index"]]["prompt"]}]
+        assert r["messages"] == prompt + [{"role": "assistant", "content": r["replies"][r["best"]]}]
+        again = reward.score_replies(model, tok, prompt, r["replies"], 128)
+        assert again.tolist() == pytest.approx(r["scores"], abs=1e-5)
+    assert [c[-1]["content"] for c in sft.read_sft(str(tmp_path / "a.jsonl"))] == \
+        [r["replies"][r["best"]] for r in recs]
+    assert summary["kept_reward_mean"] == pytest.approx(sum(r["scores"][r["best"]] for r in recs) / len(recs))
+    _, same, _ = sample(capsys, policy, rm, prompts, tmp_path / "b.jsonl", "--k", "4")
+    _, other, _ = sample(capsys, policy, rm, prompts, tmp_path / "c.jsonl", "--k", "4", "--seed", "1")
+    assert same == recs and [r["replies"] for r in other] != [r["replies"] for r in recs]
+
+
+def test_the_kept_reward_rises_with_k(policy_and_reward, tmp_path, capsys):
+    """Separate runs at K = 2 and 8 on the same prompts: the mean reward of the kept replies rises with K,
+    and both lie above the mean reward of a single sample. The estimate from one run's K scores (the
+    expected best of 1, 2, ... K) rises too, and its best of 1 is the mean of all replies."""
+    policy, rm, prompts = policy_and_reward
+    two, _, _ = sample(capsys, policy, rm, prompts, tmp_path / "k2.jsonl", "--k", "2")
+    eight, _, _ = sample(capsys, policy, rm, prompts, tmp_path / "k8.jsonl", "--k", "8")
+    assert eight["kept_reward_mean"] > two["kept_reward_mean"] > two["reward_mean"]
+    curve = [eight["best_of_k"][k] for k in ("1", "2", "4", "8")]
+    assert curve == sorted(curve) and curve[0] == pytest.approx(eight["reward_mean"])
+    assert reward.expected_best([3.0, 1.0, 2.0], 2) == pytest.approx((2 + 3 + 3) / 3)  # pairs 12, 13, 23
+
+
+def test_rejection_sampling_shares_the_prompts_over_ranks(policy_and_reward, tmp_path):
+    """Under torchrun, rank r samples prompts r, r + world, ...: two ranks write the replies one process
+    writes (each prompt's random stream is its own), scores within float rounding."""
+    policy, rm, prompts = policy_and_reward
+    outs = {}
+    for n in (1, 2):
+        outs[n] = tmp_path / f"n{n}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               str(REPO / "reward.py"), "sample", "--policy", str(policy), "--reward", str(rm), "--prompts",
+               str(prompts), "--out", str(outs[n]), "--k", "3", "--max-new-tokens", "40"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+    one, two = ([json.loads(line) for line in outs[n].read_text().splitlines()] for n in (1, 2))
+    assert [(r["index"], r["replies"], r["best"]) for r in one] == [(r["index"], r["replies"], r["best"])
+                                                                    for r in two]
+    assert [r["scores"] for r in two] == [pytest.approx(r["scores"], abs=1e-5) for r in one]
+
+
+def test_bad_rejection_sampling_input_is_one_line_and_writes_nothing(policy_and_reward, tmp_path, capsys):
+    policy, rm, prompts = policy_and_reward
+    gpt2_rm = tmp_path / "rm-gpt2"
+    reward.main(BASE + ["--tokenizer", "gpt2", "--seq-len", "64", "--data", str(write_jsonl(
+        tmp_path / "p.jsonl", PAIRS)), "--max-steps", "1", "--micro-batch", "2", "--out-dir", str(gpt2_rm)])
+    no_user = write_jsonl(tmp_path / "system.jsonl", [{"prompt": "Hi."},
+                                                      {"prompt": [{"role": "system", "content": "Be brief."}]}])
+    taken = tmp_path / "taken.jsonl"
+    taken.write_text("keep me\n")
+    out = tmp_path / "out.jsonl"
+    cases = [(["--k", "1"], out, "--k 1: rejection sampling keeps the best of at least 2 replies"),
+             (["--seq-len", "20"], out, "16 of 16 prompt(s) leave no room for a reply under --seq-len 20 (the "
+                                        "first, "),
+             (["--reward", str(gpt2_rm)], out, f"reads the tokenizer gpt2, --policy {policy} writes byte"),
+             (["--reward", str(policy)], out, "is not a reward model"),
+             (["--policy", str(rm)], out, "is a reward model (a head of 1 output)"),
+             (["--prompts", str(no_user)], out, "system.jsonl:2: a prompt needs a user message"),
+             ([], taken, f"--out {taken} exists: give another file, or --overwrite"),
+             (["--prompts", str(taken), "--overwrite"], taken, "is the --prompts file"),
+             (["--top-p", "0"], out, "top_p must be in (0, 1]")]
+    for flags, where, message in cases:
+        argv = ["sample", "--policy", str(policy), "--reward", str(rm), "--prompts", str(prompts), "--k", "2",
+                "--out", str(where), *flags]
+        with pytest.raises(SystemExit) as stop:
+            train.run(reward.main, argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and message in err and "Traceback" not in err, (flags, err)
+        assert not out.exists() and taken.read_text() == "keep me\n"
+
+
+def test_prompts_without_room_for_a_reply_are_left_out_and_counted(policy_and_reward, tmp_path, capsys):
+    """As sft.py and dpo.py drop what their length rule cannot keep: a prompt as long as --seq-len is left
+    out and said (the others are sampled); records of every layout read_prompts takes are prompts."""
+    policy, rm, _ = policy_and_reward
+    prompts = write_jsonl(tmp_path / "mixed.jsonl", [
+        "Question 1: is 1 a number?", {"prompt": "x" * 300},
+        {"messages": [{"role": "user", "content": "Question 2: is 2 a number?"},
+                      {"role": "assistant", "content": "Yes."}]},
+        PAIRS[3], {"chosen": "\n\nHuman: Question 4: is 4 a number?\n\nAssistant: Yes.",
+                   "rejected": "\n\nHuman: Question 4: is 4 a number?\n\nAssistant: No."}])
+    summary, recs, err = sample(capsys, policy, rm, prompts, tmp_path / "o.jsonl", "--k", "4")
+    assert summary["prompts"] == 4 and "left out: 1 of 5 prompt(s)" in err and "mixed.jsonl:2" in err
+    assert [r["messages"][0]["content"] for r in recs] == [f"Question {i}: is {i} a number?" for i in (1, 2, 3, 4)
+                                                           ][:len(recs)] and len(recs) >= 3
