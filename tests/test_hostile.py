@@ -571,12 +571,15 @@ def test_a_full_disk_under_the_log_stops_the_run_with_a_checkpoint(tmp_path, mon
     assert [r["step"] for r in records(out)] == [1, 2, 5, 6]
 
 
-def test_a_fifo_in_a_shards_place_is_refused_not_waited_on(tmp_path):
+@pytest.mark.parametrize("make", [os.mkfifo, os.mkdir], ids=["fifo", "folder"])
+def test_a_fifo_in_a_shards_place_is_refused_not_waited_on(tmp_path, make):
+    """A FIFO would block open() forever; a folder would raise IsADirectoryError: both are damage, and the
+    run goes on from the step before."""
     out = tmp_path / "o"
     train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(out)])
     shard = out / "step_000004" / "shard_pp00_tp00.pt"
     shard.unlink()
-    os.mkfifo(shard)
+    make(shard)
     p = cli("train.py", *TINY, "--max-steps", "5", "--out-dir", out, "--resume", timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt is not a regular file)" in p.stdout
