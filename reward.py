@@ -247,7 +247,7 @@ def read_prompts(path_or_name, mirror=None) -> list[tuple[str, list]]:
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 data.check_messages(messages)
             else:
-                messages = sft._conversation(record)
+                messages = sft.conversation(record)
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
             if not users:
                 raise data.DataError("a prompt needs a user message")

@@ -129,7 +129,7 @@ def _strings(record, *keys):
     return values
 
 
-def _conversation(record) -> list:
+def conversation(record) -> list:
     """One SFT record, in any of the layouts read_sft accepts -> a list of messages."""
     if isinstance(record, dict) and "messages" in record:
         messages = record["messages"]
@@ -164,7 +164,7 @@ def read_sft(path_or_name, mirror=None) -> list:
     conversations = []
     for where, record in data.json_records(path):
         try:
-            conversations.append(_conversation(record))
+            conversations.append(conversation(record))
         except data.DataError as e:
             raise data.DataError(f"{where}: {e}") from None
     if not conversations:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench
+import launch
 import model as M
 import parallel
 
@@ -167,9 +168,8 @@ def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
 
 def test_dp_vs_ddp_and_bubble_run_end_to_end():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            str(REPO / "bench.py"),
-            "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2", "--json"]
+    base = launch.command(2, REPO / "bench.py", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
+                          "--steps", "2", "--json")
     ddp = json.loads(subprocess.run(base + ["--dp-vs-ddp", "--blocks", "1"], capture_output=True, text=True,
                                     check=True, env=env).stdout.splitlines()[-1])
     assert ddp["torch_device"] == "cpu" and ddp["dp_vs_ddp"]["ratio_ddp_over_ours"] > 0

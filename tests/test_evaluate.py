@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import checkpoint as C
 import data
 import evaluate as E
+import launch
 import model as M
 import parallel as P
 import train
@@ -293,8 +294,7 @@ def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsy
     argv = ["--init", str(checkpoint), "--task", str(mc), "--task", "tinyshakespeare", "--limit", "7",
             "--json"]
     one = cli(capsys, *argv[:-1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "evaluate.py"), *argv]
+    cmd = launch.command(2, REPO / "evaluate.py", *argv)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]

@@ -18,6 +18,7 @@ import torch
 
 import checkpoint
 import data
+import launch
 import optim as O
 import parallel
 import train
@@ -134,10 +135,8 @@ def test_nan_gradient_on_one_rank_makes_every_rank_skip(tmp_path, when):
     common = [*TINY, "--max-steps", "4", "--grad-accum", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, cmd in (("nan", [str(script)]), ("clean", [str(REPO / "train.py")])):
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc_per_node=2",
-                            *cmd, *common, "--out-dir", str(tmp_path / name)], capture_output=True, text=True,
-                           env=env, timeout=240)
+        p = subprocess.run(launch.command(2, *cmd, *common, "--out-dir", tmp_path / name), capture_output=True,
+                           text=True, env=env, timeout=240)
         assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in records(tmp_path / "nan") if "skipped" in r] == [2]
     wa, wb = masters(tmp_path / "nan"), masters(tmp_path / "clean")
@@ -353,8 +352,7 @@ def test_writers_hash_their_own_shards_and_the_ranks_share_a_resumes_checks(tmp_
 
 
 def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """`module`.main under torchrun with 2 processes; each file hash appends the hashing rank to
-    tmp_path/hashed."""
+    """`module`.main as a job of 2 processes; each file hash appends the hashing rank to tmp_path/hashed."""
     script, log = tmp_path / "count.py", tmp_path / "hashed"
     log.unlink(missing_ok=True)
     script.write_text(textwrap.dedent(f"""
@@ -369,9 +367,7 @@ def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.Comple
         data.sha256_file = counted
         train.run({module}.main, argv=sys.argv[1:])
     """))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2",
-                           str(script), *argv], capture_output=True, text=True, timeout=240,
+    return subprocess.run(launch.command(2, script, *argv), capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

@@ -20,6 +20,7 @@ import torch
 
 import bench
 import data
+import launch
 import model as M
 import optim as O
 import parallel as P
@@ -85,9 +86,8 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
     script = tmp_path / "census.py"
     script.write_text(CENSUS)
     argv = [str(script), *RUN, *flags, "--out-dir", str(tmp_path / "o")]
-    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                      "--standalone", f"--nproc_per_node={processes}"]
-    p = subprocess.run(launch + argv, capture_output=True, text=True, timeout=300,
+    cmd = [sys.executable, *argv] if processes == 1 else launch.command(processes, *argv)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     peaks = {r["rank"]: r["peak"] for r in (json.loads(f.read_text())
@@ -180,10 +180,8 @@ def test_activations_saved_for_backward_by_layout(tmp_path):
     Deterministic: it holds the tensor-parallel layouts, whose census above gloo's timing blurs."""
     script = tmp_path / "saved_by_layout.py"
     script.write_text(SAVED)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ,
-                                                                         "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(launch.command(2, script), capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     margs = M.PRESETS["mini"]
     [line] = [l for l in p.stdout.splitlines() if l.startswith("{")]

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import data
+import launch
 import model as M
 import parallel as P
 
@@ -293,13 +294,17 @@ TINY = ["--model", "tiny", "--n-layers", "4", "--vocab-size", "301", "--seq-len"
 GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
 
 
-def torchrun(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env=None,
-             script=REPO / "train.py"):
+def job(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env=None,
+        script=REPO / "train.py"):
+    """`script` over TINY as a job of n processes, GLOBAL_BATCH sequences a step. A job that must succeed
+    starts through launch.py (torchrun's variables, torch imported once); one that must fail (check=False)
+    through torchrun itself, whose agent ends the job."""
     dp = n // (int(_flag(flags, "--tp", 1)) * int(_flag(flags, "--pp", 1)) * int(_flag(flags, "--cp", 1)))
     accum = GLOBAL_BATCH // (micro * dp)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           str(script), *TINY, "--micro-batch", str(micro), "--grad-accum", str(accum),
-           "--max-steps", str(steps), "--out-dir", str(out_dir), *flags]
+    start = launch.command(n, script) if check else [sys.executable, "-m", "torch.distributed.run",
+                                                     "--standalone", f"--nproc_per_node={n}", str(script)]
+    cmd = [*start, *TINY, "--micro-batch", str(micro), "--grad-accum", str(accum), "--max-steps", str(steps),
+           "--out-dir", str(out_dir), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     if check:
@@ -324,7 +329,7 @@ def masters(out_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    torchrun(1, out)
+    job(1, out)
     return out
 
 
@@ -376,7 +381,7 @@ LAYOUTS = [  # (processes, flags)
 
 @pytest.mark.parametrize("n,flags", LAYOUTS, ids=[f"{n}:{' '.join(f)}" for n, f in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, reference, n, flags):
-    torchrun(n, tmp_path, *flags)
+    job(n, tmp_path, *flags)
     assert_same_training(tmp_path, reference)
 
 
@@ -387,8 +392,8 @@ def test_layout_matches_single_process(tmp_path, reference, n, flags):
 @pytest.mark.parametrize("zero,micro", [(1, 4), (2, 8)])
 def test_zero_is_identical_to_plain_dp(tmp_path, zero, micro):
     # small buckets: several launched during backward
-    torchrun(2, tmp_path / "dp", "--bucket-mb", "0.05", micro=micro)
-    torchrun(2, tmp_path / "zero", "--zero", str(zero), "--bucket-mb", "0.05", micro=micro)
+    job(2, tmp_path / "dp", "--bucket-mb", "0.05", micro=micro)
+    job(2, tmp_path / "zero", "--zero", str(zero), "--bucket-mb", "0.05", micro=micro)
     assert losses(tmp_path / "dp") == losses(tmp_path / "zero")
     # the checkpoints too: ZeRO's, gathered bucket by bucket from the dp ranks' pieces, equal DP's
     a, b = (P.read_full_state(Path(d) / (Path(d) / "latest").read_text().strip())[0]
@@ -450,7 +455,7 @@ def test_a_step_synchronizes_host_and_device_once(tmp_path, n, flags):
     flag ride on the same all-reduce."""
     script = tmp_path / "count_syncs.py"
     script.write_text(COUNT_SYNCS)
-    torchrun(n, tmp_path / "o", *flags, "--eval-every", "-1", "--ckpt-every", "0", steps=4, script=script,
+    job(n, tmp_path / "o", *flags, "--eval-every", "-1", "--ckpt-every", "0", steps=4, script=script,
              extra_env={"PYTHONPATH": str(REPO)})
     for rank in range(n):
         seen = json.loads((tmp_path / "o" / f"syncs_rank{rank}.json").read_text())
@@ -601,9 +606,9 @@ def test_zero3_matches_its_unsharded_self(tmp_path, tied, act_ckpt, compiled):
 def test_resume_same_layout_is_bit_exact_and_other_layouts_continue(tmp_path):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     layout = ["--tp", "2", "--pp", "2", "--zero", "1"]
-    torchrun(8, straight, *layout, "--ckpt-every", "2", steps=4)
-    torchrun(8, cut, *layout, "--ckpt-every", "2", steps=2)
-    torchrun(8, cut, *layout, "--ckpt-every", "2", "--resume", steps=4)
+    job(8, straight, *layout, "--ckpt-every", "2", steps=4)
+    job(8, cut, *layout, "--ckpt-every", "2", steps=2)
+    job(8, cut, *layout, "--ckpt-every", "2", "--resume", steps=4)
     assert losses(straight)[0] == losses(cut)[0]
     wa, wb = masters(straight), masters(cut)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -614,7 +619,7 @@ def test_resume_same_layout_is_bit_exact_and_other_layouts_continue(tmp_path):
         other.mkdir()
         (other / "step_000002").symlink_to(cut / "step_000002")
         (other / "latest").write_text("step_000002\n")
-        p = torchrun(n, other, *flags, "--resume", steps=4, micro=micro)
+        p = job(n, other, *flags, "--resume", steps=4, micro=micro)
         assert "written at tp 2, cp 1, pp 2, dp 2" in p.stdout
         la, lb = losses(other)[0], losses(straight)[0][2:]
         assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (la, lb)
@@ -626,19 +631,19 @@ def test_zero3_resumes_bit_exact_and_its_checkpoints_move_to_and_from_zero0(tmp_
     gives the same losses, and a ZeRO-0 checkpoint continues under ZeRO-3 likewise (within the layouts'
     tolerance: the two add the dp ranks' gradients in another order)."""
     straight, cut, plain = tmp_path / "straight", tmp_path / "cut", tmp_path / "plain"
-    torchrun(2, straight, "--zero", "3", "--ckpt-every", "2", steps=4)
-    torchrun(2, cut, "--zero", "3", "--ckpt-every", "2", steps=2)
-    torchrun(2, cut, "--zero", "3", "--ckpt-every", "2", "--resume", steps=4)
+    job(2, straight, "--zero", "3", "--ckpt-every", "2", steps=4)
+    job(2, cut, "--zero", "3", "--ckpt-every", "2", steps=2)
+    job(2, cut, "--zero", "3", "--ckpt-every", "2", "--resume", steps=4)
     assert losses(straight)[0] == losses(cut)[0]
     wa, wb = masters(straight), masters(cut)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    torchrun(2, plain, "--ckpt-every", "2", steps=2)  # ZeRO-0's own first two steps
+    job(2, plain, "--ckpt-every", "2", steps=2)  # ZeRO-0's own first two steps
     for name, source, zero in (("to0", cut, "0"), ("to3", plain, "3")):
         other = tmp_path / name
         other.mkdir()
         (other / "step_000002").symlink_to(source / "step_000002")
         (other / "latest").write_text("step_000002\n")
-        torchrun(2, other, "--zero", zero, "--resume", steps=4)
+        job(2, other, "--zero", zero, "--resume", steps=4)
         la, lb = losses(other)[0], losses(straight)[0][2:]
         assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (name, la, lb)
 
@@ -646,7 +651,7 @@ def test_zero3_resumes_bit_exact_and_its_checkpoints_move_to_and_from_zero0(tmp_
 def test_consolidate_to_hugging_face(tmp_path, reference):
     """A tp 2 x pp 2 checkpoint merged into one Hugging Face folder: the weights, and the tokenizer and
     special ids a base model's export records."""
-    torchrun(4, tmp_path, "--tp", "2", "--pp", "2")
+    job(4, tmp_path, "--tp", "2", "--pp", "2")
     ckpt = tmp_path / (tmp_path / "latest").read_text().strip()
     subprocess.run([sys.executable, str(REPO / "parallel.py"), "consolidate", str(tmp_path),
                     "--hf", str(tmp_path / "hf")], check=True, cwd=REPO)
@@ -736,7 +741,7 @@ def test_communication_bytes_match_formulas(tmp_path, tp, pp, dp):
 def test_invalid_layouts_are_refused_before_any_collective(tmp_path, n, flags, message):
     micro = 16 if "1F1B" in message or "--grad-accum 1" in message else 4  # 16 x 1 micro-batch
     t0 = time.time()
-    p = torchrun(n, tmp_path / "o", *flags, micro=micro, check=False, timeout=120)
+    p = job(n, tmp_path / "o", *flags, micro=micro, check=False, timeout=120)
     assert p.returncode != 0 and time.time() - t0 < 90
     errors = [l for l in p.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], p.stderr[-3000:]

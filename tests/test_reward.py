@@ -5,7 +5,6 @@ and pp, and the round trip through Hugging Face's LlamaForSequenceClassification
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import transformers  # test-only dependency: requirements-test.txt
 import checkpoint as C
 import data
 import dpo
+import launch
 import model as M
 import parallel as P
 import reward
@@ -119,8 +119,7 @@ def test_a_reward_model_goes_to_hugging_face_and_back(tmp_path):
 
 
 def _torchrun(n, out, *flags):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           str(REPO / "reward.py"), *flags, "--out-dir", str(out)]
+    cmd = launch.command(n, REPO / "reward.py", *flags, "--out-dir", out)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -242,9 +241,8 @@ def test_rejection_sampling_shares_the_prompts_over_ranks(policy_and_reward, tmp
     outs = {}
     for n in (1, 2):
         outs[n] = tmp_path / f"n{n}.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               str(REPO / "reward.py"), "sample", "--policy", str(policy), "--reward", str(rm), "--prompts",
-               str(prompts), "--out", str(outs[n]), "--k", "3", "--max-new-tokens", "40"]
+        cmd = launch.command(n, REPO / "reward.py", "sample", "--policy", policy, "--reward", rm, "--prompts",
+                             prompts, "--out", outs[n], "--k", "3", "--max-new-tokens", "40")
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:]
@@ -296,5 +294,5 @@ def test_prompts_without_room_for_a_reply_are_left_out_and_counted(policy_and_re
                    "rejected": "\n\nHuman: Question 4: is 4 a number?\n\nAssistant: No."}])
     summary, recs, err = sample(capsys, policy, rm, prompts, tmp_path / "o.jsonl", "--k", "4")
     assert summary["prompts"] == 4 and "left out: 1 of 5 prompt(s)" in err and "mixed.jsonl:2" in err
-    assert [r["messages"][0]["content"] for r in recs] == [f"Question {i}: is {i} a number?" for i in (1, 2, 3, 4)
-                                                           ][:len(recs)] and len(recs) >= 3
+    asked = [f"Question {i}: is {i} a number?" for i in (1, 2, 3, 4)]
+    assert len(recs) >= 3 and [r["messages"][0]["content"] for r in recs] == asked[:len(recs)]

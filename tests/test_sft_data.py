@@ -478,8 +478,8 @@ def test_preference_pairs_that_are_the_same_once_cut_are_dropped_and_counted(tmp
     mixed = tmp_path / "mixed.jsonl"  # with some left, the run says how many it dropped, and trains on the rest
     distinct = [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(10)]
     mixed.write_text(same.read_text() + "".join(json.dumps(r) + "\n" for r in distinct))
-    dpo.main(["--model", "tiny", "--data", str(mixed), "--seq-len", "64", "--max-steps", "1",
-              "--micro-batch", "2", "--out-dir", str(tmp_path / "o"), "--sample-prompt", "", "--eval-batches", "1"])
+    dpo.main(["--model", "tiny", "--data", str(mixed), "--seq-len", "64", "--max-steps", "1", "--micro-batch",
+              "2", "--out-dir", str(tmp_path / "o"), "--sample-prompt", "", "--eval-batches", "1"])
     assert "10 dropped as the same on both sides once cut" in capsys.readouterr().out
 
 
