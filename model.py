@@ -452,7 +452,10 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # no default initialization (init_weights, or a checkpoint, gives every weight its value); on the meta
+        # device nn.Embedding's own normal_ would import torch's compiler stack: a second of start-up
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
+                                           _weight=torch.empty(args.vocab_size, args.dim))
         # Keyed by global layer index so names survive pipeline stages dropping layers (parallel.py).
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)

@@ -590,9 +590,13 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 
 def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    V = weight.shape[0]
-    padded = torch.cat([weight.detach(), weight.new_zeros(padded_vocab(V, mesh.tp) - V, weight.shape[1])])
-    return padded.chunk(mesh.tp, dim=0)[mesh.tp_rank].clone()
+    """This rank's rows of a (vocab, dim) table padded with zero rows to padded_vocab. (Written into a
+    new tensor, not cut from a torch.cat: on the meta device cat imports torch's compiler stack.)"""
+    V, rows = weight.shape[0], padded_vocab(weight.shape[0], mesh.tp) // mesh.tp
+    first = mesh.tp_rank * rows
+    shard = weight.new_zeros(rows, weight.shape[1])
+    shard[:max(0, min(V - first, rows))] = weight.detach()[first:first + rows]
+    return shard
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str):

@@ -293,7 +293,10 @@ def configure_process(args):
         torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    torch.use_deterministic_algorithms(args.deterministic)  # set or unset: bench.py times both in one process
+    # set or unset (bench.py times both in one process), but only when it changes: the call imports
+    # torch's compiler stack, a second of start-up for every process of a job that never asked for it
+    if args.deterministic != torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(args.deterministic)
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False

@@ -2,12 +2,11 @@
 
     python tests/launch.py N SCRIPT [ARGS...]      (tests build the line with command(n, script, *args))
 
-torchrun starts N fresh interpreters, and each imports torch and the compiler stack that building a model on
-the meta device pulls in: about 2.4 s of CPU per rank, most of an 8-process test's time on two cores. This
-imports them once, then forks N ranks; each runs SCRIPT as its __main__ with the variables torchrun sets
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the code under test joins the
-job as under torchrun without its agent, or under srun: rank 0 hosts the rendezvous store. As torchrun
-does, the first rank that fails ends the others (SIGTERM, then SIGKILL after GRACE_S) and the job exits 1.
+torchrun starts N fresh interpreters, and each imports torch and the project: about 1.3 s of CPU per rank,
+much of a tiny 8-process test's time on two cores. This imports them once, then forks N ranks; each runs
+SCRIPT as its __main__ with the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), so the code under test joins the job as under torchrun without its agent, or
+under srun: rank 0 hosts the rendezvous store. As torchrun does, the first rank that fails ends the others (SIGTERM, then SIGKILL after GRACE_S) and the job exits 1.
 A rank dies with the launcher (Linux's parent-death signal). The tests of torchrun's own part (its agent,
 restarts, signals, failures) start torchrun itself.
 """
@@ -84,8 +83,8 @@ def wait_all(pids: list[int]) -> int:
 def main() -> int:
     n, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     sys.path[:0] = [str(Path(script).resolve().parent), str(REPO)]
-    import torch._dynamo  # noqa: F401  (what every rank would import for itself: torch, its compiler
-    import train  # noqa: F401           stack, the project's modules; not the script, which runs as it is)
+    import train  # noqa: F401  (torch and the project's modules, which every rank would import for itself;
+    #                            not the script: it runs in each rank as its __main__)
     port, pids = free_port(), []
     for rank in range(n):
         pid = os.fork()
