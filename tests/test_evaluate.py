@@ -96,7 +96,7 @@ def test_multiple_choice_scores_follow_their_definitions(capsys):
     Choices longer than the window are counted, and said once."""
     tok, seq_len = data.get_tokenizer("byte"), 48
     items = E.read_items("hellaswag")[:24]
-    torch.manual_seed(1)  # a model whose three scores differ on these items (checked below)
+    torch.manual_seed(2)  # a model whose three scores differ on these items (checked below)
     model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=320, max_seq_len=64)).eval()
     picks = []  # per item: the choice each rule picks
     for item in items:
@@ -127,7 +127,7 @@ def test_multiple_choice_scores_follow_their_definitions(capsys):
 def test_bits_per_byte_matches_an_independent_computation(tokenizer):
     tok = data.get_tokenizer(tokenizer)
     text = ("Naïve café owners — «très bien» — sell crème brûlée.\nThe end of 日本語 text.\n") * 3
-    torch.manual_seed(1)  # a model whose three scores differ on these items (checked below)
+    torch.manual_seed(1)  # a fixed random model
     model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2,
                                       vocab_size=64 * math.ceil(tok.n_vocab / 64), max_seq_len=64)).eval()
     seq_len = 16
