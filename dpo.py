@@ -443,7 +443,7 @@ class DPO(sft.SFT):
         self.loaders = train, make_val()  # precomputing scores both
         return train, make_val, desc
 
-    def task(self, margs, mesh, device, dtype):
+    def task(self, margs, mesh, device, dtype, model):
         reference = T.build_model(margs, self.initial, self.args, mesh, device, dtype).eval()
         for p in reference.parameters():
             p.requires_grad_(False)

@@ -328,14 +328,18 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of one layer for generation: (B, n_kv_heads, max_len, head_dim), filled in order."""
+    """Keys and values of one layer for generation: (B, kv heads, max_len, head_dim), filled in order. The
+    buffers take their head count, dtype and device from the first keys written: under tensor parallelism
+    a rank holds only its own heads (parallel.py)."""
 
-    def __init__(self, batch, n_kv_heads, max_len, head_dim, dtype, device):
-        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self, max_len: int):
+        self.max_len, self.k, self.v = max_len, None, None
 
     def update(self, start_pos: int, k, v):
-        T = k.shape[2]
+        B, heads, T, head_dim = k.shape
+        if self.k is None:
+            self.k = k.new_zeros(B, heads, self.max_len, head_dim)
+            self.v = torch.zeros_like(self.k)
         self.k[:, :, start_pos:start_pos + T] = k
         self.v[:, :, start_pos:start_pos + T] = v
         return self.k[:, :, :start_pos + T], self.v[:, :, :start_pos + T]
@@ -446,6 +450,11 @@ def init_tensor(args: ModelArgs, name: str, shape, seed: int, device="cpu") -> t
     g = torch.Generator(device=device)  # seeded by a digest: the same in every process (unlike hash())
     g.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:4], "little"))
     return torch.empty(shape, device=device).normal_(0.0, std, generator=g)
+
+
+# Parameters a training recipe keeps beside the model's own (rl.py's PPO value head): its checkpoints hold
+# them, the model does not, so reading a checkpoint as a model (--init, an export) leaves them out.
+TRAINING_ONLY = ("value_head.",)
 
 
 class Transformer(nn.Module):
@@ -559,13 +568,16 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
 @torch.no_grad()
 def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-             generator: torch.Generator | None = None, n_vocab: int | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, n_vocab: int | None = None,
+             whole_vocab=None) -> torch.Tensor:
     """Continue prompts (B, T) (or one list of ids) by up to max_new_tokens; returns the new tokens (B, n).
 
     The prompt is run once (prefill) to fill each layer's KV cache; every later step feeds only the newest
     token, attending to the cached keys and values, so a step costs O(T) instead of O(T^2). Stops early
     once every row has produced eos_id. n_vocab: sample only ids below it (the embedding table may be
-    padded past the tokenizer's vocabulary; padded rows are never valid tokens).
+    padded past the tokenizer's vocabulary; padded rows are never valid tokens). whole_vocab: a function
+    from the model's logits (B, its columns) to the whole vocabulary's (tensor parallelism: each rank
+    holds a slice; all ranks then draw the same tokens from the same generator state).
     """
     check_sampling(temperature, top_k, top_p)
     was_training = model.training
@@ -578,12 +590,11 @@ def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature
     total = min(T + max_new_tokens, model.args.max_seq_len)
     if T >= total:
         raise ValueError(f"prompt of {T} tokens leaves no room under max_seq_len {model.args.max_seq_len}")
-    dtype = model.tok_embeddings.weight.dtype
-    caches = [KVCache(B, model.args.n_kv_heads, total, model.args.head_dim, dtype, device)
-              for _ in range(model.args.n_layers)]
+    caches = [KVCache(total) for _ in range(model.args.n_layers)]
     out = []
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    logits = model(tokens, caches=caches, start_pos=0)[:, -1]
+    whole_vocab = whole_vocab or (lambda logits: logits)
+    logits = whole_vocab(model(tokens, caches=caches, start_pos=0)[:, -1])
     for pos in range(T, total):
         if n_vocab is not None:
             logits[:, n_vocab:] = float("-inf")
@@ -594,7 +605,7 @@ def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature
             if done.all():
                 break
         if pos + 1 < total:
-            logits = model(nxt[:, None], caches=caches, start_pos=pos)[:, -1]
+            logits = whole_vocab(model(nxt[:, None], caches=caches, start_pos=pos)[:, -1])
     model.train(was_training)
     return torch.stack(out, dim=1)
 

@@ -746,6 +746,18 @@ def head_outputs(logits, n: int, mesh: Mesh) -> torch.Tensor:
     return _ReduceFromTP.apply(full, mesh)
 
 
+def gather_vocab(logits, mesh: Mesh) -> torch.Tensor:
+    """This rank's vocabulary columns (B, V_padded / tp) -> the whole padded vocabulary (B, V_padded), the
+    same on every tp rank: generation samples from it (model.generate's whole_vocab). Forward only; one
+    all-gather of B x V numbers per generated token, against the vocab-parallel loss's three of B."""
+    if mesh.tp == 1:
+        return logits
+    B, local = logits.shape
+    out = logits.new_empty(mesh.tp * B, local)
+    all_gather(out, logits.contiguous(), mesh, "tp")  # (tp * B, V / tp): rank r's columns in rows r*B..
+    return out.view(mesh.tp, B, local).permute(1, 0, 2).reshape(B, mesh.tp * local)
+
+
 # ====================================================================================================
 # 5. Context parallelism: each sequence cut along its length over the cp ranks
 #
@@ -1748,7 +1760,7 @@ def consolidate(folder: Path, hf: Path, tokens: dict | None = None):
     model = model.to_empty(device="cpu")
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    state = {name: e["master"] for name, e in full.items()}
+    state = {name: e["master"] for name, e in full.items() if not name.startswith(M.TRAINING_ONLY)}
     if args.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
     model.load_state_dict(state)

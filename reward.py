@@ -162,7 +162,7 @@ class RewardModel(sft.SFT):
     def data(self, tok, mesh):
         return dpo.preference_data(self.args, tok, mesh)
 
-    def task(self, margs, mesh, device, dtype):
+    def task(self, margs, mesh, device, dtype, model):
         return RewardTask(margs, mesh, self.args)
 
 
@@ -231,32 +231,38 @@ def score_main(argv) -> int:
 
 
 def read_prompts(path_or_name, mirror=None) -> list[tuple[str, list]]:
-    """Prompts -> [(where, messages ending with a user turn)]. A record is a string (one user message),
-    {"prompt": a string or messages}, a preference pair as dpo.py reads it (its prompt), or any record
-    sft.py reads (its conversation up to its last user turn: a fine-tuning set's instructions are prompts)."""
+    """Prompts -> [(where, messages ending with a user turn)], each record read by prompt_of."""
     path = data.named_file(path_or_name, {**data.SFT_DATASETS, **data.PREFERENCE_DATASETS}, mirror)
     prompts = []
     for where, record in data.json_records(path):
         try:
-            if isinstance(record, str):
-                messages = [{"role": "user", "content": record}]
-            elif isinstance(record, dict) and "chosen" in record:
-                messages = dpo.pair_sides(record)[0][0]
-            elif isinstance(record, dict) and "prompt" in record and "response" not in record:
-                prompt = record["prompt"]
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                data.check_messages(messages)
-            else:
-                messages = sft.conversation(record)
-            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-            if not users:
-                raise data.DataError("a prompt needs a user message")
-            prompts.append((where, messages[:users[-1] + 1]))
+            prompts.append((where, prompt_of(record)))
         except data.DataError as e:
             raise data.DataError(f"{where}: {e}") from None
     if not prompts:
         raise data.DataError(f"{path}: no prompts")
     return prompts
+
+
+def prompt_of(record) -> list:
+    """One record -> the messages of its prompt, ending with a user turn. A record is a string (one user
+    message), {"prompt": a string or messages}, a preference pair as dpo.py reads it (its prompt), or any
+    record sft.py reads (its conversation up to its last user turn: a fine-tuning set's instructions are
+    prompts)."""
+    if isinstance(record, str):
+        messages = [{"role": "user", "content": record}]
+    elif isinstance(record, dict) and "chosen" in record:
+        messages = dpo.pair_sides(record)[0][0]
+    elif isinstance(record, dict) and "prompt" in record and "response" not in record:
+        prompt = record["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        data.check_messages(messages)
+    else:
+        messages = sft.conversation(record)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise data.DataError("a prompt needs a user message")
+    return messages[:users[-1] + 1]
 
 
 def prompt_generator(seed: int, index: int, device) -> torch.Generator:
@@ -266,16 +272,26 @@ def prompt_generator(seed: int, index: int, device) -> torch.Generator:
 
 
 @torch.no_grad()
+def sample_tokens(policy, ids: list[int], k: int, max_new_tokens: int, generator, eot: int, n_vocab: int,
+                  temperature: float = 1.0, top_p: float | None = None, mesh=None) -> list[list[int]]:
+    """K continuations of the token ids `ids`, sampled as one batch (K copies: one prefill shape, one KV
+    cache) -> each one's new tokens, up to and with its <|eot_id|> when it finished within max_new_tokens.
+    Under tensor parallelism (mesh) every tp rank draws the same tokens (parallel.gather_vocab)."""
+    whole_vocab = (lambda logits: P.gather_vocab(logits, mesh)) if mesh is not None and mesh.tp > 1 else None
+    new = M.generate(policy, [ids] * k, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=eot,
+                     generator=generator, n_vocab=n_vocab, whole_vocab=whole_vocab)
+    return [row[:row.index(eot) + 1] if eot in row else row for row in new.tolist()]
+
+
 def sample_replies(policy, tok, prompt, k: int, max_new_tokens: int, seq_len: int, generator,
                    temperature: float = 1.0, top_p: float | None = None) -> list[tuple[str, bool]]:
-    """K replies to one prompt, sampled as one batch -> [(text, finished)]; finished: it ended with
-    <|eot_id|> within max_new_tokens (and within seq_len)."""
+    """K replies to one prompt (messages) -> [(text, finished)]; finished: it ended with <|eot_id|> within
+    max_new_tokens (and within seq_len)."""
     ids, _ = data.encode_chat(tok, prompt, add_generation_prompt=True)
     eot = data.eot_id(tok)
-    new = M.generate(policy, [ids] * k, min(max_new_tokens, seq_len - len(ids)), temperature=temperature,
-                     top_p=top_p, eos_id=eot, generator=generator, n_vocab=tok.n_vocab)
-    return [(tok.decode(row[:row.index(eot)]), True) if eot in row else (tok.decode(row), False)
-            for row in new.tolist()]
+    rows = sample_tokens(policy, ids, k, min(max_new_tokens, seq_len - len(ids)), generator, eot, tok.n_vocab,
+                         temperature, top_p)
+    return [(tok.decode(row[:-1]), True) if row[-1:] == [eot] else (tok.decode(row), False) for row in rows]
 
 
 @torch.no_grad()

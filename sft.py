@@ -65,7 +65,8 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
             margs = checkpoint_args(path)
             full, _ = P.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
             master = lambda name: (lambda: full[name]["master"])
-            state = M.LazyState({name: master(name) for name in full} |
+            names = [name for name in full if not name.startswith(M.TRAINING_ONLY)]  # the model's own
+            state = M.LazyState({name: master(name) for name in names} |
                                 ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings
                                  else {}))
         elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps

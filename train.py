@@ -397,8 +397,8 @@ class Spec(NamedTuple):
 # ----------------------------------------------------------------------------------------------------
 # The recipe: what a run trains. The loop asks it five things, in this order: the tokenizer and the
 # model's shape (before any process talks, so a wrong one fails fast), the initial weights and the data
-# (once the processes can talk), and the task, the loss of a micro-batch (once the model is built).
-# sft.py and dpo.py subclass it.
+# (once the processes can talk), and the task, the loss of a micro-batch (once the model is built; it is
+# handed the model: rl.py's task generates with it). sft.py, dpo.py, reward.py and rl.py subclass it.
 
 
 class Pretraining:
@@ -464,7 +464,11 @@ class Pretraining:
         shares = ", ".join(f"{name} {w:.0%}" for name, w in mixture)
         return train, make_val, f"a mixture of {shares}: {train.num_tokens:,} train tokens"
 
-    def task(self, margs, mesh, device, dtype):
+    def extend(self, model, device, dtype):
+        """Modules trained beside the model's own, added to it before the optimizer takes its parameters
+        (rl.py's PPO: a value head). Pretraining adds none."""
+
+    def task(self, margs, mesh, device, dtype, model):
         return LMTask(margs, mesh)
 
 
@@ -1245,6 +1249,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     dtype, lazy = DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy)
+        recipe.extend(model, spec.device, dtype)
         opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                       weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
                       allocate_state=False,  # GradSync shards
@@ -1256,7 +1261,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
     scaler = O.LossScaler() if spec.precision == "fp16" else None
-    task = recipe.task(spec.margs, mesh, spec.device, dtype)
+    task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
               loader, make_val, PhaseTimer(spec.device, time_phases))
     start_step = restore(run, resume, meta, recipe) if resume else 0
@@ -1340,7 +1345,7 @@ def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
     return meta["step"]
 
 
-SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py", "reward": "reward.py"}
+SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py", "reward": "reward.py", "rl": "rl.py"}
 
 
 def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):

@@ -1,0 +1,626 @@
+"""Reinforcement learning from feedback: the policy writes replies, a reward scores them, and the policy is
+updated to raise the reward while a KL penalty holds it near the model it started from.
+
+    python rl.py sums --out-dir sums                       # worked sums for SFT, prompts for RL and a test
+    python rl.py --init out-sft --algo grpo --reward-fn arithmetic --prompts sums/prompts.jsonl --out-dir out-rl
+    python rl.py eval --init out-rl --reward-fn arithmetic --prompts sums/test.jsonl    # greedy accuracy
+
+Every step rolls out (phase 1): each prompt of the step gets --group replies sampled from the current
+policy (one generate batch per prompt, its random stream seeded by --seed and the prompt's global sequence
+number, so a step's rollouts are the same under any dp and after --resume), scored by --reward-fn (a rule:
+`arithmetic`, 1 for the right answer; or FILE.py:FUNCTION) or --reward (a reward model of reward.py, read
+at the reply's <|eot_id|> as it was trained). Then one optimizer step on them: one update per rollout, so
+the policy that sampled is the policy being updated and the probability ratio starts at exactly 1 (TRL's
+default num_iterations=1); the clipped objective is written out in full all the same.
+
+  GRPO (Shao et al. 2024, --algo grpo): no value model. The advantage of reply i of a group is
+      A_i = (r_i - mean(r)) / (std(r) + 1e-4)        (the group's rewards; std with Bessel's correction)
+  for every token of the reply, and with the ratio rho_t = p(y_t) / p_old(y_t) and the KL estimate
+      k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, unbiased and >= 0)
+  the token loss is  -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) + beta k3_t  (beta: --kl-coef),
+  averaged over each reply's tokens, then over the global batch's replies: the paper's 1/G sum_i 1/|o_i|
+  sum_t, TRL's loss_type="grpo" (TRL's default, "dapo", averages over all tokens instead).
+  Logged as TRL's GRPOTrainer does: reward, reward_std (within groups), kl, completion_length, clip_ratio.
+
+  PPO (Ouyang et al. 2022's InstructGPT, --algo ppo): a value head V (a linear map of the policy's last
+  hidden state; its gradient stops there, so the critic's loss never moves the policy, where InstructGPT
+  kept a separate value model of the reward model's size). The KL is in the reward, per token:
+      r_t = -beta (logp_old_t - ref_t), plus the score at the reply's last token,
+  advantages by GAE (--gamma, --lam) from V, whitened over the global batch, returns R_t = A_t + V_t;
+  token loss  max(-A rho_t, -A clip(rho_t)) + vf_coef * 0.5 max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2),
+  averaged per reply, then over replies. Logged as TRL's PPOTrainer: reward, objective/kl (per reply,
+  summed over its tokens), objective/entropy (likewise, the sampled -logp), policy/clipfrac_avg,
+  loss/value_avg, completion_length.
+
+With prompts that carry an "answer", `accuracy` is logged too: the share of replies whose last number is
+the answer, whatever the reward says (a flawed reward can rise while it falls: reward hacking). Validation
+replies greedily (temperature 0) to the held-out prompts: val_reward, val_accuracy.
+
+It is train.py's loop with another recipe: the model from --init (an SFT checkpoint), a frozen reference
+from the same weights (none at --kl-coef 0), the prompts as the data, and the rollout in the task's
+prepare(). Layouts: dp (each replica rolls out its own prompts) and tp (each tp group samples the same
+tokens: the vocabulary's slices are gathered before sampling); ZeRO-1 and 2. Refused: pp (generation runs
+the whole model for one token at a time, which a pipeline would pass through every stage per token), cp
+and --sp (a sequence is cut over ranks, one decoded token cannot be), ZeRO-3 (each forward gathers the
+weights from every replica, whose rollouts end at different lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+import checkpoint as C
+import data
+import evaluate
+import model as M
+import parallel as P
+import reward
+import sft
+import train as T
+
+IGNORE_INDEX = data.IGNORE_INDEX
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = T.get_parser()
+    p.description = ("Reinforcement learning (GRPO or PPO) against a reward, from an SFT checkpoint. Also: "
+                     "`rl.py sums` writes the arithmetic task's files, `rl.py eval` scores greedy replies.")
+    g = p.add_argument_group("reinforcement learning")
+    g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
+    g.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="see the module docstring")
+    g.add_argument("--prompts", default=None, help="JSON/JSONL prompts (reward.py's read_prompts layouts; an "
+                                                    "\"answer\" field is what --reward-fn arithmetic checks)")
+    g.add_argument("--reward", default=None, help="a reward model (reward.py's --out-dir, or an HF folder)")
+    g.add_argument("--reward-fn", default=None,
+                   help="a rule instead: " + ", ".join(REWARD_FNS) + ", or FILE.py:FUNCTION taking (prompt "
+                        "record, reply text) and returning a number")
+    g.add_argument("--group", type=int, default=None, help="replies per prompt (default: grpo 8, ppo 1)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="the longest reply (cut there)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling of the rollouts")
+    g.add_argument("--kl-coef", type=float, default=None,
+                   help="beta, the KL penalty's weight (default: grpo 0.04, ppo 0.05; 0: no reference)")
+    g.add_argument("--clip-eps", type=float, default=0.2, help="the ratio's clip range")
+    g.add_argument("--gamma", type=float, default=1.0, help="PPO: discount")
+    g.add_argument("--lam", type=float, default=0.95, help="PPO: GAE's lambda")
+    g.add_argument("--vf-coef", type=float, default=0.1, help="PPO: the value loss's weight")
+    g.add_argument("--clip-value", type=float, default=0.2, help="PPO: the value's clip range")
+    g.add_argument("--val-fraction", type=float, default=0.1, help="share of prompts held out")
+    p.set_defaults(tokenizer=None, data=None, out_dir="out-rl", lr=1e-5, warmup=0, max_steps=100,
+                   eval_every=50, eval_batches=8, ckpt_every=100, log_every=10, seq_len=256, micro_batch=4,
+                   weight_decay=0.0)
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rewards: rules a reply can be checked by
+
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def last_number(text: str) -> str | None:
+    found = _NUMBER.findall(text.replace(",", ""))
+    return found[-1] if found else None
+
+
+def is_correct(record: dict, reply: str) -> bool:
+    """Whether the reply's last number is the record's "answer"."""
+    return last_number(reply) == str(record.get("answer")).strip()
+
+
+def arithmetic(record: dict, reply: str) -> float:
+    """1 for the right answer (the reply's last number), else 0."""
+    return float(is_correct(record, reply))
+
+
+def arithmetic_length(record: dict, reply: str) -> float:
+    """A deliberately flawed reward: the right answer's 1, plus 0.1 per character of the reply. Longer is
+    always better, whatever it says: what RL without a KL penalty learns to exploit."""
+    return arithmetic(record, reply) + 0.1 * len(reply)
+
+
+REWARD_FNS = {"arithmetic": arithmetic, "arithmetic-length": arithmetic_length}
+
+
+def load_reward_fn(name: str):
+    """--reward-fn: a built-in rule, or FILE.py:FUNCTION."""
+    if name in REWARD_FNS:
+        return REWARD_FNS[name]
+    path, _, fn = name.rpartition(":")
+    if not (path.endswith(".py") and fn and Path(path).is_file()):
+        raise T.ConfigError(f"--reward-fn {name}: not one of {', '.join(REWARD_FNS)} nor FILE.py:FUNCTION of "
+                            "an existing file")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        return getattr(module, fn)
+    except Exception as e:
+        raise T.ConfigError(f"--reward-fn {name}: {type(e).__name__}: {data.one_line(e)}") from None
+
+
+def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[float]:
+    """fn on each reply; a rule that raises or gives no finite number stops the run with one line (the
+    last checkpoint stays the good one)."""
+    out = []
+    for reply in replies:
+        try:
+            value = float(fn(record, reply))
+        except Exception as e:
+            raise T.TrainingError(f"--reward-fn {name} raised {type(e).__name__}: {data.one_line(e)} (on the "
+                                  f"prompt {record['where']})") from None
+        if not math.isfinite(value):
+            raise T.TrainingError(f"--reward-fn {name} returned {value} for a reply to {record['where']}: a "
+                                  "reward must be a finite number")
+        out.append(value)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The arithmetic task: a whole loop small enough for a CPU (rl.py sums)
+
+
+def sums(n: int, seed: int, high: int = 30) -> list[dict]:
+    """n sums a + b with 0 <= a, b < high, drawn without repeats: {"prompt", "answer", "a", "b"}."""
+    pairs = np.random.default_rng(seed).permutation(high * high)[:n]
+    return [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), "a": int(a), "b": int(b)}
+            for a, b in (divmod(int(i), high) for i in pairs)]
+
+
+def sums_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="rl.py sums", description="Sums a + b as SFT data, RL prompts and a test.")
+    p.add_argument("--out-dir", default="sums")
+    p.add_argument("--high", type=int, default=30, help="a and b are below this")
+    p.add_argument("--sft", type=int, default=300, help="worked sums for SFT (sft.jsonl)")
+    p.add_argument("--rl", type=int, default=500, help="prompts for RL (prompts.jsonl)")
+    p.add_argument("--test", type=int, default=100, help="held-out prompts (test.jsonl)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    total = a.sft + a.rl + a.test
+    if min(a.sft, a.rl, a.test) < 1 or total > a.high ** 2:
+        raise T.ConfigError(f"--sft, --rl and --test must be >= 1 and add up to at most --high^2 = "
+                            f"{a.high ** 2}")
+    problems, out = sums(total, a.seed, a.high), Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    worked = [{"messages": [{"role": "user", "content": s["prompt"]},
+                            {"role": "assistant", "content": f"{s['a']} + {s['b']} = {s['answer']}"}]}
+              for s in problems[:a.sft]]
+    reward.write_records(out / "sft.jsonl", worked)
+    reward.write_records(out / "prompts.jsonl", problems[a.sft:a.sft + a.rl])
+    reward.write_records(out / "test.jsonl", problems[a.sft + a.rl:])
+    print(json.dumps({"out_dir": str(out), "sft": a.sft, "rl": a.rl, "test": a.test}))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The prompts: the data of phase 1
+
+
+def read_rl_prompts(path: str, tok, seq_len: int, say) -> list[dict]:
+    """--prompts -> [{"where", "messages", "ids", "answer"?}]: ids the chat-formatted prompt with the
+    assistant's header. Prompts that leave no room for a reply under seq_len are left out and counted
+    (reward.with_room); none left is an error."""
+    records = []
+    for where, record in data.json_records(path):
+        try:
+            messages = reward.prompt_of(record)
+        except data.DataError as e:
+            raise data.DataError(f"{where}: {e}") from None
+        extra = {"answer": str(record["answer"])} if isinstance(record, dict) and "answer" in record else {}
+        records.append({"where": where, "messages": messages, **extra})
+    if not records:
+        raise data.DataError(f"{path}: no prompts")
+    kept = reward.with_room([(r["where"], r["messages"]) for r in records], tok, seq_len, say)
+    return [{**records[i], "ids": data.encode_chat(tok, records[i]["messages"], True)[0]} for i in kept]
+
+
+class PromptLoader(data.Positions):
+    """(global sequence numbers (B,), prompt indices (B,)) of this dp rank's next B prompts, in an order
+    drawn per epoch as every loader's (data.Positions). The sequence number seeds the prompt's rollout; the
+    index, plus index_offset, finds it in the task's list of prompts (validation's follow training's)."""
+
+    def __init__(self, prompts, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, index_offset=0):
+        self.prompts, self.index_offset = prompts, index_offset
+        super().__init__(len(prompts), batch_size, seq_len, dp_rank, dp_size, seed, empty="no prompts")
+
+    def next(self):
+        seqs = self._next_seqs()
+        items, _ = self._items(seqs)
+        return torch.from_numpy(seqs), torch.from_numpy(items + self.index_offset)
+
+    def fingerprint(self) -> str:
+        return sft.rows_fingerprint(*(np.asarray(p["ids"], dtype=np.int64) for p in self.prompts))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rollouts: replies sampled, scored, laid out as training rows
+
+
+def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int, pad: int):
+    """Prompt and reply token lists (one pair a row) -> inputs and targets (rows, seq_len) int64: a row is
+    prompt + reply, shifted by one; targets are the reply's tokens (its <|eot_id|> included), IGNORE_INDEX
+    elsewhere."""
+    x = torch.full((len(replies), seq_len), pad, dtype=torch.long)
+    y = torch.full((len(replies), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+        row = prompt + reply
+        x[i, :len(row) - 1] = torch.tensor(row[:-1])
+        y[i, len(prompt) - 1:len(row) - 1] = torch.tensor(reply)
+    return x, y
+
+
+def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """GRPO: (rows,) rewards, consecutive groups of `group` replies to one prompt -> (rows,) advantages
+    (r - the group's mean) / (the group's std + 1e-4)."""
+    r = rewards.view(-1, group)
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1)
+
+
+def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over each row's reply tokens (mask: contiguous, (rows, T)):
+    delta_t = r_t + gamma V_{t+1} - V_t (V past the reply's end is 0), A_t = delta_t + gamma lam A_{t+1}.
+    -> (advantages, returns = A + V), both 0 outside the reply."""
+    adv, last = torch.zeros_like(values), torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        after = values[:, t + 1] * mask[:, t + 1] if t + 1 < values.shape[1] else 0.0
+        last = (rewards[:, t] + gamma * after - values[:, t] + gamma * lam * last) * mask[:, t]
+        adv[:, t] = last
+    return adv, (adv + values) * mask
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, mesh) -> torch.Tensor:
+    """x standardized over the masked tokens of the whole global batch (sums over dp): the same numbers
+    under any layout."""
+    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
+    P.all_reduce(stats, mesh, "dp")
+    mean = stats[0] / stats[2]
+    var = (stats[1] / stats[2] - mean ** 2).clamp(min=0)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+# ----------------------------------------------------------------------------------------------------
+# The losses, per token, and their mean as the loop wants it
+
+
+def clipped_ratio(logp, old_logp, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rho, clip(rho, 1 - eps, 1 + eps)), rho = p / p_old per token."""
+    rho = torch.exp(logp - old_logp)
+    return rho, rho.clamp(1 - clip_eps, 1 + clip_eps)
+
+
+def grpo_token_losses(logp, old_logp, ref_logp, adv, clip_eps: float, beta: float):
+    """GRPO per token (rows, T): -min(rho A, clip(rho) A) + beta k3, with k3 the KL estimate (0 where there is
+    no reference: ref_logp None). Also returns k3 and where the clipped term won (no gradient there)."""
+    rho, clipped = clipped_ratio(logp, old_logp, clip_eps)
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    plain, safe = rho * adv, clipped * adv
+    losses = -torch.min(plain, safe)
+    kl = torch.zeros_like(logp) if ref_logp is None else torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    return losses + beta * kl, kl, safe < plain
+
+
+def ppo_token_losses(logp, old_logp, adv, values, old_values, returns, a):
+    """PPO per token (rows, T): the clipped policy loss plus vf_coef times the clipped value loss. Also returns
+    the value loss and where the clipped policy term won."""
+    rho, clipped = clipped_ratio(logp, old_logp, a.clip_eps)
+    plain, safe = -adv * rho, -adv * clipped
+    v_clipped = old_values + (values - old_values).clamp(-a.clip_value, a.clip_value)
+    value_loss = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
+    return torch.max(plain, safe) + a.vf_coef * value_loss, value_loss, safe > plain
+
+
+def reply_mean(x, mask) -> torch.Tensor:
+    """(rows, T) -> (rows,): the mean over each reply's tokens."""
+    return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+
+
+class ValueHead(nn.Module):
+    """PPO's critic: V = w . h + b on the policy's final normed hidden state h, at every position. It reads h
+    as the policy computes it (a hook on model.norm) and stops the gradient there."""
+
+    def __init__(self, model: M.Transformer, device, dtype):
+        super().__init__()
+        self.proj = nn.Linear(model.args.dim, 1, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.proj.weight.zero_()
+            self.proj.bias.zero_()
+        self.hidden = None
+        model.norm.register_forward_hook(self.keep)  # (under tp the norm's output: the whole h, every rank)
+
+    def keep(self, module, inputs, out):
+        self.hidden = out
+
+    def forward(self) -> torch.Tensor:
+        return self.proj(self.hidden.detach()).squeeze(-1).float()  # (rows, T)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The task: phase 1's rollouts in prepare(), phase 3's loss
+
+
+class RLTask:
+    """The loss of train.py's loop for RL. prepare() turns each micro-batch of prompts into --group replies
+    per prompt (sampled; greedy when the model is in eval mode: validation) laid out as rows, with what the
+    loss needs beside the targets: rewards, advantages, the reference's log-probs, and for PPO the
+    rollout's log-probs and values. The normalizer is the global batch's reply count."""
+
+    def __init__(self, mesh, args, policy, tok, prompts, score, reference=None, value_head=None):
+        self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
+        self.score, self.reference, self.value_head = score, reference, value_head
+        self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
+        self.rows_per_example = args.group
+        # forwards besides the trained one's: the reference's, and PPO's rollout forward (values, old logp)
+        self.reference_forwards = (reference is not None) + (args.algo == "ppo")
+        names = (("reward", "reward_std", "kl", "completion_length", "clip_ratio") if args.algo == "grpo" else
+                 ("reward", "objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg",
+                  "completion_length"))
+        self.with_answers = all("answer" in p for p in prompts)
+        self.metric_names = names + (("accuracy",) if self.with_answers else ())
+        self.total = None
+        self._sums = torch.zeros(len(self.metric_names))
+
+    def count(self, batch) -> torch.Tensor:
+        """Replies: G per prompt of a loader's batch, or the rows of a rolled-out one."""
+        rows = batch[0].shape[0] * (self.group if batch[0].dim() == 1 else 1)
+        return torch.full((), rows, device=batch[0].device)
+
+    def prepare(self, batches):
+        rolled = [self.roll_out(seqs, items) for seqs, items in batches]
+        return self.ppo_targets(rolled) if self.args.algo == "ppo" else rolled
+
+    def sample(self, seq: int, prompt: dict) -> list[list[int]]:
+        """G replies to one prompt: sampled from its own stream, or (eval mode) one greedy reply G times."""
+        a, device = self.args, self.mesh.device
+        room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
+        eot, n_vocab = data.eot_id(self.tok), self.tok.n_vocab
+        if not self.policy.training:
+            return reward.sample_tokens(self.policy, prompt["ids"], 1, room, None, eot, n_vocab, 0.0,
+                                        mesh=self.mesh) * self.group
+        generator = reward.prompt_generator(a.seed, seq, self.policy.tok_embeddings.weight.device)
+        return reward.sample_tokens(self.policy, prompt["ids"], self.group, room, generator, eot, n_vocab,
+                                    a.temperature, a.top_p, self.mesh)
+
+    @torch.no_grad()
+    def roll_out(self, seqs, items):
+        """One micro-batch of prompts -> (inputs, (targets, extras)) of its B x G replies."""
+        a, G, device = self.args, self.group, seqs.device
+        prompts, replies, rewards, correct = [], [], [], []
+        for seq, item in zip(seqs.tolist(), items.tolist()):  # (one host read: generation reads many)
+            prompt = self.prompts[item]
+            rows = self.sample(seq, prompt)
+            texts = [self.tok.decode(r[:-1] if r[-1:] == [data.eot_id(self.tok)] else r) for r in rows]
+            prompts += [prompt["ids"]] * G
+            replies += rows
+            rewards += self.score(prompt, texts)
+            correct += [float(is_correct(prompt, t)) for t in texts] if self.with_answers else []
+        x, y = (t.to(device) for t in reply_rows(prompts, replies, a.seq_len, data.pad_id(self.tok)))
+        r = torch.tensor(rewards, device=device)
+        grouped = r.view(-1, G)
+        extras = {"reward": r, "length": (y != IGNORE_INDEX).sum(dim=-1).float(),
+                  "reward_std": grouped.std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(r),
+                  "correct": torch.tensor(correct, device=device) if self.with_answers else None,
+                  "ref": self.token_logps(self.reference, x, y) if self.reference is not None else None}
+        if a.algo == "grpo":
+            extras["adv"] = group_advantages(r, G)
+        return x, (y, extras)
+
+    def token_logps(self, model, x, y) -> torch.Tensor:
+        """log p(target) per token under `model` (rows, T), 0 where the target is IGNORE_INDEX."""
+        logits = P.local_forward(model, x, self.mesh, self.args.seq_len)
+        return -P.token_losses(logits, y, self.vocab_size, self.mesh)
+
+    @torch.no_grad()
+    def ppo_targets(self, rolled):
+        """PPO: the rollout's log-probs and values, the per-token rewards (the KL penalty at every reply
+        token, the score at its last), GAE advantages whitened over the global batch, and returns."""
+        a, out = self.args, []
+        for x, (y, e) in rolled:
+            mask = (y != IGNORE_INDEX).float()
+            e["old"] = self.token_logps(self.policy, x, y)  # the policy's forward sets the value head's input
+            e["values"] = self.value_head() * mask
+            kl = (e["old"] - e["ref"]) * mask if e["ref"] is not None else torch.zeros_like(mask)
+            last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=-1, keepdim=True)
+            rewards = (-self.beta * kl).scatter_add(1, last, e["reward"][:, None])
+            e["adv"], e["returns"] = gae(rewards, e["values"], mask, a.gamma, a.lam)
+            e["kl_sum"], e["entropy"] = kl.sum(dim=-1), -(e["old"] * mask).sum(dim=-1)
+            out.append((x, (y, e), mask))
+        advs = whiten(torch.cat([e["adv"] for _, (_, e), _ in out]), torch.cat([m for *_, m in out]), self.mesh)
+        for (_, (_, e), _), adv in zip(out, advs.split([x.shape[0] for x, *_ in out])):
+            e["adv"] = adv
+        return [(x, target) for x, target, _ in out]
+
+    def loss(self, logits, targets):
+        y, e = targets
+        mask = (y != IGNORE_INDEX).float()
+        logp = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (rows, T), 0 outside the replies
+        if self.args.algo == "grpo":
+            # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
+            losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], self.args.clip_eps,
+                                                    self.beta)
+            stats = [e["reward"], e["reward_std"], reply_mean(kl, mask), e["length"], reply_mean(clipped, mask)]
+        else:
+            values = self.value_head()
+            losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], values, e["values"],
+                                                           e["returns"], self.args)
+            stats = [e["reward"], e["kl_sum"], e["entropy"], reply_mean(clipped, mask),
+                     reply_mean(value_loss, mask), e["length"]]
+        self.tally(stats + ([e["correct"]] if self.with_answers else []))
+        return reply_mean(losses, mask).sum() / self.total
+
+    @torch.no_grad()
+    def tally(self, stats: list):
+        """Add this micro-batch's replies to the metric sums (each over the global reply count)."""
+        sums = torch.stack([s.float().sum() for s in stats])
+        self._sums = self._sums.to(sums.device) + sums / self.total
+
+    def metrics(self) -> torch.Tensor:
+        out, self._sums = self._sums, torch.zeros_like(self._sums)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The recipe: train.py's loop with the policy from --init, prompts as the data, and RLTask
+
+
+def make_scorer(a, tok, device, dtype, mesh, seq_len: int):
+    """score(prompt, reply texts) -> [rewards]: --reward-fn's rule, or --reward's model (whole on every
+    rank, read at each reply's <|eot_id|>)."""
+    if a.reward_fn:
+        fn = load_reward_fn(a.reward_fn)
+        return lambda prompt, texts: apply_reward_fn(fn, a.reward_fn, prompt, texts)
+    model, _ = reward.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
+    seq_len = min(seq_len, model.args.max_seq_len)
+    return lambda prompt, texts: reward.score_replies(model, tok, prompt["messages"], texts,
+                                                      seq_len).float().cpu().tolist()
+
+
+class RL(sft.SFT):
+    """train.py's recipe: SFT's model from --init (PPO adds a value head), prompts as the data, RLTask as
+    the loss, against a frozen reference built from the same initial weights (none at --kl-coef 0)."""
+
+    kind = "rl"
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.rows_per_example = args.group  # replies per prompt: rows per example (memory, tokens, FLOPs)
+        self.frozen_copies = int(args.kl_coef > 0)
+
+    def tokenizer(self):
+        """The policy's (as SFT's); a reward model must read the same ids."""
+        self.tok = super().tokenizer()
+        if self.args.reward:
+            theirs = C.tokenizer_for(self.args.reward, None, self.args.mirror)
+            if theirs.name != self.tok.name:
+                raise T.ConfigError(f"--reward {self.args.reward} reads the tokenizer {theirs.name}, the "
+                                    f"policy writes {self.tok.name}: train the reward model from the policy's "
+                                    "SFT model")
+        return self.tok
+
+    def weights(self, mesh) -> dict | None:
+        self.initial = super().weights(mesh)  # kept: the reference is built from them too (task)
+        return self.initial
+
+    def data(self, tok, mesh):
+        a = self.args
+        say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
+        prompts = P.on_rank0_first(lambda: read_rl_prompts(a.prompts, tok, a.seq_len, say), mesh)
+        train, val = sft.split_examples(prompts, a.val_fraction, a.seed)
+        self.prompts = train + val  # the loaders' indices point here, validation's after training's
+        make = lambda part, seed, offset: PromptLoader(part, a.micro_batch, a.seq_len, mesh.dp_rank, mesh.dp,
+                                                       seed, offset)
+        return (make(train, a.seed, 0), lambda: make(val, 0, len(train)),
+                f"{len(train):,} prompts ({len(val):,} held out) x {a.group} replies")
+
+    def extend(self, model, device, dtype):
+        if self.args.algo == "ppo":
+            model.value_head = ValueHead(model, device, dtype)
+
+    def task(self, margs, mesh, device, dtype, model):
+        a, reference = self.args, None
+        if a.kl_coef > 0:
+            reference = T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)
+        score = make_scorer(a, self.tok, device, dtype, mesh, a.seq_len)
+        value_head = getattr(model, "value_head", None)  # (PPO's, added by extend)
+        return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, value_head)
+
+
+def check_flags(a):
+    """One line for each setting that cannot work, before anything starts."""
+    if not a.prompts or bool(a.reward) == bool(a.reward_fn):
+        raise T.ConfigError("rl.py needs --prompts FILE and one of --reward (a reward model) or --reward-fn")
+    a.group = a.group if a.group is not None else (8 if a.algo == "grpo" else 1)
+    a.kl_coef = a.kl_coef if a.kl_coef is not None else (0.04 if a.algo == "grpo" else 0.05)
+    if a.algo == "grpo" and a.group < 2:
+        raise T.ConfigError(f"--group {a.group}: GRPO's advantage compares the replies to one prompt; a group "
+                            "needs at least 2")
+    if a.group < 1 or a.max_new_tokens < 1:
+        raise T.ConfigError("--group and --max-new-tokens must be at least 1")
+    if a.algo == "grpo" and a.temperature == 0:
+        raise T.ConfigError("--temperature 0: every reply of a group would be the same, and its advantages 0")
+    if not (0 <= a.kl_coef < math.inf and 0 < a.clip_eps < 1 and 0 <= a.gamma <= 1 and 0 <= a.lam <= 1
+            and 0 <= a.vf_coef < math.inf and 0 < a.clip_value < math.inf):
+        raise T.ConfigError("need --kl-coef >= 0, --clip-eps in (0, 1), --gamma and --lam in [0, 1], "
+                            "--vf-coef >= 0 and --clip-value > 0")
+    try:
+        M.check_sampling(a.temperature, None, a.top_p)
+    except ValueError as e:
+        raise T.ConfigError(f"--temperature / --top-p: {e}") from None
+    refused = {"pp": "generation runs the whole model one token at a time; a pipeline would pass each token "
+                     "through every stage", "cp": "a reply's log-probability needs the whole sequence, "
+                                              "which no cp rank holds",
+               "sp": "sequence parallelism cuts a sequence over the tp ranks; one decoded token cannot be cut",
+               "zero": "ZeRO-3 gathers every layer from all replicas at each forward, and replicas' rollouts "
+                       "end at different lengths"}
+    for flag, on in (("pp", a.pp > 1), ("cp", a.cp > 1), ("sp", a.sp), ("zero", a.zero == 3)):
+        if on:
+            raise T.ConfigError(f"--{flag} {getattr(a, flag)}: rl.py does not support it ({refused[flag]})")
+    if a.reward_fn:
+        load_reward_fn(a.reward_fn)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sums"]:
+        return sums_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        return eval_main(argv[1:])
+    args = get_parser().parse_args(argv)
+    check_flags(args)
+    T.configure_process(args)
+    run = T.train(args, RL(args))
+    if run.mesh.world > 1:
+        torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# rl.py eval: a model's greedy replies to prompts, scored
+
+
+def eval_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="rl.py eval", description="Greedy replies to prompts: mean reward and "
+                                                               "accuracy (the share with the answer).")
+    p.add_argument("--init", required=True, help="the policy: a checkpoint, HF or Meta folder")
+    p.add_argument("--prompts", required=True, help="JSON/JSONL prompts, as rl.py reads them")
+    p.add_argument("--reward", default=None, help="a reward model")
+    p.add_argument("--reward-fn", default=None,
+                   help="a rule: " + ", ".join(REWARD_FNS) + " or FILE.py:FUNCTION")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=256, help="prompt and reply together")
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
+    a = p.parse_args(argv)
+    if bool(a.reward) == bool(a.reward_fn) or a.max_new_tokens < 1 or a.seq_len < 2:
+        raise T.ConfigError("rl.py eval needs one of --reward or --reward-fn, --max-new-tokens >= 1 and "
+                            "--seq-len >= 2")
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tok = C.tokenizer_for(a.init, None, a.mirror)
+    policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())
+    prompts = read_rl_prompts(a.prompts, tok, a.seq_len, say=lambda msg: print(msg, file=sys.stderr))
+    score = make_scorer(a, tok, device, torch.float32, P.Mesh(), a.seq_len)
+    rewards, correct, eot = [], [], data.eot_id(tok)
+    for prompt in prompts:
+        room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
+        (row,) = reward.sample_tokens(policy, prompt["ids"], 1, room, None, eot, tok.n_vocab, 0.0)
+        text = tok.decode(row[:-1] if row[-1:] == [eot] else row)
+        rewards += score(prompt, [text])
+        correct.append(is_correct(prompt, text))
+    out = {"init": str(a.init), "prompts": len(prompts), "reward": sum(rewards) / len(prompts)}
+    if all("answer" in p for p in prompts):
+        out["accuracy"] = sum(correct) / len(prompts)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    T.run(main)

@@ -1,0 +1,279 @@
+"""rl.py: GRPO's loss and group advantages against TRL's GRPOTrainer's formulas written out here, PPO's GAE
+and clipped losses against hand-computed values, rollouts deterministic under a seed, --resume
+bit-identical, the same run under tp 2 and dp 2 as on one process, and bad input refused in one line."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import checkpoint as C
+import launch
+import parallel as P
+import reward
+import rl
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["--model", "tiny", "--seq-len", "48", "--max-new-tokens", "8", "--micro-batch", "2", "--group", "4",
+        "--lr", "1e-3", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "1000",
+        "--val-fraction", "0.2", "--reward-fn", "arithmetic-length"]
+
+
+def records(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def steps(out_dir):
+    return [r for r in records(out_dir) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sums") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in rl.sums(40, seed=0, high=10)))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# The formulas
+
+
+def trl_grpo_loss(logp, old_logp, ref_logp, rewards, mask, group, eps, beta):
+    """GRPOTrainer's loss as TRL writes it (loss_type="grpo", one iteration's tensors given)."""
+    grouped = rewards.view(-1, group)
+    mean = grouped.mean(dim=1).repeat_interleave(group)
+    std = grouped.std(dim=1).repeat_interleave(group)
+    advantages = (rewards - mean) / (std + 1e-4)
+    per_token_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    coef_1 = torch.exp(logp - old_logp)
+    coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+    per_token_loss = -torch.min(coef_1 * advantages[:, None], coef_2 * advantages[:, None])
+    per_token_loss = per_token_loss + beta * per_token_kl
+    return ((per_token_loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+
+
+def ours_grpo_loss(logp, old_logp, ref_logp, rewards, mask, group, eps, beta):
+    adv = rl.group_advantages(rewards, group)
+    losses, _, _ = rl.grpo_token_losses(logp, old_logp, ref_logp, adv, eps, beta)
+    return rl.reply_mean(losses, mask).mean()
+
+
+def test_grpo_loss_is_trls_and_its_gradient_the_closed_form():
+    g = torch.Generator().manual_seed(0)
+    rows, T, group = 8, 6, 4
+    logp = -torch.rand(rows, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.3 * torch.randn(rows, T, generator=g, dtype=torch.float64)  # ratios far from 1: clipped
+    ref = logp + 0.5 * torch.randn(rows, T, generator=g, dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.9, 0.4, 0.4], dtype=torch.float64)
+    mask = torch.ones(rows, T, dtype=torch.float64)
+    mask[:, 4:] = 0
+    mask[3, 2:] = 0
+    for eps, beta in ((0.2, 0.04), (0.1, 0.0)):
+        theirs = trl_grpo_loss(logp, old, ref, rewards, mask, group, eps, beta)
+        assert ours_grpo_loss(logp, old, ref, rewards, mask, group, eps, beta).item() == pytest.approx(
+            theirs.item(), rel=1e-12)
+    # at ratio 1 (one update per rollout: old = logp detached) each token's gradient is the closed form
+    # (-A + beta (1 - exp(ref - logp))) / (reply length) / rows
+    x = logp.clone().requires_grad_(True)
+    ours_grpo_loss(x, x.detach(), ref, rewards, mask, group, 0.2, 0.04).backward()
+    adv = rl.group_advantages(rewards, group)[:, None]
+    expected = (-adv + 0.04 * (1 - torch.exp(ref - logp))) * mask / mask.sum(dim=1, keepdim=True) / rows
+    assert torch.allclose(x.grad, expected, atol=1e-12)
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 1.0])
+    adv = rl.group_advantages(r[:8], 4)
+    s = math.sqrt(1 / 3)  # the std of (1, 0, 0, 1) with Bessel's correction
+    a = 0.5 / (s + 1e-4)
+    assert adv[:4].tolist() == pytest.approx([a, -a, -a, a])
+    assert adv[4:].tolist() == [0.0] * 4  # a group all alike teaches nothing
+    assert rl.group_advantages(r[8:], 2).tolist() == pytest.approx([1 / (math.sqrt(2) + 1e-4),
+                                                                    -1 / (math.sqrt(2) + 1e-4)])
+
+
+def test_gae_by_hand():
+    """One reply of three tokens after one prompt position: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t
+    + gamma lam A_{t+1}, worked out by hand for gamma 1 and 0.9."""
+    rewards = torch.tensor([[0.0, -0.1, 0.0, 1.0, 0.0]])
+    values = torch.tensor([[9.0, 0.5, 0.2, 0.1, 7.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    # A3 = 1 - 0.1 = 0.9; A2 = (0 + 0.1 - 0.2) + 0.95 * 0.9 = 0.755; A1 = (-0.1 + 0.2 - 0.5) + 0.95 * 0.755
+    assert adv.tolist() == [pytest.approx([0.0, 0.31725, 0.755, 0.9, 0.0])]
+    assert ret.tolist() == [pytest.approx([0.0, 0.81725, 0.955, 1.0, 0.0])]
+    adv, _ = rl.gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    a3 = 0.9
+    a2 = (0 + 0.9 * 0.1 - 0.2) + 0.45 * a3
+    a1 = (-0.1 + 0.9 * 0.2 - 0.5) + 0.45 * a2
+    assert adv.tolist() == [pytest.approx([0.0, a1, a2, a3, 0.0])]
+
+
+def test_ppo_losses_by_hand():
+    a = SimpleNamespace(clip_eps=0.2, vf_coef=0.1, clip_value=0.2)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios against old logp 0: 1.5, 0.5, 1.1
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, 1.0, -2.0]])
+    values, old_values = torch.tensor([[1.0, 0.0, 0.5]]), torch.tensor([[0.5, 0.0, 0.5]])
+    returns = torch.ones(1, 3)
+    losses, value_loss, clipped = rl.ppo_token_losses(logp, old, adv, values, old_values, returns, a)
+    # policy: max(-A rho, -A clip(rho)): A=1, rho 1.5 -> -1.2 (clipped); rho 0.5 -> -0.5; A=-2, rho 1.1 -> 2.2
+    # value: 0.5 max((V - R)^2, (clip(V, V_old +- 0.2) - R)^2): V 1 (clipped to 0.7) -> 0.5 * 0.09; 0 -> 0.5
+    assert value_loss.tolist() == [pytest.approx([0.045, 0.5, 0.125])]
+    assert losses.tolist() == [pytest.approx([-1.2 + 0.0045, -0.5 + 0.05, 2.2 + 0.0125])]
+    assert clipped.tolist() == [[True, False, False]]
+
+
+def test_the_arithmetic_reward_reads_the_last_number():
+    record = {"answer": "12", "where": "p:1"}
+    assert rl.arithmetic(record, "7 + 5 = 12") == 1.0
+    assert rl.arithmetic(record, "12 is not 7 + 5 = 13") == 0.0
+    assert rl.arithmetic(record, "no number") == 0.0
+    assert rl.arithmetic_length(record, "7 + 5 = 12") == pytest.approx(1.0 + 0.1 * 10)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Runs
+
+
+def run_rl(out, prompts, *flags):
+    rl.main(BASE + ["--prompts", str(prompts), "--out-dir", str(out), *flags])
+    return steps(out)
+
+
+def state_of(out):
+    """The latest checkpoint's master weights and Adam moments, by parameter."""
+    return P.read_full_state(C.read_latest(out))[0]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path, prompts, algo):
+    """Two runs of one seed give the same rollouts and updates; the second, cut back to its step-2
+    checkpoint and resumed, ends bit for bit where the first did (weights, Adam moments, PPO's critic)."""
+    flags = ["--algo", algo, "--max-steps", "4"] + (["--group", "2"] if algo == "ppo" else [])
+    one = run_rl(tmp_path / "one", prompts, *flags)
+    cut = tmp_path / "cut"
+    again = run_rl(cut, prompts, *flags, "--ckpt-every", "2")
+    keys = ("loss", "grad_norm", "reward", "completion_length")
+    assert len(one) == 4 and [[r[k] for k in keys] for r in one] == [[r[k] for k in keys] for r in again]
+    assert all(r["grad_norm"] > 0 for r in one)  # the policy moved at every step: a real update to resume
+    shutil.rmtree(cut / C.step_name(4))
+    (cut / "latest").write_text(C.step_name(2) + "\n")
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+    run_rl(cut, prompts, *flags, "--ckpt-every", "2", "--resume")
+    assert [[r[k] for k in keys] for r in steps(cut)] == [[r[k] for k in keys] for r in one]
+    s1, s2 = state_of(tmp_path / "one"), state_of(cut)
+    assert s1.keys() == s2.keys()
+    assert all(torch.equal(s1[k][kk], s2[k][kk]) for k in s1 for kk in s1[k])
+    if algo == "ppo":
+        assert "value_head.proj.weight" in s1  # the critic is part of the run's state
+        assert {"objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg"} <= one[0].keys()
+    else:
+        assert {"reward", "reward_std", "kl", "completion_length", "clip_ratio", "accuracy"} <= one[0].keys()
+    assert rl.main(["eval", "--init", str(tmp_path / "one"), "--prompts", str(prompts), "--reward-fn",
+                    "arithmetic", "--max-new-tokens", "4", "--seq-len", "48"]) == 0
+
+
+def _job(n, out, prompts, *flags):
+    cmd = launch.command(n, REPO / "rl.py", *BASE, "--prompts", prompts, *flags, "--out-dir", out)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return steps(out)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
+    """tp 2 (each tp pair samples from the gathered vocabulary) and dp 2 (each replica its own prompts, PPO's
+    whitening over both) against one process: the same replies (rewards and lengths), losses within
+    1e-5, the final weights within 1e-4 of each tensor's norm."""
+    common = ["--algo", algo, "--max-steps", "3", "--grad-accum", "2"]
+    one = _job(1, tmp_path / "one", prompts, *common)
+    for name, flags in (("tp", ["--tp", "2"]), ("dp", ["--micro-batch", "1"])):
+        got = _job(2, tmp_path / name, prompts, *common, *flags)
+        assert len(got) == len(one) == 3
+        for a, b in zip(got, one):
+            # the same replies: metric means equal up to fp32 sums taken in another order
+            assert (a["reward"], a["completion_length"]) == pytest.approx((b["reward"], b["completion_length"]),
+                                                                          rel=1e-6), (name, a, b)
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (name, a, b)
+        w, w1 = state_of(tmp_path / name), state_of(tmp_path / "one")
+        for k, v in w1.items():
+            diff = (w[k]["master"] - v["master"]).norm() / v["master"].norm().clamp(min=1e-12)
+            assert diff.item() <= 1e-4, (name, k)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def bad_run(capsys, tmp_path, argv):
+    with pytest.raises(SystemExit) as stop:
+        train.run(rl.main, argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--group", "1"], "--group 1: GRPO's advantage compares the replies to one prompt"),
+    (["--seq-len", "20"], "40 of 40 prompt(s) leave no room for a reply under --seq-len 20"),
+    (["--pp", "2"], "--pp 2: rl.py does not support it (generation runs the whole model"),
+    (["--zero", "3"], "--zero 3: rl.py does not support it"),
+    (["--reward-fn", "nope"], "--reward-fn nope: not one of arithmetic, arithmetic-length"),
+    (["--temperature", "0"], "--temperature 0: every reply of a group would be the same"),
+])
+def test_bad_rl_input_is_one_line(tmp_path, prompts, capsys, flags, message):
+    err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), "--out-dir", str(tmp_path / "o"),
+                                            *flags])
+    assert message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("body,message", [
+    ("def f(record, reply):\n    raise ValueError('no')\n", "raised ValueError: no (on the prompt "),
+    ("def f(record, reply):\n    return float('nan')\n", "returned nan for a reply to "),
+])
+def test_a_failing_reward_stops_the_run_in_one_line_and_keeps_its_checkpoint(tmp_path, prompts, capsys, body,
+                                                                            message):
+    """The rule fails at step 3; the checkpoint of step 2 stays the good one, and --resume goes on from it
+    once the rule works."""
+    fn = tmp_path / "fn.py"
+    fn.write_text("calls = 0\n" + body.replace("def f(record, reply):\n", "def f(record, reply):\n"
+                                               "    global calls\n    calls += 1\n    if calls <= 16:\n"
+                                               "        return float(len(reply))\n"))
+    out = tmp_path / "o"
+    argv = BASE + ["--prompts", str(prompts), "--out-dir", str(out), "--max-steps", "3", "--ckpt-every", "1",
+                   "--reward-fn", f"{fn}:f"]
+    err = bad_run(capsys, tmp_path, argv)
+    assert f"--reward-fn {fn}:f {message}" in err
+    assert C.read_latest(out).name == C.step_name(2)
+    fn.write_text("def f(record, reply):\n    return float(len(reply))\n")
+    rl.main(argv + ["--resume"])
+    assert C.read_latest(out).name == C.step_name(3)
+
+
+def test_a_reward_model_scores_rollouts_and_one_of_another_tokenizer_is_refused(tmp_path, prompts, capsys):
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q{i}", "chosen": "yes", "rejected": "no"}) + "\n"
+                             for i in range(8)))
+    rms = {}
+    for tokenizer in ("byte", "gpt2"):
+        rms[tokenizer] = tmp_path / f"rm-{tokenizer}"
+        reward.main(["--model", "tiny", "--tokenizer", tokenizer, "--seq-len", "32", "--data", str(pairs),
+                     "--max-steps", "1", "--micro-batch", "2", "--eval-every", "0", "--val-fraction", "0.25",
+                     "--out-dir", str(rms[tokenizer])])
+    argv = [a for a in BASE if a not in ("--reward-fn", "arithmetic-length")] + ["--prompts", str(prompts)]
+    rl.main(argv + ["--max-steps", "2", "--reward", str(rms["byte"]), "--out-dir", str(tmp_path / "ok")])
+    got = steps(tmp_path / "ok")
+    assert len(got) == 2 and all(math.isfinite(r["reward"]) and r["reward"] != 0 for r in got)
+    err = bad_run(capsys, tmp_path, argv + ["--reward", str(rms["gpt2"]), "--out-dir", str(tmp_path / "o")])
+    assert f"--reward {rms['gpt2']} reads the tokenizer gpt2, the policy writes byte" in err
