@@ -615,9 +615,9 @@ def eval_main(argv) -> int:
         text = tok.decode(row[:-1] if row[-1:] == [eot] else row)
         rewards += score(prompt, [text])
         correct.append(is_correct(prompt, text))
-    out = {"init": str(a.init), "prompts": len(prompts), "reward": sum(rewards) / len(prompts)}
+    out = {"init": str(a.init), "prompts": len(prompts), "reward": round(sum(rewards) / len(prompts), 4)}
     if all("answer" in p for p in prompts):
-        out["accuracy"] = sum(correct) / len(prompts)
+        out["accuracy"] = round(sum(correct) / len(prompts), 4)
     print(json.dumps(out), flush=True)
     return 0
 

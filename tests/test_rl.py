@@ -156,7 +156,8 @@ def state_of(out):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path, prompts, algo):
     """Two runs of one seed give the same rollouts and updates; the second, cut back to its step-2
-    checkpoint and resumed, ends bit for bit where the first did (weights, Adam moments, PPO's critic)."""
+    checkpoint and resumed, ends bit for bit where the first did (weights, Adam moments, PPO's critic);
+    `rl.py eval` and an export read the policy without the critic."""
     flags = ["--algo", algo, "--max-steps", "4"] + (["--group", "2"] if algo == "ppo" else [])
     one = run_rl(tmp_path / "one", prompts, *flags)
     cut = tmp_path / "cut"
@@ -174,7 +175,9 @@ def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path
     assert s1.keys() == s2.keys()
     assert all(torch.equal(s1[k][kk], s2[k][kk]) for k in s1 for kk in s1[k])
     if algo == "ppo":
-        assert "value_head.proj.weight" in s1  # the critic is part of the run's state
+        assert "value_head.proj.weight" in s1  # the critic is part of the run's state, not of the model:
+        exported = P.consolidate(C.read_latest(tmp_path / "one"), tmp_path / "hf")  # an export leaves it out
+        assert not any(name.startswith("value_head") for name in exported.state_dict())
         assert {"objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg"} <= one[0].keys()
     else:
         assert {"reward", "reward_std", "kl", "completion_length", "clip_ratio", "accuracy"} <= one[0].keys()
