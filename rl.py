@@ -381,7 +381,7 @@ class RLTask:
 
     def sample(self, seq: int, prompt: dict) -> list[list[int]]:
         """G replies to one prompt: sampled from its own stream, or (eval mode) one greedy reply G times."""
-        a, device = self.args, self.mesh.device
+        a = self.args
         room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
         eot, n_vocab = data.eot_id(self.tok), self.tok.n_vocab
         if not self.policy.training:
