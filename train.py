@@ -395,10 +395,11 @@ class Spec(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The recipe: what a run trains. The loop asks it five things, in this order: the tokenizer and the
+# The recipe: what a run trains. The loop asks it six things, in this order: the tokenizer and the
 # model's shape (before any process talks, so a wrong one fails fast), the initial weights and the data
-# (once the processes can talk), and the task, the loss of a micro-batch (once the model is built; it is
-# handed the model: rl.py's task generates with it). sft.py, dpo.py, reward.py and rl.py subclass it.
+# (once the processes can talk), what it trains beside the model (extend), and the task, the loss of a
+# micro-batch (once the model is built; it is handed the model: rl.py's task generates with it). sft.py,
+# dpo.py, reward.py and rl.py subclass it.
 
 
 class Pretraining:
