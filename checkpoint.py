@@ -469,6 +469,36 @@ def resolve(path, say=print, verify: bool = True, check=None) -> Path:
     return found
 
 
+def last_intact(out_dir, n: int, say=print) -> list[Path]:
+    """The newest n intact checkpoints of an out-dir, newest first (damaged ones passed over and said): the
+    ones checkpoint averaging takes. They must be one run's: the same model, tokenizer, recipe, data and
+    seed, or it is refused."""
+    out_dir = Path(out_dir)
+    if not is_checkpoint(out_dir) or (out_dir / "meta.json").is_file():
+        raise CheckpointError(f"{out_dir} is not an out-dir of checkpoints (averaging reads several of them)")
+    found = []
+    for d in step_dirs(out_dir)[::-1]:
+        why = damage(d)
+        if why:
+            say(f"checkpoint {d.name} is damaged ({why}); passed over")
+        elif len(found) < n:
+            found.append(d)
+    if len(found) < n:
+        raise CheckpointError(f"{out_dir} holds {len(found)} intact checkpoint(s), fewer than the {n} to "
+                              "average (a run keeps --keep-ckpts of them)")
+    other = next((d for d in found if run_of(d) != run_of(found[0])), None)
+    if other is not None:
+        raise CheckpointError(f"{other.name} and {found[0].name} in {out_dir} are not of one run (another "
+                              "model, tokenizer, recipe, data or seed): averaging them would mean nothing")
+    return found
+
+
+def run_of(d: Path) -> list:
+    """What makes checkpoints one run's: the model's shape, tokenizer, recipe, data and seed."""
+    meta = read_meta(d)
+    return [meta.get(k) for k in ("model_args", "tokenizer", "recipe", "data")] + [meta["args"].get("seed")]
+
+
 def say_unlisted(d: Path, say):
     extra = unlisted(d)
     if extra:

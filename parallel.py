@@ -1748,19 +1748,23 @@ def load_shards(folder: Path, model, opt, mesh: Mesh):
     return extra
 
 
-def consolidate(folder: Path, hf: Path, tokens: dict | None = None):
+def consolidate(folder: Path, hf: Path, tokens: dict | None = None, average: list[Path] = ()):
     """A sharded checkpoint -> a Hugging Face folder, which every --init reads, as transformers does; with
-    `tokens` (data.hf_tokens), the folder records its tokenizer and special ids (model.save_hf)."""
+    `tokens` (data.hf_tokens), the folder records its tokenizer and special ids (model.save_hf). With
+    `average` (other checkpoints of the same run), each weight is the element-wise mean of `folder`'s and
+    theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory."""
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     args = M.ModelArgs.from_dict(meta["model_args"])
-    full, _ = read_full_state(folder, keys=("master",))
+    fulls = [read_full_state(f, keys=("master",))[0] for f in [folder, *average]]
     with torch.device("meta"):
         model = M.Transformer(args)
     model = model.to_empty(device="cpu")
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    state = {name: e["master"] for name, e in full.items() if not name.startswith(M.TRAINING_ONLY)}
+    mean = lambda name: sum(full[name]["master"].float() for full in fulls) / len(fulls)
+    state = {name: fulls[0][name]["master"] if not average else mean(name) for name in fulls[0]
+             if not name.startswith(M.TRAINING_ONLY)}
     if args.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
     model.load_state_dict(state)
@@ -2009,13 +2013,21 @@ def main(argv=None) -> int:
     c.add_argument("checkpoint", help="a step directory, or an --out-dir (its newest intact checkpoint)")
     c.add_argument("--hf", required=True, help="write a Hugging Face Llama folder here")
     c.add_argument("--tokenizer", help="the tokenizer.model of a checkpoint trained with a custom one")
+    c.add_argument("--average-last", type=int, default=1, metavar="N",
+                   help="write the mean of the out-dir's last N intact checkpoints (Llama 3 averaged those "
+                        "of its annealing; the run must keep them: --keep-ckpts)")
     a = p.parse_args(argv)
     import checkpoint as C  # imported here: checkpoint.py imports this file
     import data
     try:
-        ckpt = C.resolve(a.checkpoint, say=lambda msg: print(msg, file=sys.stderr))
+        say = lambda msg: print(msg, file=sys.stderr)
+        if a.average_last < 1:
+            raise C.CheckpointError(f"--average-last {a.average_last}: at least 1")
+        ckpts = ([C.resolve(a.checkpoint, say=say)] if a.average_last == 1 else
+                 C.last_intact(a.checkpoint, a.average_last, say))
+        ckpt = ckpts[0]
         tok = C.tokenizer_for(ckpt, a.tokenizer)
-        consolidate(ckpt, Path(a.hf), data.hf_tokens(tok, C.recorded(ckpt).get("chat", False)))
+        consolidate(ckpt, Path(a.hf), data.hf_tokens(tok, C.recorded(ckpt).get("chat", False)), ckpts[1:])
     except (C.CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -2023,7 +2035,8 @@ def main(argv=None) -> int:
         print(f"error: cannot consolidate {a.checkpoint}: {type(e).__name__}: {data.one_line(e)}",
               file=sys.stderr)
         return 1
-    print(f"consolidated {ckpt} -> {a.hf} (tokenizer {tok.name})")
+    averaged = f" (the mean of {', '.join(c.name for c in ckpts)})" if len(ckpts) > 1 else ""
+    print(f"consolidated {ckpt}{averaged} -> {a.hf} (tokenizer {tok.name})")
     return 0
 
 

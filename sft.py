@@ -324,8 +324,10 @@ class SFT(T.Pretraining):
     def tokenizer(self):
         """The one --init was trained with (--tokenizer may only repeat it); without --init, byte."""
         if self.args.init is None:
-            return data.get_tokenizer(self.args.tokenizer or "byte", self.args.mirror)
-        return C.tokenizer_for(self.args.init, self.args.tokenizer, self.args.mirror, grows=True)
+            self.tok = data.get_tokenizer(self.args.tokenizer or "byte", self.args.mirror)
+        else:
+            self.tok = C.tokenizer_for(self.args.init, self.args.tokenizer, self.args.mirror, grows=True)
+        return self.tok
 
     def name(self) -> str:
         return self.args.init or self.args.model
@@ -349,7 +351,6 @@ class SFT(T.Pretraining):
         except ValueError as e:
             raise T.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
                                 f"{data.one_line(e)}") from None
-        self.tok = tok
         return self.margs
 
     def weights(self, mesh) -> dict | None:

@@ -93,6 +93,9 @@ def get_parser() -> argparse.ArgumentParser:
                         "(sft.py, dpo.py: the one --init was trained with)")
     g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
     g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (T)")
+    g.add_argument("--doc-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend only within each document of a sequence (they start at <|begin_of_text|>), "
+                        "positions restarting per document (default: on for the llama presets)")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g = p.add_argument_group("optimization")
@@ -418,7 +421,8 @@ class Pretraining:
         return self.args.model
 
     def tokenizer(self):
-        return data.get_tokenizer(self.args.tokenizer)
+        self.tok = data.get_tokenizer(self.args.tokenizer)
+        return self.tok
 
     def model_args(self, tok) -> M.ModelArgs:
         return model_args_from(self.args, tok.n_vocab)
@@ -470,26 +474,41 @@ class Pretraining:
         (rl.py's PPO: a value head). Pretraining adds none."""
 
     def task(self, margs, mesh, device, dtype, model):
-        return LMTask(margs, mesh)
+        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(self.args) else None)
+
+
+def doc_mask_on(args) -> bool:
+    """--doc-mask, or by default: on for the llama presets (Llama 3 masked across documents: section 3.4.1
+    of Dubey et al. 2024), off for the small ones, whose default data is one document (TinyShakespeare)."""
+    return args.doc_mask if args.doc_mask is not None else args.model.startswith("llama")
+
+
+def document_ids(inputs: torch.Tensor, bos: int) -> torch.Tensor:
+    """(B, T) token ids -> (B, T) document ids: each <|begin_of_text|> starts the next document (the tokens
+    before a row's first one end a document that began in an earlier row)."""
+    return (inputs == bos).cumsum(dim=-1)
 
 
 class LMTask:
     """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
     whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
-    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing. The loop knows only these
-    four methods."""
+    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing. With `bos` (--doc-mask),
+    prepare() gives each (inputs, targets) micro-batch its document ids, and the model attends within
+    documents only (SFT's packed batches bring their own). The loop knows only these four methods."""
 
     metric_names: tuple = ()
     rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
     # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
     reference_forwards = 0
 
-    def __init__(self, margs: M.ModelArgs, mesh):
-        self.vocab_size, self.mesh = margs.vocab_size, mesh
+    def __init__(self, margs: M.ModelArgs, mesh, bos: int | None = None):
+        self.vocab_size, self.mesh, self.bos = margs.vocab_size, mesh, bos
         self.total = None  # the global normalizer, set by load_batches before each step
 
     def prepare(self, batches):
-        return batches
+        if self.bos is None:
+            return batches
+        return [(*b, document_ids(b[0], self.bos)) if len(b) == 2 else b for b in batches]
 
     def count(self, batch) -> torch.Tensor:
         return (batch[1] != IGNORE_INDEX).sum()

@@ -4,6 +4,7 @@ accounting, and failures that must end the job instead of hanging it."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -385,6 +386,37 @@ def test_layout_matches_single_process(tmp_path, reference, n, flags):
     assert_same_training(tmp_path, reference)
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A JSONL of 300 documents of 10 to 50 bytes: a 32-token sequence holds one to four of them, cut at
+    either end. Single-process runs with and without --doc-mask."""
+    root = tmp_path_factory.mktemp("docs")
+    rng = torch.Generator().manual_seed(0)
+    words = "the a of to and in is it you that he was for on are with as I his they be at one have".split()
+    docs = [" ".join(words[int(i)] for i in torch.randint(len(words), (int(n),), generator=rng))
+            for n in torch.randint(3, 13, (300,), generator=rng)]
+    path = root / "short.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    job(1, root / "masked", "--data", str(path), "--doc-mask")
+    job(1, root / "unmasked", "--data", str(path))
+    return path, root / "masked", root / "unmasked"
+
+
+DOC_MASK_LAYOUTS = [(2, ["--tp", "2", "--sp"]), (2, ["--cp", "2"]), (2, ["--pp", "2"]), (2, []),
+                    (8, ["--cp", "2", "--tp", "2", "--pp", "2", "--zero", "1"])]
+
+
+@pytest.mark.parametrize("n,flags", DOC_MASK_LAYOUTS, ids=[f"{n}:{' '.join(f)}" for n, f in DOC_MASK_LAYOUTS])
+def test_document_masking_matches_single_process(tmp_path, short_documents, n, flags):
+    """--doc-mask on short documents (the masks and restarted positions of each sequence's pieces: whole
+    under tp and sp, its chunks under cp, its micro-batches through the pipeline, its rows over dp) gives
+    the single-process run's losses and weights; and the mask is no no-op: without it they differ."""
+    data_file, masked, unmasked = short_documents
+    assert losses(masked)[0] != losses(unmasked)[0]
+    job(n, tmp_path, "--data", str(data_file), "--doc-mask", *flags)
+    assert_same_training(tmp_path, masked)
+
+
 # ZeRO-1 at any accumulation, and ZeRO-2 without accumulation, add the same numbers in the same order as
 # plain DP. ZeRO-2 with accumulation reduces each micro-batch's gradients, then sums them: another order,
 # equal within the layouts' tolerance (LAYOUTS above). So does ZeRO-3 even without accumulation: its flat
@@ -666,6 +698,32 @@ def test_consolidate_to_hugging_face(tmp_path, reference):
     assert (config["tokenizer"], config["bos_token_id"], config["eos_token_id"]) == (
         "byte", data.bos_id(tok), data.eos_id(tok)) == ("byte", 256, 257)
     assert generation == {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": data.pad_id(tok)}
+
+
+def test_consolidate_averages_the_last_checkpoints_of_one_run(tmp_path, capsys):
+    """--average-last 3: every weight of the export is the mean of the last three checkpoints' (written
+    under tp 2, read whole); fewer intact checkpoints than asked, or one of another run among them, is
+    refused in one line and nothing is written."""
+    out = tmp_path / "run"
+    job(2, out, "--tp", "2", "--ckpt-every", "1", "--keep-ckpts", "3", steps=4)
+    hf = tmp_path / "hf"
+    assert P.main(["consolidate", str(out), "--hf", str(hf), "--average-last", "3"]) == 0
+    assert "(the mean of step_000004, step_000003, step_000002)" in capsys.readouterr().out
+    states = [P.read_full_state(out / f"step_00000{i}")[0] for i in (2, 3, 4)]
+    averaged = M.load_hf(hf).state_dict()
+    for name in states[0]:
+        want = torch.stack([s[name]["master"] for s in states]).mean(dim=0)
+        assert torch.allclose(averaged[name], want, atol=1e-7), name
+    assert not torch.equal(averaged["norm.weight"], states[-1]["norm.weight"]["master"])
+    for argv, message in ((["--average-last", "4"], "holds 3 intact checkpoint(s), fewer than the 4"),
+                          (["--average-last", "2"], "are not of one run")):
+        if argv[1] == "2":  # another seed's checkpoint, newest in the folder
+            job(1, tmp_path / "other", "--seed", "7", steps=5)
+            shutil.copytree(tmp_path / "other" / "step_000005", out / "step_000005")
+        assert P.main(["consolidate", str(out), "--hf", str(tmp_path / "no"), *argv]) == 1
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "no").exists()
 
 
 # ---------------------------------------------------------------------------------------------------

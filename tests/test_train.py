@@ -378,3 +378,45 @@ def test_the_memory_check_counts_dpo_pairs_and_its_reference(monkeypatch):
         train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)
     monkeypatch.setattr(train, "available_memory", lambda device: pairs + 1)
     train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
+
+
+# ----------------------------------------------------------------------------------------------------
+# Document masking (--doc-mask)
+
+
+def test_a_packed_sequence_under_the_document_mask_scores_each_document_as_if_alone():
+    """Three documents packed in one row (the third cut by the row's end), their ids from the BOS tokens:
+    every target inside a document gets the loss it gets in that document's own sequence, within float
+    rounding. Without the mask the later documents read the earlier ones, and their losses differ."""
+    torch.manual_seed(0)
+    args = M.ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64)
+    model = M.Transformer(args).eval()
+    bos = 1
+    docs = [[bos] + torch.randint(2, 64, (n,)).tolist() for n in (9, 14, 20)]
+    row = torch.tensor(sum(docs, []))[None, :40]  # (1, 40): the last document runs past the row's end
+    x, y = row[:, :-1], row[:, 1:]
+    task = train.LMTask(args, parallel.Mesh(), bos=bos)
+    (batch,) = task.prepare([(x, y)])
+    doc_ids = batch[2]
+    assert doc_ids.tolist() == [[1] * 10 + [2] * 15 + [3] * 14]
+    with torch.no_grad():
+        packed = parallel.token_losses(model(x, doc_ids), y, 64, parallel.Mesh())[0]
+        unmasked = parallel.token_losses(model(x), y, 64, parallel.Mesh())[0]
+    start = 0
+    for doc in docs:
+        alone = torch.tensor(doc[:40 - start])[None]
+        n = alone.shape[1] - 1  # targets inside the document (its last input's target is the next BOS)
+        with torch.no_grad():
+            want = parallel.token_losses(model(alone[:, :-1]), alone[:, 1:], 64, parallel.Mesh())[0]
+        assert torch.allclose(packed[start:start + n], want, atol=1e-5), doc
+        if start:
+            assert not torch.allclose(unmasked[start:start + n], want, atol=1e-3)
+        start += len(doc)
+
+
+def test_doc_mask_is_on_by_default_for_the_llama_presets_only():
+    parse = train.get_parser().parse_args
+    assert train.doc_mask_on(parse(["--model", "llama3.2-1b"]))
+    assert not train.doc_mask_on(parse([]))
+    assert train.doc_mask_on(parse(["--doc-mask"])) and not train.doc_mask_on(
+        parse(["--model", "llama3.2-1b", "--no-doc-mask"]))
