@@ -98,6 +98,11 @@ def get_parser() -> argparse.ArgumentParser:
                         "positions restarting per document (default: on for the llama presets)")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--ramp", default=None,
+                   help="batch and sequence-length stages TOKENS:SEQ_LENxSEQUENCES, e.g. Llama 3 405B's "
+                        "0:4096x1024,252M:8192x1024,2.87T:8192x2048 (K, M, B, T suffixes; the first at 0): "
+                        "from TOKENS seen on, each step is SEQUENCES of SEQ_LEN tokens; it sets --seq-len and "
+                        "--grad-accum (SEQUENCES / (micro-batch x dp)) stage by stage")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
@@ -343,6 +348,24 @@ def check_config(args, recipe) -> Spec:
     Trackers.check(args)
     tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
+    dp, whole = divmod(world, args.tp * args.cp * args.pp)
+    if args.ramp and recipe.kind != "pretraining":
+        raise ConfigError(f"--ramp stages pretraining's token stream; {recipe.kind} reads whole examples")
+    ramp = check_ramp(args, dp) if args.ramp and dp and not whole else None  # (else the layout's error)
+    for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
+        if stage:
+            enter_stage(args, stage, dp)
+        check_shape(args, world, margs, device, precision, recipe)
+    if ramp:
+        enter_stage(args, ramp[0], dp)
+    check_anneal(args, dp)
+    C.check_out_dir(Path(args.out_dir))
+    check_overwrite(args)
+    return Spec(device, precision, tok, margs, ramp)
+
+
+def check_shape(args, world: int, margs, device, precision: str, recipe):
+    """The sequence length against the model, the parallel layout and the memory, for these settings."""
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
     split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
@@ -352,12 +375,12 @@ def check_config(args, recipe) -> Spec:
         if args.pp > 1:  # interleaved: --pp-layers counts each model chunk's layers, pp x virtual of them
             P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
     except P.LayoutError as e:
-        raise ConfigError(f"invalid parallel layout: {e}") from None
-    check_anneal(args, world // (args.tp * args.cp * args.pp))
+        raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies)
-    C.check_out_dir(Path(args.out_dir))
-    check_overwrite(args)
-    return Spec(device, precision, tok, margs)
+
+
+def ramp_stage(args) -> str:
+    return f" at --ramp's stage of {args.seq_len}-token sequences" if args.ramp else ""
 
 
 def check_overwrite(args):
@@ -389,12 +412,112 @@ def check_anneal(args, dp: int):
                           f"(--max-steps {args.max_steps} x {total // args.max_steps:,} tokens a step)")
 
 
+# ----------------------------------------------------------------------------------------------------
+# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began with
+# 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to 16M after
+# 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); the step's loss is normalized over
+# its own targets as always; the learning rate follows steps, as the paper gives its schedule (8,000
+# warmup steps, cosine over 1.2M steps), and a stage's steps are fixed by the ramp, so the schedule is
+# known from the start. At a stage's first step the loaders are made anew for its length, the training
+# one at the sequence that holds the next token after those read so far.
+
+
+class Stage(NamedTuple):
+    tokens: int  # the ramp's threshold: the stage begins at the first step after this many tokens
+    seq_len: int
+    sequences: int  # per optimizer step, over every dp rank
+    start: int  # its first step
+    seen: int  # tokens trained on (over the whole job) before that step
+
+
+def parse_count(text: str) -> int:
+    """"252M" -> 252,000,000 (K, M, B, T: thousands to trillions)."""
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}.get(text[-1:].upper(), 1)
+    number = float(text[:-1] if scale > 1 else text)
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(text)
+    return round(number * scale)
+
+
+def parse_ramp(text: str) -> list[Stage]:
+    """--ramp -> its stages with their first steps; one line for a malformed or out-of-order one."""
+    stages, step, seen = [], 0, 0
+    for part in text.split(","):
+        try:
+            tokens, shape = part.split(":")
+            seq_len, sequences = (int(v) for v in shape.lower().split("x"))
+            tokens = parse_count(tokens)
+        except ValueError:
+            raise ConfigError(f"--ramp stage {part!r}: expected TOKENS:SEQ_LENxSEQUENCES, e.g. 252M:8192x1024"
+                              ) from None
+        if seq_len < 1 or sequences < 1:
+            raise ConfigError(f"--ramp stage {part!r}: a sequence length and a count of sequences >= 1")
+        if not stages and tokens != 0:
+            raise ConfigError(f"--ramp must start at 0 tokens; its first stage starts at {tokens:,}")
+        if stages:
+            last = stages[-1]
+            if tokens <= last.tokens:
+                raise ConfigError(f"--ramp stages must be in order of tokens: {part!r} after {last.tokens:,}")
+            steps = math.ceil((tokens - last.seen) / (last.seq_len * last.sequences))
+            step, seen = last.start + steps, last.seen + steps * last.seq_len * last.sequences
+        stages.append(Stage(tokens, seq_len, sequences, step, seen))
+    return stages
+
+
+def stage_at(stages: list[Stage], step: int) -> Stage:
+    return [s for s in stages if s.start <= step][-1]
+
+
+def tokens_before(stages: list[Stage], step: int) -> int:
+    """Tokens trained on in steps 0 .. step-1."""
+    s = stage_at(stages, step)
+    return s.seen + (step - s.start) * s.seq_len * s.sequences
+
+
+def enter_stage(args, stage: Stage, dp: int):
+    """Set --seq-len and --grad-accum to the stage's (the run's settings for its steps)."""
+    if stage.sequences % (args.micro_batch * dp):
+        raise ConfigError(f"--ramp stage at {stage.tokens:,} tokens: {stage.sequences} sequences a step do not "
+                          f"divide into micro-batches of {args.micro_batch} on {dp} dp ranks")
+    args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
+
+
+def check_ramp(args, dp: int) -> list[Stage]:
+    """The ramp, every stage checked against the flags (the layout and memory per stage: check_config)."""
+    stages = parse_ramp(args.ramp)
+    beyond = [s for s in stages if s.start >= args.max_steps]
+    if beyond:
+        total = tokens_before(stages, args.max_steps)
+        raise ConfigError(f"--ramp stage at {beyond[0].tokens:,} tokens would start at step {beyond[0].start}, "
+                          f"not within the run's --max-steps {args.max_steps} ({total:,} tokens): lower it or "
+                          "train longer")
+    if args.anneal_tokens:
+        raise ConfigError("--anneal-tokens counts steps of one size; with --ramp, end the run with a last "
+                          "stage instead")
+    for stage in stages:
+        enter_stage(args, stage, dp)
+    return stages
+
+
+def switch_stage(run: Run, recipe: Pretraining, stages: list[Stage], step: int):
+    """At a stage's first step: its settings, and fresh loaders of its length; the training one goes on at
+    global sequence ceil(tokens read / seq_len), as far into its epochs as the run has read."""
+    stage = stage_at(stages, step)
+    enter_stage(run.args, stage, run.mesh.dp)
+    run.loader, run.make_val, _ = recipe.data(run.tok, run.mesh)
+    first = -(-tokens_before(stages, step) // stage.seq_len)  # (a global sequence number)
+    run.loader.load_state_dict({**run.loader.state_dict(), "consumed": first})
+    say(f"ramp: step {step}, {tokens_before(stages, step):,} tokens: {stage.sequences} sequences of "
+        f"{stage.seq_len} tokens a step ({run.args.grad_accum} accumulation)")
+
+
 class Spec(NamedTuple):
-    """What check_config found: the run's device, precision, tokenizer and model shape."""
+    """What check_config found: the run's device, precision, tokenizer and model shape, and --ramp's stages."""
     device: torch.device
     precision: str
     tok: object  # a tiktoken Encoding
     margs: M.ModelArgs
+    ramp: list | None = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -557,6 +680,7 @@ class Run:
     loader: data.Loader
     make_val: Callable  # a fresh validation loader, from its start
     timer: PhaseTimer
+    ramp: list | None = None  # --ramp's stages (switch_stage)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -739,16 +863,24 @@ class Meter:
             except OSError as e:
                 raise C.CheckpointError(f"cannot write {self.path}: {C.write_error(e)}") from None
         self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
-        self.tokens_per_step = step_tokens(run.args, run.task, run.mesh)
-        self.flops_per_token = model_flops_per_token(run.margs, run.args.seq_len, run.task)
+        self.restage()
         self.peak, self.peak_source = peak_flops(run.device, run.precision)
         self.began, self.paused_s, self.paused_at = time.perf_counter(), 0.0, None
         self.restart()
 
+    def restage(self):
+        """Tokens per step and model FLOPs per token, for the run's settings (a --ramp stage changes them)."""
+        self.tokens_per_step = step_tokens(self.run.args, self.run.task, self.run.mesh)
+        self.flops_per_token = model_flops_per_token(self.run.margs, self.run.args.seq_len, self.run.task)
+
     def restart(self):
-        """A new window: the steps, loss and metric sums, time and bytes since the last line."""
+        """A new window: the steps, tokens, loss and metric sums, time and bytes since the last line."""
         self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
-        self.loss, self.metrics = 0.0, [0.0] * len(self.run.task.metric_names)
+        self.tokens, self.loss, self.metrics = 0, 0.0, [0.0] * len(self.run.task.metric_names)
+
+    def tokens_at(self, step: int) -> int:
+        """Tokens trained on in the run's first `step` steps."""
+        return tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
 
     def clock(self) -> float:
         """Seconds spent training so far: wall time less the pauses."""
@@ -797,6 +929,7 @@ class Meter:
     def step(self, step: int, result: StepResult):
         """Add a finished step; log when due."""
         self.steps += 1
+        self.tokens += self.tokens_per_step
         self.loss += result.loss
         self.metrics = [a + b for a, b in zip(self.metrics, result.metrics)]
         if step % self.args.log_every == 0 or step == self.args.max_steps:
@@ -807,10 +940,10 @@ class Meter:
         # Host numbers only (the steps' tallies): logging costs no synchronization. The clock is read at
         # the same point of every step (after its tally), so a window's time is its steps' time.
         n, now, mesh = self.steps, self.clock(), self.mesh
-        tps = n * self.tokens_per_step / (now - self.window_start)
+        tps = self.tokens / (now - self.window_start)
         comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
         metrics = self.named([m / n for m in self.metrics])
-        rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": self.loss / n,
+        rec = {"step": step, "tokens": self.tokens_at(step), "loss": self.loss / n,
                "lr": result.lr, "grad_norm": result.grad_norm,
                "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
                "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
@@ -829,7 +962,7 @@ class Meter:
         extra = {**self.named(metrics, "val_"), **{f"val_loss/{k}": v for k, v in by_source.items()}}
         say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
             + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
-        self.write({"step": step, "tokens": step * self.tokens_per_step, "val_loss": loss, **extra,
+        self.write({"step": step, "tokens": self.tokens_at(step), "val_loss": loss, **extra,
                     "time_s": self.clock()})
 
     def close(self):
@@ -1259,6 +1392,8 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     out_dir = Path(args.out_dir)
     resume, meta = resume_point(out_dir, args, spec.margs, mesh)  # every rank checks its share of the files
     initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
+    if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
+        enter_stage(args, stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
     per_step = loader.batch_size * args.grad_accum * mesh.dp
     if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
@@ -1283,7 +1418,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     scaler = O.LossScaler() if spec.precision == "fp16" else None
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, PhaseTimer(spec.device, time_phases))
+              loader, make_val, PhaseTimer(spec.device, time_phases), spec.ramp)
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
@@ -1429,6 +1564,9 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
         announce(run, meter, recipe.name(), data_desc)
         run.model.train()
         while step < args.max_steps:
+            if run.ramp and step and stage_at(run.ramp, step).start == step:
+                switch_stage(run, recipe, run.ramp, step)
+                meter.restage()
             result = train_step(run, guard, stop, step)  # phases 1-6
             if result is None:  # skipped by the guard
                 continue

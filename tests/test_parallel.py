@@ -417,6 +417,19 @@ def test_document_masking_matches_single_process(tmp_path, short_documents, n, f
     assert_same_training(tmp_path, masked)
 
 
+RAMP = ["--ramp", "0:32x16,1K:64x32"]  # step 3 is 32 sequences of 64 tokens
+
+
+@pytest.mark.parametrize("n,flags", [(4, ["--tp", "2"]), (2, ["--cp", "2"]), (2, ["--pp", "2"])])
+def test_a_ramp_matches_single_process(tmp_path, n, flags):
+    """Across a --ramp stage (sequences twice as long, twice as many): tp 2 x dp 2, cp 2 (each stage's
+    sequences cut in four) and pp 2 (the micro-batches of each stage through the pipeline) give the single
+    process's losses and weights."""
+    job(1, tmp_path / "one", *RAMP)
+    job(n, tmp_path / "many", *RAMP, *flags)
+    assert_same_training(tmp_path / "many", tmp_path / "one")
+
+
 # ZeRO-1 at any accumulation, and ZeRO-2 without accumulation, add the same numbers in the same order as
 # plain DP. ZeRO-2 with accumulation reduces each micro-batch's gradients, then sums them: another order,
 # equal within the layouts' tolerance (LAYOUTS above). So does ZeRO-3 even without accumulation: its flat

@@ -1,7 +1,9 @@
 """train.py end to end on CPU: exact resume, crash-safe checkpoints, precisions, and clear errors."""
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -420,3 +422,62 @@ def test_doc_mask_is_on_by_default_for_the_llama_presets_only():
     assert not train.doc_mask_on(parse([]))
     assert train.doc_mask_on(parse(["--doc-mask"])) and not train.doc_mask_on(
         parse(["--model", "llama3.2-1b", "--no-doc-mask"]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The batch and sequence-length ramp (--ramp)
+
+RAMP = TINY + ["--ramp", "0:32x8,512:64x16", "--max-steps", "5"]
+
+
+def test_the_ramp_of_llama3_405b_steps_as_the_paper_counts():
+    """4M tokens of 4,096-token sequences a step until 252M tokens, 8M of 8,192 until 2.87T, then 16M."""
+    a, b, c = train.parse_ramp("0:4096x1024,252M:8192x1024,2.87T:8192x2048")
+    assert (a.start, a.seen) == (0, 0)
+    assert (b.start, b.seen) == (61, 61 * 4096 * 1024)  # ceil(252M / 4,194,304) = 61 steps
+    steps = math.ceil((2.87e12 - b.seen) / (8192 * 1024))
+    assert (c.start, c.seen) == (61 + steps, b.seen + steps * 8192 * 1024)
+    assert train.tokens_before([a, b, c], 62) == b.seen + 8192 * 1024
+    assert train.parse_count("1.5K") == 1500 and train.parse_count("7") == 7
+
+
+def test_a_run_resumed_across_a_ramp_stage_is_bit_identical(tmp_path):
+    """Two steps of 8 sequences of 32 tokens, then 16 of 64 (4 micro-batches of 4): the logged tokens follow
+    the ramp, and a run cut at the stage's first step, or inside the stage, and resumed gives the same
+    losses and the same final weights and Adam moments bit for bit."""
+    straight = tmp_path / "straight"
+    train.main(RAMP + ["--out-dir", str(straight), "--ckpt-every", "1", "--keep-ckpts", "10"])
+    recs = [r for r in records(straight) if "loss" in r]
+    assert [r["tokens"] for r in recs] == [256, 512, 1536, 2560, 3584]
+    for cut in (2, 3):
+        out = tmp_path / f"cut{cut}"
+        shutil.copytree(straight, out)
+        for d in out.glob("step_*"):
+            if int(d.name.split("_")[1]) > cut:
+                shutil.rmtree(d)
+        (out / "latest").write_text(f"step_{cut:06d}\n")
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(out)
+                                                   if r["step"] <= cut))
+        train.main(RAMP + ["--out-dir", str(out), "--ckpt-every", "1", "--keep-ckpts", "10", "--resume"])
+        assert [r["loss"] for r in records(out) if "loss" in r] == [r["loss"] for r in recs]
+        want, got = final_state(straight), final_state(out)
+        assert all(torch.equal(want[k][kk], got[k][kk]) for k in want for kk in want[k]), cut
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    (["--ramp", "10:32x8"], {}, "--ramp must start at 0 tokens; its first stage starts at 10"),
+    (["--ramp", "0:32x8,1K:64x8,1K:64x16"], {}, "--ramp stages must be in order of tokens"),
+    (["--ramp", "0:32x8,1K:64"], {}, "expected TOKENS:SEQ_LENxSEQUENCES"),
+    (["--ramp", "0:32x8,512:64x6"], {}, "6 sequences a step do not divide into micro-batches of 4"),
+    (["--ramp", "0:32x8,1M:64x8"], {}, "would start at step 3907, not within the run's --max-steps 5"),
+    (["--ramp", "0:32x8", "--anneal-tokens", "100"], {}, "with --ramp, end the run with a last stage"),
+    (["--ramp", "0:32x8,512:34x8", "--cp", "2"], {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+     "at --ramp's stage of 34-token sequences: context parallelism needs --seq-len 34 divisible by 2*cp"),
+])
+def test_bad_ramps_are_one_line(tmp_path, flags, env, message):
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "5", *flags, "--out-dir",
+                        str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO, timeout=60,
+                       env={**os.environ, "RANK": "0", "LOCAL_RANK": "0", **env})
+    assert p.returncode == 1 and message in p.stderr, p.stderr[-2000:]
+    assert len(error_lines(p.stderr)) == 1 and not (tmp_path / "o").exists()
