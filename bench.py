@@ -543,6 +543,9 @@ def add_plan_args(g):
                    help="GPU model, in any case (H100 is the SXM part; h100-pcie names the PCIe one)")
     g.add_argument("--gpus", type=int, default=8, help="GPUs in all (= tp x cp x pp x dp)")
     g.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilization")
+    g.add_argument("--ramp", default=None,
+                   help="train.py's --ramp (e.g. 0:4096x1024,252M:8192x1024,2.87T:8192x2048): a plan per "
+                        "stage, its accumulation from its sequences, the last stage up to --tokens")
     g.add_argument("--reserve-gb", type=float, default=4.0,
                    help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, "
                    "fragmentation")
@@ -656,6 +659,8 @@ def run_mode(a, versions: dict):
 
 
 def run_plan(a):
+    if a.ramp:
+        return run_ramp_plan(a)
     try:
         r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
                  a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
@@ -663,6 +668,45 @@ def run_plan(a):
     except P.LayoutError as e:
         refuse(f"invalid parallel layout: {e}")
     print(json.dumps(r)) if a.json else print_plan(r)
+
+
+def run_ramp_plan(a):
+    """--plan --ramp: one plan per stage (its sequence length, its accumulation, its share of --tokens) and
+    the run's totals; the largest stage's memory decides whether the layout fits."""
+    try:
+        stages = T.parse_ramp(a.ramp)
+    except T.ConfigError as e:
+        refuse(str(e))
+    dp, rows = a.gpus // (a.tp * a.cp * a.pp), []
+    for i, s in enumerate(stages):
+        end = stages[i + 1].seen if i + 1 < len(stages) else a.tokens
+        if end <= s.seen or s.sequences % (a.micro_batch * dp):
+            refuse(f"--ramp stage at {s.tokens:,.0f} tokens: " + (
+                f"it starts after --tokens {a.tokens:.3g}" if end <= s.seen else
+                f"{s.sequences} sequences do not divide into micro-batches of {a.micro_batch} on {dp} dp "
+                "ranks"))
+        try:
+            rows.append(plan(a.model, end - s.seen, s.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch,
+                             s.sequences // (a.micro_batch * dp), a.mfu, a.zero, a.act_ckpt,
+                             "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1, a.reserve_gb,
+                             a.schedule, a.cp, a.virtual_stages))
+        except P.LayoutError as e:
+            refuse(f"invalid parallel layout at the stage of {s.seq_len}-token sequences: {e}")
+    if a.json:
+        return print(json.dumps(rows))
+    gb = lambda x: f"{x / 1e9:,.1f} GB"
+    print(f"{a.model} on {a.gpus:,} {a.gpu} (tp {a.tp} x cp {a.cp} x pp {a.pp} x dp {dp}), {a.tokens:.3g} "
+          f"tokens in {len(rows)} stages, at {100 * a.mfu:.0f}% MFU:")
+    for r in rows:
+        print(f"  {r['seq_len']:>7,} x {r['tokens_per_global_batch'] // r['seq_len']:,} = "
+              f"{r['tokens_per_global_batch'] / 1e6:,.1f}M tokens a step ({r['grad_accum']} accumulation), "
+              f"{r['tokens']:.3g} tokens in {r['steps']:,} steps, {gb(r['memory_per_gpu_bytes'])} per GPU, "
+              f"{r['steps'] * r['step_time_s'] / 3600:,.1f} h")
+    worst = max(rows, key=lambda r: r["memory_per_gpu_bytes"])
+    print(f"  in all {sum(r['steps'] for r in rows):,} steps, {sum(r['days'] for r in rows):,.1f} days; the "
+          f"largest stage needs {gb(worst['memory_per_gpu_bytes'])} per GPU: "
+          f"{'fits' if worst['fits'] else 'does NOT fit'} in {gb(worst['gpu_memory_bytes'])} less "
+          f"{gb(worst['reserve_bytes'])}")
 
 
 def run_comparison(a, versions: dict):

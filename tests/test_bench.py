@@ -113,6 +113,23 @@ def test_plan_json_cli_carries_the_required_keys():
     assert r["dp"] == 8
 
 
+def test_plan_follows_llama3_405b_ramp_stage_by_stage():
+    """The 405B ramp on the paper's 8,192-GPU layout: each stage's accumulation is its sequences over dp 64,
+    its steps its tokens over its tokens per step, the last stage runs to --tokens; a stage whose sequences
+    do not divide over the replicas is refused in one line."""
+    base = [sys.executable, str(REPO / "bench.py"), "--plan", "--model", "llama3.1-405b", "--gpus", "8192",
+            "--tp", "8", "--pp", "16", "--micro-batch", "1", "--zero", "1", "--act-ckpt", "--tokens", "15.6e12"]
+    rows = json.loads(subprocess.run(base + ["--ramp", "0:4096x1024,252M:8192x1024,2.87T:8192x2048", "--json"],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert [(r["seq_len"], r["grad_accum"], r["tokens_per_global_batch"]) for r in rows] == [
+        (4096, 16, 4096 * 1024), (8192, 16, 8192 * 1024), (8192, 32, 8192 * 2048)]
+    assert rows[0]["steps"] == 61 and sum(r["tokens"] for r in rows) == pytest.approx(15.6e12)
+    assert all(r["fits"] for r in rows)
+    bad = subprocess.run(base + ["--ramp", "0:4096x1000"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "error: --ramp stage at 0 tokens: 1000 sequences do not divide into micro-batches of 1 on 64 dp ranks")
+
+
 def test_measure_sweep_and_compare_hf_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
