@@ -152,6 +152,7 @@ def perplexity(model, tok, arrays, seq_len, batch_size, mesh, limit=None) -> dic
     nbytes = np.zeros(model.args.vocab_size, dtype=np.int64)
     nbytes[:tok.n_vocab] = [len(b) for b in token_bytes(tok)]
     sums = np.zeros(4)  # loss of all targets, their number, loss of the text targets, their bytes
+    by_pos = np.zeros((2, seq_len))  # loss and count of the targets at each position of a window
     mine = spans[mesh.dp_rank::mesh.dp]
     for i in range(0, len(mine), batch_size):
         seqs = [np.asarray(arrays[a][s:s + seq_len + 1], dtype=np.int64) for a, s in mine[i:i + batch_size]]
@@ -162,10 +163,26 @@ def perplexity(model, tok, arrays, seq_len, batch_size, mesh, limit=None) -> dic
         for seq, logp in zip(seqs, token_logprobs(model, seqs)):
             b = nbytes[seq[1:]]
             sums += [-logp.sum(), len(logp), -logp[b > 0].sum(), b.sum()]
-    loss_all, n, loss_text, n_bytes = _all_reduce(sums.tolist(), mesh, model.tok_embeddings.weight.device)
+            by_pos[:, :len(logp)] += [-logp, np.ones(len(logp))]
+    totals = _all_reduce(sums.tolist() + by_pos.ravel().tolist(), mesh, model.tok_embeddings.weight.device)
+    loss_all, n, loss_text, n_bytes = totals[:4]
     return {"loss": loss_all / n, "perplexity": math.exp(loss_all / n),
             "bits_per_byte": loss_text / (n_bytes * math.log(2)) if n_bytes else float("nan"),
-            "tokens": int(n), "bytes": int(n_bytes), "windows": len(spans), "seq_len": seq_len}
+            "tokens": int(n), "bytes": int(n_bytes), "windows": len(spans), "seq_len": seq_len,
+            "loss_by_position": position_buckets(np.array(totals[4:]).reshape(2, seq_len))}
+
+
+def position_buckets(by_pos: np.ndarray) -> dict:
+    """Loss and count per target position -> {"first-last": mean loss} over positions 0, 1-2, 3-6, 7-14, ...
+    (a target at position t has t + 1 tokens of context): does the model use the far context?"""
+    out, lo = {}, 0
+    while lo < by_pos.shape[1]:
+        hi = min(2 * lo + 1, by_pos.shape[1])
+        loss, count = by_pos[:, lo:hi].sum(axis=1)
+        if count:
+            out[f"{lo}-{hi - 1}"] = loss / count
+        lo = hi
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -611,7 +628,8 @@ def describe(r) -> str:
     if r["kind"] == "perplexity":
         return (f"{r['task']}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.3f} | bits per byte "
                 f"{r['bits_per_byte']:.4f} | {r['tokens']:,} tokens, {r['bytes']:,} bytes, {r['windows']:,} "
-                "windows")
+                "windows\n  loss by target position: "
+                + " | ".join(f"{k} {v:.3f}" for k, v in r["loss_by_position"].items()))
     if r["kind"] == "multiple_choice":
         return (f"{r['task']}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | acc_token "
                 f"{r['acc_token']:.4f} | {r['items']:,} items")

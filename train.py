@@ -78,6 +78,9 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
     for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
         g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
+    g.add_argument("--rope-scaling", default=None, metavar="FACTOR:LOW:HIGH:ORIGINAL",
+                   help="Llama 3.1's RoPE frequency scaling, e.g. 8:1:4:8192 (factor, low and high frequency "
+                        "factors, original context), or none; default: the preset's")
     g = p.add_argument_group("data")
     g.add_argument("--data", default="tinyshakespeare",
                    help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
@@ -184,6 +187,8 @@ def model_args_from(args, vocab_size: int) -> M.ModelArgs:
             if getattr(args, k) is not None}
     if "vocab_size" not in over and not args.model.startswith("llama"):
         over["vocab_size"] = 64 * ((vocab_size + 63) // 64)
+    if args.rope_scaling is not None:
+        over["rope_scaling"] = parse_rope_scaling(args.rope_scaling)
     if "n_heads" in over and "n_kv_heads" not in over and margs.n_heads % margs.n_kv_heads == 0:
         over["n_kv_heads"] = max(1, over["n_heads"] * margs.n_kv_heads // margs.n_heads)
     try:
@@ -194,6 +199,19 @@ def model_args_from(args, vocab_size: int) -> M.ModelArgs:
         raise ConfigError(f"tokenizer {args.tokenizer!r} has {vocab_size} ids but model {args.model!r} has a "
                           f"vocabulary of {margs.vocab_size}")
     return margs
+
+
+def parse_rope_scaling(text: str) -> dict | None:
+    """--rope-scaling "8:1:4:8192" -> ModelArgs.rope_scaling (checked for sense there); "none" -> None."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        factor, low, high, original = text.split(":")
+        return {"factor": float(factor), "low_freq_factor": float(low), "high_freq_factor": float(high),
+                "original_max_seq_len": int(original)}
+    except ValueError:
+        raise ConfigError(f"--rope-scaling {text!r}: expected FACTOR:LOW:HIGH:ORIGINAL (e.g. 8:1:4:8192) or "
+                          "none") from None
 
 
 def validate(args):

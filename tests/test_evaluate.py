@@ -148,6 +148,13 @@ def test_bits_per_byte_matches_an_independent_computation(tokenizer):
     assert got["bits_per_byte"] == pytest.approx(text_loss * text_tokens / (n_bytes * math.log(2)), rel=1e-6)
     if tokenizer == "gpt2":
         assert text_tokens < n_bytes  # several bytes per token: bits per byte is not loss / ln 2
+    # the loss by target position: each window's targets at positions 0, 1-2, 3-6, 7-14, 15
+    windows = losses.split(seq_len)
+    buckets = {"0-0": (0, 1), "1-2": (1, 3), "3-6": (3, 7), "7-14": (7, 15), "15-15": (15, 16)}
+    for key, (lo, hi) in buckets.items():
+        want = torch.cat([w[lo:hi] for w in windows]).mean().item()
+        assert got["loss_by_position"][key] == pytest.approx(want, rel=1e-6), key
+    assert len(got["loss_by_position"]) == 5
 
 
 def random_items(n, seed=0):

@@ -481,3 +481,17 @@ def test_bad_ramps_are_one_line(tmp_path, flags, env, message):
                        env={**os.environ, "RANK": "0", "LOCAL_RANK": "0", **env})
     assert p.returncode == 1 and message in p.stderr, p.stderr[-2000:]
     assert len(error_lines(p.stderr)) == 1 and not (tmp_path / "o").exists()
+
+
+def test_rope_scaling_is_a_flag_checked_for_sense():
+    """The presets keep theirs; the flag sets Llama 3.1's four numbers or none; nonsense is one line."""
+    margs = lambda *flags: train.model_args_from(train.get_parser().parse_args(list(flags)), 256)
+    assert margs("--model", "llama3.1-8b").rope_scaling == M.LLAMA31_ROPE
+    assert margs("--model", "llama3.1-8b", "--rope-scaling", "none").rope_scaling is None
+    assert margs("--model", "tiny", "--rope-scaling", "4:1:4:64").rope_scaling == {
+        "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_seq_len": 64}
+    for bad, message in (("4:4:1:64", "high_freq_factor (1.0) must be larger than low_freq_factor (4.0)"),
+                         ("0:1:4:64", "rope_scaling factor must be a positive number"),
+                         ("4:1:4", "expected FACTOR:LOW:HIGH:ORIGINAL")):
+        with pytest.raises(train.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            margs("--model", "tiny", "--rope-scaling", bad)
