@@ -305,6 +305,8 @@ def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
     shards that training on it used (prepared on first use); a folder of shards its val_*.bin (every *.bin
     if it has none); a .bin shard, a .txt file (one document) or a .jsonl of {"text"} records their tokens."""
     path = Path(task).expanduser()
+    if task == "needle":
+        return "needle", None
     if task in BENCHMARKS or (path.is_file() and path.suffix == ".bz2"):
         return "multiple_choice", read_items(task, mirror)
     if task in data.DATASETS or path.is_dir() or (path.is_file() and path.suffix == ".bin"):
@@ -321,8 +323,48 @@ def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
                                                               dict) and "text" in records[0][1]:
             return "perplexity", [text_tokens(data.read_documents(path, "jsonl"), tok)]
         return "multiple_choice", read_items(path)
-    raise T.ConfigError(f"unknown --task {task!r}: not a benchmark ({', '.join(BENCHMARKS)}), a dataset "
-                        f"({', '.join(data.DATASETS)}), a folder of shards or a .bin/.txt/.jsonl/.bz2 file")
+    raise T.ConfigError(f"unknown --task {task!r}: not needle, a benchmark ({', '.join(BENCHMARKS)}), a "
+                        f"dataset ({', '.join(data.DATASETS)}), a folder of shards or a .bin/.txt/.jsonl/.bz2 "
+                        "file")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4b. Needle in a haystack: pass-key retrieval (Mohtashami & Jaggi 2023), one of the tests Llama 3 moved
+#     its long-context stages on with. A 5-digit key stated once at a given depth of filler text, asked
+#     for at the end; scored by whether greedy decoding gives it back, and by the log-probability of its
+#     tokens (which a model too small to retrieve still moves).
+
+NEEDLE_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def needle_prompt(tok, length: int, depth: float, key: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, key ids): BOS, filler, "The pass key is KEY. Remember it. KEY is the pass key." at
+    `depth` (0: first, 1: last) of the filler, more filler, then "What is the pass key? The pass key is";
+    the prompt and key together are `length` tokens (filler cut to fit)."""
+    needle = tok.encode_ordinary(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    question = tok.encode_ordinary(" What is the pass key? The pass key is")
+    answer = tok.encode_ordinary(f" {key}")
+    room = length - 1 - len(needle) - len(question) - len(answer)
+    if room < 0:
+        raise T.ConfigError(f"--seq-len {length} is too short for the pass-key question "
+                            f"({length - room} tokens)")
+    filler = tok.encode_ordinary(NEEDLE_FILLER * (room // 10 + 1))[:room]
+    cut = round(depth * room)
+    return [data.bos_id(tok), *filler[:cut], *needle, *filler[cut:], *question], answer
+
+
+@torch.no_grad()
+def needle(model, tok, length: int, depth: float, trials: int, seed: int) -> dict:
+    """Pass-key retrieval over `trials` random keys: {"accuracy", "key_logprob" (mean per key token)}."""
+    rng, hits, logp = np.random.default_rng(seed), 0, []
+    for _ in range(trials):
+        key = str(rng.integers(10000, 100000))
+        prompt, answer = needle_prompt(tok, length, depth, key)
+        logp.append(token_logprobs(model, [prompt + answer], [len(answer)])[0].mean())
+        got = M.generate(model, prompt, len(answer), temperature=0, n_vocab=tok.n_vocab)[0].tolist()
+        hits += got == answer
+    return {"length": length, "depth": depth, "trials": trials, "accuracy": hits / trials,
+            "key_logprob": float(np.mean(logp))}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -591,7 +633,10 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int,
                    help="longest sequence; default: the training --seq-len, else max_seq_len")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
-    p.add_argument("--limit", type=int, help="only the first N items (benchmarks) or windows (text)")
+    p.add_argument("--limit", type=int, help="only the first N items (benchmarks) or windows (text); "
+                                              "--task needle: its number of keys (default 20)")
+    p.add_argument("--needle-depth", type=float, default=0.5,
+                   help="--task needle (pass-key retrieval in --seq-len tokens): where the key stands, 0 to 1")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per task (summaries go to stderr)")
     g = p.add_argument_group("generation")
@@ -633,6 +678,9 @@ def describe(r) -> str:
     if r["kind"] == "multiple_choice":
         return (f"{r['task']}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | acc_token "
                 f"{r['acc_token']:.4f} | {r['items']:,} items")
+    if r["kind"] == "needle":
+        return (f"needle (pass key in {r['length']:,} tokens at depth {r['depth']:.2f}): accuracy "
+                f"{r['accuracy']:.3f} over {r['trials']} keys | key log-prob per token {r['key_logprob']:.3f}")
     if r["kind"] == "generate":
         return f"prompt: {r['prompt']}\n{r['completion']}" + ("" if r["stopped"] else " [...]")
     lines = [f"contamination of {r['task']} ({r['items']:,} items) in {r['train']} "
@@ -666,6 +714,8 @@ def check_flags(args) -> list[str]:
     for flag in ("batch_size", "limit", "seq_len", "max_new_tokens", "ngram_words", "ngram_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise T.ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.needle_depth <= 1:
+        raise T.ConfigError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
     try:
         M.check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
@@ -707,6 +757,8 @@ def main(argv=None):
         for task, (kind, payload) in tasks.items():
             if kind == "perplexity":
                 result = perplexity(model, tok, payload, seq_len, args.batch_size, mesh, args.limit)
+            elif kind == "needle":
+                result = needle(model, tok, seq_len, args.needle_depth, args.limit or 20, args.seed)
             else:
                 result = multiple_choice(model, tok, payload[:args.limit], seq_len, args.batch_size, mesh,
                                          task)

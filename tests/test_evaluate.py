@@ -358,3 +358,28 @@ def test_plot_draws_a_run_and_says_when_matplotlib_is_missing(checkpoint, tmp_pa
         train.run(E.main, ["--plot", str(run)])
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip() == "error: --plot needs matplotlib: pip install matplotlib"
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
+def test_the_pass_key_sits_at_its_depth_and_is_scored_as_its_tokens(tokenizer):
+    """needle_prompt: the prompt and the key fill exactly the length asked, the key stated once at the
+    depth asked (0: after BOS, 1: just before the question); needle(): the key's mean log-prob is the one
+    token_logprobs gives, and accuracy counts exact greedy retrievals."""
+    tok = data.get_tokenizer(tokenizer)
+    for depth in (0.0, 0.5, 1.0):
+        prompt, answer = E.needle_prompt(tok, 200, depth, "12345")
+        assert len(prompt) + len(answer) == 200 and tok.decode(answer) == " 12345"
+        text = tok.decode(prompt[1:])
+        assert text.count("The pass key is 12345.") == 1 and text.endswith("The pass key is")
+        before = text.index(" The pass key is 12345")
+        filler = len(text) - len(" The pass key is 12345. Remember it. 12345 is the pass key. ") - len(
+            " What is the pass key? The pass key is")
+        assert before == pytest.approx(depth * filler, abs=8)
+    torch.manual_seed(0)
+    vocab = 64 * math.ceil(tok.n_vocab / 64)
+    model = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=vocab, max_seq_len=256)).eval()
+    got = E.needle(model, tok, 128, 0.5, 3, seed=7)
+    keys = [str(k) for k in np.random.default_rng(7).integers(10000, 100000, size=3)]
+    want = np.mean([E.token_logprobs(model, [p + a], [len(a)])[0].mean()
+                    for p, a in (E.needle_prompt(tok, 128, 0.5, k) for k in keys)])
+    assert got["key_logprob"] == pytest.approx(want) and got["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0)
