@@ -437,7 +437,7 @@ def check_anneal(args, dp: int):
 # its own targets as always; the learning rate follows steps, as the paper gives its schedule (8,000
 # warmup steps, cosine over 1.2M steps), and a stage's steps are fixed by the ramp, so the schedule is
 # known from the start. At a stage's first step the loaders are made anew for its length, the training
-# one at the sequence that holds the next token after those read so far.
+# one as far into its epochs as the run has read (switch_stage).
 
 
 class Stage(NamedTuple):
