@@ -51,8 +51,10 @@ import os
 import re
 import socket
 import sys
+import itertools
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +75,11 @@ class LayoutError(ValueError):
 
 # ====================================================================================================
 # 1. Mesh
+
+# Every live Mesh by its key. The collectives that run inside compiled blocks are torch custom ops (section
+# 3), and a custom op takes tensors, numbers and strings, not objects: it is handed the mesh's key.
+MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_mesh_keys = itertools.count()
 
 
 @dataclass
@@ -101,6 +108,10 @@ class Mesh:
     # (train.py), a few numbers over every rank at once
     comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0,
                                                       "world": 0.0})
+    key: int = field(default_factory=lambda: next(_mesh_keys))  # its name for the custom ops (section 3)
+
+    def __post_init__(self):
+        MESHES[self.key] = self
 
     @property
     def world(self) -> int:
@@ -465,6 +476,47 @@ def all_true(flag, mesh: Mesh) -> bool:
 #    g: forward all-reduce, backward identity   (leaves it: partial sums from each rank are added)
 #    With sequence parallelism the activations between TP regions are split along the sequence, and the
 #    pair becomes gather (forward all-gather, backward reduce-scatter) / scatter (the reverse).
+#
+#    These run inside the blocks that --compile compiles, so each collective is a torch custom op: one
+#    opaque node of the compiled graph, whose body (section 2's wrapper: the byte count, the timing, the
+#    CommError) runs as plain Python at every call. Called directly, that body would break the graph (the
+#    clock cannot be traced) and recompile each call (the byte counter's value would become a guard).
+
+
+@torch.library.custom_op("llama3::all_reduce_", mutates_args=("t",))
+def _all_reduce_op(t: torch.Tensor, mesh_key: int, dim: str) -> None:
+    all_reduce(t, MESHES[mesh_key], dim)
+
+
+@_all_reduce_op.register_fake
+def _(t, mesh_key, dim):
+    return None
+
+
+@torch.library.custom_op("llama3::all_gather", mutates_args=())
+def _all_gather_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
+    mesh = MESHES[mesh_key]
+    out = inp.new_empty((inp.shape[0] * mesh.size(dim), *inp.shape[1:]))
+    all_gather(out, inp, mesh, dim)
+    return out
+
+
+@_all_gather_op.register_fake
+def _(inp, mesh_key, dim):
+    return inp.new_empty((inp.shape[0] * MESHES[mesh_key].size(dim), *inp.shape[1:]))
+
+
+@torch.library.custom_op("llama3::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
+    mesh = MESHES[mesh_key]
+    out = inp.new_empty((inp.shape[0] // mesh.size(dim), *inp.shape[1:]))
+    reduce_scatter(out, inp, mesh, dim)
+    return out
+
+
+@_reduce_scatter_op.register_fake
+def _(inp, mesh_key, dim):
+    return inp.new_empty((inp.shape[0] // MESHES[mesh_key].size(dim), *inp.shape[1:]))
 
 
 class _CopyToTP(torch.autograd.Function):  # f
@@ -476,7 +528,7 @@ class _CopyToTP(torch.autograd.Function):  # f
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        all_reduce(grad, ctx.mesh, "tp")
+        _all_reduce_op(grad, ctx.mesh.key, "tp")
         return grad, None
 
 
@@ -484,7 +536,7 @@ class _ReduceFromTP(torch.autograd.Function):  # g
     @staticmethod
     def forward(ctx, x, mesh):
         x = x.contiguous()
-        all_reduce(x, mesh, "tp")
+        _all_reduce_op(x, mesh.key, "tp")
         return x
 
     @staticmethod
@@ -495,8 +547,7 @@ class _ReduceFromTP(torch.autograd.Function):  # g
 def _gather_seq(x, mesh, dim: str = "tp"):
     """(B, T/n, ...) on each rank of the group -> (B, T, ...), the ranks' pieces in rank order."""
     xt = x.transpose(0, 1).contiguous()  # collectives concatenate along dim 0: put the sequence there
-    out = xt.new_empty((xt.shape[0] * mesh.size(dim), *xt.shape[1:]))
-    all_gather(out, xt, mesh, dim)
+    out = _all_gather_op(xt, mesh.key, dim)
     # contiguous once, here: a transposed view would be copied by each linear that reads it (wq, wk and wv;
     # w1 and w3), and every copy kept for backward
     return out.transpose(0, 1).contiguous()
@@ -505,9 +556,7 @@ def _gather_seq(x, mesh, dim: str = "tp"):
 def _scatter_seq(x, mesh, dim: str = "tp"):
     """(B, T, ...) partial sums on each rank of the group -> (B, T/n, ...), this rank's piece, summed."""
     xt = x.transpose(0, 1).contiguous()
-    out = xt.new_empty((xt.shape[0] // mesh.size(dim), *xt.shape[1:]))
-    reduce_scatter(out, xt, mesh, dim)
-    return out.transpose(0, 1)
+    return _reduce_scatter_op(xt, mesh.key, dim).transpose(0, 1)
 
 
 class _GatherSeq(torch.autograd.Function):  # SP's f; context parallelism's K/V exchange over "cp"

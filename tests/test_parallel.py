@@ -430,6 +430,47 @@ def test_a_ramp_matches_single_process(tmp_path, n, flags):
     assert_same_training(tmp_path / "many", tmp_path / "one")
 
 
+# train.py --compile with dynamo's own counters: graph breaks (every one splits a block into pieces run
+# apart, with Python between them) and graphs compiled (each block has the same code: one graph, compiled
+# once; config.error_on_recompile makes a second compilation an error). aot_eager: dynamo's tracing and
+# autograd's joint graph, the ops run as they are, without inductor's code generation, which changes neither
+# count. The counts go to $COMPILE_COUNTS from rank 0.
+COUNT_COMPILES = """
+import functools, json, os, sys
+import torch._dynamo
+from torch._dynamo.utils import counters
+import train
+
+torch._dynamo.config.error_on_recompile = True
+train.compile_blocks = functools.partial(train.compile_blocks, backend="aot_eager")
+train.run(train.main, sys.argv[1:])
+if os.environ["RANK"] == "0":
+    with open(os.environ["COMPILE_COUNTS"], "w") as f:
+        json.dump({"breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}, f)
+"""
+
+COMPILE_LAYOUTS = [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--pp", "2"], ["--zero", "1"],
+                   ["--zero", "3"]]
+
+
+@pytest.mark.parametrize("flags", COMPILE_LAYOUTS, ids=[" ".join(f) for f in COMPILE_LAYOUTS])
+def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
+    """Under --compile each block is one graph with no break, compiled once, in every layout: the TP, SP and
+    CP collectives inside it are custom ops the compiler does not look into. Their bytes are still counted
+    (the step's tally equals the eager run's), and the training equals the single process's."""
+    script = tmp_path / "count_compiles.py"
+    script.write_text(COUNT_COMPILES)
+    counts = tmp_path / "counts.json"
+    job(2, tmp_path / "compiled", "--compile", *flags, script=script, extra_env={"COMPILE_COUNTS": str(counts)})
+    got = json.loads(counts.read_text())
+    assert got == {"breaks": {}, "graphs": 1}, got
+    assert_same_training(tmp_path / "compiled", reference)
+    job(2, tmp_path / "eager", *flags)
+    comm = lambda d: [r["comm_bytes_per_step"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                      if "comm_bytes_per_step" in r]
+    assert comm(tmp_path / "compiled") == comm(tmp_path / "eager") != [], comm(tmp_path / "eager")
+
+
 # ZeRO-1 at any accumulation, and ZeRO-2 without accumulation, add the same numbers in the same order as
 # plain DP. ZeRO-2 with accumulation reduces each micro-batch's gradients, then sums them: another order,
 # equal within the layouts' tolerance (LAYOUTS above). So does ZeRO-3 even without accumulation: its flat
