@@ -8,7 +8,7 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       beside parallel.comm_estimate.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1"
       several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, cp,
-      pp, mb, accum, seq_len, zero, sp, act_ckpt, deterministic).
+      pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, deterministic).
   python bench.py --compare-hf
       the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
       alternating with ours, and the throughput ratio.
@@ -139,7 +139,7 @@ def train_args(a, **over) -> argparse.Namespace:
             "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
     argv += ["--act-ckpt"] if over.get("act_ckpt", a.act_ckpt) else []
     argv += ["--sp"] if over.get("sp", a.sp) else []
-    argv += ["--compile"] if a.compile else []
+    argv += ["--compile"] if over.get("compile", a.compile) else []
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
     return T.get_parser().parse_args(argv)
 
@@ -219,7 +219,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
-            "deterministic": args.deterministic,
+            "deterministic": args.deterministic, "compile": args.compile,
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
@@ -257,7 +257,7 @@ def print_measurement(rows: list[dict], a):
               f"{r['tokens_per_s_per_device']:9,.0f} "
               f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.3f} "
               f"{r['memory_estimate_gb']['total']:7.3f}  {ph}"
-              + "".join(f"  {k}" for k in ("sp", "zero", "deterministic") if r[k]))
+              + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k]))
         comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
         if comm:
             est = r["comm_estimate_bytes"]
@@ -271,9 +271,11 @@ def print_measurement(rows: list[dict], a):
               "tensors: --memory-census counts them too)")
 
 
-SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "deterministic")
+SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile",
+              "deterministic")
 # what a --sweep key may be set to: its flag's rule (the others: at least 1)
-SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1), "deterministic": (0, 1)}
+SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1), "compile": (0, 1),
+                 "deterministic": (0, 1)}
 SWEEP_FORMAT = "';'-separated settings of key=integer pairs, e.g. 'tp=2,mb=8;act_ckpt=1'"
 
 

@@ -466,8 +466,8 @@ def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
     assert got == {"breaks": {}, "graphs": 1}, got
     assert_same_training(tmp_path / "compiled", reference)
     job(2, tmp_path / "eager", *flags)
-    comm = lambda d: [r["comm_bytes_per_step"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-                      if "comm_bytes_per_step" in r]
+    records = lambda d: map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+    comm = lambda d: [r["comm_bytes_per_step"] for r in records(d) if "comm_bytes_per_step" in r]
     assert comm(tmp_path / "compiled") == comm(tmp_path / "eager") != [], comm(tmp_path / "eager")
 
 
