@@ -57,8 +57,8 @@ class AdamW:
     `pad_to` rounds the flat length up (ZeRO-1 cuts buckets into dp equal pieces). `shard(ranges)` makes
     this rank own, and keep optimizer state for, only those [lo, hi) ranges of the flat buffers (ZeRO-1);
     by default it owns everything. Under ZeRO-1 pass `allocate_state=False` and let shard() allocate: the
-    full-length state (16 bytes per parameter: master, m, v and the update's denominator) would otherwise
-    exist on every rank for a moment, which is exactly the memory ZeRO-1 is there to save. ZeRO-2 also
+    full-length state (12 bytes per parameter: master, m and v) would otherwise exist on every rank for a
+    moment, which is exactly the memory ZeRO-1 is there to save. ZeRO-2 also
     shards the gradient buffer (`full_grad=False`, then `shard(ranges, grads=True)`): each parameter's fresh
     gradient then goes only to `on_grad_ready`, which reduces it into the owned pieces (parallel.py).
     ZeRO-3 shards the model's own copy too (`shard(ranges, grads=True, weights=True)`): `model_flat` is then
@@ -157,7 +157,7 @@ class AdamW:
         elif self.initial:
             raise ValueError("an optimizer built with initial= holds its model copy sharded: "
                              "shard(..., weights=True)")
-        self.master = self.exp_avg = self.exp_avg_sq = self._denom = None  # free any earlier state first
+        self.master = self.exp_avg = self.exp_avg_sq = None  # free any earlier state first
         if (weights or ranges == [(0, self.numel)]) and self.dtype == torch.float32:
             self.master = self.model_flat
         elif weights:
@@ -167,8 +167,7 @@ class AdamW:
             self.pack(self.model_flat, self.master)
         self.exp_avg = torch.zeros(size, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self._denom = torch.empty_like(self.exp_avg)
-        # where weight decay applies, in the compact layout: owned parts of the decayed ranges
+        # where weight decay applies, in the compact layout: owned parts of the decayed ranges; and the rest
         self.decay_segments, c = [], 0
         for lo, hi in ranges:
             for dlo, dhi in self.decay_ranges:
@@ -176,6 +175,9 @@ class AdamW:
                 if a < b:
                     self.decay_segments.append((c + a - lo, c + b - lo))
             c += hi - lo
+        ends = [0] + [e for seg in self.decay_segments for e in seg] + [size]
+        self.plain_segments = [(a, b) for a, b in zip(ends[::2], ends[1::2]) if a < b]
+        self._step = torch.zeros((), dtype=torch.float32, device=self.device)  # the fused kernel reads it
 
     def index_of(self, p: torch.Tensor) -> int:
         """Where parameter p is in self.params (and offsets, names)."""
@@ -254,22 +256,22 @@ class AdamW:
     @torch.no_grad()
     def step(self, lr: float | None = None):
         """One AdamW update of the owned master weights from the gradient buffer, then refresh the
-        model copy."""
+        model copy. torch's fused AdamW kernel does it in one pass over master, gradient, m and v (the same
+        arithmetic as m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g, value=1 - b2); w.mul_(1 - lr * wd);
+        w.addcdiv_(m, sqrt(v / bc2) + eps, value=-lr / bc1), which unfused are eight passes and a
+        temporary as large as v). Its tensor lists are views of the flat buffers: one call for the decayed
+        segments, one for the rest."""
         lr = self.lr if lr is None else lr
-        b1, b2 = self.betas
         self.step_count += 1
-        bc1 = 1 - b1 ** self.step_count
-        bc2 = 1 - b2 ** self.step_count
+        self._step.fill_(self.step_count)  # the bias corrections' step, on the device
         g = self.owned_grad()
-        self.exp_avg.lerp_(g, 1 - b1)  # m = b1*m + (1-b1)*g
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)  # v = b2*v + (1-b2)*g^2
-        if self.weight_decay:
-            for lo, hi in self.decay_segments:  # decoupled: not through m or v
-                self.master[lo:hi].mul_(1 - lr * self.weight_decay)
-        # sqrt(v_hat) + eps into a persistent buffer: a fresh model-sized temporary every step would be a
-        # new allocation (and, on CPU, fresh page faults) each time
-        denom = torch.sqrt(self.exp_avg_sq, out=self._denom).div_(math.sqrt(bc2)).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
+        for decay, segments in ((self.weight_decay, self.decay_segments), (0.0, self.plain_segments)):
+            if segments:
+                views = lambda t: [t[lo:hi] for lo, hi in segments]
+                torch._fused_adamw_(views(self.master), views(g), views(self.exp_avg), views(self.exp_avg_sq),
+                                    [], [self._step] * len(segments), lr=lr, beta1=self.betas[0],
+                                    beta2=self.betas[1], weight_decay=decay, eps=self.eps, amsgrad=False,
+                                    maximize=False)
         if self.weights_sharded and self.master is not self.model_flat:
             self.model_flat.copy_(self.master)  # both compact: round to bf16/fp16 once
         elif self.master is not self.model_flat:

@@ -1900,8 +1900,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
-    the weights are the master), m, v and the update's denominator (fp32), all three and the master divided
-    over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2 divides the
+    the weights are the master) and AdamW's m and v (fp32; its fused update needs no temporary), these
+    divided over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2 divides the
     gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced (and two
     pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank
     holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
@@ -1926,7 +1926,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
     out = {"weights": n * b, "grads": n * 4,
            "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
-           "optimizer": 3 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
+           "optimizer": 2 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
     if zero >= 2 and zdp > 1:  # staging (GradSync._launch): the bucket filling, two in flight, their pieces
         bucket = min(n, bucket_mb * 2 ** 20 / 4)
         out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
@@ -1988,7 +1988,7 @@ def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: in
                           virtual: int = 1) -> dict:
     """ZeRO-3's model states on one rank: each unit padded to a multiple of dp (x cp), 1/dp of everything
     (the model copy's b bytes a parameter, the fp32 master unless the model copy in fp32 is it, gradients,
-    m, v, the update's denominator), and whole weights for two neighbouring units at once (the one
+    m and v), and whole weights for two neighbouring units at once (the one
     computing, the one prefetched), three with a tied head (the embedding stays whole from the head's
     backward to its own); the gradients of up to three units being staged or reduce-scattered (two in
     flight, GradSync._launch), with the pieces of two."""
@@ -1997,7 +1997,7 @@ def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: in
     whole = max([u + v for u, v in zip(units, units[1:])] or units)
     whole += units[0] if args.tie_embeddings and first and last else 0
     return {"weights": n * b / dp + whole * b, "grads": n * 4 / dp, "master": n * 4 / dp if b != 4 else 0.0,
-            "optimizer": 3 * n * 4 / dp, "zero_buffers": sum(sorted(units)[-3:]) * 4
+            "optimizer": 2 * n * 4 / dp, "zero_buffers": sum(sorted(units)[-3:]) * 4
             + sum(sorted(units)[-2:]) * 4 / dp}
 
 

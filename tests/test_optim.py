@@ -202,8 +202,8 @@ class Allocations(TorchDispatchMode):
 
 
 def state_bytes(opt) -> int:
-    own = [opt.exp_avg, opt.exp_avg_sq, opt._denom] + ([opt.master] if opt.master is not opt.model_flat
-                                                       else [])
+    own = [opt.exp_avg, opt.exp_avg_sq, opt._step] + ([opt.master] if opt.master is not opt.model_flat
+                                                      else [])
     return sum(t.numel() * t.element_size() for t in own)
 
 
@@ -224,8 +224,8 @@ def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
         full_length = n * 4 + n * opt.model_flat.element_size()  # gradient (fp32) and model copy
         assert built.bytes == full_length + kept[dp] + pieces, (dp, built.bytes, full_length, kept[dp],
                                                                 pieces)
-        owned[dp] = sum(t.numel() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt._denom))
-    # master, m, v and the denominator: a quarter each (in fp32 at dp 1 the master is the model copy itself)
+        owned[dp] = sum(t.numel() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq))
+    # master, m and v: a quarter each (in fp32 at dp 1 the master is the model copy itself)
     assert owned[4] * 4 == owned[1]
 
 
