@@ -20,6 +20,8 @@ def tiny_model(seed=0, dtype=torch.float32):
 
 
 def test_matches_torch_adamw_over_10_steps_fp32():
+    """Our fused update (torch's fused kernel over views of the flat buffers) against torch.optim.AdamW's
+    default, unfused one (the same arithmetic in separate passes): within 1e-6 after 10 steps."""
     ours_model, ref_model = tiny_model(), tiny_model()
     opt = O.AdamW(ours_model.named_parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     decay = [p for n, p in ref_model.named_parameters() if O.decays(n, p)]
