@@ -8,7 +8,7 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       beside parallel.comm_estimate.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1"
       several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, cp,
-      pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, deterministic).
+      pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic).
   python bench.py --compare-hf
       the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
       alternating with ours, and the throughput ratio.
@@ -55,7 +55,7 @@ GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200"
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
          grad_accum: int, mfu: float, zero: int = 1, act_ckpt: bool = False, precision: str = "bf16",
          sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1,
-         virtual: int = 1) -> dict:
+         virtual: int = 1, loss_chunk: int = 1024) -> dict:
     """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
     (under each of ZeRO 0 to 3 and activation checkpointing on/off, the chosen one marked), the bytes each
     GPU sends per step, the bubble, and the step time and days at a stated MFU. The memory fits when it is
@@ -70,7 +70,8 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     steps = math.ceil(tokens / tokens_step)
     flops_tok = M.flops_per_token(margs, seq_len)
     memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
-                                             sp, grad_accum, schedule, cp=cp, virtual=virtual)
+                                             sp, grad_accum, schedule, cp=cp, virtual=virtual,
+                                             loss_chunk=P.loss_chunk_used(loss_chunk, tokens_micro // cp, z))
     variants = {f"zero{z}_ckpt{int(c)}": memory(z, c) for z in (0, 1, 2, 3) for c in (False, True)}
     chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
     comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
@@ -129,7 +130,7 @@ def train_args(a, **over) -> argparse.Namespace:
                                                                                               a.grad_accum)),
             "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)),
             "--cp", str(over.get("cp", a.cp)), "--zero", str(over.get("zero", a.zero)),
-            "--bucket-mb", str(a.bucket_mb),
+            "--bucket-mb", str(a.bucket_mb), "--loss-chunk", str(over.get("loss_chunk", a.loss_chunk)),
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
             # one checkpoint, at the end: phase 7, timed apart (none in a census: on a CPU the gathered
             # optimizer state would count as training's memory)
@@ -214,12 +215,12 @@ def measure(a, timing: str = "phases", **over) -> dict:
     layout = (margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp, mesh.dp,
               args.zero, mesh.sp)
     est = P.memory_estimate(*layout, args.grad_accum, args.schedule, stage=mesh.pp_rank, cp=mesh.cp,
-                            bucket_mb=args.bucket_mb)
+                            bucket_mb=args.bucket_mb, loss_chunk=T.loss_chunk(args))
     comm_est = P.comm_estimate(*layout, args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
-            "deterministic": args.deterministic, "compile": args.compile,
+            "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": T.loss_chunk(args),
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
@@ -271,7 +272,7 @@ def print_measurement(rows: list[dict], a):
               "tensors: --memory-census counts them too)")
 
 
-SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile",
+SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile", "loss_chunk",
               "deterministic")
 # what a --sweep key may be set to: its flag's rule (the others: at least 1)
 SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1), "compile": (0, 1),
@@ -310,8 +311,8 @@ def parse_setting(item: str, text: str) -> dict:
         if k in SWEEP_CHOICES and v not in SWEEP_CHOICES[k]:
             refuse(f"--sweep setting {item!r}: {k} must be one of {', '.join(map(str, SWEEP_CHOICES[k]))}, "
                    f"got {v}")
-        if k not in SWEEP_CHOICES and v < 1:
-            refuse(f"--sweep setting {item!r}: {k} must be at least 1, got {v}")
+        if k not in SWEEP_CHOICES and v < (0 if k == "loss_chunk" else 1):
+            refuse(f"--sweep setting {item!r}: {k} must be at least {0 if k == 'loss_chunk' else 1}, got {v}")
     return row
 
 
@@ -517,6 +518,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--act-ckpt", action="store_true",
                    help="activation checkpointing: recompute each block in backward")
     p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")
+    p.add_argument("--loss-chunk", type=int, default=1024,
+                   help="train.py --loss-chunk: tokens of logits made at a time by the loss (0: all at once)")
     p.add_argument("--deterministic", action="store_true",
                    help="train.py --deterministic (sweep key: deterministic)")
     p.add_argument("--memory-census", action="store_true",
@@ -565,6 +568,7 @@ def validate(a):
                  "blocks", "gpus"):
         need(getattr(a, name) >= 1, name, "at least 1")
     need(a.warmup_steps >= 0, "warmup_steps", "at least 0")
+    need(a.loss_chunk >= 0, "loss_chunk", "at least 0")
     need(0 < a.bucket_mb < math.inf, "bucket_mb", "a positive number")
     need(0 < a.tokens < math.inf, "tokens", "a positive number")
     need(0 < a.mfu <= 1, "mfu", "in (0, 1]")
@@ -666,7 +670,7 @@ def run_plan(a):
     try:
         r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
                  a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
-                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages)
+                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages, a.loss_chunk)
     except P.LayoutError as e:
         refuse(f"invalid parallel layout: {e}")
     print(json.dumps(r)) if a.json else print_plan(r)
@@ -691,7 +695,7 @@ def run_ramp_plan(a):
             rows.append(plan(a.model, end - s.seen, s.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch,
                              s.sequences // (a.micro_batch * dp), a.mfu, a.zero, a.act_ckpt,
                              "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1, a.reserve_gb,
-                             a.schedule, a.cp, a.virtual_stages))
+                             a.schedule, a.cp, a.virtual_stages, a.loss_chunk))
         except P.LayoutError as e:
             refuse(f"invalid parallel layout at the stage of {s.seq_len}-token sequences: {e}")
     if a.json:

@@ -314,6 +314,7 @@ class DPOTask:
     out of the DPO log-probs (--mask-format-tokens), or None."""
 
     rows_per_example = 2  # a pair: its chosen and its rejected row (train.py counts tokens and FLOPs by rows)
+    takes_hidden = False  # the loss is given the logits
 
     def __init__(self, margs, mesh, args, reference=None, cached=None, skip=None):
         self.vocab_size, self.mesh, self.args, self.skip = margs.vocab_size, mesh, args, skip
@@ -430,6 +431,7 @@ class DPO(sft.SFT):
     kind = "dpo"
     rows_per_example = DPOTask.rows_per_example
     frozen_copies = 1  # the reference (with --precompute-ref too: it lives while its log-probs are computed)
+    head_in_loss = False  # DPOTask's loss is given the logits
 
     def weights(self, mesh) -> dict | None:
         self.initial = super().weights(mesh)  # kept: the reference is built from them too (task)

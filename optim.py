@@ -45,6 +45,9 @@ def lr_at(step: int, max_lr: float, warmup: int, max_steps: int, min_lr_ratio: f
     return max_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+VECTOR = 16  # fp32 numbers in one AVX-512 register, the widest the fused AdamW kernel uses on a CPU
+
+
 def decays(name: str, p: torch.Tensor) -> bool:
     """Weight decay applies to the linear layers' matrices; not to norms (1-D) nor the embedding table."""
     return p.dim() >= 2 and "tok_embeddings" not in name
@@ -54,7 +57,7 @@ class AdamW:
     """AdamW over flat fp32 buffers; the model's parameters (any dtype) are views into a flat buffer.
 
     Build it after the model is on its device and in its training dtype: that is the storage it takes over.
-    `pad_to` rounds the flat length up (ZeRO-1 cuts buckets into dp equal pieces). `shard(ranges)` makes
+    `pad_to` rounds the flat length up, times 16 (ZeRO-1 cuts buckets into dp equal pieces). `shard(ranges)` makes
     this rank own, and keep optimizer state for, only those [lo, hi) ranges of the flat buffers (ZeRO-1);
     by default it owns everything. Under ZeRO-1 pass `allocate_state=False` and let shard() allocate: the
     full-length state (12 bytes per parameter: master, m and v) would otherwise exist on every rank for a
@@ -63,7 +66,7 @@ class AdamW:
     gradient then goes only to `on_grad_ready`, which reduces it into the owned pieces (parallel.py).
     ZeRO-3 shards the model's own copy too (`shard(ranges, grads=True, weights=True)`): `model_flat` is then
     compact, and parallel.py gathers each unit's weights when they are used. `unit_of` (ZeRO-3) lays out
-    the parameters of one unit (a block, say) together and pads each unit's span to a multiple of pad_to,
+    the parameters of one unit (a block, say) together and pads each unit's span to a multiple of 16 pad_to,
     so that every unit is one bucket with equal pieces. With `initial` (ZeRO-3 at scale) the parameters
     hold no values yet (parallel.materialize_empty) and no full-length model copy is ever made:
     initial(name, shape) is a parameter's value, read only where it overlaps the owned ranges, when
@@ -89,7 +92,10 @@ class AdamW:
         self.names = [n for n, _ in uniq]
         self.params = [p for _, p in uniq]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.lay_out(uniq, decide, pad_to, unit_of)
+        # 16 elements per dp piece: the fused update's vector loop then covers every element of a rank's
+        # shard. A remainder would take its scalar path, whose rounding differs (fused multiply-adds), and a
+        # ZeRO shard would no longer update bit for bit as the same numbers do in one full-length buffer.
+        self.lay_out(uniq, decide, VECTOR * pad_to, unit_of)
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
         self.step_count = 0
@@ -167,7 +173,7 @@ class AdamW:
             self.pack(self.model_flat, self.master)
         self.exp_avg = torch.zeros(size, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        # where weight decay applies, in the compact layout: owned parts of the decayed ranges; and the rest
+        # where weight decay applies, in the compact layout: owned parts of the decayed ranges
         self.decay_segments, c = [], 0
         for lo, hi in ranges:
             for dlo, dhi in self.decay_ranges:
@@ -175,8 +181,6 @@ class AdamW:
                 if a < b:
                     self.decay_segments.append((c + a - lo, c + b - lo))
             c += hi - lo
-        ends = [0] + [e for seg in self.decay_segments for e in seg] + [size]
-        self.plain_segments = [(a, b) for a, b in zip(ends[::2], ends[1::2]) if a < b]
         self._step = torch.zeros((), dtype=torch.float32, device=self.device)  # the fused kernel reads it
 
     def index_of(self, p: torch.Tensor) -> int:
@@ -253,25 +257,31 @@ class AdamW:
             self.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
+    @staticmethod
+    def clip_scale(max_norm: float, norm: torch.Tensor) -> torch.Tensor | None:
+        """What step(grad_scale=) divides the gradients by to clip them to max_norm: max(1, norm / max_norm),
+        clip_grad_norm's factor inverted (None: max_norm 0, no clipping). On the device, like the norm."""
+        return torch.clamp((norm + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
+
     @torch.no_grad()
-    def step(self, lr: float | None = None):
+    def step(self, lr: float | None = None, grad_scale: torch.Tensor | None = None):
         """One AdamW update of the owned master weights from the gradient buffer, then refresh the
-        model copy. torch's fused AdamW kernel does it in one pass over master, gradient, m and v (the same
-        arithmetic as m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g, value=1 - b2); w.mul_(1 - lr * wd);
-        w.addcdiv_(m, sqrt(v / bc2) + eps, value=-lr / bc1), which unfused are eight passes and a
-        temporary as large as v). Its tensor lists are views of the flat buffers: one call for the decayed
-        segments, one for the rest."""
+        model copy. The decoupled decay first, on the decayed segments; then torch's fused AdamW kernel in
+        one pass over the whole of master, gradient, m and v (the same arithmetic as m.lerp_(g, 1 - b1);
+        v.mul_(b2).addcmul_(g, g, value=1 - b2); w.addcdiv_(m, sqrt(v / bc2) + eps, value=-lr / bc1), which
+        unfused are seven passes and a temporary as large as v). One tensor, not a list of segments: the
+        kernel's vector loop covers the same elements under ZeRO as without (VECTOR). grad_scale (a
+        one-element tensor, clip_scale): the kernel divides the gradients by it as it reads them, so clipping
+        needs no pass of its own over the gradient buffer."""
         lr = self.lr if lr is None else lr
         self.step_count += 1
         self._step.fill_(self.step_count)  # the bias corrections' step, on the device
-        g = self.owned_grad()
-        for decay, segments in ((self.weight_decay, self.decay_segments), (0.0, self.plain_segments)):
-            if segments:
-                views = lambda t: [t[lo:hi] for lo, hi in segments]
-                torch._fused_adamw_(views(self.master), views(g), views(self.exp_avg), views(self.exp_avg_sq),
-                                    [], [self._step] * len(segments), lr=lr, beta1=self.betas[0],
-                                    beta2=self.betas[1], weight_decay=decay, eps=self.eps, amsgrad=False,
-                                    maximize=False)
+        if self.weight_decay:
+            for lo, hi in self.decay_segments:  # decoupled: not through m or v
+                self.master[lo:hi].mul_(1 - lr * self.weight_decay)
+        torch._fused_adamw_([self.master], [self.owned_grad()], [self.exp_avg], [self.exp_avg_sq], [],
+                            [self._step], lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0,
+                            eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
         if self.weights_sharded and self.master is not self.model_flat:
             self.model_flat.copy_(self.master)  # both compact: round to bf16/fp16 once
         elif self.master is not self.model_flat:

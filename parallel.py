@@ -743,6 +743,57 @@ def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
     return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh).sum()
 
 
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """sum over rows of loss_fn(h @ W^T, targets), the logits made `chunk` rows at a time: each chunk's
+    logits, loss and gradients (of h and of W) are made together in forward and the logits dropped, so
+    the (N, V) logits never exist whole (the "fused linear cross-entropy" of Liger-Kernel, in plain torch).
+    Kept for backward: the gradients, h's (N, dim) and W's (V, dim) in fp32; backward only scales them by
+    the incoming gradient, so the result must be used linearly (a sum, divided by a count)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk, loss_fn):
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        w = weight.detach().requires_grad_()
+        for lo in range(0, h.shape[0], chunk):
+            with torch.enable_grad():
+                hc = h[lo:lo + chunk].detach().requires_grad_()
+                loss = loss_fn(F.linear(hc, w), targets[lo:lo + chunk])
+                gh, gw = torch.autograd.grad(loss, (hc, w))
+            grad_h[lo:lo + chunk] = gh
+            grad_w += gw
+            total += loss.detach()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = h.dtype, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None
+
+
+def head_loss_sum(h, weight, targets, vocab_size: int, mesh: Mesh, chunk: int):
+    """loss_sum(h @ weight^T, targets) for h (..., dim), the final norm's output, and the head's weight
+    (vocab-sharded under TP): chunk rows (tokens) of logits at a time (_ChunkedHeadLoss). Without
+    gradients (evaluation) the chunks are summed as they come."""
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    loss_fn = lambda logits, t: loss_sum(logits, t, vocab_size, mesh)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _ChunkedHeadLoss.apply(h, weight, targets, chunk, loss_fn)
+    return sum(loss_fn(F.linear(h[lo:lo + chunk], weight), targets[lo:lo + chunk])
+               for lo in range(0, h.shape[0], chunk))
+
+
+def loss_chunk_used(chunk: int, tokens: int, zero: int) -> int:
+    """The chunk head_loss_sum is run with for micro-batches of `tokens` tokens on a rank, or 0 (whole
+    logits) where chunks would not help: a micro-batch no longer than one chunk (they would only add the
+    kept fp32 gradients), and ZeRO-3, whose head weights are gathered around the head module's own call,
+    which the chunked loss does not make."""
+    return 0 if zero == 3 or tokens <= chunk else chunk
+
+
 def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
     """Swap a whole model's layers for their TP shards, in place. Records in model.tp_placement, for each
     sharded parameter, (dim, full size along dim) so checkpoints can say where each shard belongs."""
@@ -988,16 +1039,21 @@ def chunk_ends(model: M.Transformer, mesh: Mesh, layers=None) -> tuple[bool, boo
     return layers[0] == 0, layers[1] == model.args.n_layers
 
 
-def local_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None, layers=None):
+def local_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None, layers=None,
+                  head: bool = True):
     """This rank's part of Transformer.forward: its pipeline stage's layers (or one model chunk's, `layers`
     = (start, end)), on its chunks of each sequence (cp). Token ids (the first layers) or the previous
     stage's residual stream (B, mesh.local_seq_len(seq_len), dim) in; logits (the last layers,
-    vocab-sharded under TP) or the residual stream out. With pp = cp = 1 it is exactly model.forward."""
+    vocab-sharded under TP) or the residual stream out. With pp = cp = 1 it is exactly model.forward.
+    head=False: the last layers end at the final norm (B, T / cp, dim), for a loss that applies the head
+    itself (head_loss_sum)."""
     first, last = chunk_ends(model, mesh, layers)
     h = model.tok_embeddings(inputs) if first else inputs
     cos, sin, mask = attention_inputs(model, mesh, seq_len, h.device, doc_ids)
     h = model.run_layers(h, cos, sin, mask, keys=None if layers is None else [str(i) for i in range(*layers)])
-    return model.output(model.norm(h)) if last else h
+    if not last:
+        return h
+    return model.output(model.norm(h)) if head else model.norm(h)
 
 
 def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
@@ -1047,12 +1103,12 @@ def _backward(output: torch.Tensor, grad: torch.Tensor):
 
 def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, schedule: str = "1f1b",
                   before_last_backward=None, dtype=torch.float32, stats: dict | None = None,
-                  virtual: int = 1) -> torch.Tensor:
+                  virtual: int = 1, head: bool = True) -> torch.Tensor:
     """Phases 2-4 of one step on this stage: forward and backward of every micro-batch, interleaved with
     the other stages. batches: [(inputs, targets)] for all micro-batches (every stage loads them: the first
     needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's loss as it enters
     backward (already divided by the global target count, and scaled for fp16). Returns the summed loss on
-    the last stage, 0 elsewhere.
+    the last stage, 0 elsewhere. head=False: loss_fn gets the final norm's output instead of the logits.
 
     AFAB runs all m forwards, then all m backwards: up to m micro-batches of activations alive at once.
     1F1B runs p-1-stage warm-up forwards, then alternates one forward with one backward, then drains: at
@@ -1064,7 +1120,7 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
     """
     chunks = chunk_layers(model.args.n_layers, mesh, virtual) if virtual > 1 else [None]
     stage = PipelineStage(model, batches, mesh, seq_len, dim, loss_fn, before_last_backward, dtype, stats,
-                          chunks)
+                          chunks, head)
     {"afab": _afab, "1f1b": _one_f_one_b, "interleaved": _interleaved}[schedule](stage)
     return stage.total
 
@@ -1144,9 +1200,9 @@ class PipelineStage:
     order."""
 
     def __init__(self, model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, before_last_backward,
-                 dtype, stats: dict | None, chunks: list | None = None):
+                 dtype, stats: dict | None, chunks: list | None = None, head: bool = True):
         self.model, self.batches, self.mesh, self.seq_len = model, batches, mesh, seq_len
-        self.loss_fn = loss_fn
+        self.loss_fn, self.head = loss_fn, head
         self.before_last_backward, self.dtype, self.stats = before_last_backward, dtype, stats
         self.m, self.device = len(batches), batches[0][0].device
         self.chunks = chunks or [None]  # each chunk's layer range (None: the stage's layers)
@@ -1188,7 +1244,7 @@ class PipelineStage:
                 x.requires_grad_()
             self.inputs[i, v] = x
             out = local_forward(self.model, x, self.mesh, self.seq_len, _doc_ids(self.batches[i]),
-                                self.chunks[v])
+                                self.chunks[v], self.head)
             if self.ends(v):
                 out = self.loss_fn(out, self.batches[i][1])
                 self.total += out.detach()
@@ -1248,10 +1304,10 @@ def _doc_ids(batch):
 
 @torch.no_grad()
 def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dtype=torch.float32,
-                     virtual: int = 1) -> list:
+                     virtual: int = 1, head: bool = True) -> list:
     """Forward only (validation, reference log-probs): micro-batches flow through the stages one after
     another (with model chunks, round the ranks once per chunk); returns [fn(logits, targets) for each
-    micro-batch] on the last stage, [] elsewhere."""
+    micro-batch] on the last stage, [] elsewhere (head=False: fn gets the final norm's output)."""
     results = []
     chunks = chunk_layers(model.args.n_layers, mesh, virtual) if virtual > 1 else [None]
     for batch in batches:
@@ -1261,7 +1317,7 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
             if not first:
                 x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), dim), device=x.device, dtype=dtype)
                 _p2p(mesh, recv_prev=x)
-            out = local_forward(model, x, mesh, seq_len, _doc_ids(batch), layers)
+            out = local_forward(model, x, mesh, seq_len, _doc_ids(batch), layers, head)
             if last:
                 results.append(fn(out, batch[1]))
             else:
@@ -1858,7 +1914,7 @@ def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
 
 
 def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
-                     cp: int = 1) -> dict:
+                     cp: int = 1, loss_chunk: int = 0) -> dict:
     """Bytes of one micro-batch of `tokens` tokens (this rank's: under cp, 1/cp of each sequence), as
     model.py's forward and the loss keep them (b bytes per number in the compute precision; V the
     vocabulary rows of one TP rank):
@@ -1876,35 +1932,46 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
         logits and their exponentials; in backward two fp32 gradients (one and a cast under TP).
       layer_backward: one block's backward (3 hidden-sized gradients).
       weight_grad: the embedding's or the head's weight gradient, made whole before it joins the fp32
-        buffer."""
+        buffer.
+    With loss_chunk (head_loss_sum, at fewer tokens than the micro-batch has) no logits are held: the loss
+    keeps the fp32 gradients of the head's input and weight, and while it runs makes one chunk's logits,
+    their loss as above and that chunk's gradients in the compute precision; backward casts the kept
+    gradients to it (bf16, fp16)."""
     d, b, s = args.dim, BYTES[precision], tp if sp else 1
     V = padded_vocab(args.vocab_size, tp) // tp
     rows = tokens * V
     norm = tokens * d * (4 + b) / s
     copy = 4 if b < 4 or padded_vocab(args.vocab_size, tp) != args.vocab_size else 0
     attention = (2 + 2 * cp) * d * b  # per token: q and the output; k and v of cp tokens (every rank's)
-    return {"layer": 2 * norm + 2 * tokens * d * b + tokens * (attention + 4 * args.hidden_dim * b) / tp
-                     + tokens * args.n_heads // tp * 4,
-            "layer_input": tokens * d * b / s, "head": norm + tokens * d * b, "logits": rows * b,
-            "loss_saved": rows * 4,
-            "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
-            "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
-            "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
+    out = {"layer": 2 * norm + 2 * tokens * d * b + tokens * (attention + 4 * args.hidden_dim * b) / tp
+                    + tokens * args.n_heads // tp * 4,
+           "layer_input": tokens * d * b / s, "head": norm + tokens * d * b, "logits": rows * b,
+           "loss_saved": rows * 4,
+           "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
+           "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
+           "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
+    if 0 < loss_chunk < tokens:
+        c, rows_c = activation_bytes(args, loss_chunk, precision, tp, sp, cp), loss_chunk * V
+        made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
+        run = max(rows_c * b + c["loss_forward"], c["loss_backward"] + made)  # its logits gone by then
+        out.update(logits=0.0, loss_saved=(tokens + V) * d * 4, loss_forward=c["loss_saved"] + run,
+                   loss_backward=(tokens + V) * d * b if b < 4 else 0.0)
+    return out
 
 
 def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
                     act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
                     split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
-                    virtual: int = 1) -> dict[str, float]:
+                    virtual: int = 1, loss_chunk: int = 0) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
     the weights are the master) and AdamW's m and v (fp32; its fused update needs no temporary), these
-    divided over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2 divides the
-    gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced (and two
-    pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank
-    holds the activations of seq_len / cp tokens (and every rank's K and V per layer).
+    divided over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2
+    divides the gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced
+    (and two pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank holds the
+    activations of seq_len / cp tokens (and every rank's K and V per layer).
     activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
     (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
     their inputs only) and on the last stage the head and what the loss keeps; without a pipeline the
@@ -1916,10 +1983,11 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     then ZeRO's all-gather inputs (the updated pieces, b bytes each) until the next forward waits for them.
     Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps a
     reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (one byte per
-    parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference."""
+    parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference.
+    loss_chunk: train.py's --loss-chunk as the next-token loss uses it (loss_chunk there; 0: whole logits)."""
     if stage is None:
         return max((memory_estimate(args, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, zero, sp,
-                                    grad_accum, schedule, s, split, cp, bucket_mb, virtual)
+                                    grad_accum, schedule, s, split, cp, bucket_mb, virtual, loss_chunk)
                     for s in range(pp)), key=lambda m: m["total"])
     dp = dp * cp  # the ranks holding the same weights: ZeRO shards over all of them
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
@@ -1932,7 +2000,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
         out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
     if zero >= 3 and zdp > 1:
         out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
-    a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp)
+    a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     out["activations"] = held_activations(a, layers, stage, pp, schedule, grad_accum, virtual, act_ckpt)
     loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0

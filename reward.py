@@ -104,6 +104,7 @@ class RewardTask:
     metric_names = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
     rows_per_example = 2
     reference_forwards = 0
+    takes_hidden = False  # the loss is given the head's outputs
 
     def __init__(self, margs, mesh, args):
         self.mesh, self.margin, self.total = mesh, args.margin, None
@@ -143,6 +144,7 @@ class RewardModel(sft.SFT):
 
     kind = "reward"
     rows_per_example = RewardTask.rows_per_example
+    head_in_loss = False  # RewardTask's loss is given the head's outputs
 
     def model_args(self, tok) -> M.ModelArgs:
         self.base = super().model_args(tok)  # the --init model's own shape (SFT.weights checks it)

@@ -355,6 +355,8 @@ class RLTask:
     loss needs beside the targets: rewards, advantages, the reference's log-probs, and for PPO the
     rollout's log-probs and values. The normalizer is the global batch's reply count."""
 
+    takes_hidden = False  # the loss is given the logits
+
     def __init__(self, mesh, args, policy, tok, prompts, score, reference=None, value_head=None):
         self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
         self.score, self.reference, self.value_head = score, reference, value_head
@@ -490,6 +492,7 @@ class RL(sft.SFT):
     the loss, against a frozen reference built from the same initial weights (none at --kl-coef 0)."""
 
     kind = "rl"
+    head_in_loss = False  # RLTask's loss is given the logits
 
     def __init__(self, args):
         super().__init__(args)

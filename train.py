@@ -120,6 +120,9 @@ def get_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 on CUDA, fp32 elsewhere")
     g.add_argument("--act-ckpt", action="store_true", help="recompute each block in backward to save memory")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    g.add_argument("--loss-chunk", type=int, default=1024,
+                   help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
+                        "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
     add_parallel_flags(p)
     add_run_flags(p)
     return p
@@ -223,7 +226,7 @@ def validate(args):
     for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "log_every", "keep_ckpts",
                  "eval_batches", "max_skips"):
         need(getattr(args, name) >= 1, name, "at least 1")
-    for name in ("warmup", "ckpt_every", "sample_tokens"):
+    for name in ("warmup", "ckpt_every", "sample_tokens", "loss_chunk"):
         need(getattr(args, name) >= 0, name, "at least 0")
     need(args.eval_every >= -1, "eval_every", "-1 (never), 0 (at the end) or a number of steps")
     need(0 < args.lr < math.inf, "lr", "a positive number")
@@ -394,7 +397,8 @@ def check_shape(args, world: int, margs, device, precision: str, recipe):
             P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
-    check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies)
+    check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
+                 loss_chunk(args) if recipe.head_in_loss else 0)
 
 
 def ramp_stage(args) -> str:
@@ -554,6 +558,7 @@ class Pretraining:
     chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
     rows_per_example = 1  # model input rows per example of the loader (check_memory; DPO: a pair's two)
     frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
+    head_in_loss = True  # LMTask applies the head in its loss, --loss-chunk tokens at a time (check_memory)
 
     def __init__(self, args):
         self.args = args
@@ -615,7 +620,13 @@ class Pretraining:
         (rl.py's PPO: a value head). Pretraining adds none."""
 
     def task(self, margs, mesh, device, dtype, model):
-        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(self.args) else None)
+        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(self.args) else None, model.output,
+                      loss_chunk(self.args))
+
+
+def loss_chunk(args) -> int:
+    """--loss-chunk as the next-token loss uses it (parallel.loss_chunk_used)."""
+    return P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
 
 
 def doc_mask_on(args) -> bool:
@@ -635,15 +646,19 @@ class LMTask:
     whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
     gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing. With `bos` (--doc-mask),
     prepare() gives each (inputs, targets) micro-batch its document ids, and the model attends within
-    documents only (SFT's packed batches bring their own). The loop knows only these four methods."""
+    documents only (SFT's packed batches bring their own). With `chunk` (--loss-chunk) the loss is given
+    the final norm's output (takes_hidden) and applies the head itself, chunk tokens at a time
+    (parallel.head_loss_sum): a 128K vocabulary's logits for a whole micro-batch never exist. The loop
+    knows only these four methods and takes_hidden."""
 
     metric_names: tuple = ()
     rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
     # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
     reference_forwards = 0
 
-    def __init__(self, margs: M.ModelArgs, mesh, bos: int | None = None):
+    def __init__(self, margs: M.ModelArgs, mesh, bos: int | None = None, head=None, chunk: int = 0):
         self.vocab_size, self.mesh, self.bos = margs.vocab_size, mesh, bos
+        self.head, self.chunk, self.takes_hidden = head, chunk, chunk > 0  # (head: None off the last stage)
         self.total = None  # the global normalizer, set by load_batches before each step
 
     def prepare(self, batches):
@@ -654,8 +669,12 @@ class LMTask:
     def count(self, batch) -> torch.Tensor:
         return (batch[1] != IGNORE_INDEX).sum()
 
-    def loss(self, logits, targets) -> torch.Tensor:
-        return P.loss_sum(logits, targets, self.vocab_size, self.mesh) / self.total
+    def loss(self, out, targets) -> torch.Tensor:
+        """out: the logits, or with takes_hidden the final norm's output."""
+        if self.takes_hidden:
+            return P.head_loss_sum(out, self.head.weight, targets, self.vocab_size, self.mesh,
+                                   self.chunk) / self.total
+        return P.loss_sum(out, targets, self.vocab_size, self.mesh) / self.total
 
     def metrics(self) -> torch.Tensor:
         return torch.zeros(0, device=self.mesh.device)
@@ -731,14 +750,15 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
         loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
                                lambda *a: scaled_loss(run, *a),
                                args.schedule, before_last_backward=run.sync.start, dtype=run.dtype,
-                               virtual=args.virtual_stages)
+                               virtual=args.virtual_stages, head=not run.task.takes_hidden)
         timer.mark("2-4 pipeline")
     else:
         loss = torch.zeros((), device=run.device)
         for i, batch in enumerate(batches):
-            logits = P.local_forward(run.model, batch[0], mesh, args.seq_len, P._doc_ids(batch))  # 2. forward
-            timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens
-            micro_loss = scaled_loss(run, logits, batch[1])  # 3. loss: its share of the global batch's mean
+            out = P.local_forward(run.model, batch[0], mesh, args.seq_len, P._doc_ids(batch),  # 2. forward
+                                  head=not run.task.takes_hidden)
+            timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's
+            micro_loss = scaled_loss(run, out, batch[1])  # 3. loss: its share of the global batch's mean
             loss += micro_loss.detach()
             timer.mark("3 loss")
             if i == len(batches) - 1:  # the last micro-batch's gradients are reduced over dp as they come
@@ -756,8 +776,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
         run.loader.load_state_dict(rewind)
         return None
     lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio, anneal_start(args, mesh.dp))
-    run.opt.clip_grad_norm(args.grad_clip, tally.norm)
-    run.opt.step(lr)
+    run.opt.step(lr, grad_scale=run.opt.clip_scale(args.grad_clip, tally.norm))  # clipped as it is read
     run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
     run.opt.zero_grad()
     timer.end("6 optimizer")
@@ -1095,7 +1114,7 @@ def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
         batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
         batches = [P.context_chunks(b, mesh) for b in batches]
         for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, task.loss,
-                                             run.dtype, args.virtual_stages):
+                                             run.dtype, args.virtual_stages, head=not task.takes_hidden):
             loss = loss + chunk_loss
     metrics = task.metrics().to(device)
     sum_over_replicas([loss, metrics], mesh)
@@ -1281,7 +1300,7 @@ def available_memory(device) -> float | None:
 
 
 def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
-                 frozen_copies: int = 0):
+                 frozen_copies: int = 0, chunk: int = 0):
     """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
     (model states, activations and temporaries of its busiest pipeline stage, parallel.memory_estimate, for
     micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference),
@@ -1292,7 +1311,7 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
     dp = world // (args.tp * args.cp * args.pp)
     est = P.memory_estimate(margs, precision, rows, args.seq_len, args.act_ckpt, args.tp, args.pp, dp,
                             args.zero, args.sp, args.grad_accum, args.schedule, split=split, cp=args.cp,
-                            bucket_mb=args.bucket_mb, virtual=args.virtual_stages)
+                            bucket_mb=args.bucket_mb, virtual=args.virtual_stages, loss_chunk=chunk)
     if frozen_copies:  # in the training precision, cut as the trained model is
         est["frozen"] = frozen_copies * P.BYTES[precision] * max(P.stage_params(
             margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))

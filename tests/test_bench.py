@@ -37,22 +37,27 @@ def test_plan_reproduces_the_llama3_70b_reference_example():
 
 
 def test_plan_llama31_8b_on_eight_h100():
-    """Llama 3.1 8B, 8,192-token sequences on 8 x 80 GB: with ZeRO-1 and activation checkpointing the model
-    states alone are 64 GB (2 + 4 bytes of bf16 weights and fp32 gradients per parameter on every GPU, 12
-    of master weights, m and v sharded 8 ways, and ZeRO's 4 bytes of reduce-scatter pieces sharded too), and the cross-entropy's 12.6
-    GB at its peak on 1 x 8,192 x 128,256 logits does not fit on top; tensor parallelism over 2 GPUs halves
-    both."""
-    n = 8_030_261_248
-    r = bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, tp=1, pp=1, micro_batch=1, grad_accum=4, mfu=0.4,
-                   zero=True, act_ckpt=True)
-    m = r["memory_per_gpu"]
+    """Llama 3.1 8B, 8,192-token sequences on 8 x 80 GB with ZeRO-1 and activation checkpointing: the model
+    states are 64 GB (2 + 4 bytes of bf16 weights and fp32 gradients per parameter on every GPU; 12 of
+    master weights, m and v and ZeRO's 4 of reduce-scatter pieces, sharded 8 ways). With the whole logits
+    at once (--loss-chunk 0) the cross-entropy's 8.4 GB at its peak on 1 x 8,192 x 128,256 logits does not
+    fit on top; with the loss in chunks of 1,024 tokens it does: the logits and their log-softmax are no
+    longer kept (the fp32 gradients of the head's input and weight are), and the loss makes one chunk's at
+    a time. Tensor parallelism over 2 GPUs brings it far lower."""
+    n, d, V = 8_030_261_248, 4096, 128_256
+    plan = lambda **kw: bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, pp=1, mfu=0.4, zero=True,
+                                   act_ckpt=True, micro_batch=1, **kw)
+    whole, r = plan(tp=1, grad_accum=4, loss_chunk=0), plan(tp=1, grad_accum=4)
+    m = whole["memory_per_gpu"]
     assert (m["weights"], m["grads"], m["master"] + m["optimizer"]
             + m["zero_buffers"]) == (2 * n, 4 * n, 12 * n / 8 + 4 * n / 8)
-    rows = 8192 * 128_256  # the loss keeps a 4-byte log-softmax per logit and makes two 4-byte gradients
-    assert m["temporaries"] == 8 * rows and not r["fits"]
+    rows = 8192 * V  # the loss keeps a 4-byte log-softmax per logit and makes two 4-byte gradients
+    assert m["temporaries"] == 8 * rows and not whole["fits"]
+    c = r["memory_per_gpu"]
+    assert c["activations"] == m["activations"] - rows * (4 + 2) + (8192 + V) * d * 4  # kept: no logits
+    assert c["temporaries"] < m["temporaries"] / 2 and r["fits"]
     assert r["memory_variants"]["zero0_ckpt0"]["total"] > 2.5 * r["memory_per_gpu_bytes"]
-    tp2 = bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, tp=2, pp=1, micro_batch=1, grad_accum=8, mfu=0.4,
-                     zero=True, act_ckpt=True)
+    tp2 = plan(tp=2, grad_accum=8)
     assert tp2["fits"] and tp2["memory_per_gpu_bytes"] < 0.7 * r["memory_per_gpu_bytes"]
 
 

@@ -47,6 +47,9 @@ GPT2 = ["--tokenizer", "gpt2"]  # a 50K vocabulary: the logits, the loss and the
 LAYOUTS = {  # name: (processes, flags, estimate's keywords); TP's memory: see the test after this one
     "fp32": (1, [], {}),
     "gpt2 vocabulary": (1, GPT2, {}),
+    "gpt2 vocabulary, the loss in chunks": (1, GPT2 + ["--loss-chunk", "64"], dict(loss_chunk=64)),
+    "gpt2 vocabulary bf16, the loss in chunks": (1, GPT2 + ["--loss-chunk", "64", "--precision", "bf16"],
+                                                 dict(loss_chunk=64, precision="bf16")),
     "AFAB without a pipeline": (1, ["--schedule", "afab", "--grad-accum", "4"], dict(schedule="afab",
                                                                                      grad_accum=4)),
     "bf16": (1, ["--precision", "bf16"], dict(precision="bf16")),
@@ -75,6 +78,8 @@ LAYOUTS = {  # name: (processes, flags, estimate's keywords); TP's memory: see t
     "pp 2 gpt2": (2, GPT2 + ["--pp", "2", "--grad-accum", "4"], dict(pp=2, grad_accum=4)),
     "pp 2 AFAB gpt2": (2, GPT2 + ["--pp", "2", "--grad-accum", "4", "--schedule", "afab"],
                        dict(pp=2, grad_accum=4, schedule="afab")),
+    "pp 2 gpt2, the loss in chunks": (2, GPT2 + ["--pp", "2", "--grad-accum", "4", "--loss-chunk", "64"],
+                                      dict(pp=2, grad_accum=4, loss_chunk=64)),
 }
 
 
@@ -114,6 +119,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
         precision = kw.pop("precision")
         kw.pop("schedule", None)  # the bytes do not depend on it, nor on the bucket size
         kw.pop("bucket_mb", None)
+        kw.pop("loss_chunk", None)  # the loss's all-reduces send the same numbers in chunks
         expected = P.comm_estimate(margs, precision, micro_batch=4, seq_len=64, stage=0, **kw)
         for r in records:
             for dim in ("tp", "cp", "pp", "dp"):

@@ -106,6 +106,27 @@ def test_clip_grad_norm_uses_global_norm():
     assert opt.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.parametrize("max_norm", [1.0, 1e5, 0.0])
+def test_clipping_inside_the_step_equals_clipping_first(max_norm):
+    """step(grad_scale=clip_scale(...)) divides the gradients as the fused kernel reads them: the same update
+    as clip_grad_norm then step, within float rounding; above the threshold and with clipping off, no
+    scaling at all (the same bits)."""
+    opts = [O.AdamW(tiny_model().named_parameters(), lr=1e-2) for _ in range(3)]
+    for size in (10.0, 1e-4):  # a step clipped at max_norm 1, then one below it: Adam sees the difference
+        for opt in opts:
+            opt.grad.copy_(size * torch.randn(opt.numel, generator=torch.Generator().manual_seed(0)))
+        norm = opts[0].grad_norm()
+        opts[0].clip_grad_norm(max_norm, norm)
+        opts[0].step()
+        opts[1].step(grad_scale=O.AdamW.clip_scale(max_norm, norm))
+        opts[2].step()  # unclipped
+    if max_norm == 1.0:
+        torch.testing.assert_close(opts[1].master, opts[0].master, atol=1e-7, rtol=1e-6)
+        assert (opts[1].master - opts[2].master).abs().max() > 1e-5  # (rounding: ~1e-9)
+    else:
+        assert torch.equal(opts[1].master, opts[0].master)
+
+
 def test_lr_schedule():
     assert O.lr_at(0, 1.0, 10, 100) == pytest.approx(0.1)
     assert O.lr_at(9, 1.0, 10, 100) == pytest.approx(1.0)
@@ -211,10 +232,10 @@ def state_bytes(opt) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
-    """At dp 4 under ZeRO-1 a rank keeps a quarter of dp 1's optimizer state, and never allocates more:
-    everything built (the full-length gradient and model buffers, the state, the reduce-scatter pieces)
-    adds up to exactly what is kept."""
-    kept, owned = {}, {}
+    """At dp 4 under ZeRO-1 a rank keeps a quarter of the optimizer state (of a flat length padded to a
+    multiple of 4 x 16; dp 1's to 16), and never allocates more: everything built (the full-length
+    gradient and model buffers, the state, the reduce-scatter pieces) adds up to exactly what is kept."""
+    kept, owned, numel = {}, {}, {}
     for dp in (1, 4):
         model = tiny_model(dtype=dtype)
         with Allocations() as built:
@@ -226,9 +247,9 @@ def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
         full_length = n * 4 + n * opt.model_flat.element_size()  # gradient (fp32) and model copy
         assert built.bytes == full_length + kept[dp] + pieces, (dp, built.bytes, full_length, kept[dp],
                                                                 pieces)
-        owned[dp] = sum(t.numel() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq))
+        owned[dp], numel[dp] = sum(t.numel() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq)), n
     # master, m and v: a quarter each (in fp32 at dp 1 the master is the model copy itself)
-    assert owned[4] * 4 == owned[1]
+    assert owned[4] * 4 == 3 * numel[4] and owned[1] == 3 * numel[1] and 0 <= numel[4] - numel[1] < 64
 
 
 def test_loading_a_sharded_state_builds_no_full_length_buffer():

@@ -291,7 +291,7 @@ def test_a_rank_of_llama3_8b_holds_only_its_own_pieces():
 
 TINY = ["--model", "tiny", "--n-layers", "4", "--vocab-size", "301", "--seq-len", "32", "--lr", "3e-3",
         "--warmup", "1", "--log-every", "1", "--eval-batches", "4", "--eval-every", "0", "--sample-tokens",
-        "0", "--ckpt-every", "1000"]
+        "0", "--ckpt-every", "1000", "--loss-chunk", "48"]  # 128 tokens a micro-batch: the loss in 3 chunks
 GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
 
 
@@ -348,6 +348,7 @@ def assert_same_training(out, ref, tol=1e-5):
 
 
 LAYOUTS = [  # (processes, flags)
+    (1, ["--loss-chunk", "0"]),  # the whole logits at once: the same training as the chunked loss
     (2, ["--tp", "2"]),
     (2, ["--tp", "2", "--sp"]),
     (2, ["--pp", "2", "--schedule", "1f1b"]),
