@@ -21,6 +21,7 @@ import data
 import launch
 import model as M
 import parallel as P
+import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -458,7 +459,8 @@ COMPILE_LAYOUTS = [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--pp",
 def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
     """Under --compile each block is one graph with no break, compiled once, in every layout: the TP, SP and
     CP collectives inside it are custom ops the compiler does not look into. Their bytes are still counted
-    (the step's tally equals the eager run's), and the training equals the single process's."""
+    (each step's tally is what comm_estimate counts, as eager runs' are in test_memory), and the training
+    equals the single process's."""
     script = tmp_path / "count_compiles.py"
     script.write_text(COUNT_COMPILES)
     counts = tmp_path / "counts.json"
@@ -466,10 +468,17 @@ def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
     got = json.loads(counts.read_text())
     assert got == {"breaks": {}, "graphs": 1}, got
     assert_same_training(tmp_path / "compiled", reference)
-    job(2, tmp_path / "eager", *flags)
-    records = lambda d: map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-    comm = lambda d: [r["comm_bytes_per_step"] for r in records(d) if "comm_bytes_per_step" in r]
-    assert comm(tmp_path / "compiled") == comm(tmp_path / "eager") != [], comm(tmp_path / "eager")
+    tp, cp, pp, zero = (int(_flag(flags, f"--{k}", d)) for k, d in (("tp", 1), ("cp", 1), ("pp", 1),
+                                                                    ("zero", 0)))
+    dp = 2 // (tp * cp * pp)
+    margs = train.model_args_from(train.get_parser().parse_args(TINY), 301)
+    expected = P.comm_estimate(margs, "fp32", 4, 32, False, tp, pp, dp, zero, "--sp" in flags,
+                               GLOBAL_BATCH // (4 * dp), stage=0, cp=cp)
+    records = [json.loads(l) for l in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
+    sent = [r["comm_bytes_per_step"] for r in records if "comm_bytes_per_step" in r]
+    assert len(sent) == 3
+    for dim in ("tp", "cp", "pp", "dp"):
+        assert all(s[dim] == pytest.approx(expected.get(dim, 0), rel=1e-3, abs=64) for s in sent), (dim, sent)
 
 
 # ZeRO-1 at any accumulation, and ZeRO-2 without accumulation, add the same numbers in the same order as
