@@ -6,7 +6,7 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against the device's
       peak, peak memory beside parallel.memory_estimate, and bytes sent per step for tp, cp, pp and dp
       beside parallel.comm_estimate.
-  python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1"
+  python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1;act_ckpt=selective"
       several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, cp,
       pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic).
   python bench.py --compare-hf
@@ -72,8 +72,9 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
                                              sp, grad_accum, schedule, cp=cp, virtual=virtual,
                                              loss_chunk=P.loss_chunk_used(loss_chunk, tokens_micro // cp, z))
-    variants = {f"zero{z}_ckpt{int(c)}": memory(z, c) for z in (0, 1, 2, 3) for c in (False, True)}
-    chosen = variants[f"zero{int(zero)}_ckpt{int(act_ckpt)}"]
+    variants = {f"zero{z}_ckpt{ckpt_label(c)}": memory(z, c) for z in (0, 1, 2, 3)
+                for c in (False, "selective", "full")}
+    chosen = variants[f"zero{int(zero)}_ckpt{ckpt_label(act_ckpt)}"]
     comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
                            grad_accum, cp=cp, virtual=virtual)
     peak = T.gpu_peak(gpu, precision)[0]
@@ -92,6 +93,11 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
             "zero": zero, "act_ckpt": act_ckpt, "sp": sp, "schedule": schedule, "virtual_stages": virtual}
 
 
+def ckpt_label(act_ckpt) -> str:
+    """0, 1 (full) or sel: --act-ckpt in a table's column or a variant's name."""
+    return {None: "0", "full": "1", "selective": "sel"}[P.ckpt_mode(act_ckpt)]
+
+
 def print_plan(r: dict):
     gb = lambda x: f"{x / 1e9:,.2f} GB"
     print(f"{r['model']}: {r['params']:,} parameters on {r['gpus']:,} {r['gpu']} = {r['dp']} replicas x "
@@ -108,7 +114,7 @@ def print_plan(r: dict):
                                  else ")"))
     zero = f"ZeRO-{int(r['zero'])}" if r["zero"] else "no ZeRO"
     print(f"  memory of the busiest GPU ({zero}, "
-          f"{'' if r['act_ckpt'] else 'no '}"
+          f"{ {None: 'no ', 'full': '', 'selective': 'selective '}[P.ckpt_mode(r['act_ckpt'])]}"
           f"activation checkpointing, {'' if r['sp'] else 'no '}sequence parallelism): "
           + ", ".join(f"{k} {gb(v)}" for k, v in r["memory_per_gpu"].items() if v)
           + f" -> {'fits in' if r['fits'] else 'does NOT fit in'} {gb(r['gpu_memory_bytes'])} less a "
@@ -138,7 +144,8 @@ def train_args(a, **over) -> argparse.Namespace:
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir",
             tempfile.mkdtemp(prefix="bench-"),
             "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
-    argv += ["--act-ckpt"] if over.get("act_ckpt", a.act_ckpt) else []
+    ckpt = P.ckpt_mode(over.get("act_ckpt", a.act_ckpt))
+    argv += ["--act-ckpt", ckpt] if ckpt else []
     argv += ["--sp"] if over.get("sp", a.sp) else []
     argv += ["--compile"] if over.get("compile", a.compile) else []
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
@@ -254,7 +261,7 @@ def print_measurement(rows: list[dict], a):
     for r in rows:
         ph = " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items())
         print(f"  {r['tp']:2d} {r['cp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} "
-              f"{int(r['act_ckpt']):4d} {1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} "
+              f"{ckpt_label(r['act_ckpt']):>4s} {1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} "
               f"{r['tokens_per_s_per_device']:9,.0f} "
               f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.3f} "
               f"{r['memory_estimate_gb']['total']:7.3f}  {ph}"
@@ -275,9 +282,10 @@ def print_measurement(rows: list[dict], a):
 SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile", "loss_chunk",
               "deterministic")
 # what a --sweep key may be set to: its flag's rule (the others: at least 1)
-SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1), "compile": (0, 1),
+SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1, "full", "selective"), "compile": (0, 1),
                  "deterministic": (0, 1)}
-SWEEP_FORMAT = "';'-separated settings of key=integer pairs, e.g. 'tp=2,mb=8;act_ckpt=1'"
+SWEEP_FORMAT = ("';'-separated settings of key=integer pairs (act_ckpt also full or selective), e.g. "
+                "'tp=2,mb=8;act_ckpt=selective'")
 
 
 def refuse(message: str):
@@ -296,7 +304,9 @@ def parse_setting(item: str, text: str) -> dict:
     if not pairs:
         refuse(f"--sweep {text!r} has an empty setting; expected {SWEEP_FORMAT}")
     try:
-        keys, values = [k.strip() for k, _ in pairs], [int(v) for _, v in pairs]
+        keys = [k.strip() for k, _ in pairs]
+        values = [v.strip() if k == "act_ckpt" and v.strip() in ("full", "selective") else int(v)
+                  for k, (_, v) in zip(keys, pairs)]
     except ValueError:  # no '=', two of them, or a value that is no integer
         refuse(f"bad --sweep item {item!r}: expected {SWEEP_FORMAT}")
     unknown = sorted(set(keys) - set(SWEEP_KEYS))
@@ -515,8 +525,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="1: shard the optimizer state over dp (ZeRO-1); 2: the gradients too (ZeRO-2); "
                         "3: the weights too (ZeRO-3)")
-    p.add_argument("--act-ckpt", action="store_true",
-                   help="activation checkpointing: recompute each block in backward")
+    p.add_argument("--act-ckpt", nargs="?", const="full", default=None, choices=["full", "selective"],
+                   help="train.py --act-ckpt: full (the flag alone) or selective")
     p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")
     p.add_argument("--loss-chunk", type=int, default=1024,
                    help="train.py --loss-chunk: tokens of logits made at a time by the loss (0: all at once)")

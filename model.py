@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Hyperparameters
@@ -471,7 +472,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.output_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.act_ckpt = False  # activation checkpointing: recompute each block in backward (train.py sets)
+        # activation checkpointing (train.py sets it): False; "full" (or True), each block recomputed in
+        # backward; "selective", only its cheap element-wise work (selective_recompute)
+        self.act_ckpt = False
         # torch.compile'd blocks for training steps (train.py --compile), by layer key; a plain dict, so
         # they are not registered twice as submodules. Evaluation and generation run the blocks eagerly.
         self.compiled_blocks = {}
@@ -524,10 +527,32 @@ class Transformer(nn.Module):
             if self.training:
                 layer = self.compiled_blocks.get(key, layer)
             if self.act_ckpt and self.training:
-                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+                context = selective_recompute if self.act_ckpt == "selective" else noop_context_fn
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False,
+                                                      context_fn=context)
             else:
                 h = layer(h, cos, sin, mask, cache, start_pos)
         return h
+
+
+# What selective activation checkpointing keeps of a block: the outputs of its matmuls and of attention
+# (the FLOPs), and of the collectives that gather a sequence (the bytes, under SP and CP: parallel.py's custom
+# ops, looked up by name so this file stays free of distributed code). Everything else, the norms, RoPE,
+# SiLU and the products, costs a few passes over memory to recompute and is not kept.
+KEPT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention",
+            "aten::_scaled_dot_product_flash_attention_for_cpu",
+            "aten::_scaled_dot_product_efficient_attention",
+            "aten::_scaled_dot_product_cudnn_attention", "llama3::all_gather", "llama3::reduce_scatter")
+
+
+def _keep_expensive(ctx, op, *args, **kwargs):
+    name = op.name() if hasattr(op, "name") else str(op)
+    return CheckpointPolicy.MUST_SAVE if name in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_recompute():
+    """torch.utils.checkpoint's context_fn for --act-ckpt selective (KEPT_OPS)."""
+    return create_selective_checkpoint_contexts(_keep_expensive)
 
 
 # ----------------------------------------------------------------------------------------------------

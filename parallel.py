@@ -1925,6 +1925,10 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
         over tp, and SDPA's fp32 log-sum-exp per head; SwiGLU: w1 x, silu(w1 x), w3 x and their product,
         4 * hidden split over tp.
       layer_input: the block's input alone (what activation checkpointing keeps).
+      layer_selective: what selective checkpointing keeps (model.KEPT_OPS): the input, and the outputs of
+        the seven matmuls (q, k, v, w1 x, w3 x: split over tp; wo's and w2's: whole) and of attention
+        (the output, split over tp, and its log-sum-exp), and under cp the gathered k and v, under SP the
+        gathered inputs of the linears and the scattered outputs.
       head: the final norm and the head's input. logits: b per row. loss_saved: what the loss keeps for
         backward, fp32 per row (the log-softmax; the vocab-parallel loss: the softmax).
       loss_forward / loss_backward: what the loss holds on top of that while it runs: an fp32 copy of the
@@ -1950,6 +1954,10 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
            "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
            "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
            "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
+    kv = args.n_kv_heads * args.head_dim
+    kept = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d + 2 * args.hidden_dim / tp
+    sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
+    out["layer_selective"] = out["layer_input"] + tokens * ((kept + sequence) * b + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:
         c, rows_c = activation_bytes(args, loss_chunk, precision, tp, sp, cp), loss_chunk * V
         made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
@@ -1959,8 +1967,14 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
     return out
 
 
+def ckpt_mode(act_ckpt) -> str | None:
+    """train.py's --act-ckpt as the estimates read it: None, "full" (or any other true value) or
+    "selective"."""
+    return None if not act_ckpt else "selective" if act_ckpt == "selective" else "full"
+
+
 def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
-                    act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
+                    act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
                     split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
                     virtual: int = 1, loss_chunk: int = 0) -> dict[str, float]:
@@ -2001,11 +2015,13 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     if zero >= 3 and zdp > 1:
         out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk)
+    act_ckpt = ckpt_mode(act_ckpt)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     out["activations"] = held_activations(a, layers, stage, pp, schedule, grad_accum, virtual, act_ckpt)
     loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
     head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
-    layer = a["layer_backward"] + (a["layer"] if act_ckpt else 0.0) - head_done
+    recomputed = {"full": a["layer"], "selective": a["layer"] - a["layer_selective"]}.get(act_ckpt, 0.0)
+    layer = a["layer_backward"] + recomputed - head_done
     during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
     # after the backward, the activations gone: AdamW.step's packed gradient shard (ZeRO-1), then ZeRO-1/2's
     # all-gather inputs (all_gather_params' copies of the updated pieces), kept until the next forward waits
@@ -2038,12 +2054,12 @@ def build_bytes(args: M.ModelArgs, precision: str = "bf16", tp: int = 1, pp: int
 
 
 def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, grad_accum: int, virtual: int,
-                     act_ckpt: bool) -> float:
+                     act_ckpt: str | None) -> float:
     """The activations (activation_bytes `a`) a schedule holds at its peak on pipeline rank `stage` of its
     `layers` layers: 1F1B pp - stage micro-batches at most, AFAB all, the interleaved schedule its warm-up's
     chunk forwards + 1 (each 1/virtual of the layers); the last stage also the head's, and without a
     pipeline the logits the training loop holds until backward."""
-    per_layer = a["layer_input"] if act_ckpt else a["layer"]
+    per_layer = {"full": a["layer_input"], "selective": a["layer_selective"]}.get(act_ckpt, a["layer"])
     head = a["head"] + a["loss_saved"] if stage == pp - 1 else 0.0
     if schedule == "interleaved" and pp > 1:
         chunks = min(2 * (pp - 1 - stage) + (virtual - 1) * pp + 1, grad_accum * virtual)
@@ -2070,7 +2086,7 @@ def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: in
 
 
 def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
-                  act_ckpt: bool = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
+                  act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                   sp: bool = False, grad_accum: int = 1, stage: int | None = None,
                   split: list[int] | None = None, cp: int = 1, virtual: int = 1) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
@@ -2101,7 +2117,10 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     stream = tokens * args.dim * b  # one micro-batch of the residual stream
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     ring = lambda n: (n - 1) / n
-    recomputed = (1.5 if sp and tp > 1 else 1) if act_ckpt else 0  # in all-reduces' worth of bytes
+    # what a block's recomputation sends again, in all-reduces' worth of bytes: selective checkpointing keeps
+    # the gathered and scattered sequences (SP, and cp's K and V) but runs the all-reduces again
+    act_ckpt, sequence = ckpt_mode(act_ckpt), sp and tp > 1
+    recomputed = {"full": 1.5 if sequence else 1, "selective": 0 if sequence else 1}.get(act_ckpt, 0)
     all_reduces = layers * (4 + recomputed) + first + last
     tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (3 * 2 * ring(tp) * tokens * 4 if last
                                                                     else 0))
@@ -2111,7 +2130,7 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     # each micro-batch crosses every chunk boundary but the model's two ends: forward and back
     pp_bytes = grad_accum * boundary * (2 * virtual - first - last) if pp > 1 else 0.0
     kv = micro_batch * seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K and V
-    cp_bytes = grad_accum * layers * (2 + act_ckpt) * ring(cp) * kv
+    cp_bytes = grad_accum * layers * (2 + (act_ckpt == "full")) * ring(cp) * kv
     dp = dp * cp  # the ranks holding the same weights
     n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
     dp_bytes = ring(dp) * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring(dp) * n * 4

@@ -372,6 +372,8 @@ LAYOUTS = [  # (processes, flags)
     (8, ["--cp", "2", "--tp", "2", "--pp", "2", "--zero", "1"]),  # the four dimensions at once
     (2, ["--zero", "3"]),
     (4, ["--zero", "3", "--act-ckpt"]),  # dp 4; each block's forward runs again inside its backward
+    (2, ["--tp", "2", "--sp", "--act-ckpt", "selective"]),  # the matmuls' and the gathers' outputs kept
+    (2, ["--cp", "2", "--act-ckpt", "selective"]),
     (4, ["--tp", "2", "--sp", "--zero", "3"]),
     (4, ["--cp", "2", "--pp", "2", "--zero", "3"]),  # ZeRO-3 over dp x cp, in a pipeline stage
     # each rank two model chunks of one layer: rank 0 layers 0 and 2, rank 1 layers 1 and 3. With pp 2 the

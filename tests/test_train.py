@@ -130,11 +130,12 @@ def test_low_precision_paths_train(tmp_path, precision):
 
 
 def test_activation_checkpointing_gives_the_same_training(tmp_path):
+    """Full (the flag alone) and selective checkpointing train as no checkpointing does."""
     train.main(TINY + ["--max-steps", "3", "--out-dir", str(tmp_path / "a")])
     train.main(TINY + ["--max-steps", "3", "--out-dir", str(tmp_path / "b"), "--act-ckpt"])
-    la = [r["loss"] for r in records(tmp_path / "a") if "loss" in r]
-    lb = [r["loss"] for r in records(tmp_path / "b") if "loss" in r]
-    assert la == pytest.approx(lb, rel=1e-6)
+    train.main(TINY + ["--max-steps", "3", "--out-dir", str(tmp_path / "c"), "--act-ckpt", "selective"])
+    la, lb, lc = ([r["loss"] for r in records(tmp_path / d) if "loss" in r] for d in "abc")
+    assert la == pytest.approx(lb, rel=1e-6) and la == pytest.approx(lc, rel=1e-6) and len(la) == 3
 
 
 def test_default_configuration_runs(tmp_path):
