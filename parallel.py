@@ -744,23 +744,24 @@ def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum over rows of loss_fn(h @ W^T, targets), the logits made `chunk` rows at a time: each chunk's
-    logits, loss and gradients (of h and of W) are made together in forward and the logits dropped, so
-    the (N, V) logits never exist whole (the "fused linear cross-entropy" of Liger-Kernel, in plain torch).
-    Kept for backward: the gradients, h's (N, dim) and W's (V, dim) in fp32; backward only scales them by
-    the incoming gradient, so the result must be used linearly (a sum, divided by a count)."""
+    """sum over rows of loss_fn(head(h), targets), the logits made `chunk` rows at a time: each chunk's
+    logits, loss and gradients (of h and of the head's weight) are made together in forward and the logits
+    dropped, so the (N, V) logits never exist whole (the "fused linear cross-entropy" of Liger-Kernel, in
+    plain torch). The logits come from calls of the head module itself, so its forward hooks run (ZeRO-1
+    and 2 wait there for the all-gather of its updated weights). Kept for backward: the gradients, h's
+    (N, dim) and the weight's (V, dim) in fp32; backward only scales them by the incoming gradient, so the
+    result must be used linearly (a sum, divided by a count)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, loss_fn):
+    def forward(ctx, h, weight, targets, chunk, loss_fn, head):
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        w = weight.detach().requires_grad_()
         for lo in range(0, h.shape[0], chunk):
             with torch.enable_grad():
                 hc = h[lo:lo + chunk].detach().requires_grad_()
-                loss = loss_fn(F.linear(hc, w), targets[lo:lo + chunk])
-                gh, gw = torch.autograd.grad(loss, (hc, w))
+                loss = loss_fn(head(hc), targets[lo:lo + chunk])
+                gh, gw = torch.autograd.grad(loss, (hc, weight))  # (no .grad touched, no hook fired)
             grad_h[lo:lo + chunk] = gh
             grad_w += gw
             total += loss.detach()
@@ -771,19 +772,19 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None
+        return (grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None,
+                None)
 
 
-def head_loss_sum(h, weight, targets, vocab_size: int, mesh: Mesh, chunk: int):
-    """loss_sum(h @ weight^T, targets) for h (..., dim), the final norm's output, and the head's weight
-    (vocab-sharded under TP): chunk rows (tokens) of logits at a time (_ChunkedHeadLoss). Without
-    gradients (evaluation) the chunks are summed as they come."""
+def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: Mesh, chunk: int):
+    """loss_sum(head(h), targets) for h (..., dim), the final norm's output, and the head (vocab-sharded
+    under TP): chunk rows (tokens) of logits at a time (_ChunkedHeadLoss). Without gradients
+    (evaluation) the chunks are summed as they come."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     loss_fn = lambda logits, t: loss_sum(logits, t, vocab_size, mesh)
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _ChunkedHeadLoss.apply(h, weight, targets, chunk, loss_fn)
-    return sum(loss_fn(F.linear(h[lo:lo + chunk], weight), targets[lo:lo + chunk])
-               for lo in range(0, h.shape[0], chunk))
+    if torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad):
+        return _ChunkedHeadLoss.apply(h, head.weight, targets, chunk, loss_fn, head)
+    return sum(loss_fn(head(h[lo:lo + chunk]), targets[lo:lo + chunk]) for lo in range(0, h.shape[0], chunk))
 
 
 def loss_chunk_used(chunk: int, tokens: int, zero: int) -> int:

@@ -678,8 +678,7 @@ class LMTask:
     def loss(self, out, targets) -> torch.Tensor:
         """out: the logits, or with takes_hidden the final norm's output."""
         if self.takes_hidden:
-            return P.head_loss_sum(out, self.head.weight, targets, self.vocab_size, self.mesh,
-                                   self.chunk) / self.total
+            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / self.total
         return P.loss_sum(out, targets, self.vocab_size, self.mesh) / self.total
 
     def metrics(self) -> torch.Tensor:

@@ -183,6 +183,36 @@ def test_context_parallel_attention_matches_the_whole_sequence(cp, packed, block
     spawn(_context_attention, cp, cp, packed, block_mask)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype):
+    """head_loss_sum over 37 tokens in chunks of 8 (the last one short, some targets ignored): the loss and
+    the gradients of h and of the head's weight (in their own dtypes) equal those of the whole logits,
+    within float rounding; without gradients too. The logits come from calls of the head module, whose
+    forward hook (ZeRO-1/2 wait there for its weights) runs before the first chunk."""
+    torch.manual_seed(0)
+    N, d, V = 37, 16, 23
+    head = torch.nn.Linear(d, V, bias=False).to(dtype)
+    h = torch.randn(N, d, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[::5] = P.IGNORE_INDEX
+    calls = []
+    head.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
+    chunked = P.head_loss_sum(h, head, t, V, P.Mesh(), 8) / 30
+    chunked.backward()
+    assert calls == [8, 8, 8, 8, 5]
+    got = h.grad.clone(), head.weight.grad.clone()
+    h.grad = head.weight.grad = None
+    whole = P.loss_sum(head(h), t, V, P.Mesh()) / 30
+    whole.backward()
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(chunked, whole, **tol)
+    for a, b in zip(got, (h.grad, head.weight.grad)):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, **tol)
+    with torch.no_grad():
+        torch.testing.assert_close(P.head_loss_sum(h, head, t, V, P.Mesh(), 8) / 30, whole, **tol)
+
+
 def test_context_chunks_balance_causal_work():
     """Rank r holds chunks r and 2cp-1-r: all positions exactly once, and equal causal work per rank."""
     T, cp = 64, 4
