@@ -8,7 +8,7 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       beside parallel.comm_estimate.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1;act_ckpt=selective"
       several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, cp,
-      pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic).
+      pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic, attn).
   python bench.py --compare-hf
       the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
       alternating with ours, and the throughput ratio.
@@ -149,6 +149,7 @@ def train_args(a, **over) -> argparse.Namespace:
     argv += ["--sp"] if over.get("sp", a.sp) else []
     argv += ["--compile"] if over.get("compile", a.compile) else []
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
+    argv += ["--attn-backend", over.get("attn", a.attn_backend)]
     return T.get_parser().parse_args(argv)
 
 
@@ -228,6 +229,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": T.loss_chunk(args),
+            "attn_backend": args.attn_backend,
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
@@ -265,7 +267,8 @@ def print_measurement(rows: list[dict], a):
               f"{r['tokens_per_s_per_device']:9,.0f} "
               f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.3f} "
               f"{r['memory_estimate_gb']['total']:7.3f}  {ph}"
-              + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k]))
+              + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
+              + (f"  attn {r['attn_backend']}" if r["attn_backend"] != "auto" else ""))
         comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
         if comm:
             est = r["comm_estimate_bytes"]
@@ -280,12 +283,13 @@ def print_measurement(rows: list[dict], a):
 
 
 SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile", "loss_chunk",
-              "deterministic")
+              "deterministic", "attn")
 # what a --sweep key may be set to: its flag's rule (the others: at least 1)
 SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1, "full", "selective"), "compile": (0, 1),
-                 "deterministic": (0, 1)}
-SWEEP_FORMAT = ("';'-separated settings of key=integer pairs (act_ckpt also full or selective), e.g. "
-                "'tp=2,mb=8;act_ckpt=selective'")
+                 "deterministic": (0, 1), "attn": tuple(M.ATTN_BACKENDS)}
+SWEEP_WORDS = {"act_ckpt": ("full", "selective"), "attn": tuple(M.ATTN_BACKENDS)}  # the keys not only numbers
+SWEEP_FORMAT = ("';'-separated settings of key=integer pairs (act_ckpt also full or selective; attn a train.py "
+                "--attn-backend), e.g. 'tp=2,mb=8;act_ckpt=selective;attn=flash'")
 
 
 def refuse(message: str):
@@ -305,7 +309,7 @@ def parse_setting(item: str, text: str) -> dict:
         refuse(f"--sweep {text!r} has an empty setting; expected {SWEEP_FORMAT}")
     try:
         keys = [k.strip() for k, _ in pairs]
-        values = [v.strip() if k == "act_ckpt" and v.strip() in ("full", "selective") else int(v)
+        values = [v.strip() if v.strip() in SWEEP_WORDS.get(k, ()) else int(v)
                   for k, (_, v) in zip(keys, pairs)]
     except ValueError:  # no '=', two of them, or a value that is no integer
         refuse(f"bad --sweep item {item!r}: expected {SWEEP_FORMAT}")
@@ -532,6 +536,8 @@ def get_parser() -> argparse.ArgumentParser:
                    help="train.py --loss-chunk: tokens of logits made at a time by the loss (0: all at once)")
     p.add_argument("--deterministic", action="store_true",
                    help="train.py --deterministic (sweep key: deterministic)")
+    p.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
+                   help="train.py --attn-backend: the causal attention's kernel (sweep key: attn)")
     p.add_argument("--memory-census", action="store_true",
                    help="on a CPU: measure the peak of tensor memory with torch's profiler (slower steps)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")

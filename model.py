@@ -24,6 +24,7 @@ form the rotated pairs. Meta checkpoints pair adjacent dimensions instead; load_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -41,6 +42,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
@@ -347,7 +349,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (Ainslie et al. 2023)."""
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (Ainslie et al. 2023).
+    backend: which kernel computes it (ATTN_BACKENDS; set_attn_backend)."""
+    backend = "auto"
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -376,26 +380,45 @@ class Attention(nn.Module):
         # Causal by default (lets SDPA pick the flash kernel); an explicit mask for packed documents or a
         # prefill on top of a cache. A single decoded token attends to everything cached: no mask.
         is_causal = mask is None and k.shape[2] == T and T > 1
-        y = attention(q, k, v, mask, is_causal, grouped=mask is None and q.is_cuda)
+        y = attention(q, k, v, mask, is_causal, self.backend)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return self.wo(y)
 
 
-def attention(q, k, v, mask, is_causal: bool, grouped: bool):
+# The kernels SDPA may be held to for the causal attention, none of which changes the result beyond float
+# rounding. auto: SDPA's own choice, fed grouped K and V on CUDA (FlashAttention-2 takes them as they are)
+# and repeated ones on the CPU; flash: FlashAttention-2 (Dao 2023), grouped; cudnn: cuDNN's fused
+# attention (CUDA only; faster than flash on H100, and it wants K and V repeated to n_heads); math: the
+# unfused reference.
+ATTN_BACKENDS = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "math": SDPBackend.MATH}
+
+
+def set_attn_backend(model: nn.Module, backend: str):
+    """Every attention layer of the model computes with this kernel (ATTN_BACKENDS)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+
+
+def attention(q, k, v, mask, is_causal: bool, backend: str = "auto"):
     """SDPA for q (B, n_heads, T, head_dim) and k, v (B, n_kv_heads, S, head_dim); under GQA each key/value
-    head serves n_heads / n_kv_heads query heads. grouped: SDPA does the grouping itself (enable_gqa), which
-    the flash kernel serves without copying K and V; Attention asks for it on CUDA without a mask. Else K
-    and V are repeated to n_heads first: the kernels that take a mask (packed documents) do not all group,
-    and a kernel that cannot serves the call in the slow math path. A BlockMask (packed documents on CUDA,
-    see document_mask) goes to FlexAttention instead, which groups by itself."""
+    head serves n_heads / n_kv_heads query heads. Without a mask, the kernel `backend` names (see
+    ATTN_BACKENDS), K and V grouped (enable_gqa, not copied) where it takes them so. With a mask (packed
+    documents; a prefill on a cache), SDPA's own choice, K and V repeated: the kernels that take a mask do
+    not all group, and a kernel that cannot serves the call in the slow math path. A BlockMask (packed
+    documents on CUDA, see document_mask) goes to FlexAttention instead, which groups by itself."""
     if isinstance(mask, BlockMask):
         flex = compiled_flex_attention() if q.is_cuda else flex_attention
         return flex(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    kernel = ATTN_BACKENDS[backend] if mask is None else None
+    grouped = mask is None and (backend == "flash" or backend == "auto" and q.is_cuda)
     if k.shape[1] != q.shape[1] and not grouped:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    with sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 @functools.cache

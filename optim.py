@@ -61,7 +61,10 @@ class AdamW:
     this rank own, and keep optimizer state for, only those [lo, hi) ranges of the flat buffers (ZeRO-1);
     by default it owns everything. Under ZeRO-1 pass `allocate_state=False` and let shard() allocate: the
     full-length state (12 bytes per parameter: master, m and v) would otherwise exist on every rank for a
-    moment, which is exactly the memory ZeRO-1 is there to save. ZeRO-2 also
+    moment, which is exactly the memory ZeRO-1 is there to save. A rank that owns a part reads its gradient
+    from `grad_shard` (the owned ranges, packed; parallel.py's reduce-scatters write it) and writes its
+    updated weights into the owned ranges of the model copy, whence parallel.py all-gathers them into
+    every rank's; the step is the same few launches whatever the ranges. ZeRO-2 also
     shards the gradient buffer (`full_grad=False`, then `shard(ranges, grads=True)`): each parameter's fresh
     gradient then goes only to `on_grad_ready`, which reduces it into the owned pieces (parallel.py).
     ZeRO-3 shards the model's own copy too (`shard(ranges, grads=True, weights=True)`): `model_flat` is then
@@ -163,8 +166,12 @@ class AdamW:
         elif self.initial:
             raise ValueError("an optimizer built with initial= holds its model copy sharded: "
                              "shard(..., weights=True)")
+        whole = ranges == [(0, self.numel)]
+        # the owned gradient, packed, as the update reads it: the gradient buffer itself when it holds just
+        # that; under ZeRO-1 a buffer of its own, which GradSync's reduce-scatters write
+        self.grad_shard = self.grad if grads or whole else torch.zeros(size, device=self.device)
         self.master = self.exp_avg = self.exp_avg_sq = None  # free any earlier state first
-        if (weights or ranges == [(0, self.numel)]) and self.dtype == torch.float32:
+        if (weights or whole) and self.dtype == torch.float32:
             self.master = self.model_flat
         elif weights:
             self.master = self.model_flat.float()
@@ -187,17 +194,6 @@ class AdamW:
         """Where parameter p is in self.params (and offsets, names)."""
         return self._index[id(p)]
 
-    def owned_grad(self) -> torch.Tensor:
-        """The gradient of the owned ranges, packed."""
-        return self.grad if self.grads_sharded else self.owned(self.grad)
-
-    def owned(self, full: torch.Tensor) -> torch.Tensor:
-        """The owned ranges of a full-length flat tensor, packed (a view when there is a single range)."""
-        if len(self.ranges) == 1:
-            lo, hi = self.ranges[0]
-            return full[lo:hi]
-        return torch.cat([full[lo:hi] for lo, hi in self.ranges])
-
     def pack(self, full: torch.Tensor, compact: torch.Tensor):
         """Copy the owned ranges of a full-length tensor into a compact one (converting its dtype)."""
         c = 0
@@ -219,11 +215,13 @@ class AdamW:
             c += hi - lo
 
     def unpack(self, compact: torch.Tensor, full: torch.Tensor):
-        """Write a compact tensor back into the owned ranges of a full-length one."""
-        c = 0
+        """Write a compact tensor back into the owned ranges of a full-length one (converting its dtype): one
+        foreach copy, however many ranges."""
+        starts = [0]
         for lo, hi in self.ranges:
-            full[lo:hi].copy_(compact[c:c + hi - lo])
-            c += hi - lo
+            starts.append(starts[-1] + hi - lo)
+        torch._foreach_copy_([full[lo:hi] for lo, hi in self.ranges],
+                             [compact[c:c + hi - lo] for c, (lo, hi) in zip(starts, self.ranges)])
 
     def grad_view(self, i: int) -> torch.Tensor:
         return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
@@ -247,7 +245,7 @@ class AdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines it across ranks)."""
-        return torch.linalg.vector_norm(self.owned_grad())
+        return torch.linalg.vector_norm(self.grad_shard)
 
     def clip_grad_norm(self, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
         """Scale all gradients by min(1, max_norm / norm); returns the norm before clipping. No host sync:
@@ -265,21 +263,22 @@ class AdamW:
 
     @torch.no_grad()
     def step(self, lr: float | None = None, grad_scale: torch.Tensor | None = None):
-        """One AdamW update of the owned master weights from the gradient buffer, then refresh the
-        model copy. The decoupled decay first, on the decayed segments; then torch's fused AdamW kernel in
-        one pass over the whole of master, gradient, m and v (the same arithmetic as m.lerp_(g, 1 - b1);
-        v.mul_(b2).addcmul_(g, g, value=1 - b2); w.addcdiv_(m, sqrt(v / bc2) + eps, value=-lr / bc1), which
-        unfused are seven passes and a temporary as large as v). One tensor, not a list of segments: the
-        kernel's vector loop covers the same elements under ZeRO as without (VECTOR). grad_scale (a
-        one-element tensor, clip_scale): the kernel divides the gradients by it as it reads them, so clipping
-        needs no pass of its own over the gradient buffer."""
+        """One AdamW update of the owned master weights from the owned gradient, then the model copy's owned
+        ranges refreshed from them (rounded to the training dtype). The decoupled decay first, on the
+        decayed segments (one foreach op); then torch's fused AdamW kernel in one pass over the whole of
+        master, gradient, m and v (the same arithmetic as m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g,
+        value=1 - b2); w.addcdiv_(m, sqrt(v / bc2) + eps, value=-lr / bc1), which unfused are seven passes
+        and a temporary as large as v). One tensor, not a list of segments: the kernel's vector loop covers
+        the same elements under ZeRO as without (VECTOR). grad_scale (a one-element tensor, clip_scale): the
+        kernel divides the gradients by it as it reads them, so clipping needs no pass of its own over the
+        gradient buffer. Four launches in all, the refresh included, however many parameters or ranges."""
         lr = self.lr if lr is None else lr
         self.step_count += 1
         self._step.fill_(self.step_count)  # the bias corrections' step, on the device
-        if self.weight_decay:
-            for lo, hi in self.decay_segments:  # decoupled: not through m or v
-                self.master[lo:hi].mul_(1 - lr * self.weight_decay)
-        torch._fused_adamw_([self.master], [self.owned_grad()], [self.exp_avg], [self.exp_avg_sq], [],
+        if self.weight_decay and self.decay_segments:  # decoupled: not through m or v
+            torch._foreach_mul_([self.master[lo:hi] for lo, hi in self.decay_segments],
+                                1 - lr * self.weight_decay)
+        torch._fused_adamw_([self.master], [self.grad_shard], [self.exp_avg], [self.exp_avg_sq], [],
                             [self._step], lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0,
                             eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
         if self.weights_sharded and self.master is not self.model_flat:
@@ -348,7 +347,7 @@ class LossScaler:
     def unscale(self, opt: AdamW):
         """Divide the gradients by the scale (on the device: whether they overflowed is read by the caller,
         with its other numbers, train.py's step tally)."""
-        opt.grad.mul_(1.0 / self.scale)
+        opt.grad_shard.mul_(1.0 / self.scale)
 
     def update(self, finite: bool) -> bool:
         """After unscale(): finite says whether every rank's gradients are (one overflow anywhere skips the

@@ -103,6 +103,7 @@ class Mesh:
     timeout_s: float = 300.0  # how long any collective may wait for its peers
     # ... and the "io" group's waits for one rank's disk work (data, checkpoints)
     io_timeout_s: float = 3600.0
+    patient: bool = False  # every group waits io_timeout_s for now (the first step: see patient())
     device: torch.device = torch.device("cpu")  # where small flags live for a collective (NCCL: the GPU)
     # bytes sent, per dimension ("dp": the gradients' reduction over dp_cp); "world": the step's tally
     # (train.py), a few numbers over every rank at once
@@ -261,9 +262,9 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     groups from one grid: ranks = arange(world).view(dp, pp, cp, tp), TP innermost (the heaviest traffic,
     inside one NVLink domain), then CP (an all-gather per layer), then PP (point-to-point between
     neighbours), DP outermost (once per step, overlapped). NCCL on CUDA, gloo on CPU. Collectives
-    give up after timeout_s instead of hanging forever; the "io" group (every rank) is for the waits that
-    are long by nature -- ranks waiting while others prepare data or write a checkpoint -- and gives up
-    after io_timeout_s."""
+    give up after timeout_s instead of hanging forever (the first step after io_timeout_s: patient());
+    the "io" group (every rank, on gloo) is for the waits that are long by nature -- ranks waiting while
+    others prepare data or write a checkpoint -- and gives up after io_timeout_s."""
     rank, world = launch_env()
     dp = world // (tp * cp * pp)
     mesh = Mesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
@@ -276,25 +277,54 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
         return mesh
     if not dist.is_initialized():
         join_job(rank, world, device, timeout_s)
-    # new_group is collective over the whole world: every rank creates every group, in the same order.
-    # Each group needs the timeout itself (a new group does not inherit the world's), and its name shows up
-    # in NCCL's watchdog messages.
     mesh.group_ranks["world"] = list(range(world))
     # each group: the ranks that differ only in that dimension (dp_cp: in dp and cp), in rank order
     lines = {"tp": grid.reshape(-1, tp), "cp": grid.permute(0, 1, 3, 2).reshape(-1, cp),
              "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp), "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp)}
     if cp > 1:
         lines["dp_cp"] = grid.permute(1, 3, 0, 2).reshape(-1, dp * cp)
+    # Only the groups this rank is in, of the dimensions larger than 1, each agreed on by its own members
+    # alone (use_local_synchronization): a rank makes 3 or 4 groups, not one per line of every dimension of
+    # the job (over a thousand splits of the world at a thousand GPUs). Each group needs the timeout itself
+    # (a new group does not inherit the world's); its name shows up in NCCL's watchdog messages.
     for dim, dim_lines in lines.items():
-        for ranks in dim_lines.tolist():
-            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), group_desc=dim)
-            if rank in ranks and len(ranks) > 1:
-                mesh.groups[dim], mesh.group_ranks[dim] = group, ranks
+        ranks = next(r for r in dim_lines.tolist() if rank in r)
+        if len(ranks) > 1:
+            mesh.groups[dim] = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s),
+                                              group_desc=dim, use_local_synchronization=True)
+            mesh.group_ranks[dim] = ranks
+    # The long waits go over gloo even on GPUs: a timeout there is an exception, which becomes this
+    # project's CommError, where NCCL's watchdog would end the process with its own message.
     mesh.groups["io"] = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=io_timeout_s),
-                                       group_desc="io")
+                                       group_desc="io", backend="gloo")
     mesh.group_ranks["io"] = list(range(world))
     barrier(mesh)
     return mesh
+
+
+def set_timeout(mesh: Mesh, seconds: float):
+    """How long every group's collectives but the io group's may wait from now on."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in [None] + [g for dim, g in mesh.groups.items() if dim != "io"]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+@contextmanager
+def patient(mesh: Mesh):
+    """Inside, every collective may wait as long as the io group's (--io-timeout), not --dist-timeout: for
+    the first step, which each rank compiles as it first runs it (--compile's graphs, the GPU's kernels).
+    A rank that compiles slower, or misses a cache its peers hit, keeps the others waiting at the first
+    collective for minutes, and that is not a stall."""
+    if mesh.world == 1 or mesh.patient:
+        yield
+        return
+    set_timeout(mesh, mesh.io_timeout_s)
+    mesh.patient = True
+    try:
+        yield
+    finally:
+        set_timeout(mesh, mesh.timeout_s)
+        mesh.patient = False
 
 
 def join_job(rank: int, world: int, device, timeout_s: float):
@@ -344,9 +374,11 @@ def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
     cause = cause.split(". This is typically")[0][:300]
     waited = time.monotonic() - t0
     hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
-            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" else mesh.timeout_s)
+            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" or mesh.patient else mesh.timeout_s)
             or "timed out" in cause.lower() else "a rank in this group died or failed; its own log says why")
-    limit = f"--io-timeout {mesh.io_timeout_s:g} s" if dim == "io" else f"--dist-timeout {mesh.timeout_s:g} s"
+    limit = f"--dist-timeout {mesh.timeout_s:g} s"
+    if dim == "io" or mesh.patient:
+        limit = f"--io-timeout {mesh.io_timeout_s:g} s" + (", the first step's" if dim != "io" else "")
     raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
                     f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
 
@@ -401,6 +433,20 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
 
 
+def all_gather_many(outs: list[torch.Tensor], inps: list[torch.Tensor], mesh: Mesh, dim: str):
+    """all_gather(out, inp) for each pair, launched as one collective (NCCL: one group call, so a unit's
+    buckets cost one launch, not one each); returns its handle (asynchronous)."""
+    for out in outs:
+        _count(mesh, dim, (mesh.size(dim) - 1) / mesh.size(dim) * out.numel() * out.element_size())
+
+    def launch():  # (torch's coalescing manager: private, as Megatron-LM uses it, and on gloo one op too)
+        with dist._coalescing_manager(group=mesh.groups[dim], async_ops=True) as many:
+            for out, inp in zip(outs, inps):
+                _all_gather_single(out, inp, group=mesh.groups[dim])
+        return many
+    return _launch(("all_gather", outs[0]), mesh, dim, launch, async_op=True)
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
     n = mesh.size(dim)
@@ -430,7 +476,7 @@ def on_rank0(fn, mesh: Mesh):
         except Exception as e:  # sent to the others, then raised here too
             box[0] = ("error", e)
     _launch(("broadcast_object", None), mesh, "io",
-            lambda: dist.broadcast_object_list(box, src=0, group=mesh.groups["io"], device=mesh.device))
+            lambda: dist.broadcast_object_list(box, src=0, group=mesh.groups["io"]))
     kind, value = box[0]
     if kind == "error":
         raise value
@@ -922,7 +968,7 @@ class ContextParallelAttention(M.Attention):
         kv = _GatherSeq.apply(torch.cat([k, v], dim=2), self.mesh, "cp")  # (B, T * cp, 2 * n_kv_heads, hd)
         k, v = kv.chunk(2, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T or T * cp, head_dim)
-        y = M.attention(q, k, v, mask, is_causal=False, grouped=False)
+        y = M.attention(q, k, v, mask, is_causal=False)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -1432,6 +1478,7 @@ class GradSync:
         self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
                              for b in range(len(self.buckets))]
         self.zero2 = zero >= 2 and dp > 1
+        self.sharded = zero and dp > 1  # the optimizer reads its gradient from its pieces, packed (grad_of)
         self.weights = None  # ZeRO-3's unit weights, gathered when used
         if zero == 3 and dp > 1:  # the parameters move into unit buffers before the model copy is sharded
             self.weights = ShardedWeights(opt, mesh, self.buckets, self.piece_starts)
@@ -1439,11 +1486,25 @@ class GradSync:
             opt.shard(self.norm_ranges, grads=self.zero2, weights=self.weights is not None)
         if self.weights is not None:
             self.weights.free_all()
-        if zero == 1 and dp > 1:
-            self.pieces = [torch.empty((hi - lo) // dp, device=opt.grad.device) for lo, hi in self.buckets]
         elif opt.ranges is None:  # an optimizer built with allocate_state=False: without ZeRO it owns all
             opt.shard([(0, opt.numel)])
+        # ZeRO-1/2 all-gather the updated weights one unit at a time, in forward order
+        self.gather_groups = self.unit_buckets() if self.sharded and zero < 3 else []
+        self.group_of = {b: g for g, bs in enumerate(self.gather_groups) for b in bs}
         opt.on_grad_ready = self._on_grad_ready
+
+    def unit_buckets(self) -> list[list[int]]:
+        """The buckets each unit's forward needs (unit_of), units in forward order, a bucket shared by two
+        units listed under the first."""
+        per_unit = {}  # in the flat buffer's order: reverse model order
+        for i, name in enumerate(self.opt.names):
+            per_unit.setdefault(unit_of(name), set()).update(self.param_buckets[i])
+        groups, seen = [], set()
+        for unit in reversed(list(per_unit)):
+            if per_unit[unit] - seen:
+                groups.append(sorted(per_unit[unit] - seen, reverse=True))
+                seen |= per_unit[unit]
+        return groups
 
     def start(self):
         """Call before the backward of the last micro-batch: only then are gradients complete."""
@@ -1498,15 +1559,18 @@ class GradSync:
             self.in_flight.append((b, handle, piece, staged))  # staged: alive until the op is done
             if self.weights is not None:
                 self.weights.after_backward(b)  # ZeRO-3: its backward is done with the unit's weights
-        elif self.zero:
-            self.handles[b] = reduce_scatter(self.pieces[b], self.opt.grad[lo:hi], self.mesh, self.dim,
-                                             async_op=True)
+        elif self.zero:  # straight into this rank's piece of the packed gradient the optimizer reads
+            piece = self.opt.grad_shard[self.piece_starts[b]:self.piece_starts[b] + (hi - lo) // self.mesh.dp_cp]
+            self.handles[b] = reduce_scatter(piece, self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
         else:
             self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
 
     def finish(self):
         """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient, or under
-        ZeRO-2 any still staged), then make the SP-partial gradients whole by summing them over tp."""
+        ZeRO-2 any still staged), then make the SP-partial gradients whole by summing them over tp. (First,
+        any all-gather of the last step's weights that no forward waited for: the step about to come
+        rewrites what it reads.)"""
+        self.wait_params()
         if self.zero2:  # buckets some of whose parameters got no gradient, then every one still in flight
             for b in sorted(self.staging):
                 self._launch(b)
@@ -1521,47 +1585,57 @@ class GradSync:
                     self._launch(b)
             for b in sorted(self.handles):
                 self.handles[b].wait()
-                if self.zero:
-                    rlo, rhi = self.norm_ranges[b]  # this rank's piece of bucket b
-                    self.opt.grad[rlo:rhi].copy_(self.pieces[b])
             self.handles, self.enabled = {}, False
-        for i in self.partial_tp:
-            if not self.zero2:
-                all_reduce(self.opt.grad_view(i), self.mesh, "tp")
-                continue
+        if self.partial_tp and self.mesh.tp > 1:  # (without ZeRO every rank applies all the gradients)
+            self.sum_over_tp(self.parts_in_pieces(self.partial_tp) if self.sharded else
+                             [self.opt.grad_view(i) for i in self.partial_tp])
+
+    def sum_over_tp(self, grads: list[torch.Tensor]):
+        """Sum these gradients over tp in one all-reduce (flattened together, then copied back), not one
+        each: SP makes two norm weights a layer partial."""
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, self.mesh, "tp")
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    def parts_in_pieces(self, params: list[int]) -> list[torch.Tensor]:
+        """The gradients of these parameters (indices into opt.params) where they lie in this rank's pieces
+        (norm_ranges): the parts the optimizer reads under ZeRO, this rank's share of the norm always."""
+        parts = []
+        for i in params:
             lo, hi = self.opt.offsets[i], self.opt.offsets[i] + self.opt.params[i].numel()
-            for rlo, rhi in self.norm_ranges:  # ZeRO-2 holds only this rank's pieces of it
-                if max(lo, rlo) < min(hi, rhi):
-                    all_reduce(self.grad_of(max(lo, rlo), min(hi, rhi)), self.mesh, "tp")
+            parts += [self.grad_of(max(lo, rlo), min(hi, rhi)) for rlo, rhi in self.norm_ranges
+                      if max(lo, rlo) < min(hi, rhi)]
+        return parts
 
     def grad_of(self, lo: int, hi: int) -> torch.Tensor:
-        """The gradient at flat positions [lo, hi): a slice of the full-length buffer, or under ZeRO-2 of
-        this rank's shard, where [lo, hi) must lie inside one of its pieces (norm_ranges)."""
-        if not self.zero2:
+        """The gradient the optimizer reads at flat positions [lo, hi): a slice of the full-length buffer,
+        or under ZeRO of the packed pieces it owns (opt.grad_shard), where [lo, hi) must lie inside one of
+        them (norm_ranges)."""
+        if not self.sharded:
             return self.opt.grad[lo:hi]
         for b, (rlo, rhi) in enumerate(self.norm_ranges):
             if rlo <= lo and hi <= rhi:
-                return self.opt.grad[self.piece_starts[b] + lo - rlo:self.piece_starts[b] + hi - rlo]
+                return self.opt.grad_shard[self.piece_starts[b] + lo - rlo:self.piece_starts[b] + hi - rlo]
         raise ValueError(f"flat positions [{lo}, {hi}) are not in one of this rank's pieces")
 
     def all_gather_params(self):
-        """ZeRO-1, after the optimizer step: every rank's updated pieces -> every rank's model weights,
-        launched without waiting, the buckets of the first layers first (the flat buffer is in reverse
-        model order). Each is waited for by wait_params, when the forward first needs it."""
-        if not (self.zero and self.mesh.dp_cp > 1) or self.weights is not None:
-            return  # (ZeRO-3 gathers each unit's weights when its forward starts)
-        flat, r = self.opt.model_flat, self.mesh.dp_cp_rank
-        for b in reversed(range(len(self.buckets))):
-            lo, hi = self.buckets[b]
-            piece = (hi - lo) // self.mesh.dp_cp
-            mine = flat[lo + r * piece:lo + (r + 1) * piece].clone()  # input apart from output; kept alive
-            self.gathers[b] = (all_gather(flat[lo:hi], mine, self.mesh, self.dim, async_op=True), mine)
+        """ZeRO-1/2, after the optimizer step: every rank's updated pieces -> every rank's model weights, in
+        place (each rank's piece is already where the gathered bucket puts it, as NCCL's in-place all-gather
+        wants), one collective per unit (all_gather_many), launched without waiting, the first layers first.
+        Each is waited for by wait_params, when the forward first needs it. (ZeRO-3 gathers each unit's
+        weights when its forward starts.)"""
+        flat, dp, r = self.opt.model_flat, self.mesh.dp_cp, self.mesh.dp_cp_rank
+        for g, group in enumerate(self.gather_groups):
+            spans = [self.buckets[b] for b in group]
+            pieces = [flat[lo + r * (hi - lo) // dp:lo + (r + 1) * (hi - lo) // dp] for lo, hi in spans]
+            self.gathers[g] = all_gather_many([flat[lo:hi] for lo, hi in spans], pieces, self.mesh, self.dim)
 
     def wait_params(self, buckets=None):
         """Wait for the all-gathers of these buckets (default: all): their weights are then current."""
-        for b in range(len(self.buckets)) if buckets is None else buckets:
-            if b in self.gathers:
-                self.gathers.pop(b)[0].wait()
+        groups = self.gathers if buckets is None else {self.group_of[b] for b in buckets if b in self.group_of}
+        for g in sorted(groups):
+            if g in self.gathers:
+                self.gathers.pop(g).wait()
 
     def prefetch_into(self, model):
         """ZeRO-1 and 2: make each unit of the model (the embedding, each block, the final norm, the head)
@@ -1705,20 +1779,14 @@ def grad_sq(sync: GradSync, model) -> torch.Tensor:
     would own), so the work is split over dp and plain DP and ZeRO-1 add the same numbers in the same
     order: their updates are bitwise identical. Shards are counted by the tp and pp ranks holding them;
     parameters replicated across tp (norm weights) by tp rank 0 only."""
-    opt, mesh = sync.opt, sync.mesh
-    sq = torch.stack([torch.linalg.vector_norm(sync.grad_of(lo, hi)) for lo,
-                      hi in sync.norm_ranges]).square().sum()
+    opt, mesh, replicated = sync.opt, sync.mesh, []
     if mesh.tp > 1 and mesh.tp_rank > 0:
         placement = getattr(model, "tp_placement", {})
-        for i, name in enumerate(opt.names):
-            if name in placement:
-                continue
-            lo, hi = opt.offsets[i], opt.offsets[i] + opt.params[i].numel()
-            for rlo, rhi in sync.norm_ranges:  # the replicated parameter's part in this rank's pieces
-                a, b = max(lo, rlo), min(hi, rhi)
-                if a < b:
-                    sq = sq - torch.linalg.vector_norm(sync.grad_of(a, b)).square()
-    return sq
+        replicated = sync.parts_in_pieces([i for i, name in enumerate(opt.names) if name not in placement])
+    # one foreach norm over every piece, however many buckets: each piece's norm, squared, summed
+    pieces = [sync.grad_of(lo, hi) for lo, hi in sync.norm_ranges]
+    sq = torch.stack(torch._foreach_norm(pieces + replicated)).square()
+    return sq[:len(pieces)].sum() - sq[len(pieces):].sum()
 
 
 def grad_norm(sync: GradSync, model) -> torch.Tensor:
@@ -1983,7 +2051,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
     the weights are the master) and AdamW's m and v (fp32; its fused update needs no temporary), these
-    divided over dp x cp under ZeRO-1, which also keeps a reduce-scatter piece of every bucket; ZeRO-2
+    divided over dp x cp under ZeRO-1, which also keeps its reduced gradient pieces, packed (fp32); ZeRO-2
     divides the gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced
     (and two pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank holds the
     activations of seq_len / cp tokens (and every rank's K and V per layer).
@@ -1993,9 +2061,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     training loop also holds the logits until backward. The interleaved schedule holds up to its warm-up
     plus one chunk forwards, each of 1/virtual of the rank's layers.
     temporaries: what comes and goes on top of them at the peak: the largest of the loss's, a layer's
-    backward (with the layer recomputed under checkpointing) and the embedding's or head's weight gradient;
-    or what comes when the activations are gone, if that is more: the optimizer step's packed ZeRO-1 shard,
-    then ZeRO's all-gather inputs (the updated pieces, b bytes each) until the next forward waits for them.
+    backward (with the layer recomputed under checkpointing) and the embedding's or head's weight gradient
+    (the optimizer step and ZeRO's all-gathers allocate nothing).
     Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps a
     reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (one byte per
     parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference.
@@ -2024,11 +2091,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     recomputed = {"full": a["layer"], "selective": a["layer"] - a["layer_selective"]}.get(act_ckpt, 0.0)
     layer = a["layer_backward"] + recomputed - head_done
     during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
-    # after the backward, the activations gone: AdamW.step's packed gradient shard (ZeRO-1), then ZeRO-1/2's
-    # all-gather inputs (all_gather_params' copies of the updated pieces), kept until the next forward waits
-    packed = n * 4 / zdp if zdp > 1 and zero < 2 else 0.0
-    gathers = n * b / zdp if zdp > 1 and zero < 3 else 0.0
-    out["temporaries"] = max(during_backward, max(packed, gathers) - out["activations"])
+    out["temporaries"] = during_backward  # (the optimizer step allocates nothing)
     out["total"] = sum(out.values())
     return out
 

@@ -32,7 +32,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, NamedTuple
 from pathlib import Path
@@ -123,6 +123,10 @@ def get_parser() -> argparse.ArgumentParser:
                         "selective keeps its matmuls' and attention's outputs and recomputes only the "
                         "element-wise work, for less memory saved at a fraction of the recomputation")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    g.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
+                   help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
+                        "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), math (reference); "
+                        "a masked attention (packed documents, --cp) takes whichever kernel takes masks")
     g.add_argument("--loss-chunk", type=int, default=1024,
                    help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
                         "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
@@ -148,7 +152,8 @@ def add_parallel_flags(p: argparse.ArgumentParser):
                         "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
     g.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds before a stuck collective fails")
+                   help="seconds before a stuck collective fails; the first step's wait as long as --io-timeout "
+                        "(each rank compiles it as it first runs it, some slower than others)")
     g.add_argument("--io-timeout", type=float, default=3600.0,
                    help="seconds ranks wait for others' disk work "
                    "(data preparation, checkpoint writes and checks) before the job fails")
@@ -372,6 +377,9 @@ def check_config(args, recipe) -> Spec:
     validate(args)
     world = launch_world()
     device, precision = pick_device_and_precision(args)
+    if args.attn_backend == "cudnn" and device.type != "cuda":
+        raise ConfigError(f"--attn-backend cudnn runs on CUDA GPUs only, and this run is on {device.type}: use "
+                          "auto, flash or math")
     Trackers.check(args)
     tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
@@ -1392,6 +1400,7 @@ def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False):
     else:
         P.materialize(model, mesh, device, full_values(margs, state, args.seed))
     model.act_ckpt = args.act_ckpt
+    M.set_attn_backend(model, args.attn_backend)
     return model
 
 
@@ -1605,11 +1614,13 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
         guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe)
         announce(run, meter, recipe.name(), data_desc)
         run.model.train()
+        first = step
         while step < args.max_steps:
             if run.ramp and step and stage_at(run.ramp, step).start == step:
                 switch_stage(run, recipe, run.ramp, step)
                 meter.restage()
-            result = train_step(run, guard, stop, step)  # phases 1-6
+            with P.patient(mesh) if step == first else nullcontext():  # it compiles
+                result = train_step(run, guard, stop, step)  # phases 1-6
             if result is None:  # skipped by the guard
                 continue
             step += 1

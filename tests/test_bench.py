@@ -139,9 +139,10 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
            "--steps", "2", "--warmup-steps", "1", "--json"]
-    rows = json.loads(subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1"], capture_output=True,
+    rows = json.loads(subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1,attn=flash"], capture_output=True,
                                      text=True, check=True, env=env).stdout.splitlines()[-1])["rows"]
     assert len(rows) == 2 and rows[1]["act_ckpt"]
+    assert (rows[0]["attn_backend"], rows[1]["attn_backend"]) == ("auto", "flash")
     for r in rows:
         assert set(r["phases_s"]) == {"1 data", "2 forward", "3 loss", "4 backward", "5 grad sync",
                                       "6 optimizer", "7 checkpoint"}
@@ -267,7 +268,7 @@ BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)
         ("--tp", "0"), ("--cp", "-1"), ("--pp", "0")]],
     *[(["--sweep", text], 1, "--sweep") for text in ["", ";", " ; ", "mb=4;", "tp=2,tp=4", "mb=x", "tp",
                                                       "mb=0", "seq_len=-1", "zero=4", "act_ckpt=2",
-                                                      "seq_len=4096", "tp=3"]],
+                                                      "seq_len=4096", "tp=3", "attn=fast", "attn=1", "mb=flash"]],
     (["--sweep", "tp=2"], 1, "torchrun --standalone --nproc_per_node=2"),
     (["--sweep", "mb=4;cp=2"], 1, "torchrun --standalone --nproc_per_node=2"),
     (["--sweep", "pp=2,accum=2"], 1, "torchrun --standalone --nproc_per_node=2"),

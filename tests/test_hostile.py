@@ -298,6 +298,7 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--virtual-stages", "0"], "--virtual-stages must be at least 1"),
     (["--resume", "--overwrite"], "--resume continues the run in --out-dir and --overwrite deletes it"),
     (["--act-ckpt", "selective", "--compile"], "--act-ckpt selective does not work with --compile"),
+    (["--attn-backend", "cudnn"], "--attn-backend cudnn runs on CUDA GPUs only, and this run is on cpu"),
     (["--out-dir", ""], "--out-dir '' names no folder"),
     (["--out-dir", "x" * 300], "--out-dir: the name xxxxxxxx"),
     (["--data", "/tmp/" + "y" * 256 + "/a.txt"], "is 256 bytes long; file systems allow 255"),

@@ -137,8 +137,8 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
 
 def test_model_states_by_kind():
     """The model states of Llama 3.1 8B per GPU (bf16): 2 bytes of weights, 4 of fp32 gradients, 4 of fp32
-    master weights, 8 of AdamW's m and v; ZeRO-1 over 8 divides the last two and adds
-    the reduce-scatter pieces (fp32); fp32 training keeps no separate master."""
+    master weights, 8 of AdamW's m and v; ZeRO-1 over 8 divides the last two and adds its packed pieces
+    of the reduced gradients (fp32); fp32 training keeps no separate master."""
     a, n = M.PRESETS["llama3.1-8b"], 8_030_261_248
     m = P.memory_estimate(a, "bf16", micro_batch=1, seq_len=8192)
     assert (m["weights"], m["grads"], m["master"], m["optimizer"], m["zero_buffers"]) == (2 * n, 4 * n, 4 * n,

@@ -96,18 +96,23 @@ def test_packed_documents_equal_separate_runs(monkeypatch, mask):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_grouped_query_attention_in_sdpa_equals_repeated_keys(causal):
-    """SDPA's own GQA (enable_gqa: CUDA's flash kernel, no copies) and K, V repeated to every query head
-    (the path with a mask) give the same output and gradients; 8 query heads over 2 key/value heads."""
+def test_every_attention_backend_computes_the_same_attention(causal):
+    """--attn-backend: SDPA's own choice, FlashAttention (K and V grouped: enable_gqa, no copies) and the
+    unfused reference (K and V repeated to every query head) give the same output and gradients; 8 query
+    heads over 2 key/value heads. (cudnn, CUDA only, is checked by tests/gpu_check.py.)"""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, h, 16, 8, dtype=torch.float64, requires_grad=True) for h in (8, 2, 2))
     out = {}
-    for grouped in (True, False):
-        y = M.attention(q, k, v, None, causal, grouped)
-        out[grouped] = (y, *torch.autograd.grad((y * torch.linspace(-1, 1, 8)[None, None, None]).sum(),
+    for backend in ("auto", "flash", "math"):
+        y = M.attention(q, k, v, None, causal, backend)
+        out[backend] = (y, *torch.autograd.grad((y * torch.linspace(-1, 1, 8)[None, None, None]).sum(),
                                                 (q, k, v)))
-    for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for backend in ("auto", "flash"):
+        for a, b in zip(out[backend], out["math"]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    model = M.Transformer(tiny_args())
+    M.set_attn_backend(model, "flash")
+    assert {m.backend for m in model.modules() if isinstance(m, M.Attention)} == {"flash"}
 
 
 def test_rope_scaling_changes_only_low_frequencies():

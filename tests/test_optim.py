@@ -196,8 +196,10 @@ def test_sharded_owner_updates_exactly_its_ranges():
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         grad = torch.randn(n, generator=g)
-        for opt in (full, a, b):
-            opt.grad.copy_(grad)
+        full.grad.copy_(grad)
+        full.step()
+        for opt in (a, b):
+            opt.pack(grad, opt.grad_shard)  # what the reduce-scatter does
             opt.step()
         merged = a.model_flat.clone()
         b.unpack(b.master, merged)
@@ -234,7 +236,8 @@ def state_bytes(opt) -> int:
 def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
     """At dp 4 under ZeRO-1 a rank keeps a quarter of the optimizer state (of a flat length padded to a
     multiple of 4 x 16; dp 1's to 16), and never allocates more: everything built (the full-length
-    gradient and model buffers, the state, the reduce-scatter pieces) adds up to exactly what is kept."""
+    gradient and model buffers, the state, the packed pieces of the reduced gradient) adds up to exactly
+    what is kept."""
     kept, owned, numel = {}, {}, {}
     for dp in (1, 4):
         model = tiny_model(dtype=dtype)
@@ -243,7 +246,7 @@ def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
             sync = P.GradSync(opt, P.Mesh(dp=dp, dp_rank=1), bucket_mb=0.001, zero=1)
         n = opt.numel
         kept[dp] = state_bytes(opt)
-        pieces = sum(t.numel() * 4 for t in getattr(sync, "pieces", []))
+        pieces = opt.grad_shard.numel() * 4 if opt.grad_shard is not opt.grad else 0  # ZeRO's reduced pieces
         full_length = n * 4 + n * opt.model_flat.element_size()  # gradient (fp32) and model copy
         assert built.bytes == full_length + kept[dp] + pieces, (dp, built.bytes, full_length, kept[dp],
                                                                 pieces)

@@ -2,6 +2,7 @@
 under every layout against the single-process run (GUIDE section 3), resharded resume, communication
 accounting, and failures that must end the job instead of hanging it."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -483,8 +484,8 @@ if os.environ["RANK"] == "0":
         json.dump({"breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}, f)
 """
 
-COMPILE_LAYOUTS = [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--pp", "2"], ["--zero", "1"],
-                   ["--zero", "3"]]
+COMPILE_LAYOUTS = [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--pp", "2"],
+                   ["--zero", "1", "--attn-backend", "flash"], ["--zero", "3"]]
 
 
 @pytest.mark.parametrize("flags", COMPILE_LAYOUTS, ids=[" ".join(f) for f in COMPILE_LAYOUTS])
@@ -591,6 +592,47 @@ def test_a_step_synchronizes_host_and_device_once(tmp_path, n, flags):
         assert times == 4 and where.startswith("tolist at train.py"), (rank, seen)
 
 
+def _groups_and_patience(out_file):
+    """The groups a rank of a (tp 2, dp 2) job makes, and how long its collectives wait: a peer 2.5 s late
+    to an all-reduce is waited for inside patient() and is a timeout (1 s) outside it."""
+    made, new_group = [], torch.distributed.new_group
+
+    def counted(ranks, **kw):
+        made.append([kw.get("group_desc"), ranks, kw.get("backend")])
+        return new_group(ranks, **kw)
+    torch.distributed.new_group = counted
+    mesh = P.init_mesh(tp=2, timeout_s=60.0, io_timeout_s=60.0)
+    mesh.timeout_s = 1.0
+    P.set_timeout(mesh, mesh.timeout_s)
+    out = {"made": made, "io": torch.distributed.get_backend(mesh.groups["io"])}
+    t = torch.ones(4)
+    for name, context in (("patient", P.patient(mesh)), ("impatient", contextlib.nullcontext())):
+        with context:
+            if mesh.tp_rank == 1:
+                time.sleep(2.5)
+            try:
+                P.all_reduce(t, mesh, "tp")
+                out[name] = "ok"
+            except P.CommError as e:
+                out[name] = str(e)
+    Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(out))
+
+
+def test_a_rank_makes_only_its_own_groups_and_the_first_step_waits_longer(tmp_path):
+    """At (tp 2, dp 2) each rank makes its tp and dp groups (cp and pp are 1: none) and the io group, on
+    gloo whatever the backend (its timeouts end in this project's error, not NCCL's watchdog); a late
+    peer is waited for under patient() (the first step's --io-timeout) and fails as a timeout after it."""
+    spawn(_groups_and_patience, 4, str(tmp_path / "r{rank}.json"))
+    for r in range(4):
+        out = json.loads((tmp_path / f"r{r}.json").read_text())
+        tp_line, dp_line = [r - r % 2, r - r % 2 + 1], [r % 2, r % 2 + 2]
+        assert out["made"] == [["tp", tp_line, None], ["dp", dp_line, None], ["io", [0, 1, 2, 3], "gloo"]]
+        assert out["io"] == "gloo" and out["patient"] == "ok", out
+        if r % 2 == 0:  # the one kept waiting (the late one may find it gone, or time out itself)
+            assert "all_reduce of (4,) on the tp group" in out["impatient"], out
+            assert "--dist-timeout 1 s" in out["impatient"] and "stalled" in out["impatient"], out
+
+
 def _timeline(out_file, zero):
     """One dp step and the next forward of a 4-block model, every collective GradSync issues (launch,
     wait) recorded in order beside the blocks' backward ends and forward starts."""
@@ -604,13 +646,15 @@ def _timeline(out_file, zero):
     sync = P.GradSync(opt, mesh, bucket_mb=0.01, zero=zero)  # 2,600 floats a bucket: one or two per block
     sync.prefetch_into(model)  # before the recording hooks below: a block's wait comes before its start
     events = []
-    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "all_gather_many"):
         def recorded(out, *args, name=name, launch=getattr(P, name), **kw):
-            events.append(("launch", name, out.numel()))
+            size = len(out) if isinstance(out, list) else out.numel()  # (all_gather_many: a unit's buckets)
+            name = name.replace("_many", "")
+            events.append(("launch", name, size))
             work = launch(out, *args, **kw)
             if work is not None:
                 wait = work.wait
-                work.wait = lambda: (events.append(("wait", name, out.numel())), wait())[1]
+                work.wait = lambda: (events.append(("wait", name, size)), wait())[1]
             return work
         setattr(P, name, recorded)
     for key, block in model.layers.items():
@@ -631,9 +675,9 @@ def _timeline(out_file, zero):
 @pytest.mark.parametrize("zero", [0, 1])
 def test_data_parallel_collectives_overlap_compute_in_the_same_order_on_every_rank(tmp_path, zero):
     """Gradient buckets are reduced while backward still runs (launched before the first block's backward
-    ends, waited for only after the last); ZeRO-1's all-gathers are launched after the step and each is
-    waited for just before the first block that needs it, so the later blocks' weights arrive while the
-    earlier ones compute. Both ranks issue the same collectives in the same order (they must match)."""
+    ends, waited for only after the last); ZeRO-1's all-gathers, one per unit, are launched after the step
+    and each is waited for just before the first block that needs it, so the later blocks' weights arrive
+    while the earlier ones compute. Both ranks issue the same collectives in the same order (they must match)."""
     spawn(_timeline, 2, str(tmp_path / "r{rank}.json"), zero)
     timelines = [[tuple(e) for e in json.loads((tmp_path / f"r{r}.json").read_text())] for r in range(2)]
     ops = [[e for e in t if e[0] in ("launch", "wait")] for t in timelines]
@@ -652,12 +696,85 @@ def test_data_parallel_collectives_overlap_compute_in_the_same_order_on_every_ra
     if not zero:
         assert gathers == []
         return
-    assert len(gathers) == len(waits) and min(gathers) > max(waits)  # launched after the step, not waited
+    assert 4 <= len(gathers) <= 7 and min(gathers) > max(waits)  # one per unit, after the step, not waited
     forward = [i for i, e in enumerate(after) if e[0] == "forward"]
     gather_waits = [i for i, e in enumerate(after) if e[:2] == ("wait", "all_gather")]
     assert len(gather_waits) == len(gathers)
     # blocks 1-3 start only after block 0 did, and some of their buckets are waited for only then
     assert sum(i > forward[0] for i in gather_waits) >= 3
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops torch's dispatcher runs while active, views (no work) aside, by name; collectives are
+    the "c10d." ones. Not inside a collective's wait: there gloo copies a reduce-scatter's result out
+    (NCCL writes it in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = {}, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and not self.paused:
+            name = str(func.overloadpacket)
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(out_file):
+    """Everything after the backward of one dp step (gradient sync's waits, the norm, the update, the
+    all-gathers' launch, zeroing), counted op by op, for each ZeRO stage and two bucket sizes."""
+    import optim as O
+    mesh, out = P.init_mesh(), {}
+    args = M.ModelArgs(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                       max_seq_len=16)
+    for zero in (0, 1, 2, 3):
+        for bucket_mb in (0.02, 0.004):
+            torch.manual_seed(0)
+            model = M.Transformer(args).to(torch.bfloat16)
+            kw = dict(allocate_state=False, full_grad=zero < 2) if zero else {}
+            opt = O.AdamW(model.named_parameters(), pad_to=mesh.dp, unit_of=P.unit_of if zero == 3 else None,
+                          **kw)
+            sync = P.GradSync(opt, mesh, bucket_mb=bucket_mb, zero=zero)
+            sync.prefetch_into(model)
+            x, y = torch.randint(0, 64, (2, 2, 16))
+            for _ in range(2):  # the second step is counted
+                sync.start()
+                (P.loss_sum(model(x), y, 64, mesh) / (2 * 16 * mesh.dp)).backward()
+                counter, wait = OpCounter(), P._Work.wait
+                P._Work.wait = lambda work: (setattr(counter, "paused", True), wait(work),
+                                             setattr(counter, "paused", False))[1]
+                with counter:
+                    sync.finish()
+                    norm = P.grad_norm(sync, model)
+                    opt.step(1e-3, grad_scale=O.AdamW.clip_scale(1.0, norm))
+                    sync.all_gather_params()
+                    opt.zero_grad()
+                P._Work.wait = wait
+            collectives = {k: v for k, v in counter.ops.items() if k.startswith("c10d.")}
+            out[f"{zero} {bucket_mb}"] = {"buckets": len(sync.buckets), "ops": sum(counter.ops.values()) - sum(
+                collectives.values()), "collectives": collectives, "units": len(P.unit_modules(model))}
+    Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(out))
+
+
+def test_the_optimizer_side_of_a_step_is_a_few_launches_whatever_the_buckets(tmp_path):
+    """After the backward a step issues the same handful of ops however many buckets the gradients are
+    cut into (four times as many here): one foreach norm over every piece, one decay and one fused update
+    over the owned weights, their rounding, the zeroing; ZeRO-1/2's reduce-scatters write straight into
+    the packed gradient the update reads, and the updated weights go out one collective per unit (at most
+    the model's units, gathered together), not one per bucket; ZeRO-3 gathers at the next forward."""
+    spawn(_step_ops, 2, str(tmp_path / "r{rank}.json"))
+    for r in range(2):
+        out = json.loads((tmp_path / f"r{r}.json").read_text())
+        for zero in (0, 1, 2, 3):
+            few, many = out[f"{zero} 0.02"], out[f"{zero} 0.004"]
+            if zero < 3:
+                assert many["buckets"] >= 3 * few["buckets"] >= 30, (few, many)
+            assert few["ops"] == many["ops"] <= 20, (zero, few, many)
+            for counted in (few, many):
+                gathers = sum(n for k, n in counted["collectives"].items() if "allgather" in k)
+                assert counted["collectives"].pop("c10d.allreduce_") == 1, counted  # the norm's
+                assert (gathers == 0) if zero in (0, 3) else (0 < gathers <= counted["units"]), (zero, counted)
+                assert sum(counted["collectives"].values()) == gathers, counted  # and nothing else
 
 
 def _zero3_against_unsharded(out_file, tied, act_ckpt, compiled):
