@@ -407,7 +407,8 @@ def attention(q, k, v, mask, is_causal: bool, backend: str = "auto"):
     ATTN_BACKENDS), K and V grouped (enable_gqa, not copied) where it takes them so. With a mask (packed
     documents; a prefill on a cache), SDPA's own choice, K and V repeated: the kernels that take a mask do
     not all group, and a kernel that cannot serves the call in the slow math path. A BlockMask (packed
-    documents on CUDA, see document_mask) goes to FlexAttention instead, which groups by itself."""
+    documents on CUDA, see document_mask) goes to FlexAttention instead, which groups by itself. bf16 on
+    a CPU is computed in fp32: SDPA's CPU kernels are slower in bf16 (the flash kernel's backward above all)."""
     if isinstance(mask, BlockMask):
         flex = compiled_flex_attention() if q.is_cuda else flex_attention
         return flex(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
@@ -416,9 +417,12 @@ def attention(q, k, v, mask, is_causal: bool, backend: str = "auto"):
     if k.shape[1] != q.shape[1] and not grouped:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype == torch.bfloat16:  # the CPU's bf16 kernels are slower than fp32's
+        q, k, v = q.float(), k.float(), v.float()
     with sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+                                              enable_gqa=k.shape[1] != q.shape[1]).to(dtype)
 
 
 @functools.cache
