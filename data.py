@@ -433,7 +433,7 @@ def _openai_encoding(name, mirror):
 
 def _read_rank_file(path) -> dict:
     # Parsed by hand: tiktoken.load.load_tiktoken_bpe(local_path) writes a copy into TIKTOKEN_CACHE_DIR,
-    # which fails when that folder is read-only (GUIDE section 4).
+    # which fails when that folder is read-only (a shared mirror, a CI's read-only data).
     raw = regular_file(path, "tokenizer file").read_bytes()
     official = hashlib.sha256(raw).hexdigest() == LLAMA3_SHA256
     ranks = {}
@@ -946,8 +946,8 @@ class Positions:
     permutation seeded by (seed, e). Rank r reads global sequences consumed + r*batch_size +
     arange(batch_size); after every next() on every rank, consumed += batch_size * dp_size. So an optimizer
     step covers the same global sequences whatever the split into dp ranks and micro-batches, and
-    {"consumed", "seed", "seq_len"} (plus a subclass's settings) is the whole, rank-independent position
-    (GUIDE section 4)."""
+    {"consumed", "seed", "seq_len"} (plus a subclass's settings) is the whole, rank-independent position:
+    a checkpoint resumes it under any other dp split."""
 
     def __init__(self, n, batch_size, seq_len, dp_rank, dp_size, seed, empty: str):
         if not 0 <= dp_rank < dp_size:

@@ -467,15 +467,7 @@ def main(argv=None):
                             f"sigmoid loss; --loss {args.loss} has no use for it: drop one of them")
     if args.cp > 1:  # a pair's log-probability is a sum over the whole sequence, which no cp rank holds
         raise T.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
-    T.configure_process(args)
-    run = T.train(args, DPO(args))
-    model, tok, mesh = run.model, run.tok, run.mesh
-    if args.sample_prompt and T.samples_here(run):
-        reply = sft.chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
-        if mesh.rank == 0:
-            print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
-    if mesh.world > 1:
-        torch.distributed.destroy_process_group()
+    sft.post_train(args, DPO)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Read top to bottom:
   6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
                                  hf_state reads a Hugging Face folder lazily, tensor by tensor
   7. count_params, flops_per_token   the arithmetic bench.py and the README use (the memory and the
-                                   bytes a parallel layout costs: parallel.py, section 9)
+                                   bytes a parallel layout costs: parallel.py, section 10)
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
 outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the
@@ -582,6 +582,24 @@ def selective_recompute():
     return create_selective_checkpoint_contexts(_keep_expensive)
 
 
+def with_storage(model: Transformer, device) -> Transformer:
+    """Storage, uninitialized, for a model built on the meta device (whole, or a parallel layout's piece of
+    it), the head tied back to the embedding where the model ties them: to_empty gives every parameter
+    storage of its own."""
+    model.to_empty(device=device)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def empty_model(args: ModelArgs, dtype=torch.float32, device="cpu") -> Transformer:
+    """A model whose every weight is about to be written (loaded, consolidated): built on the meta device, so
+    no random initialization runs, cast there, then given storage."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return with_storage(model.to(dtype), device)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 5. Generation with a KV cache
 
@@ -954,11 +972,7 @@ def hf_state(path) -> tuple[ModelArgs, LazyState]:
 def load_hf(path, dtype=torch.float32) -> Transformer:
     """A Hugging Face Llama directory (config.json + *.safetensors) -> Transformer."""
     args, state = hf_state(path)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device="cpu").to(dtype)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # to_empty() unties; restore the tie
+    model = empty_model(args, dtype)
     tied = {"output.weight"} if args.tie_embeddings else set()  # the head is the embedding: read it once
     return _load_state(model, {k: state[k].to(dtype) for k in state if k not in tied}, str(path))
 
@@ -1101,12 +1115,7 @@ def load_meta(path, dtype=torch.float32) -> Transformer:
         state[name] = t.to(dtype)
     if "output.weight" not in state:
         args = replace(args, tie_embeddings=True)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device="cpu").to(dtype)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    return _load_state(model, state, str(path))
+    return _load_state(empty_model(args, dtype), state, str(path))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1053,9 +1053,7 @@ def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Trans
     cast to its training dtype), real storage for this rank's parameters only: each is this rank's piece
     of full_value(name, full shape) (local_value). One full parameter exists at a time, so a rank of a
     405B model never holds more than its shards plus the largest single weight (in fp32)."""
-    model.to_empty(device=device)
-    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
-        model.output.weight = model.tok_embeddings.weight  # to_empty() gave each its own storage: re-tie
+    M.with_storage(model, device)
     for name, p in model.named_parameters():
         p.copy_(local_value(model, mesh, full_value, name, p.shape))  # (cast to p's dtype as it is copied)
     return model
@@ -1290,7 +1288,7 @@ class PipelineStage:
             else:
                 x.requires_grad_()
             self.inputs[i, v] = x
-            out = local_forward(self.model, x, self.mesh, self.seq_len, _doc_ids(self.batches[i]),
+            out = local_forward(self.model, x, self.mesh, self.seq_len, doc_ids_of(self.batches[i]),
                                 self.chunks[v], self.head)
             if self.ends(v):
                 out = self.loss_fn(out, self.batches[i][1])
@@ -1344,7 +1342,7 @@ class PipelineStage:
             _p2p(self.mesh, send_prev=grad)
 
 
-def _doc_ids(batch):
+def doc_ids_of(batch):
     """A batch is (inputs, targets) or (inputs, targets, doc_ids) for packed sequences."""
     return batch[2] if len(batch) > 2 else None
 
@@ -1364,7 +1362,7 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
             if not first:
                 x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), dim), device=x.device, dtype=dtype)
                 _p2p(mesh, recv_prev=x)
-            out = local_forward(model, x, mesh, seq_len, _doc_ids(batch), layers, head)
+            out = local_forward(model, x, mesh, seq_len, doc_ids_of(batch), layers, head)
             if last:
                 results.append(fn(out, batch[1]))
             else:
@@ -1931,11 +1929,7 @@ def consolidate(folder: Path, hf: Path, tokens: dict | None = None, average: lis
     meta = json.loads((folder / "meta.json").read_text())
     args = M.ModelArgs.from_dict(meta["model_args"])
     fulls = [read_full_state(f, keys=("master",))[0] for f in [folder, *average]]
-    with torch.device("meta"):
-        model = M.Transformer(args)
-    model = model.to_empty(device="cpu")
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    model = M.empty_model(args)
     mean = lambda name: sum(full[name]["master"].float() for full in fulls) / len(fulls)
     state = {name: fulls[0][name]["master"] if not average else mean(name) for name in fulls[0]
              if not name.startswith(M.TRAINING_ONLY)}

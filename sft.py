@@ -400,17 +400,22 @@ def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperatur
     return tok.decode(new)
 
 
-def main(argv=None):
-    args = get_parser().parse_args(argv)
+def post_train(args, recipe_of) -> T.Run:
+    """The entry of sft.py and dpo.py: the process set up, the training loop run with the recipe
+    recipe_of(args) makes, then the answer to --sample-prompt (rank 0 prints it)."""
     T.configure_process(args)
-    run = T.train(args, SFT(args))
-    model, tok, mesh = run.model, run.tok, run.mesh
+    run = T.train(args, recipe_of(args))
     if args.sample_prompt and T.samples_here(run):
-        reply = chat(model, tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
-        if mesh.rank == 0:
+        reply = chat(run.model, run.tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)
+        if run.mesh.rank == 0:
             print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
-    if mesh.world > 1:
+    if run.mesh.world > 1:
         torch.distributed.destroy_process_group()
+    return run
+
+
+def main(argv=None):
+    post_train(get_parser().parse_args(argv), SFT)
 
 
 if __name__ == "__main__":

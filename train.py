@@ -768,7 +768,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     else:
         loss = torch.zeros((), device=run.device)
         for i, batch in enumerate(batches):
-            out = P.local_forward(run.model, batch[0], mesh, args.seq_len, P._doc_ids(batch),  # 2. forward
+            out = P.local_forward(run.model, batch[0], mesh, args.seq_len, P.doc_ids_of(batch),  # 2. forward
                                   head=not run.task.takes_hidden)
             timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's
             micro_loss = scaled_loss(run, out, batch[1])  # 3. loss: its share of the global batch's mean
