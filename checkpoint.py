@@ -3,8 +3,8 @@ run on the same folder never costs the last good state.
 
     <out-dir>/.lock           the run using this folder: host, pid, start time (one run at a time)
     <out-dir>/metrics.jsonl   one JSON record per log line, validation and skipped step
-    <out-dir>/step_000500/    a complete checkpoint: shard_ppXX_tpYY.pt per (pp, tp) rank (parallel.py,
-                              section 9) and meta.json (step, loader position, flags, model args, layout,
+    <out-dir>/step_000500/    a complete checkpoint: shard_ppXX_tpYY.pt per (pp, tp) rank (section 3)
+                              and meta.json (step, loader position, flags, model args, layout,
                               tokenizer, chat or not, the recipe that wrote it, its data's fingerprint,
                               and a manifest of every shard's size and sha256)
     <out-dir>/latest          the name of the newest complete step directory
@@ -12,32 +12,40 @@ run on the same folder never costs the last good state.
 Read in this order:
   1. Names     step_name, step_dirs: steps sort by number (step_1000000 comes after step_999999)
   2. Lock      RunLock: one run per out-dir; a lock left by a dead process on this host is taken over
-  3. Saving    save(): every writer writes, hashes and fsyncs its shards in .tmp-step_N; when all agree
+  3. Shards    save_shards, load_shards, read_full_state: each (pp, tp) rank's parameters under their
+               global names with their place in the full tensor, loadable into any layout
+  4. Saving    save(): every writer writes, hashes and fsyncs its shards in .tmp-step_N; when all agree
                it worked, rank 0 writes meta.json with their manifest, renames the folder (replacing
                whatever is under its name), replaces `latest`, then rotate()s while the others wait on
                the "io" group. Any failure removes the partial folder; the previous checkpoint is never
                touched.
-  4. Finding   read_latest, damage, find_latest, resolve: which checkpoint --resume or --init uses, verified
+  5. Finding   read_latest, damage, find_latest, resolve: which checkpoint --resume or --init uses, verified
                against its manifest (shared_check: every rank hashes a share of the files, at once); a
                pointer out of the folder, a damaged step or a shard file outside the manifest (unlisted:
                never read) is said out loud
-  5. Records  recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all)
-  6. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
+  6. Records   recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all)
+  7. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
+  8. Consolidation  consolidate (and `python checkpoint.py consolidate`): a checkpoint, or the mean of a run's
+               last few, as one Hugging Face folder
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 import data
+import model as M
 import parallel as P
 
 
@@ -49,7 +57,7 @@ class CheckpointError(Exception):
 # 1. Names
 
 STEP_RE = re.compile(r"step_(\d+)")
-SHARD_RE = P.SHARD_RE  # shard_ppXX_tpYY.pt
+SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")  # one per (pp, tp) rank: section 3
 
 
 def step_name(step: int) -> str:
@@ -171,11 +179,133 @@ class RunLock:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 3. Saving
+# 3. The shard files: one per (pp, tp) rank, written by dp_cp rank 0, each parameter under its global name
+#    with its place in the full tensor, so a checkpoint loads into any layout. Model weights are not stored
+#    apart from the fp32 master weights: the model copy is always the master rounded to the training dtype.
+
+def shard_file(mesh: P.Mesh) -> str:
+    return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
+
+
+def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync: P.GradSync | None, extra: dict) -> dict:
+    """Collective over dp_cp (ZeRO-1 gathers its state to its rank 0); dp_cp rank 0 of each (pp, tp) writes
+    one file and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
+    full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
+    if mesh.dp_cp_rank != 0:
+        return {}
+    placement = getattr(model, "tp_placement", {})
+    entries = {}
+    for i, name in enumerate(opt.names):
+        sl = slice(opt.offsets[i], opt.offsets[i] + opt.params[i].numel())
+        shape = opt.params[i].shape
+        state = {k: v[sl].view(shape) for k, v in full.items()}
+        dim, size = placement.get(name, (None, None))
+        start = 0
+        if dim is not None:
+            local = shape[dim]
+            start = mesh.tp_rank * local
+            length = max(0, min(local, size - start))  # the vocabulary padding is not saved
+            state = {k: v.narrow(dim, 0, length) for k, v in state.items()}
+        entries[name] = {"dim": dim, "start": start, "full_size": size, **state}
+    folder.mkdir(parents=True, exist_ok=True)  # each writer makes what it writes (no shared disk assumed)
+    with open(folder / shard_file(mesh), "wb") as f:  # through a file: a failed write keeps its OSError
+        hashing = HashingWriter(f)
+        torch.save({"params": entries, "step": opt.step_count, **extra}, hashing)
+        f.flush()
+        os.fsync(f.fileno())  # each writer makes its own bytes durable
+    return {shard_file(mesh): {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}}
+
+
+class HashingWriter:
+    """A file being written, with the sha256 and size of what passed through: the checkpoint's manifest
+    comes from its writers, so no rank reads the files back to hash them."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha256.update(b)
+        self.bytes += memoryview(b).nbytes
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _assemble(parts: list[dict], keys=STATE_KEYS) -> dict[str, torch.Tensor]:
+    """One parameter's full master / moments from its shard entries (one entry when it is not split)."""
+    first = parts[0]
+    if first["dim"] is None:
+        return {k: first[k] for k in keys}
+    d, out = first["dim"], {}
+    for k in keys:
+        shape = list(first[k].shape)
+        shape[d] = first["full_size"]
+        out[k] = torch.zeros(shape, dtype=first[k].dtype)
+        for e in parts:
+            out[k].narrow(d, e["start"], e[k].shape[d]).copy_(e[k])
+    return out
+
+
+def manifest_files(folder: Path) -> list[Path]:
+    """The shard files a checkpoint's meta.json lists (its manifest, which checkpoint.py verifies), and no
+    other: a stray file beside them, even one named like a shard, is never read."""
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    names = sorted(meta["files"]) if isinstance(meta, dict) and isinstance(meta.get("files"), dict) else []
+    if not names or not all(SHARD_RE.fullmatch(name) for name in names):
+        raise ValueError(f"{folder}/meta.json lists no shard files ('files')")
+    return [Path(folder) / name for name in names]
+
+
+def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[M.LazyState, dict]:
+    """The shard files of a checkpoint's manifest (memory-mapped) -> {name: {"master", "exp_avg",
+    "exp_avg_sq"}} (or only `keys`) as full tensors, each assembled when looked up, so loading into another
+    layout holds one full parameter at a time; plus the first file's extra fields. Works for any layout
+    the checkpoint was written in."""
+    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in manifest_files(folder)]
+    pieces: dict[str, list] = {}
+    for s in shards:
+        for name, e in s["params"].items():
+            if names is None or name in names:
+                pieces.setdefault(name, []).append(e)
+    full = M.LazyState({name: (lambda parts=parts: _assemble(parts, keys)) for name, parts in pieces.items()})
+    extra = {k: v for k, v in shards[0].items() if k != "params"}
+    return full, extra
+
+
+def load_shards(folder: Path, model, opt, mesh: P.Mesh):
+    """Load a checkpoint written under any layout into this rank's shards (optimizer state and weights).
+    One parameter at a time: its full state is assembled from the memory-mapped files, cut to this rank's
+    tp piece, copied into the optimizer's owned ranges, and dropped."""
+    full, extra = read_full_state(folder, set(opt.names))
+    placement = getattr(model, "tp_placement", {})
+    missing = [name for name in opt.names if name not in full]
+    if missing:
+        raise ValueError(f"checkpoint {folder} has no parameter {missing[0]}")
+
+    def mine(i: int, name: str) -> dict[str, torch.Tensor]:
+        shape, out = opt.params[i].shape, {}
+        for k, t in full[name].items():
+            out[k] = P.local_piece(t, shape, placement.get(name, (None,))[0], mesh)
+            if tuple(out[k].shape) != tuple(shape):
+                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(out[k].shape)}, this model "
+                                 f"needs {tuple(shape)}")
+        return out
+
+    state = M.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
+    opt.load_state_dict({"step": extra["step"], "params": state})
+    return extra
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Saving
 
 
 def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int, last_good: Path | None = None):
-    """Phase 7, on every rank. write_shards(folder) writes this rank's files (parallel.save_shards) and
+    """Phase 7, on every rank. write_shards(folder) writes this rank's files (save_shards) and
     returns their manifest entries; `meta` (step, loader, args, ...) goes into meta.json with the manifest.
     Raises CheckpointError, on every rank, if any write failed anywhere; the partial folder is then gone,
     `latest` is untouched, and the message names `last_good` (the checkpoint the run resumed from or last
@@ -301,7 +431,7 @@ def rotate(out_dir: Path, newest: Path, keep: int):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 4. Finding the checkpoint to resume or start from
+# 5. Finding the checkpoint to resume or start from
 
 
 def read_latest(out_dir: Path) -> Path | None:
@@ -507,9 +637,9 @@ def say_unlisted(d: Path, say):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5. What a model folder records: the tokenizer its ids belong to, the sequence length it was trained at,
+# 6. What a model folder records: the tokenizer its ids belong to, the sequence length it was trained at,
 #    and whether it speaks the chat format. Read from a checkpoint's meta.json, from an export's
-#    config.json (parallel.py consolidate --hf writes "tokenizer" there) or a Meta folder's params.json.
+#    config.json (checkpoint.py consolidate --hf writes "tokenizer" there) or a Meta folder's params.json.
 
 
 def recorded(path) -> dict:
@@ -572,7 +702,7 @@ def tokenizer_for(path, requested: str | None, mirror=None, grows: bool = False)
 
 
 # ----------------------------------------------------------------------------------------------------
-# 6. The out-dir itself
+# 7. The out-dir itself
 
 RUN_FILES = ("latest", "metrics.jsonl", ".latest.tmp")
 
@@ -608,3 +738,63 @@ def clear_run(out_dir: Path) -> list[str]:
     for p in gone:
         remove(p)
     return [p.name for p in gone]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. Consolidation: a checkpoint (or the mean of a run's last few) -> one Hugging Face folder
+
+
+def consolidate(folder: Path, hf: Path, tokens: dict | None = None, average: list[Path] = ()):
+    """A sharded checkpoint -> a Hugging Face folder, which every --init reads, as transformers does; with
+    `tokens` (data.hf_tokens), the folder records its tokenizer and special ids (model.save_hf). With
+    `average` (other checkpoints of the same run), each weight is the element-wise mean of `folder`'s and
+    theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory."""
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    args = M.ModelArgs.from_dict(meta["model_args"])
+    fulls = [read_full_state(f, keys=("master",))[0] for f in [folder, *average]]
+    model = M.empty_model(args)
+    mean = lambda name: sum(full[name]["master"].float() for full in fulls) / len(fulls)
+    state = {name: fulls[0][name]["master"] if not average else mean(name) for name in fulls[0]
+             if not name.startswith(M.TRAINING_ONLY)}
+    if args.tie_embeddings:
+        state.setdefault("output.weight", state["tok_embeddings.weight"])
+    model.load_state_dict(state)
+    M.save_hf(model, hf, tokens)
+    return model
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Tools for sharded checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into a Hugging Face folder")
+    c.add_argument("checkpoint", help="a step directory, or an --out-dir (its newest intact checkpoint)")
+    c.add_argument("--hf", required=True, help="write a Hugging Face Llama folder here")
+    c.add_argument("--tokenizer", help="the tokenizer.model of a checkpoint trained with a custom one")
+    c.add_argument("--average-last", type=int, default=1, metavar="N",
+                   help="write the mean of the out-dir's last N intact checkpoints (Llama 3 averaged those "
+                        "of its annealing; the run must keep them: --keep-ckpts)")
+    a = p.parse_args(argv)
+    try:
+        say = lambda msg: print(msg, file=sys.stderr)
+        if a.average_last < 1:
+            raise CheckpointError(f"--average-last {a.average_last}: at least 1")
+        ckpts = ([resolve(a.checkpoint, say=say)] if a.average_last == 1 else
+                 last_intact(a.checkpoint, a.average_last, say))
+        ckpt = ckpts[0]
+        tok = tokenizer_for(ckpt, a.tokenizer)
+        consolidate(ckpt, Path(a.hf), data.hf_tokens(tok, recorded(ckpt).get("chat", False)), ckpts[1:])
+    except (CheckpointError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, RuntimeError, ValueError) as e:  # unreadable shards, an unwritable --out: the reason
+        print(f"error: cannot consolidate {a.checkpoint}: {type(e).__name__}: {data.one_line(e)}",
+              file=sys.stderr)
+        return 1
+    averaged = f" (the mean of {', '.join(c.name for c in ckpts)})" if len(ckpts) > 1 else ""
+    print(f"consolidated {ckpt}{averaged} -> {a.hf} (tokenizer {tok.name})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,7 @@ Read top to bottom:
   6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
                                  hf_state reads a Hugging Face folder lazily, tensor by tensor
   7. count_params, flops_per_token   the arithmetic bench.py and the README use (the memory and the
-                                   bytes a parallel layout costs: parallel.py, section 10)
+                                   bytes a parallel layout costs: parallel.py, section 9)
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
 outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the

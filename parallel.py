@@ -28,30 +28,26 @@ by a function in this file, and counted. Contents, in reading order:
                            ZeRO-2: no full gradient buffer, each micro-batch's buckets reduce-scattered;
                            ZeRO-3 (FSDP's full sharding): each unit's weights gathered only while used
   8. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
-  9. Checkpoints           one file per (pp, tp) rank with global names and each shard's place in the full
-                           tensor; loadable into any layout; `python parallel.py consolidate` writes a
-                           Hugging Face folder
- 10. Costs                 memory_estimate and comm_estimate: the memory a rank holds at its peak, by kind,
+  9. Costs                  memory_estimate and comm_estimate: the memory a rank holds at its peak, by kind,
                            and the bytes it sends per step, from the shapes alone (train.py's check before
                            allocating, bench.py's planner)
 
 model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline change a
 model built on the meta device, and materialize() fills each rank's pieces from one seed (each parameter
 from its own generator), so every layout starts from bit-identical weights and no rank ever holds the
-whole model.
+whole model. Checkpoints (each rank's shards under global names, loadable into any layout) are
+checkpoint.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import hashlib
-import json
+import itertools
 import os
 import re
+import runpy
 import socket
 import sys
-import itertools
 import threading
 import time
 import weakref
@@ -1795,153 +1791,7 @@ def grad_norm(sync: GradSync, model) -> torch.Tensor:
 
 
 # ====================================================================================================
-# 9. Checkpoints: one file per (pp, tp) rank, written by dp_cp rank 0, each parameter under its global name
-#    with its place in the full tensor. Model weights are not stored apart from the fp32 master weights:
-#    the model copy is always the master rounded to the training dtype.
-
-
-SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")
-
-
-def shard_file(mesh: Mesh) -> str:
-    return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
-
-
-def save_shards(folder: Path, model, opt, mesh: Mesh, sync: GradSync | None, extra: dict) -> dict:
-    """Collective over dp_cp (ZeRO-1 gathers its state to its rank 0); dp_cp rank 0 of each (pp, tp) writes
-    one file and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
-    full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
-    if mesh.dp_cp_rank != 0:
-        return {}
-    placement = getattr(model, "tp_placement", {})
-    entries = {}
-    for i, name in enumerate(opt.names):
-        sl = slice(opt.offsets[i], opt.offsets[i] + opt.params[i].numel())
-        shape = opt.params[i].shape
-        state = {k: v[sl].view(shape) for k, v in full.items()}
-        dim, size = placement.get(name, (None, None))
-        start = 0
-        if dim is not None:
-            local = shape[dim]
-            start = mesh.tp_rank * local
-            length = max(0, min(local, size - start))  # the vocabulary padding is not saved
-            state = {k: v.narrow(dim, 0, length) for k, v in state.items()}
-        entries[name] = {"dim": dim, "start": start, "full_size": size, **state}
-    folder.mkdir(parents=True, exist_ok=True)  # each writer makes what it writes (no shared disk assumed)
-    with open(folder / shard_file(mesh), "wb") as f:  # through a file: a failed write keeps its OSError
-        hashing = HashingWriter(f)
-        torch.save({"params": entries, "step": opt.step_count, **extra}, hashing)
-        f.flush()
-        os.fsync(f.fileno())  # each writer makes its own bytes durable
-    return {shard_file(mesh): {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}}
-
-
-class HashingWriter:
-    """A file being written, with the sha256 and size of what passed through: the checkpoint's manifest
-    comes from its writers, so no rank reads the files back to hash them."""
-
-    def __init__(self, f):
-        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.sha256.update(b)
-        self.bytes += memoryview(b).nbytes
-        return self.f.write(b)
-
-    def flush(self):
-        self.f.flush()
-
-
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def _assemble(parts: list[dict], keys=STATE_KEYS) -> dict[str, torch.Tensor]:
-    """One parameter's full master / moments from its shard entries (one entry when it is not split)."""
-    first = parts[0]
-    if first["dim"] is None:
-        return {k: first[k] for k in keys}
-    d, out = first["dim"], {}
-    for k in keys:
-        shape = list(first[k].shape)
-        shape[d] = first["full_size"]
-        out[k] = torch.zeros(shape, dtype=first[k].dtype)
-        for e in parts:
-            out[k].narrow(d, e["start"], e[k].shape[d]).copy_(e[k])
-    return out
-
-
-def manifest_files(folder: Path) -> list[Path]:
-    """The shard files a checkpoint's meta.json lists (its manifest, which checkpoint.py verifies), and no
-    other: a stray file beside them, even one named like a shard, is never read."""
-    meta = json.loads((Path(folder) / "meta.json").read_text())
-    names = sorted(meta["files"]) if isinstance(meta, dict) and isinstance(meta.get("files"), dict) else []
-    if not names or not all(SHARD_RE.fullmatch(name) for name in names):
-        raise ValueError(f"{folder}/meta.json lists no shard files ('files')")
-    return [Path(folder) / name for name in names]
-
-
-def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[M.LazyState, dict]:
-    """The shard files of a checkpoint's manifest (memory-mapped) -> {name: {"master", "exp_avg",
-    "exp_avg_sq"}} (or only `keys`) as full tensors, each assembled when looked up, so loading into another
-    layout holds one full parameter at a time; plus the first file's extra fields. Works for any layout
-    the checkpoint was written in."""
-    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in manifest_files(folder)]
-    pieces: dict[str, list] = {}
-    for s in shards:
-        for name, e in s["params"].items():
-            if names is None or name in names:
-                pieces.setdefault(name, []).append(e)
-    full = M.LazyState({name: (lambda parts=parts: _assemble(parts, keys)) for name, parts in pieces.items()})
-    extra = {k: v for k, v in shards[0].items() if k != "params"}
-    return full, extra
-
-
-def load_shards(folder: Path, model, opt, mesh: Mesh):
-    """Load a checkpoint written under any layout into this rank's shards (optimizer state and weights).
-    One parameter at a time: its full state is assembled from the memory-mapped files, cut to this rank's
-    tp piece, copied into the optimizer's owned ranges, and dropped."""
-    full, extra = read_full_state(folder, set(opt.names))
-    placement = getattr(model, "tp_placement", {})
-    missing = [name for name in opt.names if name not in full]
-    if missing:
-        raise ValueError(f"checkpoint {folder} has no parameter {missing[0]}")
-
-    def mine(i: int, name: str) -> dict[str, torch.Tensor]:
-        shape, out = opt.params[i].shape, {}
-        for k, t in full[name].items():
-            out[k] = local_piece(t, shape, placement.get(name, (None,))[0], mesh)
-            if tuple(out[k].shape) != tuple(shape):
-                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(out[k].shape)}, this model "
-                                 f"needs {tuple(shape)}")
-        return out
-
-    state = M.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
-    opt.load_state_dict({"step": extra["step"], "params": state})
-    return extra
-
-
-def consolidate(folder: Path, hf: Path, tokens: dict | None = None, average: list[Path] = ()):
-    """A sharded checkpoint -> a Hugging Face folder, which every --init reads, as transformers does; with
-    `tokens` (data.hf_tokens), the folder records its tokenizer and special ids (model.save_hf). With
-    `average` (other checkpoints of the same run), each weight is the element-wise mean of `folder`'s and
-    theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory."""
-    folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
-    args = M.ModelArgs.from_dict(meta["model_args"])
-    fulls = [read_full_state(f, keys=("master",))[0] for f in [folder, *average]]
-    model = M.empty_model(args)
-    mean = lambda name: sum(full[name]["master"].float() for full in fulls) / len(fulls)
-    state = {name: fulls[0][name]["master"] if not average else mean(name) for name in fulls[0]
-             if not name.startswith(M.TRAINING_ONLY)}
-    if args.tie_embeddings:
-        state.setdefault("output.weight", state["tok_embeddings.weight"])
-    model.load_state_dict(state)
-    M.save_hf(model, hf, tokens)
-    return model
-
-
-# ====================================================================================================
-# 10. What a layout costs, from the shapes alone: the memory one rank holds at its peak and the bytes it
+# 9. What a layout costs, from the shapes alone: the memory one rank holds at its peak and the bytes it
 #    sends per step. train.py checks the memory before allocating anything; bench.py --plan sizes runs on
 #    machines we don't have. Each term is a buffer this code allocates; tests/test_memory.py holds the
 #    totals against a census of a CPU run's allocations and the bytes against the collectives' own count.
@@ -2200,39 +2050,5 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
             "dp": dp_bytes if dp > 1 else 0.0}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Tools for sharded checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into a Hugging Face folder")
-    c.add_argument("checkpoint", help="a step directory, or an --out-dir (its newest intact checkpoint)")
-    c.add_argument("--hf", required=True, help="write a Hugging Face Llama folder here")
-    c.add_argument("--tokenizer", help="the tokenizer.model of a checkpoint trained with a custom one")
-    c.add_argument("--average-last", type=int, default=1, metavar="N",
-                   help="write the mean of the out-dir's last N intact checkpoints (Llama 3 averaged those "
-                        "of its annealing; the run must keep them: --keep-ckpts)")
-    a = p.parse_args(argv)
-    import checkpoint as C  # imported here: checkpoint.py imports this file
-    import data
-    try:
-        say = lambda msg: print(msg, file=sys.stderr)
-        if a.average_last < 1:
-            raise C.CheckpointError(f"--average-last {a.average_last}: at least 1")
-        ckpts = ([C.resolve(a.checkpoint, say=say)] if a.average_last == 1 else
-                 C.last_intact(a.checkpoint, a.average_last, say))
-        ckpt = ckpts[0]
-        tok = C.tokenizer_for(ckpt, a.tokenizer)
-        consolidate(ckpt, Path(a.hf), data.hf_tokens(tok, C.recorded(ckpt).get("chat", False)), ckpts[1:])
-    except (C.CheckpointError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (OSError, RuntimeError, ValueError) as e:  # unreadable shards, an unwritable --out: the reason
-        print(f"error: cannot consolidate {a.checkpoint}: {type(e).__name__}: {data.one_line(e)}",
-              file=sys.stderr)
-        return 1
-    averaged = f" (the mean of {', '.join(c.name for c in ckpts)})" if len(ckpts) > 1 else ""
-    print(f"consolidated {ckpt}{averaged} -> {a.hf} (tokenizer {tok.name})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python parallel.py consolidate ...`, where the command lived first: it runs
+    runpy.run_path(str(Path(__file__).with_name("checkpoint.py")), run_name="__main__")  # checkpoint.py's

@@ -20,7 +20,7 @@ al. 2024, section 4.1.2) train a reward model on comparisons before they optimiz
 
 It is train.py's loop with another recipe (RewardModel: the model from --init, preference pairs as dpo.py
 reads them) and loss (RewardTask): the same phases, flags, layouts (tp, pp, dp, ZeRO; not cp: a score
-needs the whole sequence), checkpoints and --resume. `python parallel.py consolidate` writes it as a
+needs the whole sequence), checkpoints and --resume. `python checkpoint.py consolidate` writes it as a
 LlamaForSequenceClassification folder, and such a folder is an --init or a --reward here.
 
 `reward.py sample` is Llama 3's rejection sampling (its section below says how): the reward model picks the

@@ -29,7 +29,6 @@ import torch
 import checkpoint as C
 import data
 import model as M
-import parallel as P
 import train as T
 
 
@@ -63,7 +62,7 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
     try:
         if C.is_checkpoint(path):
             margs = checkpoint_args(path)
-            full, _ = P.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
+            full, _ = C.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
             master = lambda name: (lambda: full[name]["master"])
             names = [name for name in full if not name.startswith(M.TRAINING_ONLY)]  # the model's own
             state = M.LazyState({name: master(name) for name in names} |

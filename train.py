@@ -1138,7 +1138,7 @@ def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
 
 class Checkpointer:
     """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
-    checkpoint holds every rank's shards with global names (parallel.py, section 9), so it loads into any
+    checkpoint holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
     layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
     the flags, the model's shape, its tokenizer, whether it was trained on chats (chat: an export then
     stops generating at <|eot_id|>), the recipe that wrote it and its data's fingerprint (--resume refuses
@@ -1164,7 +1164,7 @@ class Checkpointer:
                 "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
                 "recipe": self.recipe.kind, "data": self.data,
                 "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
-        write = lambda folder: P.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
+        write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
         out = Path(run.args.out_dir)
         C.save(out, step, run.mesh, write, meta, run.args.keep_ckpts, self.last_good)
         run.timer.mark("7 checkpoint")
@@ -1539,7 +1539,7 @@ def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
     """Load a checkpoint (written under any layout) into the run; returns its step."""
     check_continues(ckpt, meta, recipe, run)
     try:
-        extra = P.load_shards(ckpt, run.model, run.opt, run.mesh)
+        extra = C.load_shards(ckpt, run.model, run.opt, run.mesh)
     except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
         raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
     if run.scaler and extra.get("scaler"):

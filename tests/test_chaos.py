@@ -81,7 +81,7 @@ def test_killed_three_times_ends_bit_identical(tmp_path):
     assert len(list((tmp_path / "markers").iterdir())) == 3
     final = {name: checkpoint.find_latest(out)[0] for name, out in runs.items()}
     assert final["chaos"].name == final["clean"].name == "step_000012"
-    a, b = (parallel.read_full_state(d)[0] for d in final.values())
+    a, b = (checkpoint.read_full_state(d)[0] for d in final.values())
     for k in a:
         for kk in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a[k][kk], b[k][kk]), (k, kk)

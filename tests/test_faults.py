@@ -34,7 +34,7 @@ def records(out):
 
 def masters(out):
     d, _ = checkpoint.find_latest(Path(out))
-    return {k: v["master"] for k, v in parallel.read_full_state(d)[0].items()}
+    return {k: v["master"] for k, v in checkpoint.read_full_state(d)[0].items()}
 
 
 CONVERSATION = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant",
@@ -308,7 +308,7 @@ def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_
         slow = lambda real: (lambda *a, **k: (time.sleep(6) if os.environ["RANK"] == "0" else None,
                                               real(*a, **k))[1])
         data.resolve_data = slow(data.resolve_data)
-        parallel.save_shards = slow(parallel.save_shards)
+        checkpoint.save_shards = slow(checkpoint.save_shards)
         checkpoint.clear_run, checkpoint.rotate = slow(checkpoint.clear_run), slow(checkpoint.rotate)
         train.run(argv=sys.argv[1:])
     """))

@@ -28,7 +28,6 @@ import data
 import dpo
 import evaluate
 import model as M
-import parallel
 import sft
 import train
 
@@ -398,7 +397,7 @@ def test_consolidate_and_info_failures_are_one_line(tmp_path, capsys):
                            "no intact checkpoint"),
                           (["consolidate", str(out), "--hf", str(tmp_path / "hf")],
                            "does not match its checksum")):
-        assert parallel.main(argv) == 1 and message in error_line(capsys.readouterr().err)
+        assert checkpoint.main(argv) == 1 and message in error_line(capsys.readouterr().err)
     assert not (tmp_path / "hf").exists()
     for argv, message in ((["info", str(tmp_path / "nowhere.bin")], "no file or folder"),
                           (["info", str(tmp_path)], "holds no token shards")):
@@ -467,14 +466,14 @@ def test_only_the_manifests_shards_are_read(tmp_path, capsys):
     stray = step / "shard_pp00_tp0.pt"
     torch.save(zeros, stray)
     assert sorted(f.name for f in step.glob("shard_pp*_tp*.pt"))[0] == stray.name  # read first, once
-    full, _ = parallel.read_full_state(step)
+    full, _ = checkpoint.read_full_state(step)
     assert all(torch.equal(full[n]["master"], e["master"]) for n, e in real["params"].items())
     capsys.readouterr()
     train.main(TINY + ["--max-steps", "4", "--out-dir", str(out), "--resume"])
     said = capsys.readouterr().out
     assert "shard_pp00_tp0.pt not in its manifest: ignored" in said
     assert losses(out) == losses(straight)  # the run went on from the real weights, bit for bit
-    assert parallel.main(["consolidate", str(step), "--hf", str(tmp_path / "hf")]) == 0
+    assert checkpoint.main(["consolidate", str(step), "--hf", str(tmp_path / "hf")]) == 0
     hf = M.read_safetensors(tmp_path / "hf" / "model.safetensors")
     assert torch.equal(hf["lm_head.weight"], real["params"]["output.weight"]["master"])
 
@@ -596,7 +595,7 @@ def test_an_interrupted_consolidate_leaves_no_half_model(tmp_path, capsys, monke
         Path(path).write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(M, "write_safetensors", half_then_full)
-    assert parallel.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
+    assert checkpoint.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
     assert "No space left on device" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no model folder, half or whole
 
@@ -640,5 +639,5 @@ def test_a_tampered_meta_json_is_one_line(tmp_path, capsys, case, expected):
                                                            "--resume"])
     if case == "unknown model args":  # the same line wherever the checkpoint is read
         assert expected in refused(capsys, evaluate.main, ["--init", str(out), "--prompt", "a"])
-        assert parallel.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
+        assert checkpoint.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
         assert expected in error_line(capsys.readouterr().err)

@@ -243,7 +243,7 @@ def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
         model = tiny_model(dtype=dtype)
         with Allocations() as built:
             opt = O.AdamW(model.named_parameters(), lr=1e-2, pad_to=dp, allocate_state=False)
-            sync = P.GradSync(opt, P.Mesh(dp=dp, dp_rank=1), bucket_mb=0.001, zero=1)
+            P.GradSync(opt, P.Mesh(dp=dp, dp_rank=1), bucket_mb=0.001, zero=1)  # shards the optimizer
         n = opt.numel
         kept[dp] = state_bytes(opt)
         pieces = opt.grad_shard.numel() * 4 if opt.grad_shard is not opt.grad else 0  # ZeRO's reduced pieces

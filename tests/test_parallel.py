@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import checkpoint as C
 import data
 import launch
 import model as M
@@ -356,7 +357,7 @@ def losses(out_dir):
 
 def masters(out_dir):
     d = Path(out_dir) / (Path(out_dir) / "latest").read_text().strip()
-    return {k: v["master"] for k, v in P.read_full_state(d)[0].items()}
+    return {k: v["master"] for k, v in C.read_full_state(d)[0].items()}
 
 
 @pytest.fixture(scope="module")
@@ -525,7 +526,7 @@ def test_zero_is_identical_to_plain_dp(tmp_path, zero, micro):
     job(2, tmp_path / "zero", "--zero", str(zero), "--bucket-mb", "0.05", micro=micro)
     assert losses(tmp_path / "dp") == losses(tmp_path / "zero")
     # the checkpoints too: ZeRO's, gathered bucket by bucket from the dp ranks' pieces, equal DP's
-    a, b = (P.read_full_state(Path(d) / (Path(d) / "latest").read_text().strip())[0]
+    a, b = (C.read_full_state(Path(d) / (Path(d) / "latest").read_text().strip())[0]
             for d in (tmp_path / "dp", tmp_path / "zero"))
     for k in a:
         for key in ("master", "exp_avg", "exp_avg_sq"):
@@ -920,20 +921,24 @@ def test_consolidate_averages_the_last_checkpoints_of_one_run(tmp_path, capsys):
     out = tmp_path / "run"
     job(2, out, "--tp", "2", "--ckpt-every", "1", "--keep-ckpts", "3", steps=4)
     hf = tmp_path / "hf"
-    assert P.main(["consolidate", str(out), "--hf", str(hf), "--average-last", "3"]) == 0
+    assert C.main(["consolidate", str(out), "--hf", str(hf), "--average-last", "3"]) == 0
     assert "(the mean of step_000004, step_000003, step_000002)" in capsys.readouterr().out
-    states = [P.read_full_state(out / f"step_00000{i}")[0] for i in (2, 3, 4)]
+    states = [C.read_full_state(out / f"step_00000{i}")[0] for i in (2, 3, 4)]
     averaged = M.load_hf(hf).state_dict()
     for name in states[0]:
         want = torch.stack([s[name]["master"] for s in states]).mean(dim=0)
         assert torch.allclose(averaged[name], want, atol=1e-7), name
     assert not torch.equal(averaged["norm.weight"], states[-1]["norm.weight"]["master"])
+    # the command where it was documented first, `python parallel.py consolidate`, runs checkpoint.py's
+    p = subprocess.run([sys.executable, str(REPO / "parallel.py"), "consolidate", str(out), "--hf",
+                        str(tmp_path / "hf2"), "--average-last", "3"], capture_output=True, text=True)
+    assert p.returncode == 0 and M.load_hf(tmp_path / "hf2").state_dict().keys() == averaged.keys(), p.stderr
     for argv, message in ((["--average-last", "4"], "holds 3 intact checkpoint(s), fewer than the 4"),
                           (["--average-last", "2"], "are not of one run")):
         if argv[1] == "2":  # another seed's checkpoint, newest in the folder
             job(1, tmp_path / "other", "--seed", "7", steps=5)
             shutil.copytree(tmp_path / "other" / "step_000005", out / "step_000005")
-        assert P.main(["consolidate", str(out), "--hf", str(tmp_path / "no"), *argv]) == 1
+        assert C.main(["consolidate", str(out), "--hf", str(tmp_path / "no"), *argv]) == 1
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "no").exists()

@@ -100,7 +100,7 @@ def test_a_reward_model_goes_to_hugging_face_and_back(tmp_path):
     reward.main(TINY + ["--data", str(pairs), "--max-steps", "3", "--lr", "3e-3", "--micro-batch", "4",
                         "--out-dir", str(rm)])
     hf = tmp_path / "hf"
-    assert P.main(["consolidate", str(rm), "--hf", str(hf)]) == 0
+    assert C.main(["consolidate", str(rm), "--hf", str(hf)]) == 0
     ours, tok = reward.load_reward_model(rm, torch.device("cpu"))
     examples, _ = dpo.preference_examples(tok, dpo.read_preferences(pairs), 128)
     x, y = dpo.PreferenceLoader(examples, 4, 128, pad_id=data.pad_id(tok)).pairs(list(range(4)))
@@ -113,7 +113,7 @@ def test_a_reward_model_goes_to_hugging_face_and_back(tmp_path):
     again = tmp_path / "again"
     reward.main(TINY + ["--init", str(hf), "--data", str(pairs), "--max-steps", "1", "--lr", "1e-9",
                         "--micro-batch", "4", "--out-dir", str(again)])
-    kept = P.read_full_state(C.read_latest(again))[0]["output.weight"]["master"]
+    kept = C.read_full_state(C.read_latest(again))[0]["output.weight"]["master"]
     torch.testing.assert_close(kept, M.read_safetensors(hf / "model.safetensors")["score.weight"], rtol=0,
                                atol=1e-6)  # its own head, moved by lr 1e-9 only
 
@@ -143,7 +143,7 @@ def test_the_reward_models_loss_is_the_same_under_tp_dp_and_pp(tmp_path):
         for a, b in zip(got, one):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (name, a, b)
             assert a["accuracy"] == b["accuracy"], (name, a, b)
-        weights = [{k: v["master"] for k, v in P.read_full_state(C.read_latest(out))[0].items()}
+        weights = [{k: v["master"] for k, v in C.read_full_state(C.read_latest(out))[0].items()}
                    for out in (tmp_path / name, tmp_path / "one")]
         for k, w in weights[1].items():
             assert ((weights[0][k] - w).norm() / w.norm()).item() <= 5e-5, (name, k)

@@ -150,7 +150,7 @@ def run_rl(out, prompts, *flags):
 
 def state_of(out):
     """The latest checkpoint's master weights and Adam moments, by parameter."""
-    return P.read_full_state(C.read_latest(out))[0]
+    return C.read_full_state(C.read_latest(out))[0]
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
@@ -176,7 +176,7 @@ def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path
     assert all(torch.equal(s1[k][kk], s2[k][kk]) for k in s1 for kk in s1[k])
     if algo == "ppo":
         assert "value_head.proj.weight" in s1  # the critic is part of the run's state, not of the model:
-        exported = P.consolidate(C.read_latest(tmp_path / "one"), tmp_path / "hf")  # an export leaves it out
+        exported = C.consolidate(C.read_latest(tmp_path / "one"), tmp_path / "hf")  # an export leaves it out
         assert not any(name.startswith("value_head") for name in exported.state_dict())
         assert {"objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg"} <= one[0].keys()
     else:

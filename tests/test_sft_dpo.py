@@ -96,7 +96,7 @@ def test_sft_fits_a_handful_of_conversations(tmp_path):
     losses = [r["loss"] for r in records(tmp_path / "o") if "loss" in r]
     assert losses[0] > 3 and losses[-1] < 0.1, losses[::10]
     # exported, it stops where sft.chat stops: transformers' generate() reads <|eot_id|> from the export
-    assert P.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 0
+    assert C.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 0
     tok, messages = data.get_tokenizer("byte"), [{"role": "user", "content": "Name a colour."}]
     ours = sft.chat(M.load_hf(tmp_path / "hf"), tok, messages, max_new_tokens=30, temperature=0)
     ids, _ = data.encode_chat(tok, messages, add_generation_prompt=True)
@@ -283,7 +283,7 @@ def test_sft_packed_documents_under_context_and_data_parallelism_match_single_pr
     assert len(ref) == len(par) == 3
     for a, b in zip(par, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
-    weights = [{k: v["master"] for k, v in P.read_full_state(C.read_latest(out))[0].items()}
+    weights = [{k: v["master"] for k, v in C.read_full_state(C.read_latest(out))[0].items()}
                for out in (tmp_path / "cp", tmp_path / "one")]
     for k, w in weights[1].items():  # relative to each tensor's norm, as tests/test_parallel.py compares
         assert ((weights[0][k] - w).norm() / w.norm()).item() <= 1e-5, k

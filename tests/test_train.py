@@ -47,7 +47,7 @@ def records(out_dir):
 
 def final_state(out_dir):
     """{name: {master, exp_avg, exp_avg_sq}} of the latest checkpoint, as full tensors."""
-    return parallel.read_full_state(checkpoint.find_latest(Path(out_dir))[0])[0]
+    return checkpoint.read_full_state(checkpoint.find_latest(Path(out_dir))[0])[0]
 
 
 def test_resume_is_bit_exact(tmp_path):
