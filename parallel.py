@@ -4,10 +4,9 @@ No DDP, FSDP, DTensor or torch's pipelining package: every byte that crosses a p
 by a function in this file, and counted. Contents, in reading order:
 
   1. Mesh                  world = dp x pp x cp x tp, TP innermost (one NVLink domain), then CP, PP, DP;
-                           every process group created once; layouts checked before any collective
-  2. Collectives           thin wrappers over all_reduce / all_gather / reduce_scatter / isend-irecv that
-                           count the bytes each rank sends, per dimension (ring algorithm accounting), and
-                           turn a timeout or a lost peer into one CommError naming the op and the group
+                           each rank makes the process groups it is in
+  2. Collectives           all_reduce / all_gather / reduce_scatter that count the bytes each rank sends, per
+                           dimension (ring algorithm accounting)
   3. TP communication      Megatron's conjugate pair f (identity forward, all-reduce backward) and g (the
                            reverse), and the sequence-parallel pair gather/scatter (Shoeybi et al. 2019,
                            "Megatron-LM"; Korthikanti et al. 2022, "Reducing Activation Recomputation")
@@ -16,21 +15,20 @@ by a function in this file, and counted. Contents, in reading order:
                            apply_tensor_parallel() swaps them into a built Transformer
   5. Context parallelism   each sequence cut into 2cp chunks, two per rank (balanced causal work); K and V
                            all-gathered over cp per layer, as Llama 3 trained (Dubey et al. 2024)
-  6. Pipeline              contiguous layer ranges per stage; materialize(): a model built on the meta
-                           device, sharded and cut, gets storage for this rank's pieces only; the stage
-                           forward, point-to-point exchange,
-                           schedules AFAB (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan
-                           et al. 2021) and interleaved 1F1B over model chunks (Narayanan et al. 2021),
-                           with sent activations freed
-  7. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, all-reduced asynchronously
+  6. Pipeline              contiguous layer ranges per stage; materialize() gives a model built on the meta
+                           device, sharded and cut, storage for this rank's pieces only; schedules AFAB
+                           (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021) and
+                           interleaved 1F1B over model chunks (Narayanan et al. 2021)
+  7. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, reduced asynchronously
                            from gradient hooks during the last backward (over dp x cp); ZeRO-1 (Rajbhandari
                            et al. 2020): reduce-scatter, update the local shard, all-gather the weights;
-                           ZeRO-2: no full gradient buffer, each micro-batch's buckets reduce-scattered;
-                           ZeRO-3 (FSDP's full sharding): each unit's weights gathered only while used
+                           ZeRO-2: no full gradient buffer; ZeRO-3 (FSDP): each unit's weights gathered
+                           only while used
   8. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
-  9. Costs                  memory_estimate and comm_estimate: the memory a rank holds at its peak, by kind,
-                           and the bytes it sends per step, from the shapes alone (train.py's check before
-                           allocating, bench.py's planner)
+  9. Costs                 memory_estimate and comm_estimate, from the shapes alone (train.py's check
+                           before allocating, bench.py's planner)
+ 10. Plumbing              checking a layout, joining the job, timeouts, failures as one CommError naming the
+                           op and the group, helpers for work one rank does for all
 
 model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline change a
 model built on the meta device, and materialize() fills each rank's pieces from one seed (each parameter
@@ -61,12 +59,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model as M
-
-IGNORE_INDEX = -100
-
-
-class LayoutError(ValueError):
-    """An impossible parallel layout; raised identically on every rank before any communication."""
 
 
 # ====================================================================================================
@@ -150,108 +142,6 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
 
-def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
-                 seq_len: int, sp: bool = False, cp: int = 1, virtual: int = 1):
-    """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
-    reaches the same verdict without talking to the others."""
-    errors = []
-    if tp < 1 or pp < 1 or cp < 1:
-        errors.append(f"--tp {tp}, --cp {cp} and --pp {pp} must be at least 1")
-    elif world % (tp * cp * pp):
-        errors.append(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}")
-    if cp > 1 and seq_len % (2 * cp):
-        errors.append(f"context parallelism needs --seq-len {seq_len} divisible by 2*cp = {2 * cp} (each "
-                      "rank holds two of 2*cp equal chunks)")
-    if tp >= 1 and args.n_heads % tp:
-        errors.append(f"n_heads {args.n_heads} is not divisible by tp {tp}")
-    if tp >= 1 and args.n_kv_heads % tp:
-        errors.append(f"n_kv_heads {args.n_kv_heads} is not divisible by tp {tp}")
-    if pp > args.n_layers:
-        errors.append(f"pp {pp} stages need at least {pp} layers, the model has {args.n_layers}")
-    if pp > 1 and args.tie_embeddings:
-        errors.append("tied embeddings across pipeline stages are not supported (the embedding lives on the "
-                      "first stage, the head on the last); use pp 1 or an untied model")
-    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
-        errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages "
-                      f"(pp {pp})")
-    if (schedule == "interleaved") != (virtual > 1):
-        errors.append(f"--schedule {schedule} with --virtual-stages {virtual}: the interleaved schedule, and "
-                      "only it, needs 2 or more model chunks per rank")
-    elif virtual > 1 and pp > 1 and micro_batches % pp:
-        errors.append(f"the interleaved schedule needs --grad-accum {micro_batches} divisible by pp {pp} "
-                      "(micro-batches go through each chunk in groups of pp)")
-    if virtual > 1 and pp * virtual > args.n_layers:
-        errors.append(f"pp {pp} x {virtual} virtual stages need at least {pp * virtual} layers, the model "
-                      f"has {args.n_layers}")
-    if sp and tp > 1 and cp >= 1 and (seq_len // cp) % tp:
-        errors.append(f"sequence parallelism needs each rank's --seq-len / cp = {seq_len}/{cp} tokens "
-                      f"divisible by tp {tp}")
-    if errors:
-        raise LayoutError("; ".join(errors))
-
-
-def process_group_options(device: torch.device | None, timeout_s: float) -> dict:
-    """NCCL on CUDA, bound to this process's GPU from the start (device_id): without it NCCL guesses the GPU
-    from the rank for its first collective, which is wrong wherever ranks and GPUs are not numbered alike.
-    gloo on CPU."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if device is not None and device.type == "cuda":
-        return {"backend": "nccl", "device_id": device, "timeout": timeout}
-    return {"backend": "gloo", "timeout": timeout}
-
-
-def exit_with_agent(poll_s: float = 1.0):
-    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
-    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
-    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
-    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
-    the command lines (train.configure_process, evaluate.py, bench.py), as a process-wide setting."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
-                                                     for t in threading.enumerate()):
-        return  # not started by torchrun, or watched already
-    agent = os.getppid()
-
-    def watch():
-        while os.getppid() == agent:
-            time.sleep(poll_s)
-        print(f"error (rank {os.environ.get('RANK', '?')}): torchrun's agent (pid {agent}) is gone; "
-              "exiting", file=sys.stderr, flush=True)
-        os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
-
-    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
-
-
-def launch_env() -> tuple[int, int]:
-    """(rank, world size) from the variables torchrun sets, checked: a wrong or missing one would otherwise
-    be a ValueError traceback, or a wait for peers that never come. Without WORLD_SIZE: one process.
-    Raises LayoutError, whose message says which variable is wrong and how to launch instead."""
-    def whole(name: str, default: int | None) -> int | None:
-        text = os.environ.get(name)
-        if text is None or not text.strip():
-            return default
-        if not text.strip().isdigit():
-            raise LayoutError(f"{name}={text[:40]!r} is not a whole number >= 0")
-        return int(text)
-    launch = "start the processes with torchrun (e.g. torchrun --standalone --nproc_per_node=N ...)"
-    world = whole("WORLD_SIZE", 1)
-    rank = whole("RANK", 0 if world == 1 else None)
-    if world < 1 or rank is None or rank >= world:
-        raise LayoutError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} do "
-                          f"not name a process of a job (0 <= RANK < WORLD_SIZE): {launch}")
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        whole(name, 0)
-    if world > 1:
-        addr, port = os.environ.get("MASTER_ADDR", "").strip(), whole("MASTER_PORT", None)
-        if not addr or port is None or not 0 < port < 65536:
-            raise LayoutError(f"WORLD_SIZE={world} needs MASTER_ADDR (a host) and MASTER_PORT (1-65535); "
-                              f"got {addr or 'none'!r} and {os.environ.get('MASTER_PORT')!r}: {launch}")
-        try:
-            socket.getaddrinfo(addr, port)
-        except (socket.gaierror, UnicodeError):
-            raise LayoutError(f"MASTER_ADDR={addr[:80]!r} is not a host this machine can find") from None
-    return rank, world
-
-
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
               timeout_s: float = 300.0, io_timeout_s: float = 3600.0, cp: int = 1) -> Mesh:
     """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
@@ -298,112 +188,9 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     return mesh
 
 
-def set_timeout(mesh: Mesh, seconds: float):
-    """How long every group's collectives but the io group's may wait from now on."""
-    timeout = datetime.timedelta(seconds=seconds)
-    for group in [None] + [g for dim, g in mesh.groups.items() if dim != "io"]:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
-
-
-@contextmanager
-def patient(mesh: Mesh):
-    """Inside, every collective may wait as long as the io group's (--io-timeout), not --dist-timeout: for
-    the first step, which each rank compiles as it first runs it (--compile's graphs, the GPU's kernels).
-    A rank that compiles slower, or misses a cache its peers hit, keeps the others waiting at the first
-    collective for minutes, and that is not a stall."""
-    if mesh.world == 1 or mesh.patient:
-        yield
-        return
-    set_timeout(mesh, mesh.io_timeout_s)
-    mesh.patient = True
-    try:
-        yield
-    finally:
-        set_timeout(mesh, mesh.timeout_s)
-        mesh.patient = False
-
-
-def join_job(rank: int, world: int, device, timeout_s: float):
-    """The process group of the whole job, through the rendezvous at MASTER_ADDR:MASTER_PORT. A peer that
-    never comes (a wrong address or port, a rank not started) fails after timeout_s as one CommError."""
-    options = process_group_options(device, timeout_s)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    try:
-        if restart is None:
-            dist.init_process_group(**options)
-        else:
-            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
-            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
-            agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
-            dist.init_process_group(store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
-                                    world_size=world, **options)
-    except (RuntimeError, ValueError, OSError) as e:  # (DistNetworkError and DistStoreError: RuntimeErrors)
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise CommError(f"could not join the job of {world} processes at {where} (--dist-timeout "
-                        f"{timeout_s:g} s): {' '.join(str(e).split())[:300]}") from None
-
-
 # ====================================================================================================
 # 2. Collectives, with the bytes each rank sends counted per dimension
 #    (ring algorithms: all-reduce sends 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n)
-
-
-class CommError(RuntimeError):
-    """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
-    group and its ranks, so the log says where the job stopped instead of only that it did. (With gloo the
-    failing call raises, and this names it. NCCL reports a timeout from its watchdog thread, which ends the
-    process with the op and the group's name, tp / pp / dp, given to new_group.)"""
-
-
-def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
-    """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
-    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised
-    as is."""
-    if isinstance(e, torch.OutOfMemoryError):
-        raise e
-    op, t = what
-    what = f"{op} of {tuple(t.shape)}" if t is not None else op
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    cause = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop gloo's "[file.cc:78] "
-    cause = cause.split(". This is typically")[0][:300]
-    waited = time.monotonic() - t0
-    hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
-            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" or mesh.patient else mesh.timeout_s)
-            or "timed out" in cause.lower() else "a rank in this group died or failed; its own log says why")
-    limit = f"--dist-timeout {mesh.timeout_s:g} s"
-    if dim == "io" or mesh.patient:
-        limit = f"--io-timeout {mesh.io_timeout_s:g} s" + (", the first step's" if dim != "io" else "")
-    raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
-                    f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
-
-
-class _Work:
-    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops."""
-
-    def __init__(self, work, what: tuple, mesh: Mesh, dim: str, t0: float):
-        self.work, self.what, self.mesh, self.dim, self.t0 = work, what, mesh, dim, t0
-
-    def wait(self):
-        try:
-            return self.work.wait()
-        except RuntimeError as e:
-            _raise_comm_error(e, self.what, self.mesh, self.dim, self.t0)
-
-
-def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
-    t0 = time.monotonic()
-    try:
-        work = fn()
-    except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-        _raise_comm_error(e, what, mesh, dim, t0)
-    return _Work(work, what, mesh, dim, t0) if async_op else None
-
-
-# newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); 2.5 has the old
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _count(mesh: Mesh, dim: str, nbytes: float):
@@ -457,59 +244,6 @@ def barrier(mesh: Mesh, long: bool = False):
     if mesh.world > 1:
         dim = "io" if long else "world"
         _launch(("barrier", None), mesh, dim, lambda: dist.barrier(group=mesh.groups.get(dim)))
-
-
-def on_rank0(fn, mesh: Mesh):
-    """fn() on global rank 0 alone; every rank returns its result, or raises the exception it raised. For
-    work one rank can do for all, such as verifying a checkpoint's checksums: done once, not world times.
-    The others wait on the "io" group."""
-    if mesh.world == 1:
-        return fn()
-    box = [None]
-    if mesh.rank == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # sent to the others, then raised here too
-            box[0] = ("error", e)
-    _launch(("broadcast_object", None), mesh, "io",
-            lambda: dist.broadcast_object_list(box, src=0, group=mesh.groups["io"]))
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value
-
-
-def on_rank0_first(fn, mesh: Mesh):
-    """fn() on every rank in three waves: global rank 0, then the first process of every other node, then
-    the rest. For work that fills a cache folder (tokenized shards), which two processes must never fill
-    at once: a node that shares rank 0's cache finds it ready, one with its own fills it once. The waves
-    wait on the "io" group (a large corpus takes longer to tokenize than any collective should wait)."""
-    result = fn() if mesh.rank == 0 else None
-    barrier(mesh, long=True)
-    if mesh.rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        result = fn()
-    barrier(mesh, long=True)
-    return result if result is not None else fn()
-
-
-def all_gather_objects(obj, mesh: Mesh) -> list:
-    """Every rank's small picklable `obj`, in global rank order, on every rank (over the "io" group: some
-    ranks may arrive late, having written files the others did not)."""
-    if mesh.world == 1:
-        return [obj]
-    out = [None] * mesh.world
-    _launch(("all_gather_object", None), mesh, "io",
-            lambda: dist.all_gather_object(out, obj, group=mesh.groups["io"]))
-    return out
-
-
-def all_true(flag, mesh: Mesh) -> bool:
-    """True on every rank iff flag (a bool or a one-element tensor) is true on every rank (e.g. 'my
-    checkpoint files are written', 'my reference cache is there'). Off the training step: it waits."""
-    t = torch.as_tensor(flag, device=mesh.device).float().reshape(1)
-    for dim in ("tp", "cp", "pp", "dp"):
-        all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 # ====================================================================================================
@@ -688,6 +422,9 @@ def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     shard = weight.new_zeros(rows, weight.shape[1])
     shard[:max(0, min(V - first, rows))] = weight.detach()[first:first + rows]
     return shard
+
+
+IGNORE_INDEX = -100  # the targets a loss skips (F.cross_entropy's default)
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str):
@@ -2048,6 +1785,273 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
         dp_bytes = ring(dp) * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
     return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
             "dp": dp_bytes if dp > 1 else 0.0}
+
+
+# ====================================================================================================
+# 10. The plumbing: checking a layout, joining the job, how long collectives wait, failures turned into one
+#     readable error, and helpers for work one rank does for all (off the training step)
+
+
+# newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); 2.5 has the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; raised identically on every rank before any communication."""
+
+
+def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
+                 seq_len: int, sp: bool = False, cp: int = 1, virtual: int = 1):
+    """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
+    reaches the same verdict without talking to the others."""
+    errors = []
+    if tp < 1 or pp < 1 or cp < 1:
+        errors.append(f"--tp {tp}, --cp {cp} and --pp {pp} must be at least 1")
+    elif world % (tp * cp * pp):
+        errors.append(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}")
+    if cp > 1 and seq_len % (2 * cp):
+        errors.append(f"context parallelism needs --seq-len {seq_len} divisible by 2*cp = {2 * cp} (each "
+                      "rank holds two of 2*cp equal chunks)")
+    if tp >= 1 and args.n_heads % tp:
+        errors.append(f"n_heads {args.n_heads} is not divisible by tp {tp}")
+    if tp >= 1 and args.n_kv_heads % tp:
+        errors.append(f"n_kv_heads {args.n_kv_heads} is not divisible by tp {tp}")
+    if pp > args.n_layers:
+        errors.append(f"pp {pp} stages need at least {pp} layers, the model has {args.n_layers}")
+    if pp > 1 and args.tie_embeddings:
+        errors.append("tied embeddings across pipeline stages are not supported (the embedding lives on the "
+                      "first stage, the head on the last); use pp 1 or an untied model")
+    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
+        errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages "
+                      f"(pp {pp})")
+    if (schedule == "interleaved") != (virtual > 1):
+        errors.append(f"--schedule {schedule} with --virtual-stages {virtual}: the interleaved schedule, and "
+                      "only it, needs 2 or more model chunks per rank")
+    elif virtual > 1 and pp > 1 and micro_batches % pp:
+        errors.append(f"the interleaved schedule needs --grad-accum {micro_batches} divisible by pp {pp} "
+                      "(micro-batches go through each chunk in groups of pp)")
+    if virtual > 1 and pp * virtual > args.n_layers:
+        errors.append(f"pp {pp} x {virtual} virtual stages need at least {pp * virtual} layers, the model "
+                      f"has {args.n_layers}")
+    if sp and tp > 1 and cp >= 1 and (seq_len // cp) % tp:
+        errors.append(f"sequence parallelism needs each rank's --seq-len / cp = {seq_len}/{cp} tokens "
+                      f"divisible by tp {tp}")
+    if errors:
+        raise LayoutError("; ".join(errors))
+
+
+def launch_env() -> tuple[int, int]:
+    """(rank, world size) from the variables torchrun sets, checked: a wrong or missing one would otherwise
+    be a ValueError traceback, or a wait for peers that never come. Without WORLD_SIZE: one process.
+    Raises LayoutError, whose message says which variable is wrong and how to launch instead."""
+    def whole(name: str, default: int | None) -> int | None:
+        text = os.environ.get(name)
+        if text is None or not text.strip():
+            return default
+        if not text.strip().isdigit():
+            raise LayoutError(f"{name}={text[:40]!r} is not a whole number >= 0")
+        return int(text)
+    launch = "start the processes with torchrun (e.g. torchrun --standalone --nproc_per_node=N ...)"
+    world = whole("WORLD_SIZE", 1)
+    rank = whole("RANK", 0 if world == 1 else None)
+    if world < 1 or rank is None or rank >= world:
+        raise LayoutError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} do "
+                          f"not name a process of a job (0 <= RANK < WORLD_SIZE): {launch}")
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        whole(name, 0)
+    if world > 1:
+        addr, port = os.environ.get("MASTER_ADDR", "").strip(), whole("MASTER_PORT", None)
+        if not addr or port is None or not 0 < port < 65536:
+            raise LayoutError(f"WORLD_SIZE={world} needs MASTER_ADDR (a host) and MASTER_PORT (1-65535); "
+                              f"got {addr or 'none'!r} and {os.environ.get('MASTER_PORT')!r}: {launch}")
+        try:
+            socket.getaddrinfo(addr, port)
+        except (socket.gaierror, UnicodeError):
+            raise LayoutError(f"MASTER_ADDR={addr[:80]!r} is not a host this machine can find") from None
+    return rank, world
+
+
+def join_job(rank: int, world: int, device, timeout_s: float):
+    """The process group of the whole job, through the rendezvous at MASTER_ADDR:MASTER_PORT. A peer that
+    never comes (a wrong address or port, a rank not started) fails after timeout_s as one CommError."""
+    options = process_group_options(device, timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    try:
+        if restart is None:
+            dist.init_process_group(**options)
+        else:
+            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
+            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
+            agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
+            dist.init_process_group(store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
+                                    world_size=world, **options)
+    except (RuntimeError, ValueError, OSError) as e:  # (DistNetworkError and DistStoreError: RuntimeErrors)
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise CommError(f"could not join the job of {world} processes at {where} (--dist-timeout "
+                        f"{timeout_s:g} s): {' '.join(str(e).split())[:300]}") from None
+
+
+def process_group_options(device: torch.device | None, timeout_s: float) -> dict:
+    """NCCL on CUDA, bound to this process's GPU from the start (device_id): without it NCCL guesses the GPU
+    from the rank for its first collective, which is wrong wherever ranks and GPUs are not numbered alike.
+    gloo on CPU."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device is not None and device.type == "cuda":
+        return {"backend": "nccl", "device_id": device, "timeout": timeout}
+    return {"backend": "gloo", "timeout": timeout}
+
+
+def set_timeout(mesh: Mesh, seconds: float):
+    """How long every group's collectives but the io group's may wait from now on."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in [None] + [g for dim, g in mesh.groups.items() if dim != "io"]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+@contextmanager
+def patient(mesh: Mesh):
+    """Inside, every collective may wait as long as the io group's (--io-timeout), not --dist-timeout: for
+    the first step, which each rank compiles as it first runs it (--compile's graphs, the GPU's kernels).
+    A rank that compiles slower, or misses a cache its peers hit, keeps the others waiting at the first
+    collective for minutes, and that is not a stall."""
+    if mesh.world == 1 or mesh.patient:
+        yield
+        return
+    set_timeout(mesh, mesh.io_timeout_s)
+    mesh.patient = True
+    try:
+        yield
+    finally:
+        set_timeout(mesh, mesh.timeout_s)
+        mesh.patient = False
+
+
+def exit_with_agent(poll_s: float = 1.0):
+    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
+    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
+    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
+    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
+    the command lines (train.configure_process, evaluate.py, bench.py), as a process-wide setting."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
+                                                     for t in threading.enumerate()):
+        return  # not started by torchrun, or watched already
+    agent = os.getppid()
+
+    def watch():
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"error (rank {os.environ.get('RANK', '?')}): torchrun's agent (pid {agent}) is gone; "
+              "exiting", file=sys.stderr, flush=True)
+        os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
+
+    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
+
+
+class CommError(RuntimeError):
+    """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
+    group and its ranks, so the log says where the job stopped instead of only that it did. (With gloo the
+    failing call raises, and this names it. NCCL reports a timeout from its watchdog thread, which ends the
+    process with the op and the group's name, tp / pp / dp, given to new_group.)"""
+
+
+def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
+    """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
+    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised
+    as is."""
+    if isinstance(e, torch.OutOfMemoryError):
+        raise e
+    op, t = what
+    what = f"{op} of {tuple(t.shape)}" if t is not None else op
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop gloo's "[file.cc:78] "
+    cause = cause.split(". This is typically")[0][:300]
+    waited = time.monotonic() - t0
+    hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
+            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" or mesh.patient else mesh.timeout_s)
+            or "timed out" in cause.lower() else "a rank in this group died or failed; its own log says why")
+    limit = f"--dist-timeout {mesh.timeout_s:g} s"
+    if dim == "io" or mesh.patient:
+        limit = f"--io-timeout {mesh.io_timeout_s:g} s" + (", the first step's" if dim != "io" else "")
+    raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
+                    f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
+
+
+class _Work:
+    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops."""
+
+    def __init__(self, work, what: tuple, mesh: Mesh, dim: str, t0: float):
+        self.work, self.what, self.mesh, self.dim, self.t0 = work, what, mesh, dim, t0
+
+    def wait(self):
+        try:
+            return self.work.wait()
+        except RuntimeError as e:
+            _raise_comm_error(e, self.what, self.mesh, self.dim, self.t0)
+
+
+def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
+    t0 = time.monotonic()
+    try:
+        work = fn()
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+        _raise_comm_error(e, what, mesh, dim, t0)
+    return _Work(work, what, mesh, dim, t0) if async_op else None
+
+
+def on_rank0(fn, mesh: Mesh):
+    """fn() on global rank 0 alone; every rank returns its result, or raises the exception it raised. For
+    work one rank can do for all, such as verifying a checkpoint's checksums: done once, not world times.
+    The others wait on the "io" group."""
+    if mesh.world == 1:
+        return fn()
+    box = [None]
+    if mesh.rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # sent to the others, then raised here too
+            box[0] = ("error", e)
+    _launch(("broadcast_object", None), mesh, "io",
+            lambda: dist.broadcast_object_list(box, src=0, group=mesh.groups["io"]))
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def on_rank0_first(fn, mesh: Mesh):
+    """fn() on every rank in three waves: global rank 0, then the first process of every other node, then
+    the rest. For work that fills a cache folder (tokenized shards), which two processes must never fill
+    at once: a node that shares rank 0's cache finds it ready, one with its own fills it once. The waves
+    wait on the "io" group (a large corpus takes longer to tokenize than any collective should wait)."""
+    result = fn() if mesh.rank == 0 else None
+    barrier(mesh, long=True)
+    if mesh.rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        result = fn()
+    barrier(mesh, long=True)
+    return result if result is not None else fn()
+
+
+def all_gather_objects(obj, mesh: Mesh) -> list:
+    """Every rank's small picklable `obj`, in global rank order, on every rank (over the "io" group: some
+    ranks may arrive late, having written files the others did not)."""
+    if mesh.world == 1:
+        return [obj]
+    out = [None] * mesh.world
+    _launch(("all_gather_object", None), mesh, "io",
+            lambda: dist.all_gather_object(out, obj, group=mesh.groups["io"]))
+    return out
+
+
+def all_true(flag, mesh: Mesh) -> bool:
+    """True on every rank iff flag (a bool or a one-element tensor) is true on every rank (e.g. 'my
+    checkpoint files are written', 'my reference cache is there'). Off the training step: it waits."""
+    t = torch.as_tensor(flag, device=mesh.device).float().reshape(1)
+    for dim in ("tp", "cp", "pp", "dp"):
+        all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 if __name__ == "__main__":  # `python parallel.py consolidate ...`, where the command lived first: it runs

@@ -12,9 +12,10 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
   6 optimizer step    unless the SkipGuard rejects the step: clip by global norm, AdamW on fp32 masters
   7 checkpoint        Checkpointer: atomic write to a step directory, `latest` pointer last
 
-Read in this order: the recipe (what is trained: Pretraining, LMTask), train_step, the pieces around the
-steps that each decide their own "when" (Meter, evaluate, Checkpointer, StopFlag), then train(), which
-checks the configuration, sets the run up and loops. sft.py and dpo.py bring their own recipes.
+Read in this order: train_step and train(), which checks the configuration, sets the run up and loops;
+the recipe (what is trained: Pretraining, LMTask); the pieces around the steps that each decide their own
+"when" (Meter, evaluate, Checkpointer, StopFlag); setting up; then the flags, their checks and the
+measuring instruments. sft.py and dpo.py bring their own recipes.
 """
 
 from __future__ import annotations
@@ -65,6 +66,1062 @@ class ResourceError(ConfigError):
 class LaunchError(ConfigError):
     """This process was not started as part of a job (torchrun's variables wrong or missing): said by
     every rank that finds it, since its rank may not be known."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# One step
+
+
+@dataclass
+class Run:
+    """A training run's pieces: what train_step works on, and what train() returns to its callers."""
+    args: argparse.Namespace
+    mesh: P.Mesh
+    device: torch.device
+    precision: str
+    tok: object  # the tiktoken Encoding
+    margs: M.ModelArgs
+    model: M.Transformer
+    opt: O.AdamW
+    sync: P.GradSync
+    scaler: O.LossScaler | None  # fp16 only
+    task: LMTask
+    loader: data.Loader
+    make_val: Callable  # a fresh validation loader, from its start
+    timer: PhaseTimer
+    ramp: list | None = None  # --ramp's stages (switch_stage)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @property
+    def phases(self) -> list:
+        return self.timer.steps
+
+
+class StepResult(NamedTuple):
+    """A finished step, as the host knows it (see Tally)."""
+    loss: float  # the global batch's mean loss
+    lr: float
+    grad_norm: float  # global, before clipping
+    metrics: list  # the task's metric sums over the global batch
+    stop: bool  # some rank caught a stop signal, or failed to write its log (then `failed` too)
+    failed: bool
+
+
+def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepResult | None:
+    """One optimizer step, phases 1 to 6 (the loop does 7). None if the guard rejected it: weights,
+    optimizer state and loader position are then as they were."""
+    args, mesh, timer = run.args, run.mesh, run.timer
+    timer.start()
+    rewind = run.loader.state_dict()
+    batches = load_batches(run)  # 1. data loading: the whole step's, so the normalizer is known up front
+    timer.mark("1 data")
+    if mesh.pp > 1:  # 2-4. forward, loss, backward of every micro-batch, interleaved across stages
+        loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
+                               lambda *a: scaled_loss(run, *a),
+                               args.schedule, before_last_backward=run.sync.start, dtype=run.dtype,
+                               virtual=args.virtual_stages, head=not run.task.takes_hidden)
+        timer.mark("2-4 pipeline")
+    else:
+        loss = torch.zeros((), device=run.device)
+        for i, batch in enumerate(batches):
+            out = P.local_forward(run.model, batch[0], mesh, args.seq_len, P.doc_ids_of(batch),  # 2. forward
+                                  head=not run.task.takes_hidden)
+            timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's
+            micro_loss = scaled_loss(run, out, batch[1])  # 3. loss: its share of the global batch's mean
+            loss += micro_loss.detach()
+            timer.mark("3 loss")
+            if i == len(batches) - 1:  # the last micro-batch's gradients are reduced over dp as they come
+                run.sync.start()
+            micro_loss.backward()  # 4. backward: gradients accumulate in the optimizer's fp32 buffer
+            timer.mark("4 backward")
+    run.sync.finish()  # 5. gradient sync: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
+    if run.scaler:  # fp16: the loss and gradients back to their true size
+        loss /= run.scaler.scale
+        run.scaler.unscale(run.opt)
+    tally = Tally.of(run, loss, stop)  # the step's numbers over the whole job: one all-reduce, one sync
+    timer.mark("5 grad sync")
+    if not guard.accepts(run, tally, step):  # 6. optimizer step, unless the guard finds the step bad
+        run.opt.zero_grad()  # then nothing changes, and the same data comes again
+        run.loader.load_state_dict(rewind)
+        return None
+    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio, anneal_start(args, mesh.dp))
+    run.opt.step(lr, grad_scale=run.opt.clip_scale(args.grad_clip, tally.norm))  # clipped as it is read
+    run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
+    run.opt.zero_grad()
+    timer.end("6 optimizer")
+    return StepResult(tally.loss, lr, tally.grad_norm, tally.metrics, tally.stops + tally.failures > 0,
+                      tally.failures > 0)
+
+
+class Tally(NamedTuple):
+    """What every rank must agree on after the backward, and the numbers the log wants, gathered in ONE
+    all-reduce over the whole job and read by the host in ONE synchronization, the only one a step makes
+    (on a GPU the host otherwise runs ahead, queueing kernels). Summed over every rank: each rank's part
+    of the squared gradient norm; the loss and the task's metric sums, counted once per (pp, dp) place
+    (tp ranks hold equal values, stages before the last hold zeros); the ranks whose own copy of the
+    gradients is not finite; the ranks that caught a stop signal; the ranks that could not write their log
+    (StopFlag.fail)."""
+    norm: torch.Tensor  # () the global gradient norm on the device: the clip factor never leaves it
+    grad_norm: float
+    loss: float
+    metrics: list
+    bad_copies: int
+    stops: int
+    failures: int
+
+    @classmethod
+    def of(cls, run: Run, loss: torch.Tensor, stop: StopFlag) -> Tally:
+        mesh, device = run.mesh, run.device
+        once = float(mesh.tp_rank == 0)
+        # Under plain DP each rank applies all the reduced gradients, not only the pieces whose squares it
+        # summed for the norm: a rank whose copy went bad must stop every replica (they must never differ).
+        # ZeRO-1 ranks apply only their own pieces, and a single replica has no others.
+        copy = run.opt.grad_norm() if mesh.dp_cp > 1 and not run.args.zero else torch.zeros((), device=device)
+        flags = torch.stack([(~torch.isfinite(copy)).float(),
+                             torch.full((), float(stop.signal is not None), device=device),
+                             torch.full((), float(stop.failure is not None), device=device)])
+        v = torch.cat([P.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
+                       run.task.metrics() * once])
+        P.all_reduce(v, mesh, "world")
+        host = v.tolist()  # the step's one host-device synchronization
+        return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], host[5:], int(host[2]),
+                   int(host[3]), int(host[4]))
+
+
+def load_batches(run: Run) -> list:
+    """Phase 1: the step's --grad-accum micro-batches on the device, prepared by the task (DPO adds the
+    reference's log-probs), and the task's normalizer over the global batch."""
+    # From pinned (page-locked) host memory a copy to the GPU is asynchronous: the host goes on queueing
+    # kernels. From ordinary memory, non_blocking=True would still wait for each copy.
+    pinned = (lambda t: t.pin_memory()) if run.device.type == "cuda" else (lambda t: t)
+    batches = [tuple(pinned(t).to(run.device, non_blocking=True) for t in run.loader.next())
+               for _ in range(run.args.grad_accum)]
+    batches = [P.context_chunks(b, run.mesh) for b in run.task.prepare(batches)]  # cp: this rank's chunks
+    run.task.total = global_total(run.task, batches, run.mesh, run.device)
+    return batches
+
+
+def scaled_loss(run: Run, logits, targets) -> torch.Tensor:
+    """Phase 3: the task's loss, scaled up under fp16 so that small gradients survive."""
+    loss = run.task.loss(logits, targets)
+    return loss * run.scaler.scale if run.scaler else loss
+
+
+class SkipGuard:
+    """Phase 6's gate. A step whose gradients are not finite (an fp16 overflow included) or whose loss
+    spikes (--skip-spikes) is not applied; every rank reaches the same verdict (from the same tally).
+    --max-skips bad steps in a row stop the run."""
+
+    def __init__(self, args, meter: Meter):
+        self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
+        self.meter = meter
+        self.recent, self.skipped, self.in_a_row = [], 0, 0
+
+    def accepts(self, run: Run, tally: Tally, step: int) -> bool:
+        """Whether the step may be applied; if not, it is said and counted."""
+        bad = self.problem(run, tally)
+        if bad is None:
+            self.in_a_row = 0
+            return True
+        # An fp16 overflow is the loss scaler searching for its scale (normal while it settles down from
+        # 2^16): it counts toward --max-skips only once the scale is below 1, where gradients overflow alone.
+        searching = bad.startswith("fp16") and run.scaler.scale >= 1
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + (not searching)
+        say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
+        self.meter.write({"step": step + 1, "skipped": bad, "skipped_total": self.skipped})
+        if self.in_a_row >= self.max_skips:
+            raise TrainingError(f"stopped: {self.in_a_row} consecutive steps skipped, the last for {bad}; "
+                                f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
+        return False
+
+    def problem(self, run: Run, tally: Tally) -> str | None:
+        """What is wrong with this step, or None."""
+        finite = math.isfinite(tally.grad_norm) and not tally.bad_copies
+        if run.scaler is not None and not run.scaler.update(finite):
+            return f"fp16 gradient overflow, loss scale -> {run.scaler.scale:g}"
+        if not finite:
+            return (f"non-finite gradient norm ({tally.grad_norm})" if not math.isfinite(tally.grad_norm) else
+                    f"non-finite gradients in {tally.bad_copies} rank(s)' copy of the reduced gradients")
+        if self.spike_factor > 0:
+            mean = sum(self.recent) / len(self.recent) if len(self.recent) >= 10 else None
+            if mean is not None and tally.loss > self.spike_factor * mean:
+                return f"loss spike: {tally.loss:.4f} > {self.spike_factor} x recent mean {mean:.4f}"
+            self.recent = (self.recent + [tally.loss])[-50:]
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(args, recipe: Pretraining | None = None, time_phases: str | None = None) -> Run:
+    """The one training loop; pretraining (main below), sft.py and dpo.py differ only in their recipe.
+    time_phases: bench.py's PhaseTimer mode. Every bad input is refused by check_config, before the
+    processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
+    recipe = recipe or Pretraining(args)
+    spec = check_config(args, recipe)
+    mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
+    lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
+    try:
+        run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
+        stop = StopFlag()
+        meter = Meter(run, stop)
+        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe)
+        announce(run, meter, recipe.name(), data_desc)
+        run.model.train()
+        first = step
+        while step < args.max_steps:
+            if run.ramp and step and stage_at(run.ramp, step).start == step:
+                switch_stage(run, recipe, run.ramp, step)
+                meter.restage()
+            with P.patient(mesh) if step == first else nullcontext():  # it compiles
+                result = train_step(run, guard, stop, step)  # phases 1-6
+            if result is None:  # skipped by the guard
+                continue
+            step += 1
+            meter.step(step, result)
+            if validation_due(step, args):
+                with meter.paused():
+                    meter.validation(step, *validation(run))
+            if checkpointer.due(step):
+                with meter.paused():
+                    checkpointer.save(step)  # 7. checkpoint
+            if result.stop:  # preemption or a failed write, on any rank: this step is finished; save, leave
+                checkpointer.save(step)
+                stopped(stop, step, result.failed)
+                break
+        run.sync.wait_params()  # the model's weights are current for whoever uses them next
+        if mixture_seen(run):
+            say(mixture_seen(run))
+    finally:
+        if meter:
+            meter.close()
+        if stop:
+            stop.release()
+        lock.release()
+    return run
+
+
+def stopped(stop: StopFlag, step: int, failed: bool):
+    """After an early stop's checkpoint: say why (a signal), or end the run with the failure's line."""
+    saved = f"checkpoint step_{step:06d} written, --resume continues from it"
+    if failed:
+        raise TrainingError(f"stopped after step {step}: {stop.failure or 'another rank could not write'}; "
+                            f"{saved}")
+    say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; {saved}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The recipe: what a run trains. The loop asks it six things, in this order: the tokenizer and the
+# model's shape (before any process talks, so a wrong one fails fast), the initial weights and the data
+# (once the processes can talk), what it trains beside the model (extend), and the task, the loss of a
+# micro-batch (once the model is built; it is handed the model: rl.py's task generates with it). sft.py,
+# dpo.py, reward.py and rl.py subclass it.
+
+
+class Pretraining:
+    """Pretraining: the preset (or --dim ...) from a seeded random initialization, token shards, and
+    next-token prediction (LMTask)."""
+
+    kind = "pretraining"  # which recipe wrote a checkpoint (meta.json): --resume continues the same one
+    chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
+    rows_per_example = 1  # model input rows per example of the loader (check_memory; DPO: a pair's two)
+    frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
+    head_in_loss = True  # LMTask applies the head in its loss, --loss-chunk tokens at a time (check_memory)
+
+    def __init__(self, args):
+        self.args = args
+
+    def name(self) -> str:
+        return self.args.model
+
+    def tokenizer(self):
+        self.tok = data.get_tokenizer(self.args.tokenizer)
+        return self.tok
+
+    def model_args(self, tok) -> M.ModelArgs:
+        return model_args_from(self.args, tok.n_vocab)
+
+    def weights(self, mesh) -> dict | None:
+        """The full initial state dict (each rank reads only what it keeps), or None: from --seed."""
+        return None
+
+    def data(self, tok, mesh):
+        """(train loader, make_val_loader, description). Token shards are prepared (and cached) by one
+        process per cache folder, never by two at once (parallel.on_rank0_first)."""
+        args = self.args
+        mixture = data.parse_mixture(args.data)
+        final = data.parse_mixture(args.anneal_data) if args.anneal_data else None
+        if len(mixture) > 1 or final:
+            return self.mixture(tok, mesh, mixture, final)
+        prepare = lambda: data.resolve_data(mixture[0][0], args.tokenizer, mirror=args.mirror)
+        data_dir = P.on_rank0_first(prepare, mesh)
+        make = lambda split, seed: data.Loader(data_dir, split, args.micro_batch, args.seq_len, seed=seed,
+                                               dp_rank=mesh.dp_rank, dp_size=mesh.dp, tokenizer=tok)
+        train = make("train", args.seed)
+        make("val", 0)  # fail now, not at the first evaluation
+        return train, lambda source=None: make("val", 0), f"{data_dir}: {train.num_tokens:,} train tokens"
+
+    def mixture(self, tok, mesh, mixture, final):
+        """The loaders of a mixture (and of the one annealing switches to): every source prepared with the
+        run's tokenizer; validation on the mixture, or (source=name) on one source's own split."""
+        args = self.args
+        names = list(dict.fromkeys(name for name, _ in mixture + (final or [])))
+        prepare = lambda name: data.resolve_data(name, args.tokenizer, mirror=args.mirror)
+        folders = [P.on_rank0_first(lambda name=name: prepare(name), mesh) for name in names]
+        weights = lambda mix: [dict(mix).get(name, 0.0) for name in names]
+        start = anneal_start(args, mesh.dp)
+        anneal = (start * args.micro_batch * args.grad_accum * mesh.dp, weights(final)) if final else None
+        make = lambda split, seed, anneal=None: data.MixtureLoader(
+            list(zip(names, folders)), weights(mixture), split, args.micro_batch, args.seq_len, mesh.dp_rank,
+            mesh.dp, seed, tok, anneal)
+        train, folder = make("train", args.seed, anneal), dict(zip(names, folders))
+        make_val = lambda source=None: make("val", 0) if source is None else data.Loader(
+            folder[source], "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp,
+            tokenizer=tok)
+        for name in names:
+            make_val(name)  # fail now, not at the first evaluation
+        shares = ", ".join(f"{name} {w:.0%}" for name, w in mixture)
+        return train, make_val, f"a mixture of {shares}: {train.num_tokens:,} train tokens"
+
+    def extend(self, model, device, dtype):
+        """Modules trained beside the model's own, added to it before the optimizer takes its parameters
+        (rl.py's PPO: a value head). Pretraining adds none."""
+
+    def task(self, margs, mesh, device, dtype, model):
+        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(self.args) else None, model.output,
+                      loss_chunk(self.args))
+
+
+def loss_chunk(args) -> int:
+    """--loss-chunk as the next-token loss uses it (parallel.loss_chunk_used)."""
+    return P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
+
+
+def doc_mask_on(args) -> bool:
+    """--doc-mask, or by default: on for the llama presets (Llama 3 masked across documents: section 3.4.1
+    of Dubey et al. 2024), off for the small ones, whose default data is one document (TinyShakespeare)."""
+    return args.doc_mask if args.doc_mask is not None else args.model.startswith("llama")
+
+
+def document_ids(inputs: torch.Tensor, bos: int) -> torch.Tensor:
+    """(B, T) token ids -> (B, T) document ids: each <|begin_of_text|> starts the next document (the tokens
+    before a row's first one end a document that began in an earlier row)."""
+    return (inputs == bos).cumsum(dim=-1)
+
+
+class LMTask:
+    """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
+    whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
+    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing. With `bos` (--doc-mask),
+    prepare() gives each (inputs, targets) micro-batch its document ids, and the model attends within
+    documents only (SFT's packed batches bring their own). With `chunk` (--loss-chunk) the loss is given
+    the final norm's output (takes_hidden) and applies the head itself, chunk tokens at a time
+    (parallel.head_loss_sum): a 128K vocabulary's logits for a whole micro-batch never exist. The loop
+    knows only these four methods and takes_hidden."""
+
+    metric_names: tuple = ()
+    rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
+    # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
+    reference_forwards = 0
+
+    def __init__(self, margs: M.ModelArgs, mesh, bos: int | None = None, head=None, chunk: int = 0):
+        self.vocab_size, self.mesh, self.bos = margs.vocab_size, mesh, bos
+        self.head, self.chunk, self.takes_hidden = head, chunk, chunk > 0  # (head: None off the last stage)
+        self.total = None  # the global normalizer, set by load_batches before each step
+
+    def prepare(self, batches):
+        if self.bos is None:
+            return batches
+        return [(*b, document_ids(b[0], self.bos)) if len(b) == 2 else b for b in batches]
+
+    def count(self, batch) -> torch.Tensor:
+        return (batch[1] != IGNORE_INDEX).sum()
+
+    def loss(self, out, targets) -> torch.Tensor:
+        """out: the logits, or with takes_hidden the final norm's output."""
+        if self.takes_hidden:
+            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / self.total
+        return P.loss_sum(out, targets, self.vocab_size, self.mesh) / self.total
+
+    def metrics(self) -> torch.Tensor:
+        return torch.zeros(0, device=self.mesh.device)
+
+
+def global_total(task, batches, mesh, device) -> torch.Tensor:
+    """The task's normalizer over the global batch: every rank counts its own targets (under cp, those of
+    its chunks), summed over dp x cp."""
+    total = sum(task.count(b) for b in batches).float().to(device)
+    P.all_reduce(total, mesh, mesh.grad_dim)
+    return total
+
+
+def sum_over_replicas(tensors: list[torch.Tensor], mesh):
+    """Sum in place over pp (a loss lives on the last stage) and dp x cp (each replica saw its own batches,
+    each cp rank its own chunks of them)."""
+    for dim in ("pp", mesh.grad_dim):
+        for t in tensors:
+            P.all_reduce(t, mesh, dim)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Around the steps: logging, validation, checkpoints, preemption. Each decides its own "when".
+
+
+class Meter:
+    """The console and <out-dir>/metrics.jsonl, written by rank 0. Every --log-every steps and at the last
+    it logs the mean loss (and the task's metrics) since the previous line, the last gradient norm,
+    tokens/s and MFU, peak memory and the bytes sent per step. Its clock stops while paused: validation
+    and checkpoints are not training time, and their bytes are not a step's."""
+
+    def __init__(self, run: Run, stop: StopFlag):
+        self.run, self.args, self.mesh, self.stop = run, run.args, run.mesh, stop
+        self.path, self.file = Path(run.args.out_dir) / "metrics.jsonl", None
+        if run.mesh.rank == 0:
+            try:  # unbuffered: each record is written, and made durable, as it is logged
+                self.file = open(self.path, "ab", buffering=0)
+            except OSError as e:
+                raise C.CheckpointError(f"cannot write {self.path}: {C.write_error(e)}") from None
+        self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
+        self.restage()
+        self.peak, self.peak_source = peak_flops(run.device, run.precision)
+        self.began, self.paused_s, self.paused_at = time.perf_counter(), 0.0, None
+        self.restart()
+
+    def restage(self):
+        """Tokens per step and model FLOPs per token, for the run's settings (a --ramp stage changes them)."""
+        self.tokens_per_step = step_tokens(self.run.args, self.run.task, self.run.mesh)
+        self.flops_per_token = model_flops_per_token(self.run.margs, self.run.args.seq_len, self.run.task)
+
+    def restart(self):
+        """A new window: the steps, tokens, loss and metric sums, time and bytes since the last line."""
+        self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
+        self.tokens, self.loss, self.metrics = 0, 0.0, [0.0] * len(self.run.task.metric_names)
+
+    def tokens_at(self, step: int) -> int:
+        """Tokens trained on in the run's first `step` steps."""
+        return tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
+
+    def clock(self) -> float:
+        """Seconds spent training so far: wall time less the pauses."""
+        return (self.paused_at or time.perf_counter()) - self.began - self.paused_s
+
+    @contextmanager
+    def paused(self):
+        self.paused_at, comm = time.perf_counter(), dict(self.mesh.comm_bytes)
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - self.paused_at
+            self.paused_at = None
+            self.comm_at = {k: v + self.mesh.comm_bytes[k] - comm[k] for k, v in self.comm_at.items()}
+
+    def write(self, record: dict):
+        if self.file:
+            self.append((json.dumps(record) + "\n").encode())
+        if self.trackers:
+            self.trackers.log(record)
+
+    def append(self, line: bytes):
+        """One record onto metrics.jsonl, fsynced: a full disk or a lost mount is found at this record, not
+        at the end of the run (some file systems report it only when the data is flushed). Then the
+        partial record is cut off, the log closed, and the run stops at the next step with a checkpoint
+        (StopFlag.fail), as for any write that fails."""
+        at = os.fstat(self.file.fileno()).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[self.file.write(view):]
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            # the log keeps whole records only; closing may report the same failure again
+            for cleanup in (lambda: os.ftruncate(self.file.fileno(), at), self.file.close):
+                try:
+                    cleanup()
+                except OSError:
+                    pass
+            self.file = None
+            self.stop.fail(f"cannot write {self.path} ({C.write_error(e)}); its records from here on are lost")
+
+    def named(self, values: list, prefix="") -> dict:
+        return {prefix + k: v for k, v in zip(self.run.task.metric_names, values)}
+
+    def step(self, step: int, result: StepResult):
+        """Add a finished step; log when due."""
+        self.steps += 1
+        self.tokens += self.tokens_per_step
+        self.loss += result.loss
+        self.metrics = [a + b for a, b in zip(self.metrics, result.metrics)]
+        if step % self.args.log_every == 0 or step == self.args.max_steps:
+            self.log(step, result)
+            self.restart()
+
+    def log(self, step: int, result: StepResult):
+        # Host numbers only (the steps' tallies): logging costs no synchronization. The clock is read at
+        # the same point of every step (after its tally), so a window's time is its steps' time.
+        n, now, mesh = self.steps, self.clock(), self.mesh
+        tps = self.tokens / (now - self.window_start)
+        comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
+        metrics = self.named([m / n for m in self.metrics])
+        rec = {"step": step, "tokens": self.tokens_at(step), "loss": self.loss / n,
+               "lr": result.lr, "grad_norm": result.grad_norm,
+               "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
+               "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
+               **metrics, **tokens_by_source(self.run)}
+        comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
+            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
+        extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
+        say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f}"
+            f" | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB"
+            f"{comm_txt}{extra_txt}")
+        self.write(rec)
+
+    def validation(self, step: int, loss: float, metrics: list, by_source: dict):
+        """Log a validation (called while paused: the pause so far is its time); by_source: a mixture's
+        loss on each source's own validation split."""
+        extra = {**self.named(metrics, "val_"), **{f"val_loss/{k}": v for k, v in by_source.items()}}
+        say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
+            + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
+        self.write({"step": step, "tokens": self.tokens_at(step), "val_loss": loss, **extra,
+                    "time_s": self.clock()})
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        if self.trackers:
+            self.trackers.close()
+
+
+class Trackers:
+    """--wandb PROJECT and --tensorboard DIR: metrics.jsonl's records, sent on by rank 0 as they are
+    written, nested values flattened (comm_bytes_per_step/dp). Each package is imported only when its flag
+    asks for it; check() refuses a flag whose package is missing, before the run starts."""
+
+    PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> what `pip install` needs
+
+    @classmethod
+    def check(cls, args):
+        for flag, package in cls.PACKAGES.items():
+            if getattr(args, flag) and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"--{flag} needs the {package} package: pip install {package}")
+
+    def __init__(self, args):
+        self.wandb = self.tensorboard = None
+        if args.wandb:
+            import wandb
+            self.wandb = wandb.init(project=args.wandb, config=vars(args), dir=args.out_dir)
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(args.tensorboard)
+
+    def log(self, record: dict):
+        flat = {f"{k}/{sub}" if isinstance(v, dict) else k: x for k, v in record.items() if k != "step"
+                for sub, x in (v.items() if isinstance(v, dict) else [(None, v)])}
+        if self.wandb:
+            self.wandb.log(flat, step=record["step"])
+        if self.tensorboard:  # scalars only (a skipped step's reason is text)
+            for name, value in flat.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(name, value, record["step"])
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+        if self.tensorboard:
+            self.tensorboard.close()
+
+
+def anneal_start(args, dp: int) -> int | None:
+    """The step where --anneal-tokens' annealing starts (None without it): the run's last steps that hold
+    that many tokens, rounded up to whole steps."""
+    if not args.anneal_tokens:
+        return None
+    return args.max_steps - math.ceil(args.anneal_tokens / (args.micro_batch * args.grad_accum * dp *
+                                                             args.seq_len))
+
+
+def step_tokens(args, task, mesh) -> int:
+    """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
+    return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
+
+
+def model_flops_per_token(margs, seq_len: int, task) -> float:
+    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
+    that for each forward of a frozen reference model the task runs alongside (DPO without a cache)."""
+    return M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
+
+
+def tokens_by_source(run: Run) -> dict[str, int]:
+    """A mixture's tokens seen so far from each source, over every rank ({} for a single source)."""
+    if not isinstance(run.loader, data.MixtureLoader):
+        return {}
+    return {f"tokens/{name}": n for name, n in run.loader.tokens_seen().items()}
+
+
+def mixture_seen(run: Run) -> str | None:
+    """A mixture's realized shares of the tokens seen so far, as one line."""
+    seen = tokens_by_source(run)
+    total = sum(seen.values())
+    return "data seen: " + ", ".join(f"{k.split('/', 1)[1]} {n / total:.1%} ({n:,} tokens)"
+                                     for k, n in seen.items()) if total else None
+
+
+def validation(run: Run) -> tuple[float, list, dict]:
+    """The validation loss and metrics, and for a mixture each source's loss on its own split."""
+    loss, metrics = evaluate(run)
+    names = run.loader.names if isinstance(run.loader, data.MixtureLoader) else []
+    return loss, metrics, {name: evaluate(run, name)[0] for name in names}
+
+
+def validation_due(step: int, args) -> bool:
+    """Every --eval-every steps and at the last (0: only at the last, -1: never)."""
+    every = args.eval_every
+    return every >= 0 and ((every and step % every == 0) or step == args.max_steps)
+
+
+@torch.no_grad()
+def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
+    """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
+    successive values are comparable; at most one pass over the split), split over dp ranks and run
+    through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
+    targets (the normalizer, as in training), once for the losses; memory never holds more than that."""
+    args, mesh, task, device = run.args, run.mesh, run.task, run.device
+    run.model.eval()
+    counting, scoring = (run.make_val() if source is None else run.make_val(source) for _ in range(2))
+    one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
+    n = max(1, min(args.eval_batches // mesh.dp, one_pass))
+    task.total = global_total(task, (P.context_chunks(counting.next(), mesh) for _ in range(n)), mesh, device)
+    task.metrics()  # start the metric sums afresh
+    loss = torch.zeros((), device=device)
+    for size in [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]:
+        batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
+        batches = [P.context_chunks(b, mesh) for b in batches]
+        for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, task.loss,
+                                             run.dtype, args.virtual_stages, head=not task.takes_hidden):
+            loss = loss + chunk_loss
+    metrics = task.metrics().to(device)
+    sum_over_replicas([loss, metrics], mesh)
+    run.model.train()
+    loss, *metrics = torch.cat([loss.view(1), metrics]).tolist()
+    return loss, metrics
+
+
+class Checkpointer:
+    """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
+    checkpoint holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
+    layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
+    the flags, the model's shape, its tokenizer, whether it was trained on chats (chat: an export then
+    stops generating at <|eot_id|>), the recipe that wrote it and its data's fingerprint (--resume refuses
+    another recipe or other data). checkpoint.py keeps the folder: atomic save, manifest, rotation."""
+
+    def __init__(self, run: Run, start_step: int, recipe: Pretraining):
+        self.run, self.saved_at, self.recipe = run, start_step, recipe
+        self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
+        out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
+        self.last_good = out / C.step_name(start_step) if start_step else None
+
+    def due(self, step: int) -> bool:
+        every = self.run.args.ckpt_every
+        return every > 0 and (step % every == 0 or step == self.run.args.max_steps)
+
+    def save(self, step: int):
+        run = self.run
+        if step == self.saved_at:
+            return
+        run.timer.start()  # timed as an entry of its own, apart from the training step
+        extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
+        meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
+                "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
+                "recipe": self.recipe.kind, "data": self.data,
+                "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
+        write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
+        out = Path(run.args.out_dir)
+        C.save(out, step, run.mesh, write, meta, run.args.keep_ckpts, self.last_good)
+        run.timer.mark("7 checkpoint")
+        self.saved_at, self.last_good = step, out / C.step_name(step)
+
+
+def rng_state(device) -> dict:
+    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
+    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict, device):
+    torch.set_rng_state(rng["torch"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in rng["python"]))
+    state = rng.get("cuda") if device.type == "cuda" else None
+    if isinstance(state, (list, tuple)):  # an older checkpoint's list of every visible GPU's state
+        state = state[device.index or 0] if (device.index or 0) < len(state) else None
+    if state is not None:
+        torch.cuda.set_rng_state(state, device)
+
+
+class StopFlag:
+    """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raises a
+    flag; the loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough: the
+    flag goes into the step's Tally), a checkpoint is written, and the process exits normally. A second
+    signal to the same process, 2 s or more after the first, means "now": KeyboardInterrupt wherever the
+    process is (the last complete checkpoint stays the good one). Sooner, it is the same event delivered
+    twice (the scheduler signals every process and torchrun forwards its own copy; a terminal's Ctrl-C
+    reaches torchrun and the workers alike). fail(why): the same stop for a write that failed (the
+    log's), except that the run then ends with that line and exit code 1 (stopped())."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal, self.at, self.previous, self.failure = None, None, {}, None
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.previous = {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
+
+    def handler(self, signum, frame):
+        if self.at is not None and time.monotonic() - self.at >= 2.0:
+            raise KeyboardInterrupt
+        if self.at is None:
+            self.signal, self.at = signal.Signals(signum).name, time.monotonic()
+
+    def fail(self, why: str):
+        self.failure = self.failure or why
+
+    def release(self):
+        """Give the signals back to whoever had them before the run."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Setting up: the model, the optimizer, the resume point
+
+
+def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False):
+    """The model on the meta device (shapes, no storage), sharded (tp), cut (pp) and cast there; then this
+    rank's pieces get storage and values, from the seed or from `state` (a full state dict). Every layout
+    starts from bit-identical weights, and a rank holds only its own. lazy (ZeRO-3 over dp x cp > 1): no
+    values here and no storage kept (parallel.materialize_empty); the optimizer writes each rank's pieces
+    of them straight into its shard (AdamW(initial=initial_values(...)))."""
+    with torch.device("meta"):
+        model = M.Transformer(margs)
+    P.apply_tensor_parallel(model, mesh)
+    P.apply_context_parallel(model, mesh)
+    P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers), args.virtual_stages)
+    model.to(dtype)  # still on the meta device: each piece is cast as it is written, no fp32 model exists
+    if state is not None:
+        missing = sorted({n for n, _ in model.named_parameters()} - set(state))
+        if missing:
+            raise ValueError("the initial state has no "
+                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    if lazy:
+        P.materialize_empty(model, device)
+    else:
+        P.materialize(model, mesh, device, full_values(margs, state, args.seed))
+    model.act_ckpt = args.act_ckpt
+    M.set_attn_backend(model, args.attn_backend)
+    return model
+
+
+def full_values(margs, state, seed: int):
+    """full_value(name, full shape) -> the whole initial tensor of one parameter: drawn from the seed on
+    the CPU (one seed gives one model on any device), or read from `state`."""
+    if state is None:
+        return lambda name, shape: M.init_tensor(margs, name, shape, seed)
+    return lambda name, shape: read_initial(state, name)
+
+
+def initial_values(model, margs, state, args, mesh):
+    """For a lazily built model (build_model(lazy=True)): initial(name, shape) -> this rank's piece."""
+    full_value = full_values(margs, state, args.seed)
+    return lambda name, shape: P.local_value(model, mesh, full_value, name, shape)
+
+
+def read_initial(state, name: str) -> torch.Tensor:
+    """One initial weight from a (lazy) state dict: a truncated or unreadable file is read only now."""
+    try:
+        return state[name]
+    except Exception as e:
+        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: "
+                          f"{data.one_line(e)}") from None
+
+
+def compile_blocks(model, backend="inductor"):
+    """--compile: torch.compile each transformer block (as torchtitan does) rather than the whole model. A
+    pipeline stage runs its blocks itself (parallel.local_forward), never the top-level forward, so only
+    this reaches them under --pp; and every block has the same code, so it is compiled once."""
+    model.compiled_blocks = {key: torch.compile(layer, backend=backend)
+                             for key, layer in model.layers.items()}
+
+
+def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
+    """The run's pieces, in the order they may fail: the checkpoint to resume (the ranks verify it), the
+    initial weights, the data, the model, its optimizer and gradient sync, the task; then the resumed
+    state. The earlier run's files (--overwrite) go only after all of that worked.
+    Returns (the run, the step it starts from, the data's description)."""
+    out_dir = Path(args.out_dir)
+    resume, meta = resume_point(out_dir, args, spec.margs, mesh)  # every rank checks its share of the files
+    initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
+    if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
+        enter_stage(args, stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
+    loader, make_val, data_desc = recipe.data(spec.tok, mesh)
+    per_step = loader.batch_size * args.grad_accum * mesh.dp
+    if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
+        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len "
+                             f"{args.seq_len}, fewer than one global batch of {per_step:,} "
+                             f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
+                             f"dp {mesh.dp}); use more data or a smaller batch")
+    dtype, lazy = DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
+    try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
+        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy)
+        recipe.extend(model, spec.device, dtype)
+        opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                      weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
+                      allocate_state=False,  # GradSync shards
+                      full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
+                      unit_of=P.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
+                      initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
+        sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
+        sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)  # (lazy: values now)
+    except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
+        raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
+    scaler = O.LossScaler() if spec.precision == "fp16" else None
+    task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
+    run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
+              loader, make_val, PhaseTimer(spec.device, time_phases), spec.ramp)
+    start_step = restore(run, resume, meta, recipe) if resume else 0
+    if args.compile:
+        compile_blocks(model)
+    sync.prefetch_into(model)  # ZeRO-1: the next forward waits for each bucket's all-gather only when due
+    if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
+        gone = C.clear_run(out_dir)
+        if gone:
+            say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
+    P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
+    return run, start_step, data_desc
+
+
+def lock_out_dir(out_dir: Path, mesh) -> C.RunLock:
+    """Global rank 0 takes the out-dir's lock; every rank stops if it could not (rank 0 says why)."""
+    lock, error = C.RunLock(out_dir), None
+    if mesh.rank == 0:
+        try:
+            lock.acquire(say)
+        except C.CheckpointError as e:
+            error = e
+    if mesh.world > 1 and not P.all_true(error is None, mesh):
+        error = error or C.CheckpointError(f"{out_dir} could not be locked")
+    if error is not None:
+        raise error
+    return lock
+
+
+def resume_point(out_dir: Path, args, margs, mesh) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run continues from and its meta.json (None, None: a fresh start), on every
+    rank: the checkpoints' shards are checked against their manifests by all the ranks at once, each a
+    share of the files (checkpoint.shared_check). A fresh run never mixes into an earlier one's folder:
+    that takes --resume (continue it) or --overwrite (remove it first)."""
+    verify = args.resume  # (without --resume only whether something is there matters: no checksums)
+    ckpt, skipped = C.find_latest(out_dir, verify, C.shared_check(mesh)) if out_dir.is_dir() else (None, [])
+    earlier = C.earlier_run(out_dir)
+    if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
+        what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
+        raise ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue it, "
+                          f"--overwrite to start afresh, or another --out-dir")
+    if not args.resume:
+        return None, None
+    for name, why in skipped:
+        say(f"checkpoint {name} is {why}; falling back to an older one")
+    if ckpt is None and skipped:
+        raise ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
+                          f"nothing was overwritten")
+    if ckpt is None and not skipped:
+        say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+    if ckpt is not None:
+        C.say_unlisted(ckpt, say)
+    return ckpt, (read_meta(ckpt, margs) if ckpt else None)
+
+
+def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
+    meta = C.read_meta(ckpt)
+    try:
+        saved = M.ModelArgs.from_dict(meta["model_args"])
+    except ValueError as e:
+        raise ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: {data.one_line(e)}")
+    if saved != margs:
+        diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
+        raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
+    return meta
+
+
+def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
+    """Load a checkpoint (written under any layout) into the run; returns its step."""
+    check_continues(ckpt, meta, recipe, run)
+    try:
+        extra = C.load_shards(ckpt, run.model, run.opt, run.mesh)
+    except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
+        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
+    if run.scaler and extra.get("scaler"):
+        run.scaler.load_state_dict(extra["scaler"])
+    restore_rng(extra["rng"], run.device)
+    old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
+    say(f"resumed from {ckpt} at step {meta['step']} "
+        f"(written at tp {old['tp']}, cp {old.get('cp', 1)}, pp {old['pp']}, dp {old['dp']})")
+    return meta["step"]
+
+
+SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py", "reward": "reward.py", "rl": "rl.py"}
+
+
+def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
+    """--resume continues the run in --out-dir: the same recipe on the same data. Another script's
+    checkpoint (an SFT run's, resumed by dpo.py, would go on with SFT's optimizer state and step count) or
+    other data (its loader position means nothing there) is refused; --init starts from a checkpoint
+    instead. Checkpoints from before these were recorded: the recipe from its flags, the data unchecked.
+    The loader takes its position here, after checking that its own settings are the checkpoint's."""
+    args = meta["args"]
+    kind = meta.get("recipe") or ("dpo" if "beta" in args else "sft" if "init" in args else "pretraining")
+    if kind != recipe.kind:
+        script = SCRIPTS.get(kind, kind)
+        raise ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
+                          f"--resume would continue it as {recipe.kind}: resume it with {script}, or start "
+                          f"from it with --init and another --out-dir")
+    run.loader.load_state_dict(meta["loader"])  # the loader's settings (seq_len, seed, mixture) first
+    if "data" in meta and meta["data"] != run.loader.fingerprint():
+        start = " (--init from it)" if kind != "pretraining" else ""
+        raise ConfigError(f"checkpoint {ckpt} was trained on other data (--data {args.get('data')!r} then, "
+                          f"{run.args.data!r} now, whose contents differ); --resume needs the same data: "
+                          f"start a new run in another --out-dir{start}")
+
+
+def announce(run: Run, meter: Meter, name: str, data_desc: str):
+    """The run's banner: the model, the layout, the data and what MFU is measured against."""
+    margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
+    say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} "
+        f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
+        f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+    say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
+        + (f", {args.schedule} schedule" if mesh.pp > 1 else "")
+        + (f" over {args.virtual_stages} model chunks per rank" if mesh.pp > 1 and args.virtual_stages > 1
+           else "") + (", sequence parallel" if mesh.sp else "")
+        + (f", ZeRO-{args.zero}" if args.zero and mesh.dp_cp > 1 else ""))
+    rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
+    say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step "
+        f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
+    say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
+        + (" plus the reference's forward" if task.reference_forwards else "")
+        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {rate(meter.peak)} "
+        f"per device ({meter.peak_source})")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began with
+# 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to 16M after
+# 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); the step's loss is normalized over
+# its own targets as always; the learning rate follows steps, as the paper gives its schedule (8,000
+# warmup steps, cosine over 1.2M steps), and a stage's steps are fixed by the ramp, so the schedule is
+# known from the start. At a stage's first step the loaders are made anew for its length, the training
+# one as far into its epochs as the run has read (switch_stage).
+
+
+class Stage(NamedTuple):
+    tokens: int  # the ramp's threshold: the stage begins at the first step after this many tokens
+    seq_len: int
+    sequences: int  # per optimizer step, over every dp rank
+    start: int  # its first step
+    seen: int  # tokens trained on (over the whole job) before that step
+
+
+def parse_count(text: str) -> int:
+    """"252M" -> 252,000,000 (K, M, B, T: thousands to trillions)."""
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}.get(text[-1:].upper(), 1)
+    number = float(text[:-1] if scale > 1 else text)
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(text)
+    return round(number * scale)
+
+
+def parse_ramp(text: str) -> list[Stage]:
+    """--ramp -> its stages with their first steps; one line for a malformed or out-of-order one."""
+    stages, step, seen = [], 0, 0
+    for part in text.split(","):
+        try:
+            tokens, shape = part.split(":")
+            seq_len, sequences = (int(v) for v in shape.lower().split("x"))
+            tokens = parse_count(tokens)
+        except ValueError:
+            raise ConfigError(f"--ramp stage {part!r}: expected TOKENS:SEQ_LENxSEQUENCES, e.g. 252M:8192x1024"
+                              ) from None
+        if seq_len < 1 or sequences < 1:
+            raise ConfigError(f"--ramp stage {part!r}: a sequence length and a count of sequences >= 1")
+        if not stages and tokens != 0:
+            raise ConfigError(f"--ramp must start at 0 tokens; its first stage starts at {tokens:,}")
+        if stages:
+            last = stages[-1]
+            if tokens <= last.tokens:
+                raise ConfigError(f"--ramp stages must be in order of tokens: {part!r} after {last.tokens:,}")
+            steps = math.ceil((tokens - last.seen) / (last.seq_len * last.sequences))
+            step, seen = last.start + steps, last.seen + steps * last.seq_len * last.sequences
+        stages.append(Stage(tokens, seq_len, sequences, step, seen))
+    return stages
+
+
+def stage_at(stages: list[Stage], step: int) -> Stage:
+    return [s for s in stages if s.start <= step][-1]
+
+
+def tokens_before(stages: list[Stage], step: int) -> int:
+    """Tokens trained on in steps 0 .. step-1."""
+    s = stage_at(stages, step)
+    return s.seen + (step - s.start) * s.seq_len * s.sequences
+
+
+def enter_stage(args, stage: Stage, dp: int):
+    """Set --seq-len and --grad-accum to the stage's (the run's settings for its steps)."""
+    if stage.sequences % (args.micro_batch * dp):
+        raise ConfigError(f"--ramp stage at {stage.tokens:,} tokens: {stage.sequences} sequences a step do not "
+                          f"divide into micro-batches of {args.micro_batch} on {dp} dp ranks")
+    args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
+
+
+def check_ramp(args, dp: int) -> list[Stage]:
+    """The ramp, every stage checked against the flags (the layout and memory per stage: check_config)."""
+    stages = parse_ramp(args.ramp)
+    beyond = [s for s in stages if s.start >= args.max_steps]
+    if beyond:
+        total = tokens_before(stages, args.max_steps)
+        raise ConfigError(f"--ramp stage at {beyond[0].tokens:,} tokens would start at step {beyond[0].start}, "
+                          f"not within the run's --max-steps {args.max_steps} ({total:,} tokens): lower it or "
+                          "train longer")
+    if args.anneal_tokens:
+        raise ConfigError("--anneal-tokens counts steps of one size; with --ramp, end the run with a last "
+                          "stage instead")
+    for stage in stages:
+        enter_stage(args, stage, dp)
+    return stages
+
+
+def switch_stage(run: Run, recipe: Pretraining, stages: list[Stage], step: int):
+    """At a stage's first step: its settings, and fresh loaders of its length; the training one goes on at
+    global sequence ceil(tokens read / seq_len), as far into its epochs as the run has read."""
+    stage = stage_at(stages, step)
+    enter_stage(run.args, stage, run.mesh.dp)
+    run.loader, run.make_val, _ = recipe.data(run.tok, run.mesh)
+    first = -(-tokens_before(stages, step) // stage.seq_len)  # (a global sequence number)
+    run.loader.load_state_dict({**run.loader.state_dict(), "consumed": first})
+    say(f"ramp: step {step}, {tokens_before(stages, step):,} tokens: {stage.sequences} sequences of "
+        f"{stage.seq_len} tokens a step ({run.args.grad_accum} accumulation)")
+
+
+class Spec(NamedTuple):
+    """What check_config found: the run's device, precision, tokenizer and model shape, and --ramp's stages."""
+    device: torch.device
+    precision: str
+    tok: object  # a tiktoken Encoding
+    margs: M.ModelArgs
+    ramp: list | None = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -449,780 +1506,6 @@ def check_anneal(args, dp: int):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began with
-# 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to 16M after
-# 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); the step's loss is normalized over
-# its own targets as always; the learning rate follows steps, as the paper gives its schedule (8,000
-# warmup steps, cosine over 1.2M steps), and a stage's steps are fixed by the ramp, so the schedule is
-# known from the start. At a stage's first step the loaders are made anew for its length, the training
-# one as far into its epochs as the run has read (switch_stage).
-
-
-class Stage(NamedTuple):
-    tokens: int  # the ramp's threshold: the stage begins at the first step after this many tokens
-    seq_len: int
-    sequences: int  # per optimizer step, over every dp rank
-    start: int  # its first step
-    seen: int  # tokens trained on (over the whole job) before that step
-
-
-def parse_count(text: str) -> int:
-    """"252M" -> 252,000,000 (K, M, B, T: thousands to trillions)."""
-    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}.get(text[-1:].upper(), 1)
-    number = float(text[:-1] if scale > 1 else text)
-    if not (math.isfinite(number) and number >= 0):
-        raise ValueError(text)
-    return round(number * scale)
-
-
-def parse_ramp(text: str) -> list[Stage]:
-    """--ramp -> its stages with their first steps; one line for a malformed or out-of-order one."""
-    stages, step, seen = [], 0, 0
-    for part in text.split(","):
-        try:
-            tokens, shape = part.split(":")
-            seq_len, sequences = (int(v) for v in shape.lower().split("x"))
-            tokens = parse_count(tokens)
-        except ValueError:
-            raise ConfigError(f"--ramp stage {part!r}: expected TOKENS:SEQ_LENxSEQUENCES, e.g. 252M:8192x1024"
-                              ) from None
-        if seq_len < 1 or sequences < 1:
-            raise ConfigError(f"--ramp stage {part!r}: a sequence length and a count of sequences >= 1")
-        if not stages and tokens != 0:
-            raise ConfigError(f"--ramp must start at 0 tokens; its first stage starts at {tokens:,}")
-        if stages:
-            last = stages[-1]
-            if tokens <= last.tokens:
-                raise ConfigError(f"--ramp stages must be in order of tokens: {part!r} after {last.tokens:,}")
-            steps = math.ceil((tokens - last.seen) / (last.seq_len * last.sequences))
-            step, seen = last.start + steps, last.seen + steps * last.seq_len * last.sequences
-        stages.append(Stage(tokens, seq_len, sequences, step, seen))
-    return stages
-
-
-def stage_at(stages: list[Stage], step: int) -> Stage:
-    return [s for s in stages if s.start <= step][-1]
-
-
-def tokens_before(stages: list[Stage], step: int) -> int:
-    """Tokens trained on in steps 0 .. step-1."""
-    s = stage_at(stages, step)
-    return s.seen + (step - s.start) * s.seq_len * s.sequences
-
-
-def enter_stage(args, stage: Stage, dp: int):
-    """Set --seq-len and --grad-accum to the stage's (the run's settings for its steps)."""
-    if stage.sequences % (args.micro_batch * dp):
-        raise ConfigError(f"--ramp stage at {stage.tokens:,} tokens: {stage.sequences} sequences a step do not "
-                          f"divide into micro-batches of {args.micro_batch} on {dp} dp ranks")
-    args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
-
-
-def check_ramp(args, dp: int) -> list[Stage]:
-    """The ramp, every stage checked against the flags (the layout and memory per stage: check_config)."""
-    stages = parse_ramp(args.ramp)
-    beyond = [s for s in stages if s.start >= args.max_steps]
-    if beyond:
-        total = tokens_before(stages, args.max_steps)
-        raise ConfigError(f"--ramp stage at {beyond[0].tokens:,} tokens would start at step {beyond[0].start}, "
-                          f"not within the run's --max-steps {args.max_steps} ({total:,} tokens): lower it or "
-                          "train longer")
-    if args.anneal_tokens:
-        raise ConfigError("--anneal-tokens counts steps of one size; with --ramp, end the run with a last "
-                          "stage instead")
-    for stage in stages:
-        enter_stage(args, stage, dp)
-    return stages
-
-
-def switch_stage(run: Run, recipe: Pretraining, stages: list[Stage], step: int):
-    """At a stage's first step: its settings, and fresh loaders of its length; the training one goes on at
-    global sequence ceil(tokens read / seq_len), as far into its epochs as the run has read."""
-    stage = stage_at(stages, step)
-    enter_stage(run.args, stage, run.mesh.dp)
-    run.loader, run.make_val, _ = recipe.data(run.tok, run.mesh)
-    first = -(-tokens_before(stages, step) // stage.seq_len)  # (a global sequence number)
-    run.loader.load_state_dict({**run.loader.state_dict(), "consumed": first})
-    say(f"ramp: step {step}, {tokens_before(stages, step):,} tokens: {stage.sequences} sequences of "
-        f"{stage.seq_len} tokens a step ({run.args.grad_accum} accumulation)")
-
-
-class Spec(NamedTuple):
-    """What check_config found: the run's device, precision, tokenizer and model shape, and --ramp's stages."""
-    device: torch.device
-    precision: str
-    tok: object  # a tiktoken Encoding
-    margs: M.ModelArgs
-    ramp: list | None = None
-
-
-# ----------------------------------------------------------------------------------------------------
-# The recipe: what a run trains. The loop asks it six things, in this order: the tokenizer and the
-# model's shape (before any process talks, so a wrong one fails fast), the initial weights and the data
-# (once the processes can talk), what it trains beside the model (extend), and the task, the loss of a
-# micro-batch (once the model is built; it is handed the model: rl.py's task generates with it). sft.py,
-# dpo.py, reward.py and rl.py subclass it.
-
-
-class Pretraining:
-    """Pretraining: the preset (or --dim ...) from a seeded random initialization, token shards, and
-    next-token prediction (LMTask)."""
-
-    kind = "pretraining"  # which recipe wrote a checkpoint (meta.json): --resume continues the same one
-    chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
-    rows_per_example = 1  # model input rows per example of the loader (check_memory; DPO: a pair's two)
-    frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
-    head_in_loss = True  # LMTask applies the head in its loss, --loss-chunk tokens at a time (check_memory)
-
-    def __init__(self, args):
-        self.args = args
-
-    def name(self) -> str:
-        return self.args.model
-
-    def tokenizer(self):
-        self.tok = data.get_tokenizer(self.args.tokenizer)
-        return self.tok
-
-    def model_args(self, tok) -> M.ModelArgs:
-        return model_args_from(self.args, tok.n_vocab)
-
-    def weights(self, mesh) -> dict | None:
-        """The full initial state dict (each rank reads only what it keeps), or None: from --seed."""
-        return None
-
-    def data(self, tok, mesh):
-        """(train loader, make_val_loader, description). Token shards are prepared (and cached) by one
-        process per cache folder, never by two at once (parallel.on_rank0_first)."""
-        args = self.args
-        mixture = data.parse_mixture(args.data)
-        final = data.parse_mixture(args.anneal_data) if args.anneal_data else None
-        if len(mixture) > 1 or final:
-            return self.mixture(tok, mesh, mixture, final)
-        prepare = lambda: data.resolve_data(mixture[0][0], args.tokenizer, mirror=args.mirror)
-        data_dir = P.on_rank0_first(prepare, mesh)
-        make = lambda split, seed: data.Loader(data_dir, split, args.micro_batch, args.seq_len, seed=seed,
-                                               dp_rank=mesh.dp_rank, dp_size=mesh.dp, tokenizer=tok)
-        train = make("train", args.seed)
-        make("val", 0)  # fail now, not at the first evaluation
-        return train, lambda source=None: make("val", 0), f"{data_dir}: {train.num_tokens:,} train tokens"
-
-    def mixture(self, tok, mesh, mixture, final):
-        """The loaders of a mixture (and of the one annealing switches to): every source prepared with the
-        run's tokenizer; validation on the mixture, or (source=name) on one source's own split."""
-        args = self.args
-        names = list(dict.fromkeys(name for name, _ in mixture + (final or [])))
-        prepare = lambda name: data.resolve_data(name, args.tokenizer, mirror=args.mirror)
-        folders = [P.on_rank0_first(lambda name=name: prepare(name), mesh) for name in names]
-        weights = lambda mix: [dict(mix).get(name, 0.0) for name in names]
-        start = anneal_start(args, mesh.dp)
-        anneal = (start * args.micro_batch * args.grad_accum * mesh.dp, weights(final)) if final else None
-        make = lambda split, seed, anneal=None: data.MixtureLoader(
-            list(zip(names, folders)), weights(mixture), split, args.micro_batch, args.seq_len, mesh.dp_rank,
-            mesh.dp, seed, tok, anneal)
-        train, folder = make("train", args.seed, anneal), dict(zip(names, folders))
-        make_val = lambda source=None: make("val", 0) if source is None else data.Loader(
-            folder[source], "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp,
-            tokenizer=tok)
-        for name in names:
-            make_val(name)  # fail now, not at the first evaluation
-        shares = ", ".join(f"{name} {w:.0%}" for name, w in mixture)
-        return train, make_val, f"a mixture of {shares}: {train.num_tokens:,} train tokens"
-
-    def extend(self, model, device, dtype):
-        """Modules trained beside the model's own, added to it before the optimizer takes its parameters
-        (rl.py's PPO: a value head). Pretraining adds none."""
-
-    def task(self, margs, mesh, device, dtype, model):
-        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(self.args) else None, model.output,
-                      loss_chunk(self.args))
-
-
-def loss_chunk(args) -> int:
-    """--loss-chunk as the next-token loss uses it (parallel.loss_chunk_used)."""
-    return P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
-
-
-def doc_mask_on(args) -> bool:
-    """--doc-mask, or by default: on for the llama presets (Llama 3 masked across documents: section 3.4.1
-    of Dubey et al. 2024), off for the small ones, whose default data is one document (TinyShakespeare)."""
-    return args.doc_mask if args.doc_mask is not None else args.model.startswith("llama")
-
-
-def document_ids(inputs: torch.Tensor, bos: int) -> torch.Tensor:
-    """(B, T) token ids -> (B, T) document ids: each <|begin_of_text|> starts the next document (the tokens
-    before a row's first one end a document that began in an earlier row)."""
-    return (inputs == bos).cumsum(dim=-1)
-
-
-class LMTask:
-    """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
-    whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
-    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing. With `bos` (--doc-mask),
-    prepare() gives each (inputs, targets) micro-batch its document ids, and the model attends within
-    documents only (SFT's packed batches bring their own). With `chunk` (--loss-chunk) the loss is given
-    the final norm's output (takes_hidden) and applies the head itself, chunk tokens at a time
-    (parallel.head_loss_sum): a 128K vocabulary's logits for a whole micro-batch never exist. The loop
-    knows only these four methods and takes_hidden."""
-
-    metric_names: tuple = ()
-    rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
-    # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
-    reference_forwards = 0
-
-    def __init__(self, margs: M.ModelArgs, mesh, bos: int | None = None, head=None, chunk: int = 0):
-        self.vocab_size, self.mesh, self.bos = margs.vocab_size, mesh, bos
-        self.head, self.chunk, self.takes_hidden = head, chunk, chunk > 0  # (head: None off the last stage)
-        self.total = None  # the global normalizer, set by load_batches before each step
-
-    def prepare(self, batches):
-        if self.bos is None:
-            return batches
-        return [(*b, document_ids(b[0], self.bos)) if len(b) == 2 else b for b in batches]
-
-    def count(self, batch) -> torch.Tensor:
-        return (batch[1] != IGNORE_INDEX).sum()
-
-    def loss(self, out, targets) -> torch.Tensor:
-        """out: the logits, or with takes_hidden the final norm's output."""
-        if self.takes_hidden:
-            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / self.total
-        return P.loss_sum(out, targets, self.vocab_size, self.mesh) / self.total
-
-    def metrics(self) -> torch.Tensor:
-        return torch.zeros(0, device=self.mesh.device)
-
-
-def global_total(task, batches, mesh, device) -> torch.Tensor:
-    """The task's normalizer over the global batch: every rank counts its own targets (under cp, those of
-    its chunks), summed over dp x cp."""
-    total = sum(task.count(b) for b in batches).float().to(device)
-    P.all_reduce(total, mesh, mesh.grad_dim)
-    return total
-
-
-def sum_over_replicas(tensors: list[torch.Tensor], mesh):
-    """Sum in place over pp (a loss lives on the last stage) and dp x cp (each replica saw its own batches,
-    each cp rank its own chunks of them)."""
-    for dim in ("pp", mesh.grad_dim):
-        for t in tensors:
-            P.all_reduce(t, mesh, dim)
-
-
-# ----------------------------------------------------------------------------------------------------
-# One step
-
-
-@dataclass
-class Run:
-    """A training run's pieces: what train_step works on, and what train() returns to its callers."""
-    args: argparse.Namespace
-    mesh: P.Mesh
-    device: torch.device
-    precision: str
-    tok: object  # the tiktoken Encoding
-    margs: M.ModelArgs
-    model: M.Transformer
-    opt: O.AdamW
-    sync: P.GradSync
-    scaler: O.LossScaler | None  # fp16 only
-    task: LMTask
-    loader: data.Loader
-    make_val: Callable  # a fresh validation loader, from its start
-    timer: PhaseTimer
-    ramp: list | None = None  # --ramp's stages (switch_stage)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.precision]
-
-    @property
-    def phases(self) -> list:
-        return self.timer.steps
-
-
-class StepResult(NamedTuple):
-    """A finished step, as the host knows it (see Tally)."""
-    loss: float  # the global batch's mean loss
-    lr: float
-    grad_norm: float  # global, before clipping
-    metrics: list  # the task's metric sums over the global batch
-    stop: bool  # some rank caught a stop signal, or failed to write its log (then `failed` too)
-    failed: bool
-
-
-def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepResult | None:
-    """One optimizer step, phases 1 to 6 (the loop does 7). None if the guard rejected it: weights,
-    optimizer state and loader position are then as they were."""
-    args, mesh, timer = run.args, run.mesh, run.timer
-    timer.start()
-    rewind = run.loader.state_dict()
-    batches = load_batches(run)  # 1. data loading: the whole step's, so the normalizer is known up front
-    timer.mark("1 data")
-    if mesh.pp > 1:  # 2-4. forward, loss, backward of every micro-batch, interleaved across stages
-        loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
-                               lambda *a: scaled_loss(run, *a),
-                               args.schedule, before_last_backward=run.sync.start, dtype=run.dtype,
-                               virtual=args.virtual_stages, head=not run.task.takes_hidden)
-        timer.mark("2-4 pipeline")
-    else:
-        loss = torch.zeros((), device=run.device)
-        for i, batch in enumerate(batches):
-            out = P.local_forward(run.model, batch[0], mesh, args.seq_len, P.doc_ids_of(batch),  # 2. forward
-                                  head=not run.task.takes_hidden)
-            timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's
-            micro_loss = scaled_loss(run, out, batch[1])  # 3. loss: its share of the global batch's mean
-            loss += micro_loss.detach()
-            timer.mark("3 loss")
-            if i == len(batches) - 1:  # the last micro-batch's gradients are reduced over dp as they come
-                run.sync.start()
-            micro_loss.backward()  # 4. backward: gradients accumulate in the optimizer's fp32 buffer
-            timer.mark("4 backward")
-    run.sync.finish()  # 5. gradient sync: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
-    if run.scaler:  # fp16: the loss and gradients back to their true size
-        loss /= run.scaler.scale
-        run.scaler.unscale(run.opt)
-    tally = Tally.of(run, loss, stop)  # the step's numbers over the whole job: one all-reduce, one sync
-    timer.mark("5 grad sync")
-    if not guard.accepts(run, tally, step):  # 6. optimizer step, unless the guard finds the step bad
-        run.opt.zero_grad()  # then nothing changes, and the same data comes again
-        run.loader.load_state_dict(rewind)
-        return None
-    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio, anneal_start(args, mesh.dp))
-    run.opt.step(lr, grad_scale=run.opt.clip_scale(args.grad_clip, tally.norm))  # clipped as it is read
-    run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
-    run.opt.zero_grad()
-    timer.end("6 optimizer")
-    return StepResult(tally.loss, lr, tally.grad_norm, tally.metrics, tally.stops + tally.failures > 0,
-                      tally.failures > 0)
-
-
-class Tally(NamedTuple):
-    """What every rank must agree on after the backward, and the numbers the log wants, gathered in ONE
-    all-reduce over the whole job and read by the host in ONE synchronization, the only one a step makes
-    (on a GPU the host otherwise runs ahead, queueing kernels). Summed over every rank: each rank's part
-    of the squared gradient norm; the loss and the task's metric sums, counted once per (pp, dp) place
-    (tp ranks hold equal values, stages before the last hold zeros); the ranks whose own copy of the
-    gradients is not finite; the ranks that caught a stop signal; the ranks that could not write their log
-    (StopFlag.fail)."""
-    norm: torch.Tensor  # () the global gradient norm on the device: the clip factor never leaves it
-    grad_norm: float
-    loss: float
-    metrics: list
-    bad_copies: int
-    stops: int
-    failures: int
-
-    @classmethod
-    def of(cls, run: Run, loss: torch.Tensor, stop: StopFlag) -> Tally:
-        mesh, device = run.mesh, run.device
-        once = float(mesh.tp_rank == 0)
-        # Under plain DP each rank applies all the reduced gradients, not only the pieces whose squares it
-        # summed for the norm: a rank whose copy went bad must stop every replica (they must never differ).
-        # ZeRO-1 ranks apply only their own pieces, and a single replica has no others.
-        copy = run.opt.grad_norm() if mesh.dp_cp > 1 and not run.args.zero else torch.zeros((), device=device)
-        flags = torch.stack([(~torch.isfinite(copy)).float(),
-                             torch.full((), float(stop.signal is not None), device=device),
-                             torch.full((), float(stop.failure is not None), device=device)])
-        v = torch.cat([P.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
-                       run.task.metrics() * once])
-        P.all_reduce(v, mesh, "world")
-        host = v.tolist()  # the step's one host-device synchronization
-        return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], host[5:], int(host[2]),
-                   int(host[3]), int(host[4]))
-
-
-def load_batches(run: Run) -> list:
-    """Phase 1: the step's --grad-accum micro-batches on the device, prepared by the task (DPO adds the
-    reference's log-probs), and the task's normalizer over the global batch."""
-    # From pinned (page-locked) host memory a copy to the GPU is asynchronous: the host goes on queueing
-    # kernels. From ordinary memory, non_blocking=True would still wait for each copy.
-    pinned = (lambda t: t.pin_memory()) if run.device.type == "cuda" else (lambda t: t)
-    batches = [tuple(pinned(t).to(run.device, non_blocking=True) for t in run.loader.next())
-               for _ in range(run.args.grad_accum)]
-    batches = [P.context_chunks(b, run.mesh) for b in run.task.prepare(batches)]  # cp: this rank's chunks
-    run.task.total = global_total(run.task, batches, run.mesh, run.device)
-    return batches
-
-
-def scaled_loss(run: Run, logits, targets) -> torch.Tensor:
-    """Phase 3: the task's loss, scaled up under fp16 so that small gradients survive."""
-    loss = run.task.loss(logits, targets)
-    return loss * run.scaler.scale if run.scaler else loss
-
-
-class SkipGuard:
-    """Phase 6's gate. A step whose gradients are not finite (an fp16 overflow included) or whose loss
-    spikes (--skip-spikes) is not applied; every rank reaches the same verdict (from the same tally).
-    --max-skips bad steps in a row stop the run."""
-
-    def __init__(self, args, meter: Meter):
-        self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
-        self.meter = meter
-        self.recent, self.skipped, self.in_a_row = [], 0, 0
-
-    def accepts(self, run: Run, tally: Tally, step: int) -> bool:
-        """Whether the step may be applied; if not, it is said and counted."""
-        bad = self.problem(run, tally)
-        if bad is None:
-            self.in_a_row = 0
-            return True
-        # An fp16 overflow is the loss scaler searching for its scale (normal while it settles down from
-        # 2^16): it counts toward --max-skips only once the scale is below 1, where gradients overflow alone.
-        searching = bad.startswith("fp16") and run.scaler.scale >= 1
-        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + (not searching)
-        say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
-        self.meter.write({"step": step + 1, "skipped": bad, "skipped_total": self.skipped})
-        if self.in_a_row >= self.max_skips:
-            raise TrainingError(f"stopped: {self.in_a_row} consecutive steps skipped, the last for {bad}; "
-                                f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
-        return False
-
-    def problem(self, run: Run, tally: Tally) -> str | None:
-        """What is wrong with this step, or None."""
-        finite = math.isfinite(tally.grad_norm) and not tally.bad_copies
-        if run.scaler is not None and not run.scaler.update(finite):
-            return f"fp16 gradient overflow, loss scale -> {run.scaler.scale:g}"
-        if not finite:
-            return (f"non-finite gradient norm ({tally.grad_norm})" if not math.isfinite(tally.grad_norm) else
-                    f"non-finite gradients in {tally.bad_copies} rank(s)' copy of the reduced gradients")
-        if self.spike_factor > 0:
-            mean = sum(self.recent) / len(self.recent) if len(self.recent) >= 10 else None
-            if mean is not None and tally.loss > self.spike_factor * mean:
-                return f"loss spike: {tally.loss:.4f} > {self.spike_factor} x recent mean {mean:.4f}"
-            self.recent = (self.recent + [tally.loss])[-50:]
-        return None
-
-
-# ----------------------------------------------------------------------------------------------------
-# Around the steps: logging, validation, checkpoints, preemption. Each decides its own "when".
-
-
-class Meter:
-    """The console and <out-dir>/metrics.jsonl, written by rank 0. Every --log-every steps and at the last
-    it logs the mean loss (and the task's metrics) since the previous line, the last gradient norm,
-    tokens/s and MFU, peak memory and the bytes sent per step. Its clock stops while paused: validation
-    and checkpoints are not training time, and their bytes are not a step's."""
-
-    def __init__(self, run: Run, stop: StopFlag):
-        self.run, self.args, self.mesh, self.stop = run, run.args, run.mesh, stop
-        self.path, self.file = Path(run.args.out_dir) / "metrics.jsonl", None
-        if run.mesh.rank == 0:
-            try:  # unbuffered: each record is written, and made durable, as it is logged
-                self.file = open(self.path, "ab", buffering=0)
-            except OSError as e:
-                raise C.CheckpointError(f"cannot write {self.path}: {C.write_error(e)}") from None
-        self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
-        self.restage()
-        self.peak, self.peak_source = peak_flops(run.device, run.precision)
-        self.began, self.paused_s, self.paused_at = time.perf_counter(), 0.0, None
-        self.restart()
-
-    def restage(self):
-        """Tokens per step and model FLOPs per token, for the run's settings (a --ramp stage changes them)."""
-        self.tokens_per_step = step_tokens(self.run.args, self.run.task, self.run.mesh)
-        self.flops_per_token = model_flops_per_token(self.run.margs, self.run.args.seq_len, self.run.task)
-
-    def restart(self):
-        """A new window: the steps, tokens, loss and metric sums, time and bytes since the last line."""
-        self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
-        self.tokens, self.loss, self.metrics = 0, 0.0, [0.0] * len(self.run.task.metric_names)
-
-    def tokens_at(self, step: int) -> int:
-        """Tokens trained on in the run's first `step` steps."""
-        return tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
-
-    def clock(self) -> float:
-        """Seconds spent training so far: wall time less the pauses."""
-        return (self.paused_at or time.perf_counter()) - self.began - self.paused_s
-
-    @contextmanager
-    def paused(self):
-        self.paused_at, comm = time.perf_counter(), dict(self.mesh.comm_bytes)
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - self.paused_at
-            self.paused_at = None
-            self.comm_at = {k: v + self.mesh.comm_bytes[k] - comm[k] for k, v in self.comm_at.items()}
-
-    def write(self, record: dict):
-        if self.file:
-            self.append((json.dumps(record) + "\n").encode())
-        if self.trackers:
-            self.trackers.log(record)
-
-    def append(self, line: bytes):
-        """One record onto metrics.jsonl, fsynced: a full disk or a lost mount is found at this record, not
-        at the end of the run (some file systems report it only when the data is flushed). Then the
-        partial record is cut off, the log closed, and the run stops at the next step with a checkpoint
-        (StopFlag.fail), as for any write that fails."""
-        at = os.fstat(self.file.fileno()).st_size
-        try:
-            view = memoryview(line)
-            while view:
-                view = view[self.file.write(view):]
-            os.fsync(self.file.fileno())
-        except OSError as e:
-            # the log keeps whole records only; closing may report the same failure again
-            for cleanup in (lambda: os.ftruncate(self.file.fileno(), at), self.file.close):
-                try:
-                    cleanup()
-                except OSError:
-                    pass
-            self.file = None
-            self.stop.fail(f"cannot write {self.path} ({C.write_error(e)}); its records from here on are lost")
-
-    def named(self, values: list, prefix="") -> dict:
-        return {prefix + k: v for k, v in zip(self.run.task.metric_names, values)}
-
-    def step(self, step: int, result: StepResult):
-        """Add a finished step; log when due."""
-        self.steps += 1
-        self.tokens += self.tokens_per_step
-        self.loss += result.loss
-        self.metrics = [a + b for a, b in zip(self.metrics, result.metrics)]
-        if step % self.args.log_every == 0 or step == self.args.max_steps:
-            self.log(step, result)
-            self.restart()
-
-    def log(self, step: int, result: StepResult):
-        # Host numbers only (the steps' tallies): logging costs no synchronization. The clock is read at
-        # the same point of every step (after its tally), so a window's time is its steps' time.
-        n, now, mesh = self.steps, self.clock(), self.mesh
-        tps = self.tokens / (now - self.window_start)
-        comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
-        metrics = self.named([m / n for m in self.metrics])
-        rec = {"step": step, "tokens": self.tokens_at(step), "loss": self.loss / n,
-               "lr": result.lr, "grad_norm": result.grad_norm,
-               "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
-               "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
-               **metrics, **tokens_by_source(self.run)}
-        comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
-            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
-        extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
-        say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f}"
-            f" | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB"
-            f"{comm_txt}{extra_txt}")
-        self.write(rec)
-
-    def validation(self, step: int, loss: float, metrics: list, by_source: dict):
-        """Log a validation (called while paused: the pause so far is its time); by_source: a mixture's
-        loss on each source's own validation split."""
-        extra = {**self.named(metrics, "val_"), **{f"val_loss/{k}": v for k, v in by_source.items()}}
-        say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
-            + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
-        self.write({"step": step, "tokens": self.tokens_at(step), "val_loss": loss, **extra,
-                    "time_s": self.clock()})
-
-    def close(self):
-        if self.file:
-            self.file.close()
-        if self.trackers:
-            self.trackers.close()
-
-
-class Trackers:
-    """--wandb PROJECT and --tensorboard DIR: metrics.jsonl's records, sent on by rank 0 as they are
-    written, nested values flattened (comm_bytes_per_step/dp). Each package is imported only when its flag
-    asks for it; check() refuses a flag whose package is missing, before the run starts."""
-
-    PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> what `pip install` needs
-
-    @classmethod
-    def check(cls, args):
-        for flag, package in cls.PACKAGES.items():
-            if getattr(args, flag) and importlib.util.find_spec(package) is None:
-                raise ConfigError(f"--{flag} needs the {package} package: pip install {package}")
-
-    def __init__(self, args):
-        self.wandb = self.tensorboard = None
-        if args.wandb:
-            import wandb
-            self.wandb = wandb.init(project=args.wandb, config=vars(args), dir=args.out_dir)
-        if args.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(args.tensorboard)
-
-    def log(self, record: dict):
-        flat = {f"{k}/{sub}" if isinstance(v, dict) else k: x for k, v in record.items() if k != "step"
-                for sub, x in (v.items() if isinstance(v, dict) else [(None, v)])}
-        if self.wandb:
-            self.wandb.log(flat, step=record["step"])
-        if self.tensorboard:  # scalars only (a skipped step's reason is text)
-            for name, value in flat.items():
-                if isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(name, value, record["step"])
-
-    def close(self):
-        if self.wandb:
-            self.wandb.finish()
-        if self.tensorboard:
-            self.tensorboard.close()
-
-
-def anneal_start(args, dp: int) -> int | None:
-    """The step where --anneal-tokens' annealing starts (None without it): the run's last steps that hold
-    that many tokens, rounded up to whole steps."""
-    if not args.anneal_tokens:
-        return None
-    return args.max_steps - math.ceil(args.anneal_tokens / (args.micro_batch * args.grad_accum * dp *
-                                                             args.seq_len))
-
-
-def step_tokens(args, task, mesh) -> int:
-    """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
-    return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
-
-
-def model_flops_per_token(margs, seq_len: int, task) -> float:
-    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
-    that for each forward of a frozen reference model the task runs alongside (DPO without a cache)."""
-    return M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
-
-
-def tokens_by_source(run: Run) -> dict[str, int]:
-    """A mixture's tokens seen so far from each source, over every rank ({} for a single source)."""
-    if not isinstance(run.loader, data.MixtureLoader):
-        return {}
-    return {f"tokens/{name}": n for name, n in run.loader.tokens_seen().items()}
-
-
-def mixture_seen(run: Run) -> str | None:
-    """A mixture's realized shares of the tokens seen so far, as one line."""
-    seen = tokens_by_source(run)
-    total = sum(seen.values())
-    return "data seen: " + ", ".join(f"{k.split('/', 1)[1]} {n / total:.1%} ({n:,} tokens)"
-                                     for k, n in seen.items()) if total else None
-
-
-def validation(run: Run) -> tuple[float, list, dict]:
-    """The validation loss and metrics, and for a mixture each source's loss on its own split."""
-    loss, metrics = evaluate(run)
-    names = run.loader.names if isinstance(run.loader, data.MixtureLoader) else []
-    return loss, metrics, {name: evaluate(run, name)[0] for name in names}
-
-
-def validation_due(step: int, args) -> bool:
-    """Every --eval-every steps and at the last (0: only at the last, -1: never)."""
-    every = args.eval_every
-    return every >= 0 and ((every and step % every == 0) or step == args.max_steps)
-
-
-@torch.no_grad()
-def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
-    """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
-    successive values are comparable; at most one pass over the split), split over dp ranks and run
-    through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
-    targets (the normalizer, as in training), once for the losses; memory never holds more than that."""
-    args, mesh, task, device = run.args, run.mesh, run.task, run.device
-    run.model.eval()
-    counting, scoring = (run.make_val() if source is None else run.make_val(source) for _ in range(2))
-    one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
-    n = max(1, min(args.eval_batches // mesh.dp, one_pass))
-    task.total = global_total(task, (P.context_chunks(counting.next(), mesh) for _ in range(n)), mesh, device)
-    task.metrics()  # start the metric sums afresh
-    loss = torch.zeros((), device=device)
-    for size in [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]:
-        batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
-        batches = [P.context_chunks(b, mesh) for b in batches]
-        for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, task.loss,
-                                             run.dtype, args.virtual_stages, head=not task.takes_hidden):
-            loss = loss + chunk_loss
-    metrics = task.metrics().to(device)
-    sum_over_replicas([loss, metrics], mesh)
-    run.model.train()
-    loss, *metrics = torch.cat([loss.view(1), metrics]).tolist()
-    return loss, metrics
-
-
-class Checkpointer:
-    """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
-    checkpoint holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
-    layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
-    the flags, the model's shape, its tokenizer, whether it was trained on chats (chat: an export then
-    stops generating at <|eot_id|>), the recipe that wrote it and its data's fingerprint (--resume refuses
-    another recipe or other data). checkpoint.py keeps the folder: atomic save, manifest, rotation."""
-
-    def __init__(self, run: Run, start_step: int, recipe: Pretraining):
-        self.run, self.saved_at, self.recipe = run, start_step, recipe
-        self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
-        out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
-        self.last_good = out / C.step_name(start_step) if start_step else None
-
-    def due(self, step: int) -> bool:
-        every = self.run.args.ckpt_every
-        return every > 0 and (step % every == 0 or step == self.run.args.max_steps)
-
-    def save(self, step: int):
-        run = self.run
-        if step == self.saved_at:
-            return
-        run.timer.start()  # timed as an entry of its own, apart from the training step
-        extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
-        meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
-                "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
-                "recipe": self.recipe.kind, "data": self.data,
-                "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
-        write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
-        out = Path(run.args.out_dir)
-        C.save(out, step, run.mesh, write, meta, run.args.keep_ckpts, self.last_good)
-        run.timer.mark("7 checkpoint")
-        self.saved_at, self.last_good = step, out / C.step_name(step)
-
-
-def rng_state(device) -> dict:
-    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
-    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    return rng
-
-
-def restore_rng(rng: dict, device):
-    torch.set_rng_state(rng["torch"])
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in rng["python"]))
-    state = rng.get("cuda") if device.type == "cuda" else None
-    if isinstance(state, (list, tuple)):  # an older checkpoint's list of every visible GPU's state
-        state = state[device.index or 0] if (device.index or 0) < len(state) else None
-    if state is not None:
-        torch.cuda.set_rng_state(state, device)
-
-
-class StopFlag:
-    """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raises a
-    flag; the loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough: the
-    flag goes into the step's Tally), a checkpoint is written, and the process exits normally. A second
-    signal to the same process, 2 s or more after the first, means "now": KeyboardInterrupt wherever the
-    process is (the last complete checkpoint stays the good one). Sooner, it is the same event delivered
-    twice (the scheduler signals every process and torchrun forwards its own copy; a terminal's Ctrl-C
-    reaches torchrun and the workers alike). fail(why): the same stop for a write that failed (the
-    log's), except that the run then ends with that line and exit code 1 (stopped())."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal, self.at, self.previous, self.failure = None, None, {}, None
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            self.previous = {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
-
-    def handler(self, signum, frame):
-        if self.at is not None and time.monotonic() - self.at >= 2.0:
-            raise KeyboardInterrupt
-        if self.at is None:
-            self.signal, self.at = signal.Signals(signum).name, time.monotonic()
-
-    def fail(self, why: str):
-        self.failure = self.failure or why
-
-    def release(self):
-        """Give the signals back to whoever had them before the run."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Measuring: peak FLOP/s for MFU, memory
 
 
@@ -1372,288 +1655,6 @@ class PhaseTimer:
         if self.mode:
             sync_device(self.device)
         self.mark(phase)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Setting up: the model, the optimizer, the resume point
-
-
-def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False):
-    """The model on the meta device (shapes, no storage), sharded (tp), cut (pp) and cast there; then this
-    rank's pieces get storage and values, from the seed or from `state` (a full state dict). Every layout
-    starts from bit-identical weights, and a rank holds only its own. lazy (ZeRO-3 over dp x cp > 1): no
-    values here and no storage kept (parallel.materialize_empty); the optimizer writes each rank's pieces
-    of them straight into its shard (AdamW(initial=initial_values(...)))."""
-    with torch.device("meta"):
-        model = M.Transformer(margs)
-    P.apply_tensor_parallel(model, mesh)
-    P.apply_context_parallel(model, mesh)
-    P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers), args.virtual_stages)
-    model.to(dtype)  # still on the meta device: each piece is cast as it is written, no fp32 model exists
-    if state is not None:
-        missing = sorted({n for n, _ in model.named_parameters()} - set(state))
-        if missing:
-            raise ValueError("the initial state has no "
-                             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-    if lazy:
-        P.materialize_empty(model, device)
-    else:
-        P.materialize(model, mesh, device, full_values(margs, state, args.seed))
-    model.act_ckpt = args.act_ckpt
-    M.set_attn_backend(model, args.attn_backend)
-    return model
-
-
-def full_values(margs, state, seed: int):
-    """full_value(name, full shape) -> the whole initial tensor of one parameter: drawn from the seed on
-    the CPU (one seed gives one model on any device), or read from `state`."""
-    if state is None:
-        return lambda name, shape: M.init_tensor(margs, name, shape, seed)
-    return lambda name, shape: read_initial(state, name)
-
-
-def initial_values(model, margs, state, args, mesh):
-    """For a lazily built model (build_model(lazy=True)): initial(name, shape) -> this rank's piece."""
-    full_value = full_values(margs, state, args.seed)
-    return lambda name, shape: P.local_value(model, mesh, full_value, name, shape)
-
-
-def read_initial(state, name: str) -> torch.Tensor:
-    """One initial weight from a (lazy) state dict: a truncated or unreadable file is read only now."""
-    try:
-        return state[name]
-    except Exception as e:
-        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: "
-                          f"{data.one_line(e)}") from None
-
-
-def compile_blocks(model, backend="inductor"):
-    """--compile: torch.compile each transformer block (as torchtitan does) rather than the whole model. A
-    pipeline stage runs its blocks itself (parallel.local_forward), never the top-level forward, so only
-    this reaches them under --pp; and every block has the same code, so it is compiled once."""
-    model.compiled_blocks = {key: torch.compile(layer, backend=backend)
-                             for key, layer in model.layers.items()}
-
-
-def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
-    """The run's pieces, in the order they may fail: the checkpoint to resume (the ranks verify it), the
-    initial weights, the data, the model, its optimizer and gradient sync, the task; then the resumed
-    state. The earlier run's files (--overwrite) go only after all of that worked.
-    Returns (the run, the step it starts from, the data's description)."""
-    out_dir = Path(args.out_dir)
-    resume, meta = resume_point(out_dir, args, spec.margs, mesh)  # every rank checks its share of the files
-    initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
-    if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
-        enter_stage(args, stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
-    loader, make_val, data_desc = recipe.data(spec.tok, mesh)
-    per_step = loader.batch_size * args.grad_accum * mesh.dp
-    if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
-        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len "
-                             f"{args.seq_len}, fewer than one global batch of {per_step:,} "
-                             f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
-                             f"dp {mesh.dp}); use more data or a smaller batch")
-    dtype, lazy = DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
-    try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
-        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy)
-        recipe.extend(model, spec.device, dtype)
-        opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
-                      weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
-                      allocate_state=False,  # GradSync shards
-                      full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
-                      unit_of=P.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
-                      initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
-        sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
-        sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)  # (lazy: values now)
-    except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
-        raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
-    scaler = O.LossScaler() if spec.precision == "fp16" else None
-    task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
-    run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, PhaseTimer(spec.device, time_phases), spec.ramp)
-    start_step = restore(run, resume, meta, recipe) if resume else 0
-    if args.compile:
-        compile_blocks(model)
-    sync.prefetch_into(model)  # ZeRO-1: the next forward waits for each bucket's all-gather only when due
-    if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
-        gone = C.clear_run(out_dir)
-        if gone:
-            say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
-    P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
-    return run, start_step, data_desc
-
-
-def lock_out_dir(out_dir: Path, mesh) -> C.RunLock:
-    """Global rank 0 takes the out-dir's lock; every rank stops if it could not (rank 0 says why)."""
-    lock, error = C.RunLock(out_dir), None
-    if mesh.rank == 0:
-        try:
-            lock.acquire(say)
-        except C.CheckpointError as e:
-            error = e
-    if mesh.world > 1 and not P.all_true(error is None, mesh):
-        error = error or C.CheckpointError(f"{out_dir} could not be locked")
-    if error is not None:
-        raise error
-    return lock
-
-
-def resume_point(out_dir: Path, args, margs, mesh) -> tuple[Path | None, dict | None]:
-    """The checkpoint this run continues from and its meta.json (None, None: a fresh start), on every
-    rank: the checkpoints' shards are checked against their manifests by all the ranks at once, each a
-    share of the files (checkpoint.shared_check). A fresh run never mixes into an earlier one's folder:
-    that takes --resume (continue it) or --overwrite (remove it first)."""
-    verify = args.resume  # (without --resume only whether something is there matters: no checksums)
-    ckpt, skipped = C.find_latest(out_dir, verify, C.shared_check(mesh)) if out_dir.is_dir() else (None, [])
-    earlier = C.earlier_run(out_dir)
-    if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
-        what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
-        raise ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue it, "
-                          f"--overwrite to start afresh, or another --out-dir")
-    if not args.resume:
-        return None, None
-    for name, why in skipped:
-        say(f"checkpoint {name} is {why}; falling back to an older one")
-    if ckpt is None and skipped:
-        raise ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
-                          f"nothing was overwritten")
-    if ckpt is None and not skipped:
-        say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
-    if ckpt is not None:
-        C.say_unlisted(ckpt, say)
-    return ckpt, (read_meta(ckpt, margs) if ckpt else None)
-
-
-def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
-    meta = C.read_meta(ckpt)
-    try:
-        saved = M.ModelArgs.from_dict(meta["model_args"])
-    except ValueError as e:
-        raise ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: {data.one_line(e)}")
-    if saved != margs:
-        diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
-        raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
-    return meta
-
-
-def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
-    """Load a checkpoint (written under any layout) into the run; returns its step."""
-    check_continues(ckpt, meta, recipe, run)
-    try:
-        extra = C.load_shards(ckpt, run.model, run.opt, run.mesh)
-    except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
-        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
-    if run.scaler and extra.get("scaler"):
-        run.scaler.load_state_dict(extra["scaler"])
-    restore_rng(extra["rng"], run.device)
-    old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
-    say(f"resumed from {ckpt} at step {meta['step']} "
-        f"(written at tp {old['tp']}, cp {old.get('cp', 1)}, pp {old['pp']}, dp {old['dp']})")
-    return meta["step"]
-
-
-SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py", "reward": "reward.py", "rl": "rl.py"}
-
-
-def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
-    """--resume continues the run in --out-dir: the same recipe on the same data. Another script's
-    checkpoint (an SFT run's, resumed by dpo.py, would go on with SFT's optimizer state and step count) or
-    other data (its loader position means nothing there) is refused; --init starts from a checkpoint
-    instead. Checkpoints from before these were recorded: the recipe from its flags, the data unchecked.
-    The loader takes its position here, after checking that its own settings are the checkpoint's."""
-    args = meta["args"]
-    kind = meta.get("recipe") or ("dpo" if "beta" in args else "sft" if "init" in args else "pretraining")
-    if kind != recipe.kind:
-        script = SCRIPTS.get(kind, kind)
-        raise ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
-                          f"--resume would continue it as {recipe.kind}: resume it with {script}, or start "
-                          f"from it with --init and another --out-dir")
-    run.loader.load_state_dict(meta["loader"])  # the loader's settings (seq_len, seed, mixture) first
-    if "data" in meta and meta["data"] != run.loader.fingerprint():
-        start = " (--init from it)" if kind != "pretraining" else ""
-        raise ConfigError(f"checkpoint {ckpt} was trained on other data (--data {args.get('data')!r} then, "
-                          f"{run.args.data!r} now, whose contents differ); --resume needs the same data: "
-                          f"start a new run in another --out-dir{start}")
-
-
-def announce(run: Run, meter: Meter, name: str, data_desc: str):
-    """The run's banner: the model, the layout, the data and what MFU is measured against."""
-    margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
-    say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} "
-        f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
-        f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
-    say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
-        + (f", {args.schedule} schedule" if mesh.pp > 1 else "")
-        + (f" over {args.virtual_stages} model chunks per rank" if mesh.pp > 1 and args.virtual_stages > 1
-           else "") + (", sequence parallel" if mesh.sp else "")
-        + (f", ZeRO-{args.zero}" if args.zero and mesh.dp_cp > 1 else ""))
-    rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
-    say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step "
-        f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
-    say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
-        + (" plus the reference's forward" if task.reference_forwards else "")
-        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {rate(meter.peak)} "
-        f"per device ({meter.peak_source})")
-
-
-# ----------------------------------------------------------------------------------------------------
-# The loop
-
-
-def train(args, recipe: Pretraining | None = None, time_phases: str | None = None) -> Run:
-    """The one training loop; pretraining (main below), sft.py and dpo.py differ only in their recipe.
-    time_phases: bench.py's PhaseTimer mode. Every bad input is refused by check_config, before the
-    processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
-    recipe = recipe or Pretraining(args)
-    spec = check_config(args, recipe)
-    mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
-    lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
-    try:
-        run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
-        stop = StopFlag()
-        meter = Meter(run, stop)
-        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe)
-        announce(run, meter, recipe.name(), data_desc)
-        run.model.train()
-        first = step
-        while step < args.max_steps:
-            if run.ramp and step and stage_at(run.ramp, step).start == step:
-                switch_stage(run, recipe, run.ramp, step)
-                meter.restage()
-            with P.patient(mesh) if step == first else nullcontext():  # it compiles
-                result = train_step(run, guard, stop, step)  # phases 1-6
-            if result is None:  # skipped by the guard
-                continue
-            step += 1
-            meter.step(step, result)
-            if validation_due(step, args):
-                with meter.paused():
-                    meter.validation(step, *validation(run))
-            if checkpointer.due(step):
-                with meter.paused():
-                    checkpointer.save(step)  # 7. checkpoint
-            if result.stop:  # preemption or a failed write, on any rank: this step is finished; save, leave
-                checkpointer.save(step)
-                stopped(stop, step, result.failed)
-                break
-        run.sync.wait_params()  # the model's weights are current for whoever uses them next
-        if mixture_seen(run):
-            say(mixture_seen(run))
-    finally:
-        if meter:
-            meter.close()
-        if stop:
-            stop.release()
-        lock.release()
-    return run
-
-
-def stopped(stop: StopFlag, step: int, failed: bool):
-    """After an early stop's checkpoint: say why (a signal), or end the run with the failure's line."""
-    saved = f"checkpoint step_{step:06d} written, --resume continues from it"
-    if failed:
-        raise TrainingError(f"stopped after step {step}: {stop.failure or 'another rank could not write'}; "
-                            f"{saved}")
-    say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; {saved}")
 
 
 # ----------------------------------------------------------------------------------------------------
