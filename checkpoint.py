@@ -193,7 +193,7 @@ def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync: P.GradSync | None,
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
     if mesh.dp_cp_rank != 0:
         return {}
-    placement = getattr(model, "tp_placement", {})
+    placement = model.tp_placement
     entries = {}
     for i, name in enumerate(opt.names):
         sl = slice(opt.offsets[i], opt.offsets[i] + opt.params[i].numel())
@@ -281,7 +281,7 @@ def load_shards(folder: Path, model, opt, mesh: P.Mesh):
     One parameter at a time: its full state is assembled from the memory-mapped files, cut to this rank's
     tp piece, copied into the optimizer's owned ranges, and dropped."""
     full, extra = read_full_state(folder, set(opt.names))
-    placement = getattr(model, "tp_placement", {})
+    placement = model.tp_placement
     missing = [name for name in opt.names if name not in full]
     if missing:
         raise ValueError(f"checkpoint {folder} has no parameter {missing[0]}")

@@ -505,6 +505,9 @@ class Transformer(nn.Module):
         # torch.compile'd blocks for training steps (train.py --compile), by layer key; a plain dict, so
         # they are not registered twice as submodules. Evaluation and generation run the blocks eagerly.
         self.compiled_blocks = {}
+        # for each parameter tensor parallelism cuts, (dim, full size along dim): parallel.py fills it, and
+        # the checkpoints and the gradient norm read it (empty: nothing is cut)
+        self.tp_placement = {}
         if self.tok_embeddings.weight.device.type != "meta":  # on meta: no storage, initialized later
             self.init_weights()
 

@@ -577,7 +577,6 @@ def loss_chunk_used(chunk: int, tokens: int, zero: int) -> int:
 def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
     """Swap a whole model's layers for their TP shards, in place. Records in model.tp_placement, for each
     sharded parameter, (dim, full size along dim) so checkpoints can say where each shard belongs."""
-    model.tp_placement = {}
     if mesh.tp == 1:
         return model
     V = model.args.vocab_size
@@ -770,7 +769,7 @@ def local_piece(full: torch.Tensor, shape, dim: int | None, mesh: Mesh) -> torch
 def local_value(model: M.Transformer, mesh: Mesh, full_value, name: str, shape) -> torch.Tensor:
     """This rank's piece, of `shape`, of parameter `name`: full_value(name, full shape) (model.init_tensor
     from a seed, or a tensor of a full state dict) cut as apply_tensor_parallel cut the model."""
-    dim, size = getattr(model, "tp_placement", {}).get(name, (None, None))
+    dim, size = model.tp_placement.get(name, (None, None))
     full_shape = list(shape)
     if dim is not None:
         full_shape[dim] = size
@@ -1117,7 +1116,7 @@ def unit_of(name: str) -> str:
 def unit_modules(model: M.Transformer) -> list[tuple[str, list[nn.Module]]]:
     """This stage's units in forward order, each with the modules that run it: a block compiled by
     --compile runs as its compiled wrapper in training and as itself in evaluation and generation."""
-    compiled = getattr(model, "compiled_blocks", {})
+    compiled = model.compiled_blocks
     out = [("tok_embeddings", [model.tok_embeddings])]
     out += [(f"layers.{k}", [block] + ([compiled[k]] if k in compiled else [])) for k, block in
             model.layers.items()]
@@ -1139,59 +1138,48 @@ def hook_unit(modules: list[nn.Module], before=None, after=None):
                 lambda m, args, out: None if torch.compiler.is_compiling() else after(out))
 
 
+def buckets_of(numel: int, dp: int, bucket_mb: float) -> list[tuple[int, int]]:
+    """[lo, hi) spans of about bucket_mb of fp32 each, multiples of dp. The flat buffer holds parameters in
+    reverse model order, so it fills front to back during backward; a small first bucket (1 MB, as DDP's)
+    starts communication as early as possible."""
+    buckets, lo = [], 0
+    size = lambda mb: max(dp, int(mb * 2 ** 20 / 4) // dp * dp)
+    while lo < numel:
+        hi = min(lo + size(min(1.0, bucket_mb) if not buckets else bucket_mb), numel)
+        buckets.append((lo, hi))
+        lo = hi
+    return buckets
+
+
 class GradSync:
-    """Phase 5 of the step. The optimizer's flat fp32 gradient buffer is cut into buckets of about
-    bucket_mb. During the last micro-batch's backward (enabled by start()), each parameter's
-    post-accumulate hook counts down the buckets it touches; a bucket whose gradients are all complete is
-    reduced at once, asynchronously, while backward goes on computing earlier layers. finish() waits.
-
-    Plain DP all-reduces each bucket (SUM: the loss is already divided by the global target count, so the
-    sum is the mean gradient). ZeRO-1 reduce-scatters it instead: dp rank r receives the summed r-th piece
-    of every bucket, keeps optimizer state for those pieces only, updates them, and all_gather_params()
-    brings every rank's updated pieces back into the model's flat weights, overlapped with the next forward
-    (prefetch_into). Bucket lengths are multiples of dp, so every piece has the same size.
-
-    ZeRO-2 also shards the gradients: the optimizer keeps only this rank's pieces of the fp32 gradient
-    buffer, so there is nowhere to accumulate whole gradients over micro-batches. Each parameter's fresh
-    gradient goes instead into a staging buffer for its bucket (_stage), every micro-batch; a full bucket
-    is reduce-scattered at once and its summed piece added into this rank's shard (_land). Memory: 1/dp of
-    the gradients plus a few buckets in flight; traffic: one reduce-scatter per micro-batch.
+    """Phase 5 of the step, plain data parallelism (and a single replica, which sends nothing): the
+    optimizer's flat fp32 gradient buffer is cut into buckets of about bucket_mb, each all-reduced over dp
+    (SUM: the loss is already divided by the global target count, so the sum is the mean gradient). During
+    the last micro-batch's backward (enabled by start()), each parameter's post-accumulate hook counts down
+    the buckets it touches; a bucket whose gradients are all complete is reduced at once, asynchronously,
+    while backward goes on computing earlier layers. finish() waits. grad_sync() picks this class or one
+    of ZeRO's (ZeRO1Sync, ZeRO2Sync, ZeRO3Sync), which change what a bucket's reduction does.
 
     Under context parallelism "dp" here means dp_cp, every rank holding the same weights: the cp ranks of a
     replica saw different tokens of the same sequences, so their gradients are partial sums, added up
     exactly like the replicas' (and ZeRO shards over all dp x cp of them, as Megatron-LM does).
 
-    Overlap and order. Every collective here is asynchronous (gloo: its own threads; NCCL: its own CUDA
-    stream), and nothing waits for one before the results are needed: a bucket's reduction is launched the
-    moment its last gradient lands, while autograd goes on with earlier layers, and waited for in finish();
-    an all-gather is launched after the optimizer step and waited for when the first module using it
-    starts its forward. Collectives must match across ranks: every rank launches the same buckets in the
-    same order, because the order is fixed by the model, not by timing -- each rank runs the same backward
-    graph, and a bucket completes when its last parameter's gradient is accumulated, which is the same
-    parameter on every rank (tests/test_parallel.py records the order and the overlap)."""
+    Every collective here is asynchronous, and nothing waits for one before its result is needed. Every rank
+    launches the same buckets in the same order (they must match): the order is fixed by the model, not by
+    timing, as a bucket completes when its last parameter's gradient is accumulated, the same parameter
+    on every rank (tests/test_parallel.py records the order and the overlap)."""
+    sharded = False  # ZeRO: the optimizer reads only its pieces of the gradient, packed (grad_of)
+    weights = None  # ZeRO-3's unit weights, gathered when used
 
-    def __init__(self, opt, mesh: Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()):
-        self.opt, self.mesh, self.zero = opt, mesh, zero
+    def __init__(self, opt, mesh: Mesh, bucket_mb: float = 25.0, partial_tp: list[int] = ()):
+        self.opt, self.mesh = opt, mesh
         self.dim = mesh.grad_dim  # dp, or dp x cp: the ranks whose gradients are summed
         self.partial_tp = list(partial_tp)  # params whose gradient is a partial sum over tp (SP norms)
         dp = mesh.dp_cp
         if opt.numel % dp:
             raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp "
                              f"{dp}")
-        # The flat buffer holds parameters in reverse model order, so it fills front to back during
-        # backward. A small first bucket (1 MB, as DDP does) starts communication as early as possible.
-        # ZeRO-3 gathers weights a unit at a time, so there a bucket is one unit (AdamW's unit_of).
-        size = lambda mb: max(dp, int(mb * 2 ** 20 / 4) // dp * dp)
-        self.buckets, lo = [], 0
-        while lo < opt.numel and zero < 3:
-            hi = min(lo + size(min(1.0, bucket_mb) if not self.buckets else bucket_mb), opt.numel)
-            self.buckets.append((lo, hi))
-            lo = hi
-        if zero == 3:
-            if not opt.units or opt.units[-1][1] != opt.numel:
-                raise ValueError("ZeRO-3 needs an optimizer whose parameters are laid out by unit "
-                                 "(AdamW(..., unit_of=parallel.unit_of))")
-            self.buckets = list(opt.units)
+        self.buckets = self.make_buckets(bucket_mb)
         self.param_buckets = []  # for each param index, the buckets it overlaps
         self.expected = [0] * len(self.buckets)
         for i, p in enumerate(opt.params):
@@ -1200,52 +1188,31 @@ class GradSync:
             self.param_buckets.append(bs)
             for b in bs:
                 self.expected[b] += 1
-        self.enabled, self.handles, self.pending, self.gathers = False, {}, list(self.expected), {}
-        self.staging, self.in_flight = {}, []  # ZeRO-2: buckets filling; reduce-scatters not waited for yet
+        self.enabled, self.handles, self.pending = False, {}, list(self.expected)
         # this dp rank's piece of every bucket: its shard under ZeRO, its share of the gradient norm always
         r = mesh.dp_cp_rank
         self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
             [(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets]
         self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
                              for b in range(len(self.buckets))]
-        self.zero2 = zero >= 2 and dp > 1
-        self.sharded = zero and dp > 1  # the optimizer reads its gradient from its pieces, packed (grad_of)
-        self.weights = None  # ZeRO-3's unit weights, gathered when used
-        if zero == 3 and dp > 1:  # the parameters move into unit buffers before the model copy is sharded
-            self.weights = ShardedWeights(opt, mesh, self.buckets, self.piece_starts)
-        if zero and dp > 1:
-            opt.shard(self.norm_ranges, grads=self.zero2, weights=self.weights is not None)
-        if self.weights is not None:
-            self.weights.free_all()
-        elif opt.ranges is None:  # an optimizer built with allocate_state=False: without ZeRO it owns all
-            opt.shard([(0, opt.numel)])
-        # ZeRO-1/2 all-gather the updated weights one unit at a time, in forward order
-        self.gather_groups = self.unit_buckets() if self.sharded and zero < 3 else []
-        self.group_of = {b: g for g, bs in enumerate(self.gather_groups) for b in bs}
+        self.own()
         opt.on_grad_ready = self._on_grad_ready
 
-    def unit_buckets(self) -> list[list[int]]:
-        """The buckets each unit's forward needs (unit_of), units in forward order, a bucket shared by two
-        units listed under the first."""
-        per_unit = {}  # in the flat buffer's order: reverse model order
-        for i, name in enumerate(self.opt.names):
-            per_unit.setdefault(unit_of(name), set()).update(self.param_buckets[i])
-        groups, seen = [], set()
-        for unit in reversed(list(per_unit)):
-            if per_unit[unit] - seen:
-                groups.append(sorted(per_unit[unit] - seen, reverse=True))
-                seen |= per_unit[unit]
-        return groups
+    def make_buckets(self, bucket_mb: float) -> list[tuple[int, int]]:
+        return buckets_of(self.opt.numel, self.mesh.dp_cp, bucket_mb)
+
+    def own(self):
+        """Without ZeRO the optimizer keeps state for the whole flat buffer (built with allocate_state=False,
+        it has none yet)."""
+        if self.opt.ranges is None:
+            self.opt.shard([(0, self.opt.numel)])
 
     def start(self):
         """Call before the backward of the last micro-batch: only then are gradients complete."""
-        if not self.zero2:  # (ZeRO-2 reduces every micro-batch's gradients)
-            self.enabled = self.mesh.dp_cp > 1
-            self.pending = list(self.expected)
+        self.enabled = self.mesh.dp_cp > 1
+        self.pending = list(self.expected)
 
     def _on_grad_ready(self, i: int):
-        if self.zero2:
-            return self._stage(i)  # every micro-batch's gradients are reduced as they come
         if not self.enabled:
             return  # an accumulation micro-step: nothing is sent
         for b in self.param_buckets[i]:
@@ -1253,63 +1220,20 @@ class GradSync:
             if self.pending[b] == 0:
                 self._launch(b)
 
-    def _stage(self, i: int):
-        """ZeRO-2: parameter i's fresh gradient into the staging buffer of each bucket it lies in (made when
-        first needed: no full-length gradient buffer exists); a bucket whose gradients are all in is
-        reduce-scattered at once, and the oldest reduce-scatters are waited for when more than two are in
-        flight, so staging never holds more than a few buckets."""
-        p, lo = self.opt.params[i], self.opt.offsets[i]
-        g = p.grad.reshape(-1)
-        p.grad = None  # its values now live in the staging buffers
-        for b in self.param_buckets[i]:
-            blo, bhi = self.buckets[b]
-            a, c = max(lo, blo), min(lo + g.numel(), bhi)
-            if b not in self.staging:
-                self.staging[b] = torch.zeros(bhi - blo, device=g.device)
-            self.staging[b][a - blo:c - blo] += g[a - lo:c - lo]
-            self.pending[b] -= 1
-            if self.pending[b] == 0:
-                self._launch(b)
-
-    def _land(self):
-        """ZeRO-2: wait for the oldest reduce-scatter in flight; add its summed piece into this rank's
-        gradient shard."""
-        b, handle, piece, _ = self.in_flight.pop(0)
-        handle.wait()
-        self.opt.grad[self.piece_starts[b]:self.piece_starts[b] + piece.numel()] += piece
-
     def _launch(self, b: int):
         lo, hi = self.buckets[b]
-        if self.zero2:
-            self.pending[b] = self.expected[b]  # the next micro-batch counts afresh
-            while len(self.in_flight) >= 2:
-                self._land()
-            staged = self.staging.pop(b)
-            piece = staged.new_empty((hi - lo) // self.mesh.dp_cp)
-            handle = reduce_scatter(piece, staged, self.mesh, self.dim, async_op=True)
-            self.in_flight.append((b, handle, piece, staged))  # staged: alive until the op is done
-            if self.weights is not None:
-                self.weights.after_backward(b)  # ZeRO-3: its backward is done with the unit's weights
-        elif self.zero:  # straight into this rank's piece of the packed gradient the optimizer reads
-            piece = self.opt.grad_shard[self.piece_starts[b]:self.piece_starts[b] + (hi - lo) // self.mesh.dp_cp]
-            self.handles[b] = reduce_scatter(piece, self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
-        else:
-            self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
+        self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
 
     def finish(self):
-        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient, or under
-        ZeRO-2 any still staged), then make the SP-partial gradients whole by summing them over tp. (First,
-        any all-gather of the last step's weights that no forward waited for: the step about to come
-        rewrites what it reads.)"""
+        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient), then
+        make the SP-partial gradients whole by summing them over tp. (First, any all-gather of the last
+        step's weights that no forward waited for: the step about to come rewrites what it reads.)"""
         self.wait_params()
-        if self.zero2:  # buckets some of whose parameters got no gradient, then every one still in flight
-            for b in sorted(self.staging):
-                self._launch(b)
-            while self.in_flight:
-                self._land()
-            self.pending = list(self.expected)
-            if self.weights is not None:
-                self.weights.free_all()
+        self.reduce_all()
+        if self.partial_tp and self.mesh.tp > 1:
+            self.sum_over_tp(self.partial_grads())
+
+    def reduce_all(self):
         if self.enabled:
             for b in range(len(self.buckets)):
                 if b not in self.handles:
@@ -1317,9 +1241,10 @@ class GradSync:
             for b in sorted(self.handles):
                 self.handles[b].wait()
             self.handles, self.enabled = {}, False
-        if self.partial_tp and self.mesh.tp > 1:  # (without ZeRO every rank applies all the gradients)
-            self.sum_over_tp(self.parts_in_pieces(self.partial_tp) if self.sharded else
-                             [self.opt.grad_view(i) for i in self.partial_tp])
+
+    def partial_grads(self) -> list[torch.Tensor]:
+        """The SP-partial gradients to sum over tp: whole, as every replica applies all the gradients."""
+        return [self.opt.grad_view(i) for i in self.partial_tp]
 
     def sum_over_tp(self, grads: list[torch.Tensor]):
         """Sum these gradients over tp in one all-reduce (flattened together, then copied back), not one
@@ -1339,22 +1264,76 @@ class GradSync:
         return parts
 
     def grad_of(self, lo: int, hi: int) -> torch.Tensor:
-        """The gradient the optimizer reads at flat positions [lo, hi): a slice of the full-length buffer,
-        or under ZeRO of the packed pieces it owns (opt.grad_shard), where [lo, hi) must lie inside one of
-        them (norm_ranges)."""
-        if not self.sharded:
-            return self.opt.grad[lo:hi]
+        """The gradient the optimizer reads at flat positions [lo, hi)."""
+        return self.opt.grad[lo:hi]
+
+    def all_gather_params(self):
+        """Nothing to gather: every replica updated every weight itself."""
+
+    def wait_params(self, buckets=None):
+        """Nothing in flight (ZeRO1Sync's all-gathers)."""
+
+    def prefetch_into(self, model):
+        """Nothing to wait for at a unit's forward (ZeRO1Sync's)."""
+
+    def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
+        """Full-length master / moment buffers for a checkpoint: every replica holds them."""
+        return self.opt.full_state()
+
+
+class ZeRO1Sync(GradSync):
+    """ZeRO-1 (Rajbhandari et al. 2020): each bucket is reduce-scattered instead of all-reduced. dp rank r
+    receives the summed r-th piece of every bucket, straight into the packed gradient its optimizer reads
+    (opt.grad_shard), keeps optimizer state for those pieces only and updates them into the model copy's
+    owned ranges; all_gather_params() then brings every rank's updated pieces into every rank's weights,
+    in place, one collective per unit, each waited for when that unit's forward starts (prefetch_into), so
+    the later layers' weights arrive while the earlier ones compute. Bucket lengths are multiples of dp, so
+    every piece has the same size."""
+    sharded = True
+
+    def own(self):
+        self.opt.shard(self.norm_ranges)
+        self.plan_gathers()
+
+    def plan_gathers(self):
+        """The all-gathers of the updated weights: one per unit, in forward order (unit_buckets)."""
+        self.gathers, self.gather_groups = {}, self.unit_buckets()
+        self.group_of = {b: g for g, bs in enumerate(self.gather_groups) for b in bs}
+
+    def unit_buckets(self) -> list[list[int]]:
+        """The buckets each unit's forward needs (unit_of), units in forward order, a bucket shared by two
+        units listed under the first."""
+        per_unit = {}  # in the flat buffer's order: reverse model order
+        for i, name in enumerate(self.opt.names):
+            per_unit.setdefault(unit_of(name), set()).update(self.param_buckets[i])
+        groups, seen = [], set()
+        for unit in reversed(list(per_unit)):
+            if per_unit[unit] - seen:
+                groups.append(sorted(per_unit[unit] - seen, reverse=True))
+                seen |= per_unit[unit]
+        return groups
+
+    def _launch(self, b: int):  # straight into this rank's piece of the packed gradient the optimizer reads
+        lo, hi = self.buckets[b]
+        piece = self.opt.grad_shard[self.piece_starts[b]:self.piece_starts[b] + (hi - lo) // self.mesh.dp_cp]
+        self.handles[b] = reduce_scatter(piece, self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
+
+    def partial_grads(self) -> list[torch.Tensor]:
+        return self.parts_in_pieces(self.partial_tp)  # the parts this rank applies
+
+    def grad_of(self, lo: int, hi: int) -> torch.Tensor:
+        """The gradient the optimizer reads at flat positions [lo, hi), in the packed pieces it owns
+        (opt.grad_shard), where [lo, hi) must lie inside one of them (norm_ranges)."""
         for b, (rlo, rhi) in enumerate(self.norm_ranges):
             if rlo <= lo and hi <= rhi:
                 return self.opt.grad_shard[self.piece_starts[b] + lo - rlo:self.piece_starts[b] + hi - rlo]
         raise ValueError(f"flat positions [{lo}, {hi}) are not in one of this rank's pieces")
 
     def all_gather_params(self):
-        """ZeRO-1/2, after the optimizer step: every rank's updated pieces -> every rank's model weights, in
-        place (each rank's piece is already where the gathered bucket puts it, as NCCL's in-place all-gather
-        wants), one collective per unit (all_gather_many), launched without waiting, the first layers first.
-        Each is waited for by wait_params, when the forward first needs it. (ZeRO-3 gathers each unit's
-        weights when its forward starts.)"""
+        """After the optimizer step: every rank's updated pieces -> every rank's model weights, in place
+        (each rank's piece is already where the gathered bucket puts it, as NCCL's in-place all-gather
+        wants), one collective per unit (all_gather_many), launched without waiting, the first layers
+        first."""
         flat, dp, r = self.opt.model_flat, self.mesh.dp_cp, self.mesh.dp_cp_rank
         for g, group in enumerate(self.gather_groups):
             spans = [self.buckets[b] for b in group]
@@ -1369,27 +1348,19 @@ class GradSync:
                 self.gathers.pop(g).wait()
 
     def prefetch_into(self, model):
-        """ZeRO-1 and 2: make each unit of the model (the embedding, each block, the final norm, the head)
-        wait, as its forward starts, for the buckets its parameters lie in. The all-gathers of later layers
-        then run while earlier layers compute. ZeRO-3: each unit gathers its weights itself
-        (ShardedWeights.attach). A block compiled by --compile is hooked as itself and as its compiled
-        wrapper (hook_unit)."""
-        if not (self.zero and self.mesh.dp_cp > 1):
-            return
-        if self.weights is not None:
-            return self.weights.attach(model)
+        """Make each unit of the model (the embedding, each block, the final norm, the head) wait, as its
+        forward starts, for the buckets its parameters lie in. A block compiled by --compile is hooked as
+        itself and as its compiled wrapper (hook_unit)."""
         for unit, modules in unit_modules(model):
             buckets = sorted({b for p in modules[0].parameters() for b in self.param_buckets[
                 self.opt.index_of(p)]})
             hook_unit(modules, before=lambda buckets=buckets: self.wait_params(buckets))
 
     def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
-        """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None on the others). Under
-        ZeRO-1 they are assembled one bucket at a time in host memory: the dp ranks all-gather their pieces
-        of a bucket into a bucket-sized device buffer, which dp rank 0 copies out, so no device ever holds
-        the unsharded state that ZeRO-1 exists to avoid."""
-        if not (self.zero and self.mesh.dp_cp > 1):
-            return self.opt.full_state()
+        """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None on the others),
+        assembled one bucket at a time in host memory: the dp ranks all-gather their pieces of a bucket into
+        a bucket-sized device buffer, which dp rank 0 copies out, so no device ever holds the unsharded
+        state that ZeRO exists to avoid."""
         dp, keep = self.mesh.dp_cp, self.mesh.dp_cp_rank == 0
         keys = ("master", "exp_avg", "exp_avg_sq")
         out = {key: torch.empty(self.opt.numel) for key in keys} if keep else None
@@ -1403,6 +1374,107 @@ class GradSync:
                     out[key][lo:hi].copy_(buf[:hi - lo])
             c += piece
         return out
+
+
+class ZeRO2Sync(ZeRO1Sync):
+    """ZeRO-2 also shards the gradients: the optimizer keeps only this rank's pieces of the fp32 gradient
+    buffer, so there is nowhere to accumulate whole gradients over micro-batches. Each parameter's fresh
+    gradient goes instead into a staging buffer for its bucket (_stage), every micro-batch; a full bucket
+    is reduce-scattered at once and its summed piece added into this rank's shard (_land). Memory: 1/dp of
+    the gradients plus a few buckets in flight; traffic: one reduce-scatter per micro-batch."""
+
+    def own(self):
+        self.opt.shard(self.norm_ranges, grads=True)
+        self.staging, self.in_flight = {}, []  # buckets filling; reduce-scatters not waited for yet
+        self.plan_gathers()
+
+    def start(self):
+        """Nothing to enable: every micro-batch's gradients are reduced as they come."""
+
+    def _on_grad_ready(self, i: int):
+        """Parameter i's fresh gradient into the staging buffer of each bucket it lies in (made when first
+        needed: no full-length gradient buffer exists); a bucket whose gradients are all in is
+        reduce-scattered at once."""
+        p, lo = self.opt.params[i], self.opt.offsets[i]
+        g = p.grad.reshape(-1)
+        p.grad = None  # its values now live in the staging buffers
+        for b in self.param_buckets[i]:
+            blo, bhi = self.buckets[b]
+            a, c = max(lo, blo), min(lo + g.numel(), bhi)
+            if b not in self.staging:
+                self.staging[b] = torch.zeros(bhi - blo, device=g.device)
+            self.staging[b][a - blo:c - blo] += g[a - lo:c - lo]
+            self.pending[b] -= 1
+            if self.pending[b] == 0:
+                self._launch(b)
+
+    def _launch(self, b: int):
+        """Reduce-scatter a staged bucket; the oldest reduce-scatters are waited for when more than two are
+        in flight, so staging never holds more than a few buckets."""
+        lo, hi = self.buckets[b]
+        self.pending[b] = self.expected[b]  # the next micro-batch counts afresh
+        while len(self.in_flight) >= 2:
+            self._land()
+        staged = self.staging.pop(b)
+        piece = staged.new_empty((hi - lo) // self.mesh.dp_cp)
+        handle = reduce_scatter(piece, staged, self.mesh, self.dim, async_op=True)
+        self.in_flight.append((b, handle, piece, staged))  # staged: alive until the op is done
+
+    def _land(self):
+        """Wait for the oldest reduce-scatter in flight; add its summed piece into this rank's shard."""
+        b, handle, piece, _ = self.in_flight.pop(0)
+        handle.wait()
+        self.opt.grad[self.piece_starts[b]:self.piece_starts[b] + piece.numel()] += piece
+
+    def reduce_all(self):
+        """Buckets some of whose parameters got no gradient, then every one still in flight."""
+        for b in sorted(self.staging):
+            self._launch(b)
+        while self.in_flight:
+            self._land()
+        self.pending = list(self.expected)
+
+
+class ZeRO3Sync(ZeRO2Sync):
+    """ZeRO-3 (what FSDP calls full sharding) shards the weights too (ShardedWeights): each bucket is one
+    unit (the embedding, a block, the final norm, the head: AdamW's unit_of layout), gathered whole just
+    before its forward and its backward and released after; its gradients are staged and reduce-scattered
+    as ZeRO-2's, the unit's weights released as soon as its backward is done with them."""
+
+    def make_buckets(self, bucket_mb: float) -> list[tuple[int, int]]:
+        if not self.opt.units or self.opt.units[-1][1] != self.opt.numel:
+            raise ValueError("ZeRO-3 needs an optimizer whose parameters are laid out by unit "
+                             "(AdamW(..., unit_of=parallel.unit_of))")
+        return list(self.opt.units)
+
+    def own(self):  # the parameters move into unit buffers before the model copy is sharded
+        self.weights = ShardedWeights(self.opt, self.mesh, self.buckets, self.piece_starts)
+        self.opt.shard(self.norm_ranges, grads=True, weights=True)
+        self.weights.free_all()
+        self.staging, self.in_flight = {}, []
+        self.gathers, self.gather_groups, self.group_of = {}, [], {}  # (each unit gathers for itself)
+
+    def _launch(self, b: int):
+        super()._launch(b)
+        self.weights.after_backward(b)  # its backward is done with the unit's weights
+
+    def reduce_all(self):
+        super().reduce_all()
+        self.weights.free_all()
+
+    def all_gather_params(self):
+        """Nothing here: each unit gathers its weights when its forward starts."""
+
+    def prefetch_into(self, model):
+        self.weights.attach(model)
+
+
+def grad_sync(opt, mesh: Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()) -> GradSync:
+    """Phase 5 for ZeRO stage `zero`: plain all-reduce without ZeRO, or over a single replica (which sends
+    nothing and keeps everything), else ZeRO1Sync, ZeRO2Sync or ZeRO3Sync."""
+    if zero == 0 or mesh.dp_cp == 1:
+        return GradSync(opt, mesh, bucket_mb, partial_tp)
+    return (ZeRO1Sync, ZeRO2Sync, ZeRO3Sync)[zero - 1](opt, mesh, bucket_mb, partial_tp)
 
 
 class ShardedWeights:
@@ -1512,7 +1584,7 @@ def grad_sq(sync: GradSync, model) -> torch.Tensor:
     parameters replicated across tp (norm weights) by tp rank 0 only."""
     opt, mesh, replicated = sync.opt, sync.mesh, []
     if mesh.tp > 1 and mesh.tp_rank > 0:
-        placement = getattr(model, "tp_placement", {})
+        placement = model.tp_placement
         replicated = sync.parts_in_pieces([i for i, name in enumerate(opt.names) if name not in placement])
     # one foreach norm over every piece, however many buckets: each piece's norm, squared, summed
     pieces = [sync.grad_of(lo, hi) for lo, hi in sync.norm_ranges]

@@ -884,7 +884,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
                       unit_of=P.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
                       initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
         sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
-        sync = P.GradSync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)  # (lazy: values now)
+        sync = P.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)  # (lazy: values now)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
     scaler = O.LossScaler() if spec.precision == "fp16" else None

@@ -219,7 +219,7 @@ def zero3_build(margs, dtype, dp: int, lazy: bool):
     initial = train.initial_values(model, margs, None, args, mesh) if lazy else None
     opt = O.AdamW(model.named_parameters(), pad_to=dp, allocate_state=False, full_grad=False,
                   unit_of=P.unit_of, initial=initial)
-    P.GradSync(opt, mesh, zero=3)
+    P.grad_sync(opt, mesh, zero=3)
     return opt
 
 

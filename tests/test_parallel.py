@@ -644,7 +644,7 @@ def _timeline(out_file, zero):
                        max_seq_len=16)
     model = M.Transformer(args)
     opt = O.AdamW(model.named_parameters(), pad_to=mesh.dp)
-    sync = P.GradSync(opt, mesh, bucket_mb=0.01, zero=zero)  # 2,600 floats a bucket: one or two per block
+    sync = P.grad_sync(opt, mesh, bucket_mb=0.01, zero=zero)  # 2,600 floats a bucket: one or two per block
     sync.prefetch_into(model)  # before the recording hooks below: a block's wait comes before its start
     events = []
     for name in ("all_reduce", "reduce_scatter", "all_gather", "all_gather_many"):
@@ -735,7 +735,7 @@ def _step_ops(out_file):
             kw = dict(allocate_state=False, full_grad=zero < 2) if zero else {}
             opt = O.AdamW(model.named_parameters(), pad_to=mesh.dp, unit_of=P.unit_of if zero == 3 else None,
                           **kw)
-            sync = P.GradSync(opt, mesh, bucket_mb=bucket_mb, zero=zero)
+            sync = P.grad_sync(opt, mesh, bucket_mb=bucket_mb, zero=zero)
             sync.prefetch_into(model)
             x, y = torch.randint(0, 64, (2, 2, 16))
             for _ in range(2):  # the second step is counted
@@ -795,7 +795,7 @@ def _zero3_against_unsharded(out_file, tied, act_ckpt, compiled):
     model.act_ckpt = ref.act_ckpt = act_ckpt
     build = lambda m, **kw: O.AdamW(m.named_parameters(), lr=1e-2, pad_to=mesh.dp, unit_of=P.unit_of, **kw)
     opt, ref_opt = build(model, allocate_state=False, full_grad=False), build(ref)
-    sync = P.GradSync(opt, mesh, zero=3)
+    sync = P.grad_sync(opt, mesh, zero=3)
     if compiled:
         train.compile_blocks(model, backend="eager")  # torch.compile's tracing, without code generation
     sync.prefetch_into(model)
