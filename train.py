@@ -1175,6 +1175,14 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on CUDA, fp32 elsewhere")
+    add_memory_and_speed_flags(p)
+    add_parallel_flags(p)
+    add_run_flags(p)
+    return p
+
+
+def add_memory_and_speed_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("memory and speed")
     g.add_argument("--act-ckpt", nargs="?", const="full", default=None, choices=["full", "selective"],
                    help="activation checkpointing: full (the flag alone) recomputes each block in backward; "
                         "selective keeps its matmuls' and attention's outputs and recomputes only the "
@@ -1187,9 +1195,6 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-chunk", type=int, default=1024,
                    help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
                         "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
-    add_parallel_flags(p)
-    add_run_flags(p)
-    return p
 
 
 def add_parallel_flags(p: argparse.ArgumentParser):
