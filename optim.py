@@ -7,7 +7,8 @@ How the pieces connect:
     buffer of their own dtype: in fp32 that buffer *is* the master, in bf16/fp16 it is a low-precision copy
     refreshed after every step with one `copy_`. Flat buffers make the update a handful of vectorized ops,
     make gradient buckets for data parallelism plain slices (parallel.py), and let ZeRO-1 shard the
-    optimizer state by cutting ranges.
+    optimizer state by cutting ranges. FlatParams holds the layout and the buffers of the model's side;
+    AdamW, built on it, the state and the update.
   - Gradients: fp32 parameters' `.grad` are views into the fp32 gradient buffer, so autograd accumulates
     there in place; for bf16/fp16 parameters a post-accumulate hook adds each fresh `.grad` into the fp32
     buffer and frees it, so micro-batch accumulation happens in fp32 even when compute is bf16.
@@ -53,36 +54,23 @@ def decays(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2 and "tok_embeddings" not in name
 
 
-class AdamW:
-    """AdamW over flat fp32 buffers; the model's parameters (any dtype) are views into a flat buffer.
+class FlatParams:
+    """A model's parameters (any dtype) as views into one flat buffer, and their gradients as views into one
+    flat fp32 buffer: the storage AdamW updates, and whose slices data parallelism reduces (parallel.py).
 
     Build it after the model is on its device and in its training dtype: that is the storage it takes over.
-    `pad_to` rounds the flat length up, times 16 (ZeRO-1 cuts buckets into dp equal pieces). `shard(ranges)` makes
-    this rank own, and keep optimizer state for, only those [lo, hi) ranges of the flat buffers (ZeRO-1);
-    by default it owns everything. Under ZeRO-1 pass `allocate_state=False` and let shard() allocate: the
-    full-length state (12 bytes per parameter: master, m and v) would otherwise exist on every rank for a
-    moment, which is exactly the memory ZeRO-1 is there to save. A rank that owns a part reads its gradient
-    from `grad_shard` (the owned ranges, packed; parallel.py's reduce-scatters write it) and writes its
-    updated weights into the owned ranges of the model copy, whence parallel.py all-gathers them into
-    every rank's; the step is the same few launches whatever the ranges. ZeRO-2 also
-    shards the gradient buffer (`full_grad=False`, then `shard(ranges, grads=True)`): each parameter's fresh
-    gradient then goes only to `on_grad_ready`, which reduces it into the owned pieces (parallel.py).
-    ZeRO-3 shards the model's own copy too (`shard(ranges, grads=True, weights=True)`): `model_flat` is then
-    compact, and parallel.py gathers each unit's weights when they are used. `unit_of` (ZeRO-3) lays out
-    the parameters of one unit (a block, say) together and pads each unit's span to a multiple of 16 pad_to,
-    so that every unit is one bucket with equal pieces. With `initial` (ZeRO-3 at scale) the parameters
-    hold no values yet (parallel.materialize_empty) and no full-length model copy is ever made:
-    initial(name, shape) is a parameter's value, read only where it overlaps the owned ranges, when
-    shard(weights=True) fills the compact copy.
-    """
+    Parameters are laid out in reverse model order, the flat length padded to a multiple of 16 pad_to
+    (parallel.py cuts buckets into dp equal pieces). full_grad=False (ZeRO-2): no full-length gradient
+    buffer; each parameter's fresh gradient goes only to `on_grad_ready`. `unit_of` (ZeRO-3) lays out the
+    parameters of one unit (a block, say) together and pads each unit's span to a multiple of 16 pad_to.
+    With `initial` (ZeRO-3 at scale) the parameters hold no values yet (parallel.materialize_empty) and no
+    full-length model copy is ever made. `ranges`: the [lo, hi) ranges of the flat buffers this rank owns
+    (None until AdamW.shard)."""
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
-                 allocate_state: bool = True, full_grad: bool = True,
-                 unit_of: Callable[[str], str] | None = None,
+                 full_grad: bool = True, unit_of: Callable[[str], str] | None = None,
                  initial: Callable[[str, torch.Size], torch.Tensor] | None = None):
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         uniq, seen = [], set()
         for name, p in named_params:
             if p.requires_grad and id(p) not in seen:  # a tied weight appears once, under its first name
@@ -101,7 +89,6 @@ class AdamW:
         self.lay_out(uniq, decide, VECTOR * pad_to, unit_of)
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
-        self.step_count = 0
         # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces, see shard) and
         # the model's own copy of the weights.
         self.grads_sharded, self.weights_sharded = not full_grad, False
@@ -120,9 +107,7 @@ class AdamW:
             if p.dtype == torch.float32 and full_grad:
                 p.grad = self.grad_view(i)  # ... and so does its gradient (no copy after each backward)
             p.register_post_accumulate_grad_hook(self._make_hook(i))
-        self.ranges, self.master = None, None  # no state until shard() says what this rank owns
-        if allocate_state:
-            self.shard([(0, self.numel)])
+        self.ranges = None  # what this rank owns: AdamW.shard says
 
     def lay_out(self, uniq: list, decide, pad_to: int, unit_of):
         """Where each parameter lives in the flat buffers (offsets), which flat ranges decay, and with unit_of
@@ -144,6 +129,92 @@ class AdamW:
             if unit_of:
                 self.units[-1] = (self.units[-1][0], -(-off // pad_to) * pad_to)
         self.numel = -(-off // pad_to) * pad_to  # padding at the end: zero gradients, never read back
+
+    def index_of(self, p: torch.Tensor) -> int:
+        """Where parameter p is in self.params (and offsets, names)."""
+        return self._index[id(p)]
+
+    def pack(self, full: torch.Tensor, compact: torch.Tensor):
+        """Copy the owned ranges of a full-length tensor into a compact one (converting its dtype)."""
+        c = 0
+        for lo, hi in self.ranges:
+            compact[c:c + hi - lo].copy_(full[lo:hi])
+            c += hi - lo
+
+    @torch.no_grad()
+    def fill(self, compact: torch.Tensor):
+        """The owned ranges of the model copy, from initial(name, shape): one parameter's value at a time,
+        and only the parameters that overlap an owned range."""
+        c = 0
+        for lo, hi in self.ranges:
+            for i, off in enumerate(self.offsets):
+                a, b = max(lo, off), min(hi, off + self.params[i].numel())
+                if a < b:
+                    value = self.initial(self.names[i], self.params[i].shape).reshape(-1)
+                    compact[c + a - lo:c + b - lo].copy_(value[a - off:b - off])
+            c += hi - lo
+
+    def unpack(self, compact: torch.Tensor, full: torch.Tensor):
+        """Write a compact tensor back into the owned ranges of a full-length one (converting its dtype): one
+        foreach copy, however many ranges."""
+        starts = [0]
+        for lo, hi in self.ranges:
+            starts.append(starts[-1] + hi - lo)
+        torch._foreach_copy_([full[lo:hi] for lo, hi in self.ranges],
+                             [compact[c:c + hi - lo] for c, (lo, hi) in zip(starts, self.ranges)])
+
+    def _load_range(self, compact: torch.Tensor, lo: int, values: torch.Tensor):
+        """Write `values`, which belong at flat positions [lo, lo + len), into the owned parts of them."""
+        hi, c = lo + values.numel(), 0
+        for rlo, rhi in self.ranges:
+            a, b = max(lo, rlo), min(hi, rhi)
+            if a < b:
+                compact[c + a - rlo:c + b - rlo].copy_(values[a - lo:b - lo])
+            c += rhi - rlo
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
+
+    def _make_hook(self, i: int):
+        view = None if self.grads_sharded else self.grad_view(i)  # made once, not per backward
+
+        def hook(p):
+            # fp32 parameters: .grad *is* the flat buffer's view and autograd accumulated into it in place.
+            # Otherwise (bf16/fp16, or someone replaced .grad): add it into the fp32 buffer. With sharded
+            # gradients (ZeRO-2) there is no such buffer: on_grad_ready takes p.grad.
+            if not self.grads_sharded and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.add_(p.grad)
+                p.grad = view if p.dtype == torch.float32 else None
+            if self.on_grad_ready is not None:
+                self.on_grad_ready(i)
+        return hook
+
+    def zero_grad(self):
+        self.grad.zero_()
+
+
+class AdamW(FlatParams):
+    """AdamW over the flat buffers of FlatParams: fp32 master weights and moments, one fused update.
+
+    `shard(ranges)` makes this rank own, and keep state for, only those ranges of the flat buffers (ZeRO);
+    by default it owns everything. Under ZeRO pass `allocate_state=False` and let shard() allocate, so the
+    full-length state (12 bytes per parameter: master, m and v) never exists on a rank even for a moment.
+    A rank that owns a part reads its gradient from `grad_shard` (packed; parallel.py's reduce-scatters
+    write it) and writes its updated weights into the owned ranges of the model copy, whence parallel.py
+    all-gathers them; shard(grads=True) (ZeRO-2) makes the gradient buffer compact, weights=True (ZeRO-3)
+    the model's copy too, filled from `initial` where there is one."""
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
+                 allocate_state: bool = True, full_grad: bool = True,
+                 unit_of: Callable[[str], str] | None = None,
+                 initial: Callable[[str, torch.Size], torch.Tensor] | None = None):
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        super().__init__(named_params, no_decay, pad_to, full_grad, unit_of, initial)
+        self.step_count, self.master = 0, None  # no state until shard() says what this rank owns
+        if allocate_state:
+            self.shard([(0, self.numel)])
 
     def shard(self, ranges: list[tuple[int, int]], grads: bool = False, weights: bool = False):
         """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
@@ -189,59 +260,6 @@ class AdamW:
                     self.decay_segments.append((c + a - lo, c + b - lo))
             c += hi - lo
         self._step = torch.zeros((), dtype=torch.float32, device=self.device)  # the fused kernel reads it
-
-    def index_of(self, p: torch.Tensor) -> int:
-        """Where parameter p is in self.params (and offsets, names)."""
-        return self._index[id(p)]
-
-    def pack(self, full: torch.Tensor, compact: torch.Tensor):
-        """Copy the owned ranges of a full-length tensor into a compact one (converting its dtype)."""
-        c = 0
-        for lo, hi in self.ranges:
-            compact[c:c + hi - lo].copy_(full[lo:hi])
-            c += hi - lo
-
-    @torch.no_grad()
-    def fill(self, compact: torch.Tensor):
-        """The owned ranges of the model copy, from initial(name, shape): one parameter's value at a time,
-        and only the parameters that overlap an owned range."""
-        c = 0
-        for lo, hi in self.ranges:
-            for i, off in enumerate(self.offsets):
-                a, b = max(lo, off), min(hi, off + self.params[i].numel())
-                if a < b:
-                    value = self.initial(self.names[i], self.params[i].shape).reshape(-1)
-                    compact[c + a - lo:c + b - lo].copy_(value[a - off:b - off])
-            c += hi - lo
-
-    def unpack(self, compact: torch.Tensor, full: torch.Tensor):
-        """Write a compact tensor back into the owned ranges of a full-length one (converting its dtype): one
-        foreach copy, however many ranges."""
-        starts = [0]
-        for lo, hi in self.ranges:
-            starts.append(starts[-1] + hi - lo)
-        torch._foreach_copy_([full[lo:hi] for lo, hi in self.ranges],
-                             [compact[c:c + hi - lo] for c, (lo, hi) in zip(starts, self.ranges)])
-
-    def grad_view(self, i: int) -> torch.Tensor:
-        return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
-
-    def _make_hook(self, i: int):
-        view = None if self.grads_sharded else self.grad_view(i)  # made once, not per backward
-
-        def hook(p):
-            # fp32 parameters: .grad *is* the flat buffer's view and autograd accumulated into it in place.
-            # Otherwise (bf16/fp16, or someone replaced .grad): add it into the fp32 buffer. With sharded
-            # gradients (ZeRO-2) there is no such buffer: on_grad_ready takes p.grad.
-            if not self.grads_sharded and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.add_(p.grad)
-                p.grad = view if p.dtype == torch.float32 else None
-            if self.on_grad_ready is not None:
-                self.on_grad_ready(i)
-        return hook
-
-    def zero_grad(self):
-        self.grad.zero_()
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines it across ranks)."""
@@ -326,14 +344,6 @@ class AdamW:
             else:
                 self.model_flat[lo:lo + n].copy_(entry["master"].reshape(-1))
 
-    def _load_range(self, compact: torch.Tensor, lo: int, values: torch.Tensor):
-        """Write `values`, which belong at flat positions [lo, lo + len), into the owned parts of them."""
-        hi, c = lo + values.numel(), 0
-        for rlo, rhi in self.ranges:
-            a, b = max(lo, rlo), min(hi, rhi)
-            if a < b:
-                compact[c + a - rlo:c + b - rlo].copy_(values[a - lo:b - lo])
-            c += rhi - rlo
 
 
 class LossScaler:
