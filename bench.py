@@ -4,8 +4,8 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
   python bench.py [--model mini --micro-batch 8 --seq-len 128 ...]      (or under torchrun with --tp/--pp)
       train.py's own loop, timed: tokens/s (total and per device), step time split into the seven phases
       (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against the device's
-      peak, peak memory beside parallel.memory_estimate, and bytes sent per step for tp, cp, pp and dp
-      beside parallel.comm_estimate.
+      peak, peak memory beside costs.memory_estimate, and bytes sent per step for tp, cp, pp and dp
+      beside costs.comm_estimate.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1;act_ckpt=selective"
       several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, cp,
       pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic, attn).
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import costs
 import model as M
 import optim as O
 import parallel as P
@@ -49,7 +50,7 @@ GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200"
 
 
 # ----------------------------------------------------------------------------------------------------
-# The plan: arithmetic only (parallel.memory_estimate and comm_estimate, model.flops_per_token)
+# The plan: arithmetic only (costs.memory_estimate and comm_estimate, model.flops_per_token)
 
 
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
@@ -69,15 +70,16 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
     flops_tok = M.flops_per_token(margs, seq_len)
-    memory = lambda z, ck: P.memory_estimate(margs, precision, micro_batch, seq_len, ck, tp, pp, dp, int(z),
-                                             sp, grad_accum, schedule, cp=cp, virtual=virtual,
-                                             loss_chunk=P.loss_chunk_used(loss_chunk, tokens_micro // cp, z))
+    layout = dict(tp=tp, pp=pp, dp=dp, sp=sp, grad_accum=grad_accum, cp=cp, virtual=virtual)
+    memory = lambda z, ck: costs.memory_estimate(
+        margs, precision, micro_batch, seq_len, act_ckpt=ck, zero=int(z), schedule=schedule, **layout,
+        loss_chunk=P.loss_chunk_used(loss_chunk, tokens_micro // cp, z))
     variants = {f"zero{z}_ckpt{ckpt_label(c)}": memory(z, c) for z in (0, 1, 2, 3)
                 for c in (False, "selective", "full")}
     chosen = variants[f"zero{int(zero)}_ckpt{ckpt_label(act_ckpt)}"]
-    comm = P.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt, tp, pp, dp, int(zero), sp,
-                           grad_accum, cp=cp, virtual=virtual)
-    peak = T.gpu_peak(gpu, precision)[0]
+    comm = costs.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt=act_ckpt, zero=int(zero),
+                               **layout)
+    peak = costs.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
     capacity = GPU_MEMORY_GB[gpu] * 1e9
     return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "cp": cp, "pp": pp, "dp": dp,
@@ -95,7 +97,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
 
 def ckpt_label(act_ckpt) -> str:
     """0, 1 (full) or sel: --act-ckpt in a table's column or a variant's name."""
-    return {None: "0", "full": "1", "selective": "sel"}[P.ckpt_mode(act_ckpt)]
+    return {None: "0", "full": "1", "selective": "sel"}[costs.ckpt_mode(act_ckpt)]
 
 
 def print_plan(r: dict):
@@ -114,7 +116,7 @@ def print_plan(r: dict):
                                  else ")"))
     zero = f"ZeRO-{int(r['zero'])}" if r["zero"] else "no ZeRO"
     print(f"  memory of the busiest GPU ({zero}, "
-          f"{ {None: 'no ', 'full': '', 'selective': 'selective '}[P.ckpt_mode(r['act_ckpt'])]}"
+          f"{ {None: 'no ', 'full': '', 'selective': 'selective '}[costs.ckpt_mode(r['act_ckpt'])]}"
           f"activation checkpointing, {'' if r['sp'] else 'no '}sequence parallelism): "
           + ", ".join(f"{k} {gb(v)}" for k, v in r["memory_per_gpu"].items() if v)
           + f" -> {'fits in' if r['fits'] else 'does NOT fit in'} {gb(r['gpu_memory_bytes'])} less a "
@@ -144,7 +146,7 @@ def train_args(a, **over) -> argparse.Namespace:
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir",
             tempfile.mkdtemp(prefix="bench-"),
             "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
-    ckpt = P.ckpt_mode(over.get("act_ckpt", a.act_ckpt))
+    ckpt = costs.ckpt_mode(over.get("act_ckpt", a.act_ckpt))
     argv += ["--act-ckpt", ckpt] if ckpt else []
     argv += ["--sp"] if over.get("sp", a.sp) else []
     argv += ["--compile"] if over.get("compile", a.compile) else []
@@ -195,7 +197,7 @@ def _in_collective(node) -> bool:
 def measure(a, timing: str = "phases", **over) -> dict:
     """One timed train.py run; phases and step time are medians over the steps after the warm-up. timing
     "phases" synchronizes the device after every phase to split the step; "steps" only at each step's end,
-    as a plain run does (train.PhaseTimer). Peak memory: the CUDA allocator's, or on a CPU the process's
+    as a plain run does (costs.PhaseTimer). Peak memory: the CUDA allocator's, or on a CPU the process's
     peak RSS, or with --memory-census the census of its tensors (cpu_census)."""
     args = train_args(a, **over)
     if torch.cuda.is_available():
@@ -206,10 +208,10 @@ def measure(a, timing: str = "phases", **over) -> dict:
         T.configure_process(args)  # as train.py's command line does: seeds, TF32, --deterministic
         train = lambda: T.train(args, time_phases=timing)
         if census:  # the device's peak FLOP/s measured outside the census: its matrices are not training's
-            T.peak_flops(*T.pick_device_and_precision(args))
+            costs.peak_flops(*T.pick_device_and_precision(args))
         run, peak = cpu_census(train) if census else (train(), None)
     mesh, margs = run.mesh, run.margs
-    peak = peak / 1e9 if census else T.peak_memory_gb(run.device)
+    peak = peak / 1e9 if census else costs.peak_memory_gb(run.device)
     peaks = P.all_gather_objects(peak, mesh) if mesh.world > 1 else [peak]
     ckpt = [s["7 checkpoint"] for s in run.phases if "7 checkpoint" in s]
     steps = [s for s in run.phases if "7 checkpoint" not in s][a.warmup_steps:]
@@ -218,13 +220,14 @@ def measure(a, timing: str = "phases", **over) -> dict:
     if ckpt:
         phases["7 checkpoint"] = ckpt[0]  # one save of model + optimizer state (not part of step_s)
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
-    peak, peak_src = T.peak_flops(run.device, run.precision)
+    peak, peak_src = costs.peak_flops(run.device, run.precision)
     flops = M.flops_per_token(margs, args.seq_len)
-    layout = (margs, run.precision, args.micro_batch, args.seq_len, args.act_ckpt, mesh.tp, mesh.pp, mesh.dp,
-              args.zero, mesh.sp)
-    est = P.memory_estimate(*layout, args.grad_accum, args.schedule, stage=mesh.pp_rank, cp=mesh.cp,
-                            bucket_mb=args.bucket_mb, loss_chunk=T.loss_chunk(args))
-    comm_est = P.comm_estimate(*layout, args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
+    shape = (margs, run.precision, args.micro_batch, args.seq_len)
+    layout = dict(act_ckpt=args.act_ckpt, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, zero=args.zero, sp=mesh.sp,
+                  grad_accum=args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
+    est = costs.memory_estimate(*shape, **layout, schedule=args.schedule, bucket_mb=args.bucket_mb,
+                                loss_chunk=T.loss_chunk(args))
+    comm_est = costs.comm_estimate(*shape, **layout)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
@@ -254,7 +257,7 @@ def logged_comm(out_dir) -> dict | None:
 def print_measurement(rows: list[dict], a):
     r0 = rows[0]
     print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
-          f"{T.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
+          f"{costs.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
           f"{a.steps} steps after {a.warmup_steps} warm-up")
     head = (f"  {'tp cp pp dp':>11s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} "
             f"{'tok/s/dev':>9s} "
@@ -276,7 +279,7 @@ def print_measurement(rows: list[dict], a):
                 f"{k} {v / 1e6:.2f} MB ({est.get(k, 0) / 1e6:.2f})" for k, v in comm.items()))
     if r0["memory_census"]:
         print("  (mem GB: the busiest rank's tensors at their peak, counted by torch's profiler, which slows "
-              "the steps; est GB: parallel.memory_estimate)")
+              "the steps; est GB: costs.memory_estimate)")
     elif r0["peak_flops_source"].startswith("cpu"):
         print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts "
               "tensors: --memory-census counts them too)")
@@ -366,10 +369,10 @@ def compare_hf(a) -> dict:
             hf_step()
         times = []
         for _ in range(a.steps):
-            T.sync_device(device)
+            costs.sync_device(device)
             t0 = time.perf_counter()
             hf_step()
-            T.sync_device(device)
+            costs.sync_device(device)
             times.append(time.perf_counter() - t0)
         theirs.append(a.micro_batch * a.seq_len * a.grad_accum / statistics.median(times))
         if round_ == 0:
@@ -385,11 +388,11 @@ def timed_steps(step, n: int, device, warmup: int = 2) -> list[float]:
         step()
     out = []
     for _ in range(n):
-        T.sync_device(device)
+        costs.sync_device(device)
         dist.barrier()
         t0 = time.perf_counter()
         step()
-        T.sync_device(device)
+        costs.sync_device(device)
         dist.barrier()
         out.append(time.perf_counter() - t0)
     return out
@@ -493,7 +496,7 @@ def measure_bubble(args, mesh, model, opt, m: int, schedule: str, virtual: int, 
 
 def gpu_name(text: str) -> str:
     """--gpu in any case, with '-' or '_' for spaces: h100, h100-nvl -> the table's H100, H100 NVL."""
-    canonical = {name.lower(): name for name in T.GPU_PEAK_TFLOPS}
+    canonical = {name.lower(): name for name in costs.GPU_PEAK_TFLOPS}
     return canonical.get(text.strip().lower().replace("-", " ").replace("_", " "), text)
 
 
@@ -560,7 +563,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 def add_plan_args(g):
     g.add_argument("--tokens", type=float, default=15e12, help="training tokens (Llama 3: 15e12)")
-    g.add_argument("--gpu", default="H100", type=gpu_name, choices=sorted(T.GPU_PEAK_TFLOPS),
+    g.add_argument("--gpu", default="H100", type=gpu_name, choices=sorted(costs.GPU_PEAK_TFLOPS),
                    help="GPU model, in any case (H100 is the SXM part; h100-pcie names the PCIe one)")
     g.add_argument("--gpus", type=int, default=8, help="GPUs in all (= tp x cp x pp x dp)")
     g.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilization")

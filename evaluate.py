@@ -744,7 +744,7 @@ def main(argv=None):
         device, precision = T.pick_device_and_precision(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this rank's GPU: kernels, NCCL and new tensors default to it
-        dtype = T.DTYPES[precision]
+        dtype = M.DTYPES[precision]
         mesh = P.init_mesh(device=device)
         tasks = P.on_rank0_first(lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task},
                                  mesh)

@@ -10,7 +10,7 @@ Read top to bottom:
   6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
                                  hf_state reads a Hugging Face folder lazily, tensor by tensor
   7. count_params, flops_per_token   the arithmetic bench.py and the README use (the memory and the
-                                   bytes a parallel layout costs: parallel.py, section 9)
+                                   bytes a parallel layout costs: costs.py)
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
 outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the
@@ -49,6 +49,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 # ----------------------------------------------------------------------------------------------------
 # 1. Hyperparameters
 
+
+# --precision's names -> the dtype a model computes in
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Far past any real size or context; a 5000-digit one from a JSON file would otherwise reach torch, whose
 # int64 sizes overflow with an error that says nothing about which field was wrong.

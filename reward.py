@@ -439,7 +439,7 @@ def sample_main(argv) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mesh = P.init_mesh(device=device)  # every rank a dp rank: each samples its share of the prompts
-    policy, reward_model, tok = load_policy_and_reward(a, device, T.DTYPES[precision], mesh)
+    policy, reward_model, tok = load_policy_and_reward(a, device, M.DTYPES[precision], mesh)
     context = min(policy.args.max_seq_len, reward_model.args.max_seq_len)
     seq_len = min(a.seq_len or context, context)
     prompts = P.on_rank0_first(lambda: read_prompts(a.prompts, a.mirror), mesh)[:a.limit]

@@ -21,14 +21,12 @@ measuring instruments. sft.py and dpo.py bring their own recipes.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import math
 import os
 import platform
 import random
-import resource
 import signal
 import sys
 import threading
@@ -40,9 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import checkpoint as C
+import costs
 import data
 import model as M
 import optim as O
@@ -88,12 +86,12 @@ class Run:
     task: LMTask
     loader: data.Loader
     make_val: Callable  # a fresh validation loader, from its start
-    timer: PhaseTimer
+    timer: costs.PhaseTimer
     ramp: list | None = None  # --ramp's stages (switch_stage)
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.precision]
+        return M.DTYPES[self.precision]
 
     @property
     def phases(self) -> list:
@@ -487,7 +485,7 @@ class Meter:
                 raise C.CheckpointError(f"cannot write {self.path}: {C.write_error(e)}") from None
         self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
         self.restage()
-        self.peak, self.peak_source = peak_flops(run.device, run.precision)
+        self.peak, self.peak_source = costs.peak_flops(run.device, run.precision)
         self.began, self.paused_s, self.paused_at = time.perf_counter(), 0.0, None
         self.restart()
 
@@ -569,7 +567,7 @@ class Meter:
         rec = {"step": step, "tokens": self.tokens_at(step), "loss": self.loss / n,
                "lr": result.lr, "grad_norm": result.grad_norm,
                "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
-               "peak_mem_gb": peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
+               "peak_mem_gb": costs.peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
                **metrics, **tokens_by_source(self.run)}
         comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
             f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
@@ -873,7 +871,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
                              f"{args.seq_len}, fewer than one global batch of {per_step:,} "
                              f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
                              f"dp {mesh.dp}); use more data or a smaller batch")
-    dtype, lazy = DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
+    dtype, lazy = M.DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy)
         recipe.extend(model, spec.device, dtype)
@@ -890,7 +888,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     scaler = O.LossScaler() if spec.precision == "fp16" else None
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, PhaseTimer(spec.device, time_phases), spec.ramp)
+              loader, make_val, costs.PhaseTimer(spec.device, time_phases), spec.ramp)
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
@@ -1012,7 +1010,7 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
         f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
     say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
         + (" plus the reference's forward" if task.reference_forwards else "")
-        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {rate(meter.peak)} "
+        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "
         f"per device ({meter.peak_source})")
 
 
@@ -1350,10 +1348,6 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
         raise ConfigError(f"--pp-layers {text!r}: expected the layers of each stage, e.g. 3,3,2") from None
 
 
-# --precision -> compute dtype
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def pick_device_and_precision(args):
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1514,112 +1508,27 @@ def check_anneal(args, dp: int):
 # Measuring: peak FLOP/s for MFU, memory
 
 
-# Dense tensor-core peaks in TFLOP/s (datasheets, without sparsity): bf16 and fp16, and TF32, which is what
-# fp32 matmuls run on here (train() allows TF32). NVL parts run at lower clocks than SXM ones.
-GPU_PEAK_TFLOPS = {"A100": {"bf16": 312, "tf32": 156}, "H100 PCIe": {"bf16": 756, "tf32": 378},
-                   "H100 NVL": {"bf16": 835, "tf32": 417.5}, "H100": {"bf16": 989, "tf32": 494.5},
-                   "H200 NVL": {"bf16": 835, "tf32": 417.5}, "H200": {"bf16": 989, "tf32": 494.5},
-                   "B200": {"bf16": 2250, "tf32": 1100}, "GB200": {"bf16": 2500, "tf32": 1250}}
-
-
-def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
-    """(FLOP/s, which figure) for a GPU named like torch.cuda.get_device_name(), or None if unknown."""
-    # 'H100 NVL' before 'H100', 'GB200' before 'B200'
-    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
-            kind = "tf32" if precision == "fp32" else "bf16"
-            return GPU_PEAK_TFLOPS[key][kind] * 1e12, f"{name} ({key}, dense {kind.upper()}, table)"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
-    """Peak dense FLOP/s of the device in the run's precision: the table above for known GPUs, else measured
-    (measured_peak) once per process, so every run in it (bench.py's sweep) has the same denominator. The
-    description says so when the precision runs at under half of fp32's speed on this device (a CPU
-    without native bf16 kernels): that run would be faster in fp32."""
-    known = gpu_peak(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
-    if known:
-        return known
-    peak = measured_peak(device, DTYPES[precision])
-    source = f"{device.type} measured: the best {precision} nn.Linear matmul"
-    if precision != "fp32":
-        fp32 = measured_peak(device, torch.float32)
-        if peak < fp32 / 2:
-            source += (f"; {precision} runs {fp32 / peak:.0f}x slower than fp32 ({rate(fp32)}) on this "
-                       f"{device.type}: --precision fp32 would train faster")
-    return peak, source
-
-
-def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """The best FLOP/s of a few square matmuls through F.linear, the kernel the model's matmuls run (on a
-    CPU without native bf16, `a @ b` in bf16 is 10x slower than F.linear, so it would understate the peak
-    and overstate the MFU). The best over three sizes, two tries each and more while under 0.3 s in all:
-    the machine may be shared, and a CPU without fp16 kernels takes seconds for one fp16 matmul."""
-    best, t_start = 0.0, time.perf_counter()
-    for n in ((256, 512, 1024) if device.type == "cpu" else (4096, 8192)):
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        w = torch.randn(n, n, device=device, dtype=dtype)
-        for tries in range(8):
-            sync_device(device)
-            t0 = time.perf_counter()
-            F.linear(a, w)
-            sync_device(device)
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
-            if tries >= 1 and time.perf_counter() - t_start > 0.3:
-                break
-    return best
-
-
-def rate(flops: float) -> str:
-    """A FLOP/s figure with the unit that shows its digits: 14.2 GFLOP/s, 989 TFLOP/s."""
-    return f"{flops / 1e12:,.2f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
-
-
-def sync_device(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_memory_gb(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB: process peak RSS
-
-
-def available_memory(device) -> float | None:
-    """Bytes this process may still use: free GPU memory, or the host's available memory shared by the
-    processes torchrun started on it (None where it cannot be read)."""
-    if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return kib * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
                  frozen_copies: int = 0, chunk: int = 0):
     """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
-    (model states, activations and temporaries of its busiest pipeline stage, parallel.memory_estimate, for
+    (model states, activations and temporaries of its busiest pipeline stage, costs.memory_estimate, for
     micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference),
-    or what it holds while the model is built (parallel.build_bytes) if that is more, against what its
+    or what it holds while the model is built (costs.build_bytes) if that is more, against what its
     device has free."""
     split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
     rows = args.micro_batch * rows_per_example
     dp = world // (args.tp * args.cp * args.pp)
-    est = P.memory_estimate(margs, precision, rows, args.seq_len, args.act_ckpt, args.tp, args.pp, dp,
-                            args.zero, args.sp, args.grad_accum, args.schedule, split=split, cp=args.cp,
-                            bucket_mb=args.bucket_mb, virtual=args.virtual_stages, loss_chunk=chunk)
+    layout = dict(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, split=split, cp=args.cp,
+                  virtual=args.virtual_stages)
+    est = costs.memory_estimate(margs, precision, rows, args.seq_len, act_ckpt=args.act_ckpt, sp=args.sp,
+                                grad_accum=args.grad_accum, schedule=args.schedule, bucket_mb=args.bucket_mb,
+                                loss_chunk=chunk, **layout)
     if frozen_copies:  # in the training precision, cut as the trained model is
-        est["frozen"] = frozen_copies * P.BYTES[precision] * max(P.stage_params(
+        est["frozen"] = frozen_copies * costs.BYTES[precision] * max(costs.stage_params(
             margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))
         est["total"] += est["frozen"]
-    build = max(P.build_bytes(margs, precision, args.tp, args.pp, dp, args.zero, s, split, args.cp,
-                              args.virtual_stages) for s in range(args.pp))
-    have, need = available_memory(device), max(est["total"], build)
+    build = max(costs.build_bytes(margs, precision, stage=s, **layout) for s in range(args.pp))
+    have, need = costs.available_memory(device), max(est["total"], build)
     if have is not None and need > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
         built = f"; {build / 1e9:.1f} GB while it is built" if build > est["total"] else ""
@@ -1627,39 +1536,6 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
                             f"({parts} GB{built}) but {device.type} has {have / 1e9:.1f} GB available; "
                             "use a smaller model, shard it "
                             f"over more processes (--tp, --pp, --zero 1-3) or a device with more memory")
-
-
-class PhaseTimer:
-    """Seconds per phase of every step. mode "phases": measured between device synchronizations, one after
-    each phase (which costs throughput); "steps": the device is synchronized only at each step's start and
-    end, so the phases' sum is the step's time as a plain run spends it (the split between them is then
-    host time); None: off."""
-
-    def __init__(self, device, mode: str | None = None):
-        if mode not in (None, "phases", "steps"):
-            raise ValueError(f"PhaseTimer mode {mode!r}: use None, 'phases' or 'steps'")
-        self.device, self.mode, self.steps = device, mode, []
-
-    def start(self):
-        if self.mode:
-            sync_device(self.device)
-            self.steps.append({})
-            self.t = time.perf_counter()
-
-    def mark(self, phase: str):
-        if self.mode:
-            if self.mode == "phases":
-                sync_device(self.device)
-            now = time.perf_counter()
-            self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self.t
-            self.t = now
-
-    def end(self, phase: str):
-        """The step's last phase. When timing, in either mode, the device is synchronized first, so the
-        phases add up to the step's time (an untimed run does not wait here: see Tally)."""
-        if self.mode:
-            sync_device(self.device)
-        self.mark(phase)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1691,7 +1567,6 @@ def main(argv=None):
               "checkpoint)")
     if mesh.world > 1:
         dist.destroy_process_group()
-
 
 
 def run(main_fn=main, argv=None):

@@ -16,7 +16,7 @@
 5. Host-device synchronizations: torch's sync debug mode armed during SYNC_STEPS training steps, on one GPU
    and on two, must report one per step (the step's tally), listing any other by file and line.
 6. On 8 GPUs, Llama 3.1 8B: a two-step smoke run at the layout the README plans (ZeRO-1, activation
-   checkpointing, 8,192 tokens), its max_memory_allocated beside parallel.memory_estimate; then the
+   checkpointing, 8,192 tokens), its max_memory_allocated beside costs.memory_estimate; then the
    tokens/s and MFU of each of LAYOUTS_8B, in one table beside torchtitan's published figure.
 Every check runs under a time limit (CHECK_TIMEOUT_S). Without CUDA it prints one SKIP line and exits 0
 (the test suite runs that path).
@@ -244,7 +244,7 @@ def syncs(work: Path, n: int) -> bool:
 
 def smoke_8b(work: Path) -> bool:
     """Two steps of Llama 3.1 8B at the README's planned layout: the memory torch allocated at its peak
-    beside what parallel.memory_estimate planned for it."""
+    beside what costs.memory_estimate planned for it."""
     ok, why, out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
                         str(REPO / "bench.py"), *BENCH_8B, "--steps", "1", "--warmup-steps", "1", "--json"])
     if not ok:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench
+import costs
 import launch
 import model as M
 import parallel
@@ -32,7 +33,7 @@ def test_plan_reproduces_the_llama3_70b_reference_example():
     assert not r["memory_variants"]["zero1_ckpt0"]["total"] < 80e9  # 4 micro-batches of activations in flight
     # ZeRO-1: an fp32 reduce-scatter and a bf16 all-gather of the largest stage's parameters (0.75 of an
     # all-reduce)
-    largest = max(parallel.stage_params(M.PRESETS["llama3-70b"], tp=8, pp=4, stage=s) for s in range(4))
+    largest = max(costs.stage_params(M.PRESETS["llama3-70b"], tp=8, pp=4, stage=s) for s in range(4))
     assert r["comm_bytes_per_step"]["dp"] == pytest.approx(511 / 512 * largest * (4 + 2))
 
 
@@ -213,11 +214,11 @@ def test_step_timing_synchronizes_where_its_mode_says(tmp_path, monkeypatch, tim
     ("steps") must be timed the same way, while the phase table ("phases") synchronizes after every phase."""
     import train
     events = []
-    monkeypatch.setattr(train, "sync_device", lambda device: events.append("sync"))
-    mark = train.PhaseTimer.mark
-    monkeypatch.setattr(train.PhaseTimer, "mark", lambda self, phase: (mark(self, phase),
+    monkeypatch.setattr(costs, "sync_device", lambda device: events.append("sync"))
+    mark = costs.PhaseTimer.mark
+    monkeypatch.setattr(costs.PhaseTimer, "mark", lambda self, phase: (mark(self, phase),
                                                                        events.append(phase)))
-    monkeypatch.setattr(train, "peak_flops", lambda device, precision: (1e12, "test"))
+    monkeypatch.setattr(costs, "peak_flops", lambda device, precision: (1e12, "test"))
     args = train.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
                                           "--max-steps",
                                           "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens",
@@ -237,16 +238,16 @@ def test_a_measured_peak_says_when_the_precision_is_slow_here(monkeypatch):
     import torch
     import train
     speeds = {torch.float32: 1.6e11, torch.bfloat16: 1.4e10, torch.float16: 1.2e11}
-    monkeypatch.setattr(train, "measured_peak", lambda device, dtype: speeds[dtype])
+    monkeypatch.setattr(costs, "measured_peak", lambda device, dtype: speeds[dtype])
     # a cache of its own: the process's may hold an earlier test's real measurement, and must not keep these
-    monkeypatch.setattr(train, "peak_flops", functools.lru_cache(maxsize=None)(train.peak_flops.__wrapped__))
+    monkeypatch.setattr(costs, "peak_flops", functools.lru_cache(maxsize=None)(costs.peak_flops.__wrapped__))
     cpu = torch.device("cpu")
-    assert train.peak_flops(cpu, "bf16") == (1.4e10, "cpu measured: the best bf16 nn.Linear matmul; bf16 "
+    assert costs.peak_flops(cpu, "bf16") == (1.4e10, "cpu measured: the best bf16 nn.Linear matmul; bf16 "
                                              "runs 11x slower than fp32 (160.0 GFLOP/s) on this cpu: "
                                              "--precision fp32 would train faster")
-    assert train.peak_flops(cpu, "fp16") == (1.2e11, "cpu measured: the best fp16 nn.Linear matmul")
-    assert train.peak_flops(cpu, "fp32")[0] == 1.6e11
-    assert (train.rate(1.4e10), train.rate(9.89e14)) == ("14.0 GFLOP/s", "989.00 TFLOP/s")
+    assert costs.peak_flops(cpu, "fp16") == (1.2e11, "cpu measured: the best fp16 nn.Linear matmul")
+    assert costs.peak_flops(cpu, "fp32")[0] == 1.6e11
+    assert (costs.rate(1.4e10), costs.rate(9.89e14)) == ("14.0 GFLOP/s", "989.00 TFLOP/s")
 
 
 def test_gpu_check_skips_in_one_line_without_cuda(monkeypatch, capsys):

@@ -1,5 +1,5 @@
-"""What a layout costs, held against what a run does: parallel.memory_estimate against a census of the
-memory a CPU training run allocates, and parallel.comm_estimate against the bytes its collectives count.
+"""What a layout costs, held against what a run does: costs.memory_estimate against a census of the
+memory a CPU training run allocates, and costs.comm_estimate against the bytes its collectives count.
 
 The census (bench.cpu_census): torch's profiler records every allocation and free of the CPU allocator,
 replayed in time order their running total peaks at the most memory ever held at once. It starts before
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import bench
+import costs
 import data
 import launch
 import model as M
@@ -32,8 +33,8 @@ RUN = ["--model", "mini", "--seq-len", "64", "--micro-batch", "4", "--max-steps"
 CENSUS = textwrap.dedent(f"""
     import json, os, sys
     sys.path.insert(0, {str(REPO)!r})
-    import bench, train
-    train.peak_flops = lambda device, precision: (1e12, "a constant: the census is of training")
+    import bench, costs, train
+    costs.peak_flops = lambda device, precision: (1e12, "a constant: the census is of training")
     args = train.get_parser().parse_args(sys.argv[1:])
     _, peak = bench.cpu_census(lambda: train.train(args))
     rank = os.environ.get("RANK", "0")  # a file per rank: lines printed by two processes may interleave
@@ -115,7 +116,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
             #        peak varies with timing (tp 2: +2% to -10% of the total from run to run here); what TP
             #        changes in the memory is held by the deterministic test below
         stage = rank if kw.get("pp") else 0
-        estimate = P.memory_estimate(margs, micro_batch=4, seq_len=64, stage=stage, **kw)["total"]
+        estimate = costs.memory_estimate(margs, micro_batch=4, seq_len=64, stage=stage, **kw)["total"]
         # ZeRO-3: whether the next unit's prefetched all-gather has landed when the peak comes is timing; on
         # this model the peak is one of two values 0.79 MB apart (24.12 or 24.91 MB against an estimate of
         # 26.67, which counts it landed), so 12% there
@@ -127,7 +128,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
         kw.pop("schedule", None)  # the bytes do not depend on it, nor on the bucket size
         kw.pop("bucket_mb", None)
         kw.pop("loss_chunk", None)  # the loss's all-reduces send the same numbers in chunks
-        expected = P.comm_estimate(margs, precision, micro_batch=4, seq_len=64, stage=0, **kw)
+        expected = costs.comm_estimate(margs, precision, micro_batch=4, seq_len=64, stage=0, **kw)
         for r in records:
             for dim in ("tp", "cp", "pp", "dp"):
                 sent = r["comm_bytes_per_step"][dim]
@@ -140,30 +141,30 @@ def test_model_states_by_kind():
     master weights, 8 of AdamW's m and v; ZeRO-1 over 8 divides the last two and adds its packed pieces
     of the reduced gradients (fp32); fp32 training keeps no separate master."""
     a, n = M.PRESETS["llama3.1-8b"], 8_030_261_248
-    m = P.memory_estimate(a, "bf16", micro_batch=1, seq_len=8192)
+    m = costs.memory_estimate(a, "bf16", micro_batch=1, seq_len=8192)
     assert (m["weights"], m["grads"], m["master"], m["optimizer"], m["zero_buffers"]) == (2 * n, 4 * n, 4 * n,
                                                                                           8 * n, 0)
-    z = P.memory_estimate(a, "bf16", 1, 8192, dp=8, zero=1)
+    z = costs.memory_estimate(a, "bf16", 1, 8192, dp=8, zero=1)
     assert (z["master"], z["optimizer"], z["zero_buffers"]) == (n / 2, n, n / 2)
-    assert P.memory_estimate(a, "fp32", 1, 8192)["master"] == 0
-    ck = P.memory_estimate(a, "bf16", 1, 8192, act_ckpt=True)  # each layer's input only; the rest as before
-    per_token = P.activation_bytes(a, 8192, "bf16")
+    assert costs.memory_estimate(a, "fp32", 1, 8192)["master"] == 0
+    ck = costs.memory_estimate(a, "bf16", 1, 8192, act_ckpt=True)  # each layer's input only; the rest as before
+    per_token = costs.activation_bytes(a, 8192, "bf16")
     assert m["activations"] - ck["activations"] == 32 * (per_token["layer"] - per_token["layer_input"])
-    assert P.stage_params(a) == n and sum(P.stage_params(a, pp=4, stage=s) for s in range(4)) == n
+    assert costs.stage_params(a) == n and sum(costs.stage_params(a, pp=4, stage=s) for s in range(4)) == n
 
 
 def test_peaks_by_gpu_and_precision():
     """MFU's denominator: a GPU's dense peak in the run's precision. fp32 runs use TF32 tensor cores (half the
     bf16 rate); NVL parts are named before the SXM part whose name they contain."""
     import train
-    assert train.gpu_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989e12
-    assert train.gpu_peak("NVIDIA H100 80GB HBM3", "fp32")[0] == 494.5e12
-    assert train.gpu_peak("NVIDIA H100 NVL", "bf16")[0] == 835e12
-    assert train.gpu_peak("NVIDIA H200 NVL", "fp16")[0] == 835e12
-    assert train.gpu_peak("NVIDIA H100 PCIe", "bf16")[0] == 756e12
-    assert train.gpu_peak("NVIDIA GB200", "bf16")[0] == 2500e12
-    assert train.gpu_peak("NVIDIA A100-SXM4-80GB", "fp32")[0] == 156e12
-    assert train.gpu_peak("NVIDIA GeForce RTX 4090", "bf16") is None  # unknown: train.py measures a matmul
+    assert costs.gpu_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989e12
+    assert costs.gpu_peak("NVIDIA H100 80GB HBM3", "fp32")[0] == 494.5e12
+    assert costs.gpu_peak("NVIDIA H100 NVL", "bf16")[0] == 835e12
+    assert costs.gpu_peak("NVIDIA H200 NVL", "fp16")[0] == 835e12
+    assert costs.gpu_peak("NVIDIA H100 PCIe", "bf16")[0] == 756e12
+    assert costs.gpu_peak("NVIDIA GB200", "bf16")[0] == 2500e12
+    assert costs.gpu_peak("NVIDIA A100-SXM4-80GB", "fp32")[0] == 156e12
+    assert costs.gpu_peak("NVIDIA GeForce RTX 4090", "bf16") is None  # unknown: train.py measures a matmul
 
 
 SAVED = textwrap.dedent(f"""
@@ -205,7 +206,7 @@ def test_activations_saved_for_backward_by_layout(tmp_path):
     [line] = [l for l in p.stdout.splitlines() if l.startswith("{")]
     for layout, saved in json.loads(line).items():
         tp, sp = (2 if "tp2" in layout else 1), "sp" in layout
-        a = P.activation_bytes(margs, 4 * 64, "fp32", tp, sp)
+        a = costs.activation_bytes(margs, 4 * 64, "fp32", tp, sp)
         expected = margs.n_layers * a["layer"] + a["head"]
         assert expected == pytest.approx(saved, rel=0.02), (layout, expected, saved)  # RoPE's cos/sin aside
 
@@ -228,15 +229,15 @@ def test_a_zero3_rank_never_holds_its_whole_model_while_it_is_built(precision):
     """ZeRO-3 built each rank's whole model (in fp32, then in the training dtype, then a flat copy and a
     clone of every unit) before sharding it: 70B at tp 1 needs ~280 GB per GPU to start. Now each
     parameter goes straight into this rank's pieces: the census of the build (dp 16) peaks at what the rank
-    keeps (its 1/16 of the model states) plus what parallel.build_bytes counts on top of that (one full
+    keeps (its 1/16 of the model states) plus what costs.build_bytes counts on top of that (one full
     parameter in fp32), below one whole model in the training dtype; and the pieces are exactly the
     ones cut from the whole model."""
-    margs, dtype, dp = M.PRESETS["small"], train.DTYPES[precision], 16
+    margs, dtype, dp = M.PRESETS["small"], M.DTYPES[precision], 16
     opt, peak = bench.cpu_census(lambda: zero3_build(margs, dtype, dp, lazy=True))
     kept = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in (
         opt.model_flat, opt.master, opt.exp_avg, opt.exp_avg_sq, opt.grad)}.values())
-    whole = M.count_params(margs) * P.BYTES[precision]
-    transient = P.build_bytes(margs, precision, dp=dp, zero=3) - opt.model_flat.untyped_storage().nbytes()
+    whole = M.count_params(margs) * costs.BYTES[precision]
+    transient = costs.build_bytes(margs, precision, dp=dp, zero=3) - opt.model_flat.untyped_storage().nbytes()
     assert kept <= peak <= kept + transient and peak < whole, (peak, kept, transient, whole)
     reference, peak_whole = bench.cpu_census(lambda: zero3_build(margs, dtype, dp, lazy=False))
     assert peak_whole >= 2 * whole  # (the model, then its flat copy beside it)
@@ -251,14 +252,14 @@ def test_the_memory_check_counts_the_build(monkeypatch):
     args = train.get_parser().parse_args(["--model", "llama3-8b", "--zero", "2", "--seq-len", "128",
                                           "--micro-batch", "1"])
     margs = train.model_args_from(args, 128_256)
-    steady = P.memory_estimate(margs, "bf16", 1, 128, dp=64, zero=2)["total"]
-    build = P.build_bytes(margs, "bf16", dp=64, zero=2)
+    steady = costs.memory_estimate(margs, "bf16", 1, 128, dp=64, zero=2)["total"]
+    build = costs.build_bytes(margs, "bf16", dp=64, zero=2)
     assert build > steady and build >= 2 * 2 * M.count_params(margs)
-    monkeypatch.setattr(train, "available_memory", lambda device: (steady + build) / 2)
+    monkeypatch.setattr(costs, "available_memory", lambda device: (steady + build) / 2)
     with pytest.raises(train.ResourceError, match=f"{build / 1e9:.1f} GB while it is built"):
         train.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
-    monkeypatch.setattr(train, "available_memory", lambda device: build + 1)
+    monkeypatch.setattr(costs, "available_memory", lambda device: build + 1)
     train.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
     big = M.PRESETS["llama3-70b"]
-    assert P.build_bytes(big, "bf16", dp=512, zero=3) < min(5e9, P.memory_estimate(
+    assert costs.build_bytes(big, "bf16", dp=512, zero=3) < min(5e9, costs.memory_estimate(
         big, "bf16", 1, 128, dp=512, zero=3)["total"])

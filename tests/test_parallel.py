@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import checkpoint as C
+import costs
 import data
 import launch
 import model as M
@@ -506,8 +507,8 @@ def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
                                                                     ("zero", 0)))
     dp = 2 // (tp * cp * pp)
     margs = train.model_args_from(train.get_parser().parse_args(TINY), 301)
-    expected = P.comm_estimate(margs, "fp32", 4, 32, False, tp, pp, dp, zero, "--sp" in flags,
-                               GLOBAL_BATCH // (4 * dp), stage=0, cp=cp)
+    expected = costs.comm_estimate(margs, "fp32", 4, 32, tp=tp, pp=pp, dp=dp, zero=zero, sp="--sp" in flags,
+                                   grad_accum=GLOBAL_BATCH // (4 * dp), stage=0, cp=cp)
     records = [json.loads(l) for l in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
     sent = [r["comm_bytes_per_step"] for r in records if "comm_bytes_per_step" in r]
     assert len(sent) == 3
@@ -534,14 +535,15 @@ def test_zero_is_identical_to_plain_dp(tmp_path, zero, micro):
 
 
 # train.py with every way a tensor's value reaches the host counted, when project code asks for it: .item(),
-# .tolist(), bool()/float()/int() of a tensor, .cpu(), .numpy(), and train.sync_device. On a GPU each one
+# .tolist(), bool()/float()/int() of a tensor, .cpu(), .numpy(), and costs.sync_device. On a GPU each one
 # waits for the queued kernels (tests/gpu_check.py counts the real ones there).
 COUNT_SYNCS = """
 import collections, json, os, sys
 import torch
+import costs
 import train
 
-PROJECT = {"train.py", "model.py", "parallel.py", "optim.py", "data.py", "checkpoint.py"}
+PROJECT = {"train.py", "model.py", "parallel.py", "optim.py", "data.py", "checkpoint.py", "costs.py"}
 seen, counting = collections.Counter(), [False]
 
 def counted(name, original):
@@ -554,7 +556,7 @@ def counted(name, original):
 
 for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
     setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
-train.sync_device = counted("sync_device", train.sync_device)
+costs.sync_device = counted("sync_device", costs.sync_device)
 step, whole = train.train_step, train.train
 
 def first_step_starts_counting(*args, **kwargs):

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import checkpoint
+import costs
 import data
 import model as M
 import parallel
@@ -372,14 +373,14 @@ def test_the_memory_check_counts_dpo_pairs_and_its_reference(monkeypatch):
     the model trained on single rows but not for that is refused before anything is allocated."""
     args = train.get_parser().parse_args(["--model", "small", "--micro-batch", "8", "--seq-len", "256"])
     margs = train.model_args_from(args, 320)
-    rows = parallel.memory_estimate(margs, "fp32", 8, 256)["total"]
-    pairs = parallel.memory_estimate(margs, "fp32", 16, 256)["total"] + 4 * parallel.stage_params(margs)
+    rows = costs.memory_estimate(margs, "fp32", 8, 256)["total"]
+    pairs = costs.memory_estimate(margs, "fp32", 16, 256)["total"] + 4 * costs.stage_params(margs)
     dpo = dict(rows_per_example=2, frozen_copies=1)
-    monkeypatch.setattr(train, "available_memory", lambda device: (rows + pairs) / 2)
+    monkeypatch.setattr(costs, "available_memory", lambda device: (rows + pairs) / 2)
     train.check_memory(margs, args, 1, torch.device("cpu"), "fp32")  # pretraining fits
     with pytest.raises(train.ResourceError, match="model small needs about"):
         train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)
-    monkeypatch.setattr(train, "available_memory", lambda device: pairs + 1)
+    monkeypatch.setattr(costs, "available_memory", lambda device: pairs + 1)
     train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
 
 

@@ -1,0 +1,409 @@
+"""What a run costs: estimated from the shapes alone, and measured on the device at hand.
+
+  Estimates   memory_estimate (the bytes one rank holds at its peak, by kind), build_bytes (while the model
+              is built) and comm_estimate (the bytes it sends per step, per dimension), for any model and
+              layout. config.py's memory check refuses a run that cannot fit before it allocates anything;
+              bench.py sets them beside what a run measures and plans runs on machines we don't have.
+  Instruments the device's peak FLOP/s (a datasheet table for GPUs, measured elsewhere) for MFU, peak
+              memory, the memory still available, and PhaseTimer, the seven phases' seconds.
+
+Each estimate's terms are buffers this code allocates; tests/test_memory.py holds the totals against a
+census of a CPU run's allocations and the bytes against the collectives' own count (parallel.py, section 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+
+import model as M
+import parallel as P
+
+
+# ----------------------------------------------------------------------------------------------------
+# Estimates: the memory one rank holds at its peak and the bytes it sends per step
+
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def rank_layers(n_layers: int, pp: int, stage: int, split=None, virtual: int = 1) -> int:
+    """How many layers pipeline rank `stage` holds (over its `virtual` model chunks)."""
+    ranges = P.stage_layers(n_layers, pp * virtual, split)
+    return sum(end - start for start, end in ranges[stage::pp])
+
+
+def unit_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
+                split: list[int] | None = None, virtual: int = 1) -> list[int]:
+    """Parameters one rank of pipeline stage `stage` holds, unit by unit in forward order (unit_of): the
+    embedding on the first stage, its layers (linears split over tp, norms whole), the final norm and the
+    head on the last (vocab padded to tp; a tied head is the embedding's unit)."""
+    d, hd, V = args.dim, args.head_dim, P.padded_vocab(args.vocab_size, tp)
+    per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd
+                 + 3 * d * args.hidden_dim) // tp + 2 * d
+    units = [V // tp * d] if stage == 0 else []  # embedding
+    units += [per_layer] * rank_layers(args.n_layers, pp, stage, split, virtual)
+    head = P.padded_vocab(args.output_size, tp) // tp * d
+    units += [d] + ([head] if not args.tie_embeddings else []) if stage == pp - 1 else []  # norm, head
+    return units
+
+
+def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
+                 split: list[int] | None = None, virtual: int = 1) -> int:
+    """Parameters one rank of pipeline stage `stage` holds."""
+    return sum(unit_params(args, tp, pp, stage, split, virtual))
+
+
+def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
+                     cp: int = 1, loss_chunk: int = 0) -> dict:
+    """Bytes of one micro-batch of `tokens` tokens (this rank's: under cp, 1/cp of each sequence), as
+    model.py's forward and the loss keep them (b bytes per number in the compute precision; V the
+    vocabulary rows of one TP rank):
+      layer: what backward keeps of one block. Each RMSNorm: its input in fp32 and the normalized values,
+        (4 + b) per number, split over tp under SP; the two normalized inputs of the linears after the
+        norms, b each (whole, or gathered under SP); attention: q and the output, and k and v repeated to
+        every query head (GQA) -- for every rank's tokens under cp, the gathered ones -- dim each, split
+        over tp, and SDPA's fp32 log-sum-exp per head; SwiGLU: w1 x, silu(w1 x), w3 x and their product,
+        4 * hidden split over tp.
+      layer_input: the block's input alone (what activation checkpointing keeps).
+      layer_selective: what selective checkpointing keeps (model.KEPT_OPS): the input, and the outputs of
+        the seven matmuls (q, k, v, w1 x, w3 x: split over tp; wo's and w2's: whole) and of attention
+        (the output, split over tp, and its log-sum-exp), and under cp the gathered k and v, under SP the
+        gathered inputs of the linears and the scattered outputs.
+      head: the final norm and the head's input. logits: b per row. loss_saved: what the loss keeps for
+        backward, fp32 per row (the log-softmax; the vocab-parallel loss: the softmax).
+      loss_forward / loss_backward: what the loss holds on top of that while it runs: an fp32 copy of the
+        logits (bf16, or the vocab-parallel loss on a rank with padding), the vocab-parallel loss's shifted
+        logits and their exponentials; in backward two fp32 gradients (one and a cast under TP).
+      layer_backward: one block's backward (3 hidden-sized gradients).
+      weight_grad: the embedding's or the head's weight gradient, made whole before it joins the fp32
+        buffer.
+    With loss_chunk (head_loss_sum, at fewer tokens than the micro-batch has) no logits are held: the loss
+    keeps the fp32 gradients of the head's input and weight, and while it runs makes one chunk's logits,
+    their loss as above and that chunk's gradients in the compute precision; backward casts the kept
+    gradients to it (bf16, fp16)."""
+    d, b, s = args.dim, BYTES[precision], tp if sp else 1
+    V = P.padded_vocab(args.vocab_size, tp) // tp
+    rows = tokens * V
+    norm = tokens * d * (4 + b) / s
+    copy = 4 if b < 4 or P.padded_vocab(args.vocab_size, tp) != args.vocab_size else 0
+    attention = (2 + 2 * cp) * d * b  # per token: q and the output; k and v of cp tokens (every rank's)
+    out = {"layer": 2 * norm + 2 * tokens * d * b + tokens * (attention + 4 * args.hidden_dim * b) / tp
+                    + tokens * args.n_heads // tp * 4,
+           "layer_input": tokens * d * b / s, "head": norm + tokens * d * b, "logits": rows * b,
+           "loss_saved": rows * 4,
+           "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
+           "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
+           "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
+    kv = args.n_kv_heads * args.head_dim
+    kept = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d + 2 * args.hidden_dim / tp
+    sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
+    out["layer_selective"] = out["layer_input"] + tokens * ((kept + sequence) * b + args.n_heads // tp * 4)
+    if 0 < loss_chunk < tokens:
+        c, rows_c = activation_bytes(args, loss_chunk, precision, tp, sp, cp), loss_chunk * V
+        made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
+        run = max(rows_c * b + c["loss_forward"], c["loss_backward"] + made)  # its logits gone by then
+        out.update(logits=0.0, loss_saved=(tokens + V) * d * 4, loss_forward=c["loss_saved"] + run,
+                   loss_backward=(tokens + V) * d * b if b < 4 else 0.0)
+    return out
+
+
+def ckpt_mode(act_ckpt) -> str | None:
+    """train.py's --act-ckpt as the estimates read it: None, "full" (or any other true value) or
+    "selective"."""
+    return None if not act_ckpt else "selective" if act_ckpt == "selective" else "full"
+
+
+def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048, *,
+                    act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
+                    sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
+                    split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
+                    virtual: int = 1, loss_chunk: int = 0) -> dict[str, float]:
+    """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
+    busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
+    of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
+    the weights are the master) and AdamW's m and v (fp32; its fused update needs no temporary), these
+    divided over dp x cp under ZeRO-1, which also keeps its reduced gradient pieces, packed (fp32); ZeRO-2
+    divides the gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced
+    (and two pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank holds the
+    activations of seq_len / cp tokens (and every rank's K and V per layer).
+    activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
+    (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
+    their inputs only) and on the last stage the head and what the loss keeps; without a pipeline the
+    training loop also holds the logits until backward. The interleaved schedule holds up to its warm-up
+    plus one chunk forwards, each of 1/virtual of the rank's layers.
+    temporaries: what comes and goes on top of them at the peak: the largest of the loss's, a layer's
+    backward (with the layer recomputed under checkpointing) and the embedding's or head's weight gradient
+    (the optimizer step and ZeRO's all-gathers allocate nothing).
+    Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps a
+    reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (one byte per
+    parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference.
+    loss_chunk: train.py's --loss-chunk as the next-token loss uses it (loss_chunk there; 0: whole logits)."""
+    if stage is None:
+        layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
+                      schedule=schedule, split=split, cp=cp, bucket_mb=bucket_mb, virtual=virtual,
+                      loss_chunk=loss_chunk)
+        return max((memory_estimate(args, precision, micro_batch, seq_len, stage=s, **layout)
+                    for s in range(pp)), key=lambda m: m["total"])
+    dp = dp * cp  # the ranks holding the same weights: ZeRO shards over all of them
+    b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
+    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    out = {"weights": n * b, "grads": n * 4,
+           "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
+           "optimizer": 2 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
+    if zero >= 2 and zdp > 1:  # staging (GradSync._launch): the bucket filling, two in flight, their pieces
+        bucket = min(n, bucket_mb * 2 ** 20 / 4)
+        out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
+    if zero >= 3 and zdp > 1:
+        out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
+    a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk)
+    act_ckpt = ckpt_mode(act_ckpt)
+    layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
+    out["activations"] = held_activations(a, layers, stage, pp, schedule, grad_accum, virtual, act_ckpt)
+    loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
+    head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
+    recomputed = {"full": a["layer"], "selective": a["layer"] - a["layer_selective"]}.get(act_ckpt, 0.0)
+    layer = a["layer_backward"] + recomputed - head_done
+    during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
+    out["temporaries"] = during_backward  # (the optimizer step allocates nothing)
+    out["total"] = sum(out.values())
+    return out
+
+
+def build_bytes(args: M.ModelArgs, precision: str = "bf16", *, tp: int = 1, pp: int = 1, dp: int = 1,
+                zero: int = 0, stage: int = 0, split: list[int] | None = None, cp: int = 1,
+                virtual: int = 1) -> float:
+    """The most one rank of pipeline stage `stage` holds while train.py builds its model and optimizer,
+    before the optimizer's state exists (the steady state after that is memory_estimate's). Each parameter
+    is drawn or read whole in fp32, one at a time, and cut to this rank's tp piece (another fp32 copy
+    when tp cuts it). Without ZeRO-3 the pieces make the model (b bytes each), which AdamW then copies into
+    its flat buffer beside the fp32 gradient buffer: for a moment both copies exist. ZeRO-3 over dp x cp
+    writes each piece straight into this rank's 1/dp share of the model copy (materialize_empty,
+    AdamW(initial=)): the share, beside one parameter or one unit's buffer (made and released once)."""
+    dp, b = dp * cp, BYTES[precision]
+    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    fulls = [args.dim * args.hidden_dim, args.n_heads * args.head_dim * args.dim]
+    fulls += [args.vocab_size * args.dim] if stage in (0, pp - 1) else []
+    one = max(4 * f * (1 + (1 / tp if tp > 1 else 0)) for f in fulls)
+    if zero == 3 and dp > 1:
+        return n * b / dp + max(one, max(unit_params(args, tp, pp, stage, split, virtual)) * b)
+    grads = n * 4 if zero < 2 or dp == 1 else 0
+    return max(n * b + one, 2 * n * b + grads)
+
+
+def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, grad_accum: int, virtual: int,
+                     act_ckpt: str | None) -> float:
+    """The activations (activation_bytes `a`) a schedule holds at its peak on pipeline rank `stage` of its
+    `layers` layers: 1F1B pp - stage micro-batches at most, AFAB all, the interleaved schedule its warm-up's
+    chunk forwards + 1 (each 1/virtual of the layers); the last stage also the head's, and without a
+    pipeline the logits the training loop holds until backward."""
+    per_layer = {"full": a["layer_input"], "selective": a["layer_selective"]}.get(act_ckpt, a["layer"])
+    head = a["head"] + a["loss_saved"] if stage == pp - 1 else 0.0
+    if schedule == "interleaved" and pp > 1:
+        chunks = min(2 * (pp - 1 - stage) + (virtual - 1) * pp + 1, grad_accum * virtual)
+        return chunks * layers / virtual * per_layer + head
+    in_flight = 1 if pp == 1 else grad_accum if schedule == "afab" else min(pp - stage, grad_accum)
+    return in_flight * (layers * per_layer + head) + (a["logits"] if pp == 1 else 0.0)
+
+
+def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: int, split, dp: int,
+                          virtual: int = 1) -> dict:
+    """ZeRO-3's model states on one rank: each unit padded to a multiple of dp (x cp), 1/dp of everything
+    (the model copy's b bytes a parameter, the fp32 master unless the model copy in fp32 is it, gradients,
+    m and v), and whole weights for two neighbouring units at once (the one
+    computing, the one prefetched), three with a tied head (the embedding stays whole from the head's
+    backward to its own); the gradients of up to three units being staged or reduce-scattered (two in
+    flight, GradSync._launch), with the pieces of two."""
+    units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
+    n, first, last = sum(units), stage == 0, stage == pp - 1
+    whole = max([u + v for u, v in zip(units, units[1:])] or units)
+    whole += units[0] if args.tie_embeddings and first and last else 0
+    return {"weights": n * b / dp + whole * b, "grads": n * 4 / dp, "master": n * 4 / dp if b != 4 else 0.0,
+            "optimizer": 2 * n * 4 / dp, "zero_buffers": sum(sorted(units)[-3:]) * 4
+            + sum(sorted(units)[-2:]) * 4 / dp}
+
+
+def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048, *,
+                  act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
+                  sp: bool = False, grad_accum: int = 1, stage: int | None = None,
+                  split: list[int] | None = None, cp: int = 1, virtual: int = 1) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
+    all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage`
+    (None: per dimension, the most any stage sends). Scalars (the loss normalizer over dp, train.py's step
+    tally over the world) are left out.
+      tp: per layer and micro-batch, 2 all-reduces of the residual stream forward (after wo and w2) and 2
+          backward (the norms' f); one for the embedding (first stage), one for the head (last) and the
+          vocab-parallel cross-entropy's 3 of one fp32 number per token. Sequence parallelism swaps each
+          all-reduce for an all-gather and a reduce-scatter (the same bytes) and adds, once per step, the
+          norm weights' gradients. Activation checkpointing recomputes a block only as far as its last
+          saved tensor, w2's input (torch's checkpoint stops early): wo's all-reduce runs again, w2's does
+          not; under SP that is the two norms' all-gathers and wo's reduce-scatter.
+      cp: per layer and micro-batch, the all-gather of K and V (every rank's tokens, this rank's kv heads)
+          and the reduce-scatter of their gradients; once more where activation checkpointing recomputes.
+          Everything else then carries seq_len / cp tokens.
+      pp: each micro-batch's activations to the next stage and their gradient back (sequence-split under SP).
+      dp: the fp32 gradients all-reduced over dp x cp; under ZeRO-1 reduce-scattered, then the updated
+          weights all-gathered in the training precision (0.75 of an all-reduce in bf16); ZeRO-2
+          reduce-scatters every micro-batch's gradients (its buffer cannot hold the sum); ZeRO-3 adds to
+          that two all-gathers of the weights per micro-batch (forward and backward) and none after the
+          step."""
+    if stage is None:  # per dimension, the most any stage sends
+        layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
+                      split=split, cp=cp, virtual=virtual)
+        stages = [comm_estimate(args, precision, micro_batch, seq_len, stage=s, **layout) for s in range(pp)]
+        return {dim: max(c[dim] for c in stages) for dim in ("tp", "cp", "pp", "dp")}
+    b, tokens = BYTES[precision], micro_batch * seq_len // cp
+    stream = tokens * args.dim * b  # one micro-batch of the residual stream
+    layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
+    ring = lambda n: (n - 1) / n
+    # what a block's recomputation sends again, in all-reduces' worth of bytes: selective checkpointing keeps
+    # the gathered and scattered sequences (SP, and cp's K and V) but runs the all-reduces again
+    act_ckpt, sequence = ckpt_mode(act_ckpt), sp and tp > 1
+    recomputed = {"full": 1.5 if sequence else 1, "selective": 0 if sequence else 1}.get(act_ckpt, 0)
+    all_reduces = layers * (4 + recomputed) + first + last
+    tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (3 * 2 * ring(tp) * tokens * 4 if last
+                                                                    else 0))
+    if sp:  # the norms' weight gradients are partial sums over the sequence chunks: all-reduced once per step
+        tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * layers + last)
+    boundary = stream / tp if sp and tp > 1 else stream  # under SP a stage sends only its sequence chunk
+    # each micro-batch crosses every chunk boundary but the model's two ends: forward and back
+    pp_bytes = grad_accum * boundary * (2 * virtual - first - last) if pp > 1 else 0.0
+    kv = micro_batch * seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K and V
+    cp_bytes = grad_accum * layers * (2 + (act_ckpt == "full")) * ring(cp) * kv
+    dp = dp * cp  # the ranks holding the same weights
+    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    dp_bytes = ring(dp) * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring(dp) * n * 4
+    if zero >= 3:  # every micro-batch: each unit gathered for its forward and again for its backward
+        units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
+        again = units[0] if args.tie_embeddings and first and last else 0  # for the tied head's forward
+        dp_bytes = ring(dp) * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
+    return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
+            "dp": dp_bytes if dp > 1 else 0.0}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Instruments: peak FLOP/s for MFU, memory, the phases' time
+
+
+# Dense tensor-core peaks in TFLOP/s (datasheets, without sparsity): bf16 and fp16, and TF32, which is what
+# fp32 matmuls run on here (train() allows TF32). NVL parts run at lower clocks than SXM ones.
+GPU_PEAK_TFLOPS = {"A100": {"bf16": 312, "tf32": 156}, "H100 PCIe": {"bf16": 756, "tf32": 378},
+                   "H100 NVL": {"bf16": 835, "tf32": 417.5}, "H100": {"bf16": 989, "tf32": 494.5},
+                   "H200 NVL": {"bf16": 835, "tf32": 417.5}, "H200": {"bf16": 989, "tf32": 494.5},
+                   "B200": {"bf16": 2250, "tf32": 1100}, "GB200": {"bf16": 2500, "tf32": 1250}}
+
+
+def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
+    """(FLOP/s, which figure) for a GPU named like torch.cuda.get_device_name(), or None if unknown."""
+    # 'H100 NVL' before 'H100', 'GB200' before 'B200'
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            kind = "tf32" if precision == "fp32" else "bf16"
+            return GPU_PEAK_TFLOPS[key][kind] * 1e12, f"{name} ({key}, dense {kind.upper()}, table)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
+    """Peak dense FLOP/s of the device in the run's precision: the table above for known GPUs, else measured
+    (measured_peak) once per process, so every run in it (bench.py's sweep) has the same denominator. The
+    description says so when the precision runs at under half of fp32's speed on this device (a CPU
+    without native bf16 kernels): that run would be faster in fp32."""
+    known = gpu_peak(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
+    if known:
+        return known
+    peak = measured_peak(device, M.DTYPES[precision])
+    source = f"{device.type} measured: the best {precision} nn.Linear matmul"
+    if precision != "fp32":
+        fp32 = measured_peak(device, torch.float32)
+        if peak < fp32 / 2:
+            source += (f"; {precision} runs {fp32 / peak:.0f}x slower than fp32 ({rate(fp32)}) on this "
+                       f"{device.type}: --precision fp32 would train faster")
+    return peak, source
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """The best FLOP/s of a few square matmuls through F.linear, the kernel the model's matmuls run (on a
+    CPU without native bf16, `a @ b` in bf16 is 10x slower than F.linear, so it would understate the peak
+    and overstate the MFU). The best over three sizes, two tries each and more while under 0.3 s in all:
+    the machine may be shared, and a CPU without fp16 kernels takes seconds for one fp16 matmul."""
+    best, t_start = 0.0, time.perf_counter()
+    for n in ((256, 512, 1024) if device.type == "cpu" else (4096, 8192)):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        w = torch.randn(n, n, device=device, dtype=dtype)
+        for tries in range(8):
+            sync_device(device)
+            t0 = time.perf_counter()
+            F.linear(a, w)
+            sync_device(device)
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+            if tries >= 1 and time.perf_counter() - t_start > 0.3:
+                break
+    return best
+
+
+def rate(flops: float) -> str:
+    """A FLOP/s figure with the unit that shows its digits: 14.2 GFLOP/s, 989 TFLOP/s."""
+    return f"{flops / 1e12:,.2f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
+
+
+def sync_device(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB: process peak RSS
+
+
+def available_memory(device) -> float | None:
+    """Bytes this process may still use: free GPU memory, or the host's available memory shared by the
+    processes torchrun started on it (None where it cannot be read)."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+class PhaseTimer:
+    """Seconds per phase of every step. mode "phases": measured between device synchronizations, one after
+    each phase (which costs throughput); "steps": the device is synchronized only at each step's start and
+    end, so the phases' sum is the step's time as a plain run spends it (the split between them is then
+    host time); None: off."""
+
+    def __init__(self, device, mode: str | None = None):
+        if mode not in (None, "phases", "steps"):
+            raise ValueError(f"PhaseTimer mode {mode!r}: use None, 'phases' or 'steps'")
+        self.device, self.mode, self.steps = device, mode, []
+
+    def start(self):
+        if self.mode:
+            sync_device(self.device)
+            self.steps.append({})
+            self.t = time.perf_counter()
+
+    def mark(self, phase: str):
+        if self.mode:
+            if self.mode == "phases":
+                sync_device(self.device)
+            now = time.perf_counter()
+            self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + now - self.t
+            self.t = now
+
+    def end(self, phase: str):
+        """The step's last phase. When timing, in either mode, the device is synchronized first, so the
+        phases add up to the step's time (an untimed run does not wait here: see Tally)."""
+        if self.mode:
+            sync_device(self.device)
+        self.mark(phase)
