@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import config
 import costs
 import model as M
 import optim as O
@@ -152,7 +153,7 @@ def train_args(a, **over) -> argparse.Namespace:
     argv += ["--compile"] if over.get("compile", a.compile) else []
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
     argv += ["--attn-backend", over.get("attn", a.attn_backend)]
-    return T.get_parser().parse_args(argv)
+    return config.get_parser().parse_args(argv)
 
 
 def cpu_census(fn) -> tuple[object, int]:
@@ -205,10 +206,10 @@ def measure(a, timing: str = "phases", **over) -> dict:
     census = a.memory_census and not torch.cuda.is_available()
     import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
     with contextlib.redirect_stdout(io.StringIO()):
-        T.configure_process(args)  # as train.py's command line does: seeds, TF32, --deterministic
+        config.configure_process(args)  # as train.py's command line does: seeds, TF32, --deterministic
         train = lambda: T.train(args, time_phases=timing)
         if census:  # the device's peak FLOP/s measured outside the census: its matrices are not training's
-            costs.peak_flops(*T.pick_device_and_precision(args))
+            costs.peak_flops(*config.pick_device_and_precision(args))
         run, peak = cpu_census(train) if census else (train(), None)
     mesh, margs = run.mesh, run.margs
     peak = peak / 1e9 if census else costs.peak_memory_gb(run.device)
@@ -226,12 +227,12 @@ def measure(a, timing: str = "phases", **over) -> dict:
     layout = dict(act_ckpt=args.act_ckpt, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, zero=args.zero, sp=mesh.sp,
                   grad_accum=args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
     est = costs.memory_estimate(*shape, **layout, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=T.loss_chunk(args))
+                                loss_chunk=config.loss_chunk(args))
     comm_est = costs.comm_estimate(*shape, **layout)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
-            "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": T.loss_chunk(args),
+            "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": config.loss_chunk(args),
             "attn_backend": args.attn_backend,
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
@@ -348,7 +349,7 @@ def compare_hf(a) -> dict:
                                    rms_norm_eps=margs.norm_eps, rope_theta=margs.rope_theta,
                                    max_position_embeddings=margs.max_seq_len,
                                    tie_word_embeddings=margs.tie_embeddings)
-    device, precision = T.pick_device_and_precision(a)
+    device, precision = config.pick_device_and_precision(a)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # no loss scaling for fp16 on this side
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
@@ -662,7 +663,7 @@ def main():
                 else f"cpu x{os.cpu_count()}"}
     try:
         run_mode(a, versions)
-    except T.ConfigError as e:  # what train.py refuses and validate() cannot foresee (--device, memory)
+    except config.ConfigError as e:  # what train.py refuses and validate() cannot foresee (--device, memory)
         refuse(str(e))
 
 
@@ -699,8 +700,8 @@ def run_ramp_plan(a):
     """--plan --ramp: one plan per stage (its sequence length, its accumulation, its share of --tokens) and
     the run's totals; the largest stage's memory decides whether the layout fits."""
     try:
-        stages = T.parse_ramp(a.ramp)
-    except T.ConfigError as e:
+        stages = config.parse_ramp(a.ramp)
+    except config.ConfigError as e:
         refuse(str(e))
     dp, rows = a.gpus // (a.tp * a.cp * a.pp), []
     for i, s in enumerate(stages):
@@ -737,7 +738,7 @@ def run_ramp_plan(a):
 def run_comparison(a, versions: dict):
     """--dp-vs-ddp or --bubble, under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # 2 or more: validate()
-    device = T.pick_device_and_precision(a)[0]  # this rank's GPU (LOCAL_RANK), else the CPU
+    device = config.pick_device_and_precision(a)[0]  # this rank's GPU (LOCAL_RANK), else the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
     if device.type == "cpu":

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import config
 import data
 import parallel as P
 import sft
@@ -51,7 +52,7 @@ import train as T
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = T.get_parser()
+    p = config.get_parser()
     p.description = "Direct preference optimization from an SFT checkpoint."
     g = p.add_argument_group("preference optimization")
     g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
@@ -414,7 +415,8 @@ def preference_data(a, tok, mesh, with_index: bool = False):
     PreferenceLoaders of this dp rank for training and validation (the validation pairs' indices follow
     the training pairs', for a cache by pair index), and a description."""
     if a.anneal_data:
-        raise T.ConfigError(f"--anneal-data {a.anneal_data}: preference training reads one dataset, --data")
+        raise config.ConfigError(f"--anneal-data {a.anneal_data}: preference training reads one dataset, "
+                                 f"--data")
     pairs = read_preferences(a.data, mirror=a.mirror)
     examples, counts = preference_examples(tok, pairs, a.seq_len)
     train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
@@ -459,14 +461,14 @@ class DPO(sft.SFT):
 def main(argv=None):
     args = get_parser().parse_args(argv)
     if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
-        raise T.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+        raise config.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
     if not 0 <= args.nll_coef < math.inf:
-        raise T.ConfigError(f"--nll-coef must be a number >= 0, got {args.nll_coef}")
+        raise config.ConfigError(f"--nll-coef must be a number >= 0, got {args.nll_coef}")
     if args.label_smoothing and args.loss != "sigmoid":  # (TRL ignores it there, silently)
-        raise T.ConfigError(f"--label-smoothing {args.label_smoothing} is conservative DPO's, a change to the "
-                            f"sigmoid loss; --loss {args.loss} has no use for it: drop one of them")
+        raise config.ConfigError(f"--label-smoothing {args.label_smoothing} is conservative DPO's, a change to "
+                                 f"the sigmoid loss; --loss {args.loss} has no use for it: drop one of them")
     if args.cp > 1:  # a pair's log-probability is a sum over the whole sequence, which no cp rank holds
-        raise T.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
+        raise config.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
     sft.post_train(args, DPO)
 
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint as C
+import config
 import data
 import model as M
 import parallel as P
@@ -267,7 +268,7 @@ def read_items(task, mirror=None) -> list[dict]:
     else:
         path = Path(task).expanduser()
         if not path.is_file():
-            raise T.ConfigError(f"{task!r} is neither a benchmark ({', '.join(BENCHMARKS)}) nor a file")
+            raise config.ConfigError(f"{task!r} is neither a benchmark ({', '.join(BENCHMARKS)}) nor a file")
         # where PIQA keeps them: valid.jsonl, valid-labels.lst
         labels = path.with_name(path.stem + "-labels.lst")
     if path.suffix == ".bz2":  # 6 lines per item: context, gold label, 4 endings
@@ -323,9 +324,9 @@ def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
                                                               dict) and "text" in records[0][1]:
             return "perplexity", [text_tokens(data.read_documents(path, "jsonl"), tok)]
         return "multiple_choice", read_items(path)
-    raise T.ConfigError(f"unknown --task {task!r}: not needle, a benchmark ({', '.join(BENCHMARKS)}), a "
-                        f"dataset ({', '.join(data.DATASETS)}), a folder of shards or a .bin/.txt/.jsonl/.bz2 "
-                        "file")
+    raise config.ConfigError(f"unknown --task {task!r}: not needle, a benchmark ({', '.join(BENCHMARKS)}), a "
+                             f"dataset ({', '.join(data.DATASETS)}), a folder of shards or a "
+                             ".bin/.txt/.jsonl/.bz2 file")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,8 +347,8 @@ def needle_prompt(tok, length: int, depth: float, key: str) -> tuple[list[int], 
     answer = tok.encode_ordinary(f" {key}")
     room = length - 1 - len(needle) - len(question) - len(answer)
     if room < 0:
-        raise T.ConfigError(f"--seq-len {length} is too short for the pass-key question "
-                            f"({length - room} tokens)")
+        raise config.ConfigError(f"--seq-len {length} is too short for the pass-key question ({length - room} "
+                                 "tokens)")
     filler = tok.encode_ordinary(NEEDLE_FILLER * (room // 10 + 1))[:room]
     cut = round(depth * room)
     return [data.bos_id(tok), *filler[:cut], *needle, *filler[cut:], *question], answer
@@ -456,8 +457,8 @@ def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, *
     stop = data.eot_id(tok) if chat else data.eos_id(tok)
     limit = seq_len or model.args.max_seq_len
     if len(ids) >= limit:
-        raise T.ConfigError(f"a prompt of {len(ids)} tokens leaves no room to generate under --seq-len "
-                            f"{limit}")
+        raise config.ConfigError(f"a prompt of {len(ids)} tokens leaves no room to generate under --seq-len "
+                                 f"{limit}")
     new = M.generate(model, ids, min(max_new_tokens, limit - len(ids)), eos_id=stop, n_vocab=tok.n_vocab,
                      **sampling)
     new = new[0].tolist()
@@ -591,11 +592,11 @@ def plot_run(out_dir) -> Path:
     try:
         from matplotlib.figure import Figure  # no pyplot: no window, no process-wide backend to choose
     except ImportError:
-        raise T.ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+        raise config.ConfigError("--plot needs matplotlib: pip install matplotlib") from None
     path = Path(out_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise T.ConfigError(f"--plot {out_dir}: no metrics.jsonl there (a train.py, sft.py or dpo.py "
-                            "--out-dir)")
+        raise config.ConfigError(f"--plot {out_dir}: no metrics.jsonl there (a train.py, sft.py or dpo.py "
+                                 "--out-dir)")
     records = [r for _, r in data.json_records(path) if isinstance(r, dict)]
     train, val = [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
     if not train + val:
@@ -702,24 +703,24 @@ def check_flags(args) -> list[str]:
         try:
             prompts += [line for line in Path(args.prompts_file).read_text().split("\n") if line.strip()]
         except OSError as e:
-            raise T.ConfigError(f"--prompts-file: {e}") from None
+            raise config.ConfigError(f"--prompts-file: {e}") from None
     if not (args.task or prompts or args.contamination or args.plot):
-        raise T.ConfigError("nothing to do: give --task, --prompt / --prompts-file, --contamination or "
-                            "--plot")
+        raise config.ConfigError("nothing to do: give --task, --prompt / --prompts-file, --contamination or "
+                                 "--plot")
     if (args.task or prompts) and not args.init:
-        raise T.ConfigError("--init (a checkpoint, Hugging Face or Meta folder) is needed for --task and "
-                            "--prompt")
+        raise config.ConfigError("--init (a checkpoint, Hugging Face or Meta folder) is needed for --task and "
+                                 "--prompt")
     if args.contamination and not args.train:
-        raise T.ConfigError("--contamination needs --train: the training data to search")
+        raise config.ConfigError("--contamination needs --train: the training data to search")
     for flag in ("batch_size", "limit", "seq_len", "max_new_tokens", "ngram_words", "ngram_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise T.ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+            raise config.ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.needle_depth <= 1:
-        raise T.ConfigError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
+        raise config.ConfigError(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
     try:
         M.check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
-        raise T.ConfigError(f"sampling: {e} (--temperature, --top-k, --top-p)") from None
+        raise config.ConfigError(f"sampling: {e} (--temperature, --top-k, --top-p)") from None
     return prompts
 
 
@@ -741,7 +742,7 @@ def main(argv=None):
 
     if args.task or prompts:
         P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
-        device, precision = T.pick_device_and_precision(args)
+        device, precision = config.pick_device_and_precision(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this rank's GPU: kernels, NCCL and new tensors default to it
         dtype = M.DTYPES[precision]
@@ -752,8 +753,8 @@ def main(argv=None):
         seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len,
                                       model.args.max_seq_len)
         if seq_len > model.args.max_seq_len:
-            raise T.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
-                                f"{model.args.max_seq_len}")
+            raise config.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
+                                     f"{model.args.max_seq_len}")
         for task, (kind, payload) in tasks.items():
             if kind == "perplexity":
                 result = perplexity(model, tok, payload, seq_len, args.batch_size, mesh, args.limit)

@@ -1744,7 +1744,7 @@ def exit_with_agent(poll_s: float = 1.0):
     killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
     collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
     node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
-    the command lines (train.configure_process, evaluate.py, bench.py), as a process-wide setting."""
+    the command lines (config.configure_process, evaluate.py, bench.py), as a process-wide setting."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
                                                      for t in threading.enumerate()):
         return  # not started by torchrun, or watched already

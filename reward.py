@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint as C
+import config
 import data
 import dpo
 import evaluate
@@ -52,7 +53,7 @@ import train as T
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = T.get_parser()
+    p = config.get_parser()
     p.description = "Train a reward model on preference pairs (Bradley-Terry), from an SFT checkpoint."
     g = p.add_argument_group("reward model")
     g.add_argument("--init", default=None,
@@ -149,8 +150,8 @@ class RewardModel(sft.SFT):
     def model_args(self, tok) -> M.ModelArgs:
         self.base = super().model_args(tok)  # the --init model's own shape (SFT.weights checks it)
         if self.base.num_labels not in (None, 1):
-            raise T.ConfigError(f"--init {self.args.init} has a head of {self.base.num_labels} outputs; a "
-                                "reward model has one")
+            raise config.ConfigError(f"--init {self.args.init} has a head of {self.base.num_labels} outputs; a "
+                                     "reward model has one")
         return as_reward_model(self.base)
 
     def weights(self, mesh) -> dict | None:
@@ -178,8 +179,8 @@ def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None)
     tok = C.tokenizer_for(path, None, mirror)
     model = evaluate.load_model(path, tok, device, dtype, mesh or P.Mesh())
     if model.args.num_labels != 1:
-        raise T.ConfigError(f"--reward {path} is not a reward model (a head of one output): train one with "
-                            "reward.py")
+        raise config.ConfigError(f"--reward {path} is not a reward model (a head of one output): train one "
+                                 "with reward.py")
     return model, tok
 
 
@@ -205,7 +206,7 @@ def score_main(argv) -> int:
     p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
     a = p.parse_args(argv)
     if a.micro_batch < 1 or (a.seq_len is not None and a.seq_len < 1):
-        raise T.ConfigError("--micro-batch and --seq-len must be at least 1")
+        raise config.ConfigError("--micro-batch and --seq-len must be at least 1")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok = load_reward_model(a.reward, device, a.mirror)
     seq_len = min(a.seq_len or model.args.max_seq_len, model.args.max_seq_len)
@@ -374,21 +375,21 @@ def sample_parser() -> argparse.ArgumentParser:
 def check_sample_flags(a):
     """Everything wrong with the flags, before a model is loaded."""
     if a.k < 2:
-        raise T.ConfigError(f"--k {a.k}: rejection sampling keeps the best of at least 2 replies (--k 1 "
-                            "would keep whatever the policy says)")
+        raise config.ConfigError(f"--k {a.k}: rejection sampling keeps the best of at least 2 replies (--k 1 "
+                                 "would keep whatever the policy says)")
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--seq-len", a.seq_len), ("--limit", a.limit)):
         if value is not None and value < 1:
-            raise T.ConfigError(f"{flag} must be at least 1, got {value}")
+            raise config.ConfigError(f"{flag} must be at least 1, got {value}")
     try:
         M.check_sampling(a.temperature, None, a.top_p)
     except ValueError as e:
-        raise T.ConfigError(str(e)) from None
+        raise config.ConfigError(str(e)) from None
     out = Path(a.out)
     if os.path.isdir(out) or (os.path.exists(out) and not a.overwrite):
-        raise T.ConfigError(f"--out {out} exists: give another file, or --overwrite to replace it"
-                            if not os.path.isdir(out) else f"--out {out} is a folder: name a file")
+        raise config.ConfigError(f"--out {out} exists: give another file, or --overwrite to replace it"
+                                 if not os.path.isdir(out) else f"--out {out} is a folder: name a file")
     if os.path.exists(a.prompts) and out.resolve() == Path(a.prompts).resolve():
-        raise T.ConfigError(f"--out {out} is the --prompts file: writing it would lose the prompts")
+        raise config.ConfigError(f"--out {out} is the --prompts file: writing it would lose the prompts")
 
 
 def load_policy_and_reward(a, device, dtype, mesh):
@@ -397,12 +398,13 @@ def load_policy_and_reward(a, device, dtype, mesh):
     tok = C.tokenizer_for(a.policy, None, a.mirror)
     reward_tok = C.tokenizer_for(a.reward, None, a.mirror)
     if reward_tok.name != tok.name:
-        raise T.ConfigError(f"--reward {a.reward} reads the tokenizer {reward_tok.name}, --policy {a.policy} "
-                            f"writes {tok.name}: train the reward model from the policy's SFT model")
+        raise config.ConfigError(f"--reward {a.reward} reads the tokenizer {reward_tok.name}, --policy "
+                                 f"{a.policy} writes {tok.name}: train the reward model from the policy's SFT "
+                                 "model")
     policy = evaluate.load_model(a.policy, tok, device, dtype, mesh)
     if policy.args.num_labels is not None:
-        raise T.ConfigError(f"--policy {a.policy} is a reward model (a head of {policy.args.num_labels} "
-                            "output); the policy is a language model")
+        raise config.ConfigError(f"--policy {a.policy} is a reward model (a head of {policy.args.num_labels} "
+                                 "output); the policy is a language model")
     reward_model, _ = load_reward_model(a.reward, device, a.mirror, dtype, mesh)
     return policy, reward_model, tok
 
@@ -434,7 +436,7 @@ def write_records(path: Path, records: list[dict]):
 def sample_main(argv) -> int:
     a = sample_parser().parse_args(argv)
     check_sample_flags(a)
-    device, precision = T.pick_device_and_precision(a)
+    device, precision = config.pick_device_and_precision(a)
     P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -464,11 +466,11 @@ def main(argv=None):
         return sample_main(argv[1:])
     args = get_parser().parse_args(argv)
     if not -1e6 < args.margin < 1e6:  # (NaN fails too)
-        raise T.ConfigError(f"--margin must be a number, got {args.margin}")
+        raise config.ConfigError(f"--margin must be a number, got {args.margin}")
     if args.cp > 1:  # a score is read at a sequence's last token, which one cp rank alone holds
-        raise T.ConfigError(f"--cp {args.cp}: the reward model does not support context parallelism; use "
-                            "--cp 1")
-    T.configure_process(args)
+        raise config.ConfigError(f"--cp {args.cp}: the reward model does not support context parallelism; use "
+                                 "--cp 1")
+    config.configure_process(args)
     run = T.train(args, RewardModel(args))
     if run.mesh.world > 1:
         torch.distributed.destroy_process_group()

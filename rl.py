@@ -60,6 +60,7 @@ import torch
 import torch.nn as nn
 
 import checkpoint as C
+import config
 import data
 import evaluate
 import model as M
@@ -72,7 +73,7 @@ IGNORE_INDEX = data.IGNORE_INDEX
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = T.get_parser()
+    p = config.get_parser()
     p.description = ("Reinforcement learning (GRPO or PPO) against a reward, from an SFT checkpoint. Also: "
                      "`rl.py sums` writes the arithmetic task's files, `rl.py eval` scores greedy replies.")
     g = p.add_argument_group("reinforcement learning")
@@ -139,15 +140,15 @@ def load_reward_fn(name: str):
         return REWARD_FNS[name]
     path, _, fn = name.rpartition(":")
     if not (path.endswith(".py") and fn and Path(path).is_file()):
-        raise T.ConfigError(f"--reward-fn {name}: not one of {', '.join(REWARD_FNS)} nor FILE.py:FUNCTION of "
-                            "an existing file")
+        raise config.ConfigError(f"--reward-fn {name}: not one of {', '.join(REWARD_FNS)} nor FILE.py:FUNCTION "
+                                 "of an existing file")
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
         return getattr(module, fn)
     except Exception as e:
-        raise T.ConfigError(f"--reward-fn {name}: {type(e).__name__}: {data.one_line(e)}") from None
+        raise config.ConfigError(f"--reward-fn {name}: {type(e).__name__}: {data.one_line(e)}") from None
 
 
 def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[float]:
@@ -189,8 +190,8 @@ def sums_main(argv) -> int:
     a = p.parse_args(argv)
     total = a.sft + a.rl + a.test
     if min(a.sft, a.rl, a.test) < 1 or total > a.high ** 2:
-        raise T.ConfigError(f"--sft, --rl and --test must be >= 1 and add up to at most --high^2 = "
-                            f"{a.high ** 2}")
+        raise config.ConfigError("--sft, --rl and --test must be >= 1 and add up to at most --high^2 = "
+                                 f"{a.high ** 2}")
     problems, out = sums(total, a.seed, a.high), Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     worked = [{"messages": [{"role": "user", "content": s["prompt"]},
@@ -505,9 +506,9 @@ class RL(sft.SFT):
         if self.args.reward:
             theirs = C.tokenizer_for(self.args.reward, None, self.args.mirror)
             if theirs.name != self.tok.name:
-                raise T.ConfigError(f"--reward {self.args.reward} reads the tokenizer {theirs.name}, the "
-                                    f"policy writes {self.tok.name}: train the reward model from the policy's "
-                                    "SFT model")
+                raise config.ConfigError(f"--reward {self.args.reward} reads the tokenizer {theirs.name}, the "
+                                         f"policy writes {self.tok.name}: train the reward model from the "
+                                         "policy's SFT model")
         return self.tok
 
     def weights(self, mesh) -> dict | None:
@@ -541,24 +542,26 @@ class RL(sft.SFT):
 def check_flags(a):
     """One line for each setting that cannot work, before anything starts."""
     if not a.prompts or bool(a.reward) == bool(a.reward_fn):
-        raise T.ConfigError("rl.py needs --prompts FILE and one of --reward (a reward model) or --reward-fn")
+        raise config.ConfigError("rl.py needs --prompts FILE and one of --reward (a reward model) or "
+                                 "--reward-fn")
     a.group = a.group if a.group is not None else (8 if a.algo == "grpo" else 1)
     a.kl_coef = a.kl_coef if a.kl_coef is not None else (0.04 if a.algo == "grpo" else 0.05)
     if a.algo == "grpo" and a.group < 2:
-        raise T.ConfigError(f"--group {a.group}: GRPO's advantage compares the replies to one prompt; a group "
-                            "needs at least 2")
+        raise config.ConfigError(f"--group {a.group}: GRPO's advantage compares the replies to one prompt; a "
+                                 "group needs at least 2")
     if a.group < 1 or a.max_new_tokens < 1:
-        raise T.ConfigError("--group and --max-new-tokens must be at least 1")
+        raise config.ConfigError("--group and --max-new-tokens must be at least 1")
     if a.algo == "grpo" and a.temperature == 0:
-        raise T.ConfigError("--temperature 0: every reply of a group would be the same, and its advantages 0")
+        raise config.ConfigError("--temperature 0: every reply of a group would be the same, and its "
+                                 "advantages 0")
     if not (0 <= a.kl_coef < math.inf and 0 < a.clip_eps < 1 and 0 <= a.gamma <= 1 and 0 <= a.lam <= 1
             and 0 <= a.vf_coef < math.inf and 0 < a.clip_value < math.inf):
-        raise T.ConfigError("need --kl-coef >= 0, --clip-eps in (0, 1), --gamma and --lam in [0, 1], "
-                            "--vf-coef >= 0 and --clip-value > 0")
+        raise config.ConfigError("need --kl-coef >= 0, --clip-eps in (0, 1), --gamma and --lam in [0, 1], "
+                                 "--vf-coef >= 0 and --clip-value > 0")
     try:
         M.check_sampling(a.temperature, None, a.top_p)
     except ValueError as e:
-        raise T.ConfigError(f"--temperature / --top-p: {e}") from None
+        raise config.ConfigError(f"--temperature / --top-p: {e}") from None
     refused = {"pp": "generation runs the whole model one token at a time; a pipeline would pass each token "
                      "through every stage", "cp": "a reply's log-probability needs the whole sequence, "
                                               "which no cp rank holds",
@@ -567,7 +570,8 @@ def check_flags(a):
                        "end at different lengths"}
     for flag, on in (("pp", a.pp > 1), ("cp", a.cp > 1), ("sp", a.sp), ("zero", a.zero == 3)):
         if on:
-            raise T.ConfigError(f"--{flag} {getattr(a, flag)}: rl.py does not support it ({refused[flag]})")
+            raise config.ConfigError(f"--{flag} {getattr(a, flag)}: rl.py does not support it "
+                                     f"({refused[flag]})")
     if a.reward_fn:
         load_reward_fn(a.reward_fn)
 
@@ -580,7 +584,7 @@ def main(argv=None):
         return eval_main(argv[1:])
     args = get_parser().parse_args(argv)
     check_flags(args)
-    T.configure_process(args)
+    config.configure_process(args)
     run = T.train(args, RL(args))
     if run.mesh.world > 1:
         torch.distributed.destroy_process_group()
@@ -604,8 +608,8 @@ def eval_main(argv) -> int:
     p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
     a = p.parse_args(argv)
     if bool(a.reward) == bool(a.reward_fn) or a.max_new_tokens < 1 or a.seq_len < 2:
-        raise T.ConfigError("rl.py eval needs one of --reward or --reward-fn, --max-new-tokens >= 1 and "
-                            "--seq-len >= 2")
+        raise config.ConfigError("rl.py eval needs one of --reward or --reward-fn, --max-new-tokens >= 1 and "
+                                 "--seq-len >= 2")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = C.tokenizer_for(a.init, None, a.mirror)
     policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())

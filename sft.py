@@ -27,13 +27,14 @@ import numpy as np
 import torch
 
 import checkpoint as C
+import config
 import data
 import model as M
 import train as T
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = T.get_parser()
+    p = config.get_parser()
     p.description = "Supervised fine-tuning on conversations (targets: the assistant's tokens)."
     g = p.add_argument_group("fine-tuning")
     g.add_argument("--init", default=None,
@@ -74,12 +75,12 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
             model = M.load_meta(path)
             margs, state = model.args, model.state_dict()
         else:
-            raise T.ConfigError(f"--init {path}: not a checkpoint folder, a Hugging Face folder "
-                                "(config.json) or a Meta folder (params.json)")
-    except (T.ConfigError, C.CheckpointError):
+            raise config.ConfigError(f"--init {path}: not a checkpoint folder, a Hugging Face folder "
+                                     "(config.json) or a Meta folder (params.json)")
+    except (config.ConfigError, C.CheckpointError):
         raise
     except Exception as e:
-        raise T.ConfigError(f"cannot read --init {path}: {type(e).__name__}: {data.one_line(e)}")
+        raise config.ConfigError(f"cannot read --init {path}: {type(e).__name__}: {data.one_line(e)}")
     if tok.n_vocab > margs.vocab_size:
         margs, state = grow_vocab(margs, state, tok.n_vocab)
     return margs, state
@@ -348,25 +349,26 @@ class SFT(T.Pretraining):
         try:
             self.margs = with_room_for(checkpoint_args(self.picked), tok.n_vocab)
         except ValueError as e:
-            raise T.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
-                                f"{data.one_line(e)}") from None
+            raise config.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
+                                     f"{data.one_line(e)}") from None
         return self.margs
 
     def weights(self, mesh) -> dict | None:
         if self.args.init is None or not C.is_checkpoint(self.args.init):
             return self.state
         # every rank checks a share of the shards; may fall back past a damaged step
-        verified = C.resolve(self.args.init, say=T.say, check=C.shared_check(mesh))
+        verified = C.resolve(self.args.init, say=config.say, check=C.shared_check(mesh))
         verified_margs, state = load_init(verified, self.tok, verify=False)
         if verified_margs != self.margs:
-            raise T.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has another "
-                                f"model shape than {self.picked.name}; name the step folder to start from")
+            raise config.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has "
+                                     f"another model shape than {self.picked.name}; name the step folder to "
+                                     "start from")
         return state
 
     def data(self, tok, mesh):
         args = self.args
         if args.anneal_data:  # (--anneal-tokens alone anneals the learning rate, as in pretraining)
-            raise T.ConfigError(f"--anneal-data {args.anneal_data}: fine-tuning reads one dataset, --data")
+            raise config.ConfigError(f"--anneal-data {args.anneal_data}: fine-tuning reads one dataset, --data")
         conversations = read_sft(args.data, mirror=args.mirror)
         examples, counts = sft_examples(tok, conversations, args.seq_len)
         train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)
@@ -402,7 +404,7 @@ def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperatur
 def post_train(args, recipe_of) -> T.Run:
     """The entry of sft.py and dpo.py: the process set up, the training loop run with the recipe
     recipe_of(args) makes, then the answer to --sample-prompt (rank 0 prints it)."""
-    T.configure_process(args)
+    config.configure_process(args)
     run = T.train(args, recipe_of(args))
     if args.sample_prompt and T.samples_here(run):
         reply = chat(run.model, run.tok, [{"role": "user", "content": args.sample_prompt}], seed=args.seed)

@@ -14,25 +14,24 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
 
 Read in this order: train_step and train(), which checks the configuration, sets the run up and loops;
 the recipe (what is trained: Pretraining, LMTask); the pieces around the steps that each decide their own
-"when" (Meter, evaluate, Checkpointer, StopFlag); setting up; then the flags, their checks and the
-measuring instruments. sft.py and dpo.py bring their own recipes.
+"when" (Meter, evaluate, Checkpointer, StopFlag); setting up; the ramp's switch; the command line. The
+flags and their checks are config.py's, the measuring instruments costs.py's; sft.py and dpo.py bring
+their own recipes.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
-import platform
 import random
 import signal
 import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable, NamedTuple
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint as C
+import config
 import costs
 import data
 import model as M
@@ -49,21 +49,8 @@ import parallel as P
 IGNORE_INDEX = P.IGNORE_INDEX  # targets with this id carry no loss (used by SFT for prompt tokens)
 
 
-class ConfigError(Exception):
-    """A user-facing error: printed as one line, exit code 1."""
-
-
-class TrainingError(ConfigError):
+class TrainingError(config.ConfigError):
     """Training cannot go on (too many bad steps): one line, exit 1."""
-
-
-class ResourceError(ConfigError):
-    """This process's machine cannot run the job (too little memory): said by every rank that finds it."""
-
-
-class LaunchError(ConfigError):
-    """This process was not started as part of a job (torchrun's variables wrong or missing): said by
-    every rank that finds it, since its rank may not be known."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -145,7 +132,8 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
         run.opt.zero_grad()  # then nothing changes, and the same data comes again
         run.loader.load_state_dict(rewind)
         return None
-    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio, anneal_start(args, mesh.dp))
+    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio,
+                 config.anneal_start(args, mesh.dp))
     run.opt.step(lr, grad_scale=run.opt.clip_scale(args.grad_clip, tally.norm))  # clipped as it is read
     run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
     run.opt.zero_grad()
@@ -228,7 +216,7 @@ class SkipGuard:
         # 2^16): it counts toward --max-skips only once the scale is below 1, where gradients overflow alone.
         searching = bad.startswith("fp16") and run.scaler.scale >= 1
         self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + (not searching)
-        say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
+        config.say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
         self.meter.write({"step": step + 1, "skipped": bad, "skipped_total": self.skipped})
         if self.in_a_row >= self.max_skips:
             raise TrainingError(f"stopped: {self.in_a_row} consecutive steps skipped, the last for {bad}; "
@@ -260,7 +248,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     time_phases: bench.py's PhaseTimer mode. Every bad input is refused by check_config, before the
     processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
     recipe = recipe or Pretraining(args)
-    spec = check_config(args, recipe)
+    spec = config.check_config(args, recipe)
     mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
     lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
     try:
@@ -272,7 +260,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
         run.model.train()
         first = step
         while step < args.max_steps:
-            if run.ramp and step and stage_at(run.ramp, step).start == step:
+            if run.ramp and step and config.stage_at(run.ramp, step).start == step:
                 switch_stage(run, recipe, run.ramp, step)
                 meter.restage()
             with P.patient(mesh) if step == first else nullcontext():  # it compiles
@@ -293,7 +281,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                 break
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
         if mixture_seen(run):
-            say(mixture_seen(run))
+            config.say(mixture_seen(run))
     finally:
         if meter:
             meter.close()
@@ -309,7 +297,7 @@ def stopped(stop: StopFlag, step: int, failed: bool):
     if failed:
         raise TrainingError(f"stopped after step {step}: {stop.failure or 'another rank could not write'}; "
                             f"{saved}")
-    say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; {saved}")
+    config.say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; {saved}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -341,7 +329,7 @@ class Pretraining:
         return self.tok
 
     def model_args(self, tok) -> M.ModelArgs:
-        return model_args_from(self.args, tok.n_vocab)
+        return config.model_args_from(self.args, tok.n_vocab)
 
     def weights(self, mesh) -> dict | None:
         """The full initial state dict (each rank reads only what it keeps), or None: from --seed."""
@@ -371,7 +359,7 @@ class Pretraining:
         prepare = lambda name: data.resolve_data(name, args.tokenizer, mirror=args.mirror)
         folders = [P.on_rank0_first(lambda name=name: prepare(name), mesh) for name in names]
         weights = lambda mix: [dict(mix).get(name, 0.0) for name in names]
-        start = anneal_start(args, mesh.dp)
+        start = config.anneal_start(args, mesh.dp)
         anneal = (start * args.micro_batch * args.grad_accum * mesh.dp, weights(final)) if final else None
         make = lambda split, seed, anneal=None: data.MixtureLoader(
             list(zip(names, folders)), weights(mixture), split, args.micro_batch, args.seq_len, mesh.dp_rank,
@@ -391,12 +379,7 @@ class Pretraining:
 
     def task(self, margs, mesh, device, dtype, model):
         return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(self.args) else None, model.output,
-                      loss_chunk(self.args))
-
-
-def loss_chunk(args) -> int:
-    """--loss-chunk as the next-token loss uses it (parallel.loss_chunk_used)."""
-    return P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
+                      config.loss_chunk(self.args))
 
 
 def doc_mask_on(args) -> bool:
@@ -501,7 +484,7 @@ class Meter:
 
     def tokens_at(self, step: int) -> int:
         """Tokens trained on in the run's first `step` steps."""
-        return tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
+        return config.tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
 
     def clock(self) -> float:
         """Seconds spent training so far: wall time less the pauses."""
@@ -572,17 +555,18 @@ class Meter:
         comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
             f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
         extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
-        say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm {rec['grad_norm']:.3f}"
-            f" | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem {rec['peak_mem_gb']:.2f} GB"
-            f"{comm_txt}{extra_txt}")
+        config.say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm "
+                   f"{rec['grad_norm']:.3f} | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem "
+                   f"{rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
         self.write(rec)
 
     def validation(self, step: int, loss: float, metrics: list, by_source: dict):
         """Log a validation (called while paused: the pause so far is its time); by_source: a mixture's
         loss on each source's own validation split."""
         extra = {**self.named(metrics, "val_"), **{f"val_loss/{k}": v for k, v in by_source.items()}}
-        say(f"step {step:6d} | val loss {loss:.4f}" + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
-            + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
+        config.say(f"step {step:6d} | val loss {loss:.4f}"
+                   + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
+                   + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
         self.write({"step": step, "tokens": self.tokens_at(step), "val_loss": loss, **extra,
                     "time_s": self.clock()})
 
@@ -596,15 +580,7 @@ class Meter:
 class Trackers:
     """--wandb PROJECT and --tensorboard DIR: metrics.jsonl's records, sent on by rank 0 as they are
     written, nested values flattened (comm_bytes_per_step/dp). Each package is imported only when its flag
-    asks for it; check() refuses a flag whose package is missing, before the run starts."""
-
-    PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> what `pip install` needs
-
-    @classmethod
-    def check(cls, args):
-        for flag, package in cls.PACKAGES.items():
-            if getattr(args, flag) and importlib.util.find_spec(package) is None:
-                raise ConfigError(f"--{flag} needs the {package} package: pip install {package}")
+    asks for it; config.check_trackers refuses a flag whose package is missing, before the run starts."""
 
     def __init__(self, args):
         self.wandb = self.tensorboard = None
@@ -630,15 +606,6 @@ class Trackers:
             self.wandb.finish()
         if self.tensorboard:
             self.tensorboard.close()
-
-
-def anneal_start(args, dp: int) -> int | None:
-    """The step where --anneal-tokens' annealing starts (None without it): the run's last steps that hold
-    that many tokens, rounded up to whole steps."""
-    if not args.anneal_tokens:
-        return None
-    return args.max_steps - math.ceil(args.anneal_tokens / (args.micro_batch * args.grad_accum * dp *
-                                                             args.seq_len))
 
 
 def step_tokens(args, task, mesh) -> int:
@@ -807,7 +774,7 @@ def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_context_parallel(model, mesh)
-    P.apply_pipeline(model, mesh, parse_pp_layers(args.pp_layers), args.virtual_stages)
+    P.apply_pipeline(model, mesh, config.parse_pp_layers(args.pp_layers), args.virtual_stages)
     model.to(dtype)  # still on the meta device: each piece is cast as it is written, no fp32 model exists
     if state is not None:
         missing = sorted({n for n, _ in model.named_parameters()} - set(state))
@@ -842,8 +809,8 @@ def read_initial(state, name: str) -> torch.Tensor:
     try:
         return state[name]
     except Exception as e:
-        raise ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: "
-                          f"{data.one_line(e)}") from None
+        raise config.ConfigError(f"cannot read initial weight {name}: {type(e).__name__}: "
+                                 f"{data.one_line(e)}") from None
 
 
 def compile_blocks(model, backend="inductor"):
@@ -854,7 +821,7 @@ def compile_blocks(model, backend="inductor"):
                              for key, layer in model.layers.items()}
 
 
-def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
+def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
     """The run's pieces, in the order they may fail: the checkpoint to resume (the ranks verify it), the
     initial weights, the data, the model, its optimizer and gradient sync, the task; then the resumed
     state. The earlier run's files (--overwrite) go only after all of that worked.
@@ -863,7 +830,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     resume, meta = resume_point(out_dir, args, spec.margs, mesh)  # every rank checks its share of the files
     initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
     if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
-        enter_stage(args, stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
+        config.enter_stage(args, config.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
     per_step = loader.batch_size * args.grad_accum * mesh.dp
     if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
@@ -884,7 +851,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
         sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
         sync = P.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)  # (lazy: values now)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
-        raise ConfigError(f"cannot build the model from the initial weights: {e}") from None
+        raise config.ConfigError(f"cannot build the model from the initial weights: {e}") from None
     scaler = O.LossScaler() if spec.precision == "fp16" else None
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
@@ -896,7 +863,7 @@ def set_up(args, recipe: Pretraining, spec: Spec, mesh, time_phases: str | None)
     if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
         gone = C.clear_run(out_dir)
         if gone:
-            say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
+            config.say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
     P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
     return run, start_step, data_desc
 
@@ -906,7 +873,7 @@ def lock_out_dir(out_dir: Path, mesh) -> C.RunLock:
     lock, error = C.RunLock(out_dir), None
     if mesh.rank == 0:
         try:
-            lock.acquire(say)
+            lock.acquire(config.say)
         except C.CheckpointError as e:
             error = e
     if mesh.world > 1 and not P.all_true(error is None, mesh):
@@ -926,19 +893,19 @@ def resume_point(out_dir: Path, args, margs, mesh) -> tuple[Path | None, dict | 
     earlier = C.earlier_run(out_dir)
     if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
         what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
-        raise ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue it, "
-                          f"--overwrite to start afresh, or another --out-dir")
+        raise config.ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue "
+                                 "it, --overwrite to start afresh, or another --out-dir")
     if not args.resume:
         return None, None
     for name, why in skipped:
-        say(f"checkpoint {name} is {why}; falling back to an older one")
+        config.say(f"checkpoint {name} is {why}; falling back to an older one")
     if ckpt is None and skipped:
-        raise ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
-                          f"nothing was overwritten")
+        raise config.ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
+                                 "nothing was overwritten")
     if ckpt is None and not skipped:
-        say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+        config.say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
     if ckpt is not None:
-        C.say_unlisted(ckpt, say)
+        C.say_unlisted(ckpt, config.say)
     return ckpt, (read_meta(ckpt, margs) if ckpt else None)
 
 
@@ -947,10 +914,12 @@ def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
     try:
         saved = M.ModelArgs.from_dict(meta["model_args"])
     except ValueError as e:
-        raise ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: {data.one_line(e)}")
+        raise config.ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: "
+                                 f"{data.one_line(e)}")
     if saved != margs:
         diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
-        raise ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in {diff}")
+        raise config.ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in "
+                                 f"{diff}")
     return meta
 
 
@@ -960,13 +929,13 @@ def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
     try:
         extra = C.load_shards(ckpt, run.model, run.opt, run.mesh)
     except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
-        raise ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
+        raise config.ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
     if run.scaler and extra.get("scaler"):
         run.scaler.load_state_dict(extra["scaler"])
     restore_rng(extra["rng"], run.device)
     old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
-    say(f"resumed from {ckpt} at step {meta['step']} "
-        f"(written at tp {old['tp']}, cp {old.get('cp', 1)}, pp {old['pp']}, dp {old['dp']})")
+    config.say(f"resumed from {ckpt} at step {meta['step']} (written at tp {old['tp']}, cp {old.get('cp', 1)}, "
+               f"pp {old['pp']}, dp {old['dp']})")
     return meta["step"]
 
 
@@ -983,559 +952,47 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
     kind = meta.get("recipe") or ("dpo" if "beta" in args else "sft" if "init" in args else "pretraining")
     if kind != recipe.kind:
         script = SCRIPTS.get(kind, kind)
-        raise ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
-                          f"--resume would continue it as {recipe.kind}: resume it with {script}, or start "
-                          f"from it with --init and another --out-dir")
+        raise config.ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
+                                 f"--resume would continue it as {recipe.kind}: resume it with {script}, or "
+                                 "start from it with --init and another --out-dir")
     run.loader.load_state_dict(meta["loader"])  # the loader's settings (seq_len, seed, mixture) first
     if "data" in meta and meta["data"] != run.loader.fingerprint():
         start = " (--init from it)" if kind != "pretraining" else ""
-        raise ConfigError(f"checkpoint {ckpt} was trained on other data (--data {args.get('data')!r} then, "
-                          f"{run.args.data!r} now, whose contents differ); --resume needs the same data: "
-                          f"start a new run in another --out-dir{start}")
+        raise config.ConfigError(f"checkpoint {ckpt} was trained on other data (--data {args.get('data')!r} "
+                                 f"then, {run.args.data!r} now, whose contents differ); --resume needs the "
+                                 f"same data: start a new run in another --out-dir{start}")
 
 
 def announce(run: Run, meter: Meter, name: str, data_desc: str):
     """The run's banner: the model, the layout, the data and what MFU is measured against."""
     margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
-    say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} "
-        f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, "
-        f"heads {margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
-    say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
+    config.say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} "
+               f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, heads "
+               f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+    config.say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
         + (f", {args.schedule} schedule" if mesh.pp > 1 else "")
         + (f" over {args.virtual_stages} model chunks per rank" if mesh.pp > 1 and args.virtual_stages > 1
            else "") + (", sequence parallel" if mesh.sp else "")
         + (f", ZeRO-{args.zero}" if args.zero and mesh.dp_cp > 1 else ""))
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
-    say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step "
-        f"({args.micro_batch}{rows} x {args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
-    say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
+    config.say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step ({args.micro_batch}{rows} x "
+               f"{args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
+    config.say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
         + (" plus the reference's forward" if task.reference_forwards else "")
         + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "
         f"per device ({meter.peak_source})")
 
 
-# ----------------------------------------------------------------------------------------------------
-# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began with
-# 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to 16M after
-# 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); the step's loss is normalized over
-# its own targets as always; the learning rate follows steps, as the paper gives its schedule (8,000
-# warmup steps, cosine over 1.2M steps), and a stage's steps are fixed by the ramp, so the schedule is
-# known from the start. At a stage's first step the loaders are made anew for its length, the training
-# one as far into its epochs as the run has read (switch_stage).
-
-
-class Stage(NamedTuple):
-    tokens: int  # the ramp's threshold: the stage begins at the first step after this many tokens
-    seq_len: int
-    sequences: int  # per optimizer step, over every dp rank
-    start: int  # its first step
-    seen: int  # tokens trained on (over the whole job) before that step
-
-
-def parse_count(text: str) -> int:
-    """"252M" -> 252,000,000 (K, M, B, T: thousands to trillions)."""
-    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}.get(text[-1:].upper(), 1)
-    number = float(text[:-1] if scale > 1 else text)
-    if not (math.isfinite(number) and number >= 0):
-        raise ValueError(text)
-    return round(number * scale)
-
-
-def parse_ramp(text: str) -> list[Stage]:
-    """--ramp -> its stages with their first steps; one line for a malformed or out-of-order one."""
-    stages, step, seen = [], 0, 0
-    for part in text.split(","):
-        try:
-            tokens, shape = part.split(":")
-            seq_len, sequences = (int(v) for v in shape.lower().split("x"))
-            tokens = parse_count(tokens)
-        except ValueError:
-            raise ConfigError(f"--ramp stage {part!r}: expected TOKENS:SEQ_LENxSEQUENCES, e.g. 252M:8192x1024"
-                              ) from None
-        if seq_len < 1 or sequences < 1:
-            raise ConfigError(f"--ramp stage {part!r}: a sequence length and a count of sequences >= 1")
-        if not stages and tokens != 0:
-            raise ConfigError(f"--ramp must start at 0 tokens; its first stage starts at {tokens:,}")
-        if stages:
-            last = stages[-1]
-            if tokens <= last.tokens:
-                raise ConfigError(f"--ramp stages must be in order of tokens: {part!r} after {last.tokens:,}")
-            steps = math.ceil((tokens - last.seen) / (last.seq_len * last.sequences))
-            step, seen = last.start + steps, last.seen + steps * last.seq_len * last.sequences
-        stages.append(Stage(tokens, seq_len, sequences, step, seen))
-    return stages
-
-
-def stage_at(stages: list[Stage], step: int) -> Stage:
-    return [s for s in stages if s.start <= step][-1]
-
-
-def tokens_before(stages: list[Stage], step: int) -> int:
-    """Tokens trained on in steps 0 .. step-1."""
-    s = stage_at(stages, step)
-    return s.seen + (step - s.start) * s.seq_len * s.sequences
-
-
-def enter_stage(args, stage: Stage, dp: int):
-    """Set --seq-len and --grad-accum to the stage's (the run's settings for its steps)."""
-    if stage.sequences % (args.micro_batch * dp):
-        raise ConfigError(f"--ramp stage at {stage.tokens:,} tokens: {stage.sequences} sequences a step do not "
-                          f"divide into micro-batches of {args.micro_batch} on {dp} dp ranks")
-    args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
-
-
-def check_ramp(args, dp: int) -> list[Stage]:
-    """The ramp, every stage checked against the flags (the layout and memory per stage: check_config)."""
-    stages = parse_ramp(args.ramp)
-    beyond = [s for s in stages if s.start >= args.max_steps]
-    if beyond:
-        total = tokens_before(stages, args.max_steps)
-        raise ConfigError(f"--ramp stage at {beyond[0].tokens:,} tokens would start at step {beyond[0].start}, "
-                          f"not within the run's --max-steps {args.max_steps} ({total:,} tokens): lower it or "
-                          "train longer")
-    if args.anneal_tokens:
-        raise ConfigError("--anneal-tokens counts steps of one size; with --ramp, end the run with a last "
-                          "stage instead")
-    for stage in stages:
-        enter_stage(args, stage, dp)
-    return stages
-
-
-def switch_stage(run: Run, recipe: Pretraining, stages: list[Stage], step: int):
+def switch_stage(run: Run, recipe: Pretraining, stages: list[config.Stage], step: int):
     """At a stage's first step: its settings, and fresh loaders of its length; the training one goes on at
     global sequence ceil(tokens read / seq_len), as far into its epochs as the run has read."""
-    stage = stage_at(stages, step)
-    enter_stage(run.args, stage, run.mesh.dp)
+    stage = config.stage_at(stages, step)
+    config.enter_stage(run.args, stage, run.mesh.dp)
     run.loader, run.make_val, _ = recipe.data(run.tok, run.mesh)
-    first = -(-tokens_before(stages, step) // stage.seq_len)  # (a global sequence number)
+    first = -(-config.tokens_before(stages, step) // stage.seq_len)  # (a global sequence number)
     run.loader.load_state_dict({**run.loader.state_dict(), "consumed": first})
-    say(f"ramp: step {step}, {tokens_before(stages, step):,} tokens: {stage.sequences} sequences of "
-        f"{stage.seq_len} tokens a step ({run.args.grad_accum} accumulation)")
-
-
-class Spec(NamedTuple):
-    """What check_config found: the run's device, precision, tokenizer and model shape, and --ramp's stages."""
-    device: torch.device
-    precision: str
-    tok: object  # a tiktoken Encoding
-    margs: M.ModelArgs
-    ramp: list | None = None
-
-
-# ----------------------------------------------------------------------------------------------------
-# Configuration
-
-
-def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
-    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
-        g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
-    g.add_argument("--rope-scaling", default=None, metavar="FACTOR:LOW:HIGH:ORIGINAL",
-                   help="Llama 3.1's RoPE frequency scaling, e.g. 8:1:4:8192 (factor, low and high frequency "
-                        "factors, original context), or none; default: the preset's")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default="tinyshakespeare",
-                   help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
-                        "mixture of them, e.g. c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2 (weights "
-                        "normalized; a part naming an existing file or folder whole is that source, so the "
-                        "file x:2 at weight 0.5 is x:2:0.5; each source once, under any spelling)")
-    g.add_argument("--anneal-tokens", type=int, default=0,
-                   help="anneal over the run's last N tokens: the learning rate falls linearly to 0 from "
-                        "wherever the schedule is, and the data switches to --anneal-data if given")
-    g.add_argument("--anneal-data", default=None, help="the mixture to anneal on (same form as --data)")
-    g.add_argument("--tokenizer", default="byte",
-                   help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path to a Llama 3 tokenizer.model "
-                        "(sft.py, dpo.py: the one --init was trained with)")
-    g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (T)")
-    g.add_argument("--doc-mask", action=argparse.BooleanOptionalAction, default=None,
-                   help="attend only within each document of a sequence (they start at <|begin_of_text|>), "
-                        "positions restarting per document (default: on for the llama presets)")
-    g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--ramp", default=None,
-                   help="batch and sequence-length stages TOKENS:SEQ_LENxSEQUENCES, e.g. Llama 3 405B's "
-                        "0:4096x1024,252M:8192x1024,2.87T:8192x2048 (K, M, B, T suffixes; the first at 0): "
-                        "from TOKENS seen on, each step is SEQUENCES of SEQ_LEN tokens; it sets --seq-len and "
-                        "--grad-accum (SEQUENCES / (micro-batch x dp)) stage by stage")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
-    g.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    g.add_argument("--max-steps", type=int, default=2400,
-                   help="optimizer steps in all (the cosine ends here)")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (matrices only)")
-    g.add_argument("--beta1", type=float, default=0.9, help="AdamW first-moment decay")
-    g.add_argument("--beta2", type=float, default=0.95, help="AdamW second-moment decay")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto: bf16 on CUDA, fp32 elsewhere")
-    add_memory_and_speed_flags(p)
-    add_parallel_flags(p)
-    add_run_flags(p)
-    return p
-
-
-def add_memory_and_speed_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("memory and speed")
-    g.add_argument("--act-ckpt", nargs="?", const="full", default=None, choices=["full", "selective"],
-                   help="activation checkpointing: full (the flag alone) recomputes each block in backward; "
-                        "selective keeps its matmuls' and attention's outputs and recomputes only the "
-                        "element-wise work, for less memory saved at a fraction of the recomputation")
-    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    g.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
-                   help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
-                        "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), math (reference); "
-                        "a masked attention (packed documents, --cp) takes whichever kernel takes masks")
-    g.add_argument("--loss-chunk", type=int, default=1024,
-                   help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
-                        "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
-
-
-def add_parallel_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * cp * pp))")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost: one NVLink domain)")
-    g.add_argument("--cp", type=int, default=1,
-                   help="context-parallel size: each sequence cut along its length over cp ranks")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
-    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
-                   help="pipeline schedule (interleaved: 1F1B over --virtual-stages model chunks per rank)")
-    g.add_argument("--virtual-stages", type=int, default=1,
-                   help="model chunks per pipeline rank for --schedule interleaved (2 or more)")
-    g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2); "
-                        "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
-    g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
-    g.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds before a stuck collective fails; the first step's wait as long as --io-timeout "
-                        "(each rank compiles it as it first runs it, some slower than others)")
-    g.add_argument("--io-timeout", type=float, default=3600.0,
-                   help="seconds ranks wait for others' disk work "
-                   "(data preparation, checkpoint writes and checks) before the job fails")
-
-
-def add_run_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("run")
-    g.add_argument("--out-dir", default="out", help="checkpoints and metrics.jsonl")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
-    g.add_argument("--overwrite", action="store_true", help="start afresh even if --out-dir has checkpoints")
-    g.add_argument("--eval-every", type=int, default=600,
-                   help="validation every N steps (0: only at the end, -1: never)")
-    g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
-    g.add_argument("--ckpt-every", type=int, default=1000,
-                   help="checkpoint every N steps and at the end (0: never)")
-    g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
-    g.add_argument("--log-every", type=int, default=100, help="log the mean of the last N steps")
-    g.add_argument("--sample-tokens", type=int, default=300,
-                   help="length of the sample printed at the end "
-                        "(at most --seq-len: RoPE was trained on no more)")
-    g.add_argument("--seed", type=int, default=1337, help="initialization and data order")
-    g.add_argument("--deterministic", action="store_true",
-                   help="bit-identical reruns: deterministic kernels on CUDA (slower); CPU runs already are")
-    g.add_argument("--max-skips", type=int, default=5,
-                   help="stop after this many consecutive skipped steps "
-                        "(non-finite loss or gradient, spikes)")
-    g.add_argument("--skip-spikes", type=float, default=0.0,
-                   help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
-    g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
-    g.add_argument("--wandb", metavar="PROJECT", help="also send metrics.jsonl's records to Weights & Biases")
-    g.add_argument("--tensorboard", metavar="DIR", help="also write metrics.jsonl's records for TensorBoard")
-
-
-def model_args_from(args, vocab_size: int) -> M.ModelArgs:
-    """Preset + overrides. The small presets adapt their vocabulary to the tokenizer (rounded up to a multiple
-    of 64 for efficient matmuls); the published Llama 3 presets keep theirs."""
-    presets = M.PRESETS
-    if args.model not in presets:
-        raise ConfigError(f"unknown model preset {args.model!r}; choose from {', '.join(presets)}")
-    margs = presets[args.model]
-    over = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
-            if getattr(args, k) is not None}
-    if "vocab_size" not in over and not args.model.startswith("llama"):
-        over["vocab_size"] = 64 * ((vocab_size + 63) // 64)
-    if args.rope_scaling is not None:
-        over["rope_scaling"] = parse_rope_scaling(args.rope_scaling)
-    if "n_heads" in over and "n_kv_heads" not in over and margs.n_heads % margs.n_kv_heads == 0:
-        over["n_kv_heads"] = max(1, over["n_heads"] * margs.n_kv_heads // margs.n_heads)
-    try:
-        margs = replace(margs, **over)
-    except ValueError as e:
-        raise ConfigError(f"invalid model dimensions: {e}") from None
-    if vocab_size > margs.vocab_size:
-        raise ConfigError(f"tokenizer {args.tokenizer!r} has {vocab_size} ids but model {args.model!r} has a "
-                          f"vocabulary of {margs.vocab_size}")
-    return margs
-
-
-def parse_rope_scaling(text: str) -> dict | None:
-    """--rope-scaling "8:1:4:8192" -> ModelArgs.rope_scaling (checked for sense there); "none" -> None."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        factor, low, high, original = text.split(":")
-        return {"factor": float(factor), "low_freq_factor": float(low), "high_freq_factor": float(high),
-                "original_max_seq_len": int(original)}
-    except ValueError:
-        raise ConfigError(f"--rope-scaling {text!r}: expected FACTOR:LOW:HIGH:ORIGINAL (e.g. 8:1:4:8192) or "
-                          "none") from None
-
-
-def validate(args):
-    """Every flag value a run cannot use is refused here, before anything is read or written. NaN fails
-    every comparison below, so it is refused wherever a range is."""
-    def need(ok: bool, name: str, rule: str):
-        if not ok:
-            raise ConfigError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "log_every", "keep_ckpts",
-                 "eval_batches", "max_skips"):
-        need(getattr(args, name) >= 1, name, "at least 1")
-    for name in ("warmup", "ckpt_every", "sample_tokens", "loss_chunk"):
-        need(getattr(args, name) >= 0, name, "at least 0")
-    need(args.eval_every >= -1, "eval_every", "-1 (never), 0 (at the end) or a number of steps")
-    need(0 < args.lr < math.inf, "lr", "a positive number")
-    need(0 <= args.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
-    need(0 <= args.beta1 < 1, "beta1", "in [0, 1)")
-    need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
-    need(0 <= args.weight_decay < math.inf, "weight_decay", "a number >= 0")
-    need(0 <= args.grad_clip < math.inf, "grad_clip", "a number >= 0 (0: off)")
-    need(args.skip_spikes == 0 or 1 < args.skip_spikes < math.inf, "skip_spikes",
-         "0 (off) or a factor above 1")
-    need(0 < args.dist_timeout < math.inf, "dist_timeout", "a positive number of seconds")
-    need(0 < args.io_timeout < math.inf, "io_timeout", "a positive number of seconds")
-    need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
-    need(0 <= args.seed < 2 ** 63, "seed", "in [0, 2^63)")
-    need(args.virtual_stages >= 1, "virtual_stages", "at least 1 (2 or more with --schedule interleaved)")
-    if not str(args.out_dir).strip():
-        raise ConfigError("--out-dir '' names no folder; give one (an empty name would write into the "
-                          "current folder)")
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume continues the run in --out-dir and --overwrite deletes it: pass one of "
-                          "them")
-    if args.act_ckpt == "selective" and args.compile:  # the policy sees a compiled block as one opaque call
-        raise ConfigError("--act-ckpt selective does not work with --compile yet (it would recompute every "
-                          "compiled block whole): use --act-ckpt full, or leave out --compile")
-    check_path_lengths(args)
-
-
-NAME_MAX = 255  # bytes in one file or folder name, on every common file system
-
-
-def check_path_lengths(args):
-    """A path with a component longer than a file system allows makes every look at it fail (even
-    Path.exists raises): refused here, by flag, instead."""
-    paths = [(flag, getattr(args, flag, None)) for flag in ("out_dir", "init", "tokenizer", "mirror",
-                                                             "tensorboard")]
-    paths += [(flag, part) for flag in ("data", "anneal_data")
-              for part in str(getattr(args, flag) or "").split(",")]
-    for flag, path in paths:
-        long = [c for c in Path(str(path or "")).parts if len(c.encode()) > NAME_MAX]
-        if long:
-            raise ConfigError(f"--{flag.replace('_', '-')}: the name {long[0][:40]}... is "
-                              f"{len(long[0].encode())} bytes long; file systems allow {NAME_MAX}")
-
-
-def parse_pp_layers(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(s) for s in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--pp-layers {text!r}: expected the layers of each stage, e.g. 3,3,2") from None
-
-
-def pick_device_and_precision(args):
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda", "mps"):
-        raise ConfigError(f"--device {args.device!r}: use cpu, cuda, cuda:N or mps")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but CUDA is not available")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("--device mps was asked for but MPS is not available")
-    if device.type == "cuda" and device.index is None:  # one GPU per process: torchrun's LOCAL_RANK
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if device.type == "cuda" and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"GPU {device.index} asked for (--device or LOCAL_RANK), but this process sees "
-                          f"{torch.cuda.device_count()}; start at most that many processes per node")
-    precision = args.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    return device, precision
-
-
-def configure_process(args):
-    """The process-wide settings, made once by the command line before train(): seeds, this process's GPU,
-    TF32 matmuls on CUDA, --deterministic, and (under torchrun) an exit when the agent dies.
-
-    --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
-    with a fixed workspace, no cuDNN autotuning. On an x86 CPU, runs repeat bit for bit without it on one
-    kind of CPU, but MKL and ATen choose kernels by the host's vector unit (AVX-512, AVX2), and other
-    kernels sum in another order: the flag pins both to AVX2. Both read these variables at their first
-    use: effective in a fresh process, as the command line is."""
-    validate(args)
-    launch_world()
-    device, _ = pick_device_and_precision(args)
-    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    # set or unset (bench.py times both in one process), but only when it changes: the call imports
-    # torch's compiler stack, a second of start-up for every process of a job that never asked for it
-    if args.deterministic != torch.are_deterministic_algorithms_enabled():
-        torch.use_deterministic_algorithms(args.deterministic)
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-        if device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
-            os.environ.setdefault("MKL_CBWR", "AVX2")
-            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-            say("--deterministic: CPU kernels pinned to AVX2 (MKL_CBWR, ATEN_CPU_CAPABILITY); this costs "
-                "throughput: `python bench.py --deterministic` against `python bench.py` measures it")
-        elif device.type == "cuda":
-            say("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this "
-                "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
-
-
-def env_rank() -> int:
-    """This process's global rank (torchrun's RANK) for deciding who prints: 0 when RANK is unset or not a
-    number (check_config refuses the latter, in a line that this lets through)."""
-    text = os.environ.get("RANK", "0").strip()
-    return int(text) if text.isdigit() else 0
-
-
-def launch_world() -> int:
-    """The job's world size, from torchrun's variables, which must be whole and consistent (launch_env)."""
-    try:
-        return P.launch_env()[1]
-    except P.LayoutError as e:
-        raise LaunchError(f"cannot join the job: {e}") from None
-
-
-def say(msg: str):
-    """Print on global rank 0 only (torchrun's RANK): one line per job, not one per process."""
-    if env_rank() == 0:
-        print(msg, flush=True)
-
-
-def check_config(args, recipe) -> Spec:
-    """Everything that can be wrong, refused before any process talks and before --out-dir is touched:
-    the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
-    validate(args)
-    world = launch_world()
-    device, precision = pick_device_and_precision(args)
-    if args.attn_backend == "cudnn" and device.type != "cuda":
-        raise ConfigError(f"--attn-backend cudnn runs on CUDA GPUs only, and this run is on {device.type}: use "
-                          "auto, flash or math")
-    Trackers.check(args)
-    tok = recipe.tokenizer()
-    margs = recipe.model_args(tok)
-    dp, whole = divmod(world, args.tp * args.cp * args.pp)
-    if args.ramp and recipe.kind != "pretraining":
-        raise ConfigError(f"--ramp stages pretraining's token stream; {recipe.kind} reads whole examples")
-    ramp = check_ramp(args, dp) if args.ramp and dp and not whole else None  # (else the layout's error)
-    for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
-        if stage:
-            enter_stage(args, stage, dp)
-        check_shape(args, world, margs, device, precision, recipe)
-    if ramp:
-        enter_stage(args, ramp[0], dp)
-    check_anneal(args, dp)
-    C.check_out_dir(Path(args.out_dir))
-    check_overwrite(args)
-    return Spec(device, precision, tok, margs, ramp)
-
-
-def check_shape(args, world: int, margs, device, precision: str, recipe):
-    """The sequence length against the model, the parallel layout and the memory, for these settings."""
-    if args.seq_len > margs.max_seq_len:
-        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
-    split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
-    try:
-        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
-                       args.cp, args.virtual_stages)
-        if args.pp > 1:  # interleaved: --pp-layers counts each model chunk's layers, pp x virtual of them
-            P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
-    except P.LayoutError as e:
-        raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
-    check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
-                 loss_chunk(args) if recipe.head_in_loss else 0)
-
-
-def ramp_stage(args) -> str:
-    return f" at --ramp's stage of {args.seq_len}-token sequences" if args.ramp else ""
-
-
-def check_overwrite(args):
-    """--overwrite deletes an earlier run's checkpoints and metrics in --out-dir: never what this run reads.
-    A model to start from (--init) or data (--data, --anneal-data) inside the out-dir is refused."""
-    if not args.overwrite:
-        return
-    out = Path(args.out_dir).expanduser().resolve()
-    reads = [("init", getattr(args, "init", None))] + [
-        (flag, source) for flag in ("data", "anneal_data") if getattr(args, flag, None)
-        for source, _ in data.parse_mixture(getattr(args, flag))]
-    for flag, path in reads:
-        where = Path(str(path)).expanduser() if path else None
-        if where is not None and where.exists() and (out == where.resolve() or out in where.resolve().parents):
-            raise ConfigError(f"--overwrite would delete what --{flag.replace('_', '-')} {path} reads: it is "
-                              f"inside --out-dir {args.out_dir}; write this run to another --out-dir")
-
-
-def check_anneal(args, dp: int):
-    if args.anneal_tokens < 0:
-        raise ConfigError(f"--anneal-tokens {args.anneal_tokens} must be 0 (no annealing) or more")
-    if args.anneal_data and not args.anneal_tokens:
-        raise ConfigError("--anneal-data needs --anneal-tokens: how many of the run's last tokens to "
-                          "anneal on")
-    start = anneal_start(args, dp)
-    if start is not None and start < 0:
-        total = args.max_steps * args.micro_batch * args.grad_accum * dp * args.seq_len
-        raise ConfigError(f"--anneal-tokens {args.anneal_tokens:,} is more than the run's {total:,} tokens "
-                          f"(--max-steps {args.max_steps} x {total // args.max_steps:,} tokens a step)")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Measuring: peak FLOP/s for MFU, memory
-
-
-def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
-                 frozen_copies: int = 0, chunk: int = 0):
-    """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
-    (model states, activations and temporaries of its busiest pipeline stage, costs.memory_estimate, for
-    micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference),
-    or what it holds while the model is built (costs.build_bytes) if that is more, against what its
-    device has free."""
-    split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
-    rows = args.micro_batch * rows_per_example
-    dp = world // (args.tp * args.cp * args.pp)
-    layout = dict(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, split=split, cp=args.cp,
-                  virtual=args.virtual_stages)
-    est = costs.memory_estimate(margs, precision, rows, args.seq_len, act_ckpt=args.act_ckpt, sp=args.sp,
-                                grad_accum=args.grad_accum, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=chunk, **layout)
-    if frozen_copies:  # in the training precision, cut as the trained model is
-        est["frozen"] = frozen_copies * costs.BYTES[precision] * max(costs.stage_params(
-            margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))
-        est["total"] += est["frozen"]
-    build = max(costs.build_bytes(margs, precision, stage=s, **layout) for s in range(args.pp))
-    have, need = costs.available_memory(device), max(est["total"], build)
-    if have is not None and need > have:
-        parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
-        built = f"; {build / 1e9:.1f} GB while it is built" if build > est["total"] else ""
-        raise ResourceError(f"model {args.model} needs about {need / 1e9:.1f} GB per process "
-                            f"({parts} GB{built}) but {device.type} has {have / 1e9:.1f} GB available; "
-                            "use a smaller model, shard it "
-                            f"over more processes (--tp, --pp, --zero 1-3) or a device with more memory")
+    config.say(f"ramp: step {step}, {config.tokens_before(stages, step):,} tokens: {stage.sequences} sequences "
+               f"of {stage.seq_len} tokens a step ({run.args.grad_accum} accumulation)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1551,8 +1008,8 @@ def samples_here(run: Run) -> bool:
 
 
 def main(argv=None):
-    args = get_parser().parse_args(argv)
-    configure_process(args)
+    args = config.get_parser().parse_args(argv)
+    config.configure_process(args)
     run = train(args)
     model, tok, mesh, device = run.model, run.tok, run.mesh, run.device
     if args.sample_tokens > 0 and samples_here(run):
@@ -1572,11 +1029,11 @@ def main(argv=None):
 def run(main_fn=main, argv=None):
     """main_fn() with user errors as one line on stderr (from rank 0, or from the rank whose own input is
     bad, or from each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
-    rank = env_rank()
+    rank = config.env_rank()
     try:
         main_fn(argv)
-    except (ConfigError, C.CheckpointError) as e:
-        if rank == 0 or isinstance(e, (ResourceError, LaunchError)):
+    except (config.ConfigError, C.CheckpointError) as e:
+        if rank == 0 or isinstance(e, (config.ResourceError, config.LaunchError)):
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
         else:  # rank 0 says it; leave after it does, or torchrun (which stops the job at the first exit)
             time.sleep(5)  # may kill rank 0 before its line is out

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench
+import config
 import costs
 import launch
 import model as M
@@ -219,10 +220,10 @@ def test_step_timing_synchronizes_where_its_mode_says(tmp_path, monkeypatch, tim
     monkeypatch.setattr(costs.PhaseTimer, "mark", lambda self, phase: (mark(self, phase),
                                                                        events.append(phase)))
     monkeypatch.setattr(costs, "peak_flops", lambda device, precision: (1e12, "test"))
-    args = train.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
-                                          "--max-steps",
-                                          "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens",
-                                          "0", "--out-dir", str(tmp_path / "o")])
+    args = config.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
+                                           "--max-steps",
+                                           "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens",
+                                           "0", "--out-dir", str(tmp_path / "o")])
     run = train.train(args, time_phases=timing)
     phases = ["1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer"]
     if timing == "phases":  # after each phase; the loop's own at the step's end, then the last mark's
@@ -236,7 +237,6 @@ def test_a_measured_peak_says_when_the_precision_is_slow_here(monkeypatch):
     """On a CPU without native bf16, bf16 runs many times slower than fp32: the peak is measured in the
     run's precision (so the MFU stays below 100%), and its description says fp32 would train faster."""
     import torch
-    import train
     speeds = {torch.float32: 1.6e11, torch.bfloat16: 1.4e10, torch.float16: 1.2e11}
     monkeypatch.setattr(costs, "measured_peak", lambda device, dtype: speeds[dtype])
     # a cache of its own: the process's may hold an earlier test's real measurement, and must not keep these

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import bench
+import config
 import costs
 import data
 import launch
@@ -35,7 +36,7 @@ CENSUS = textwrap.dedent(f"""
     sys.path.insert(0, {str(REPO)!r})
     import bench, costs, train
     costs.peak_flops = lambda device, precision: (1e12, "a constant: the census is of training")
-    args = train.get_parser().parse_args(sys.argv[1:])
+    args = config.get_parser().parse_args(sys.argv[1:])
     _, peak = bench.cpu_census(lambda: train.train(args))
     rank = os.environ.get("RANK", "0")  # a file per rank: lines printed by two processes may interleave
     with open(os.path.join(args.out_dir, f"peak_rank{{rank}}.json"), "w") as f:
@@ -108,8 +109,8 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
                                             for f in (tmp_path / "o").glob("peak_rank*.json"))}
     assert len(peaks) == processes
     kw = {"precision": "fp32", **kw}
-    args = train.get_parser().parse_args(RUN + flags)
-    margs = train.model_args_from(args, data.get_tokenizer(args.tokenizer).n_vocab)  # as the run built it
+    args = config.get_parser().parse_args(RUN + flags)
+    margs = config.model_args_from(args, data.get_tokenizer(args.tokenizer).n_vocab)  # as the run built it
     for rank, peak in peaks.items():
         if kw.get("tp"):
             break  # around the tensor-parallel collectives gloo's own threads hold copies whose number at the
@@ -156,7 +157,6 @@ def test_model_states_by_kind():
 def test_peaks_by_gpu_and_precision():
     """MFU's denominator: a GPU's dense peak in the run's precision. fp32 runs use TF32 tensor cores (half the
     bf16 rate); NVL parts are named before the SXM part whose name they contain."""
-    import train
     assert costs.gpu_peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989e12
     assert costs.gpu_peak("NVIDIA H100 80GB HBM3", "fp32")[0] == 494.5e12
     assert costs.gpu_peak("NVIDIA H100 NVL", "bf16")[0] == 835e12
@@ -175,7 +175,7 @@ SAVED = textwrap.dedent(f"""
     out = {{}}
     for tp, sp in ((1, False), (2, False), (2, True)):
         mesh = P.init_mesh(tp=tp, sp=sp) if tp > 1 else P.Mesh()
-        args = train.get_parser().parse_args([])
+        args = config.get_parser().parse_args([])
         model = train.build_model(margs, None, args, mesh, torch.device("cpu"), torch.float32).train()
         params = {{p.untyped_storage().data_ptr() for p in model.parameters()}}
         saved = {{}}
@@ -214,7 +214,7 @@ def test_activations_saved_for_backward_by_layout(tmp_path):
 def zero3_build(margs, dtype, dp: int, lazy: bool):
     """train.set_up's build of a ZeRO-3 rank (dp rank 1 of dp): the model, AdamW, GradSync. No collective
     runs while building, so one process can be any rank."""
-    args = train.get_parser().parse_args(["--zero", "3"])
+    args = config.get_parser().parse_args(["--zero", "3"])
     mesh = P.Mesh(dp=dp, dp_rank=1)
     model = train.build_model(margs, None, args, mesh, torch.device("cpu"), dtype, lazy=lazy)
     initial = train.initial_values(model, margs, None, args, mesh) if lazy else None
@@ -249,17 +249,17 @@ def test_the_memory_check_counts_the_build(monkeypatch):
     flat copy of it beside it: for 8B under ZeRO-2 over 64 ranks that is 32 GB, more than the 21 GB it keeps
     while training, and a device with room for the second and not the first is refused. 70B under ZeRO-3
     over 512 ranks builds in 4.5 GB now, below its steady state (it was ~280 GB: the whole model, thrice)."""
-    args = train.get_parser().parse_args(["--model", "llama3-8b", "--zero", "2", "--seq-len", "128",
-                                          "--micro-batch", "1"])
-    margs = train.model_args_from(args, 128_256)
+    args = config.get_parser().parse_args(["--model", "llama3-8b", "--zero", "2", "--seq-len", "128",
+                                           "--micro-batch", "1"])
+    margs = config.model_args_from(args, 128_256)
     steady = costs.memory_estimate(margs, "bf16", 1, 128, dp=64, zero=2)["total"]
     build = costs.build_bytes(margs, "bf16", dp=64, zero=2)
     assert build > steady and build >= 2 * 2 * M.count_params(margs)
     monkeypatch.setattr(costs, "available_memory", lambda device: (steady + build) / 2)
-    with pytest.raises(train.ResourceError, match=f"{build / 1e9:.1f} GB while it is built"):
-        train.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
+    with pytest.raises(config.ResourceError, match=f"{build / 1e9:.1f} GB while it is built"):
+        config.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
     monkeypatch.setattr(costs, "available_memory", lambda device: build + 1)
-    train.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
+    config.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
     big = M.PRESETS["llama3-70b"]
     assert costs.build_bytes(big, "bf16", dp=512, zero=3) < min(5e9, costs.memory_estimate(
         big, "bf16", 1, 128, dp=512, zero=3)["total"])

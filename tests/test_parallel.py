@@ -19,12 +19,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import checkpoint as C
+import config
 import costs
 import data
 import launch
 import model as M
 import parallel as P
-import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -506,7 +506,7 @@ def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
     tp, cp, pp, zero = (int(_flag(flags, f"--{k}", d)) for k, d in (("tp", 1), ("cp", 1), ("pp", 1),
                                                                     ("zero", 0)))
     dp = 2 // (tp * cp * pp)
-    margs = train.model_args_from(train.get_parser().parse_args(TINY), 301)
+    margs = config.model_args_from(config.get_parser().parse_args(TINY), 301)
     expected = costs.comm_estimate(margs, "fp32", 4, 32, tp=tp, pp=pp, dp=dp, zero=zero, sp="--sp" in flags,
                                    grad_accum=GLOBAL_BATCH // (4 * dp), stage=0, cp=cp)
     records = [json.loads(l) for l in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import checkpoint
+import config
 import costs
 import data
 import model as M
@@ -211,21 +212,21 @@ def test_each_process_binds_its_own_gpu_before_the_first_collective(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
-    args = train.get_parser().parse_args(["--device", "cuda:3"])
-    assert train.pick_device_and_precision(args) == (torch.device("cuda", 3), "bf16")
+    args = config.get_parser().parse_args(["--device", "cuda:3"])
+    assert config.pick_device_and_precision(args) == (torch.device("cuda", 3), "bf16")
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:  # configure_process also turns TF32 on: undone after
-        train.configure_process(args)
+        config.configure_process(args)
         monkeypatch.setenv("LOCAL_RANK", "5")
         args.device = None
-        assert train.pick_device_and_precision(args)[0] == torch.device("cuda", 5)
-        train.configure_process(args)
+        assert config.pick_device_and_precision(args)[0] == torch.device("cuda", 5)
+        config.configure_process(args)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert bound == [torch.device("cuda", 3), torch.device("cuda", 5)]
     monkeypatch.setenv("LOCAL_RANK", "9")
-    with pytest.raises(train.ConfigError, match="GPU 9 asked for .* this process sees 8"):
-        train.pick_device_and_precision(args)
+    with pytest.raises(config.ConfigError, match="GPU 9 asked for .* this process sees 8"):
+        config.pick_device_and_precision(args)
     options = parallel.process_group_options(torch.device("cuda", 5), 7.0)
     assert options["backend"] == "nccl" and options["device_id"] == torch.device("cuda", 5)
     assert parallel.process_group_options(torch.device("cpu"), 7.0)["backend"] == "gloo"
@@ -371,17 +372,17 @@ def test_a_bad_mixture_is_one_line_and_writes_nothing(tmp_path):
 def test_the_memory_check_counts_dpo_pairs_and_its_reference(monkeypatch):
     """DPO holds two rows per pair and a frozen reference beside the trained model: a device with room for
     the model trained on single rows but not for that is refused before anything is allocated."""
-    args = train.get_parser().parse_args(["--model", "small", "--micro-batch", "8", "--seq-len", "256"])
-    margs = train.model_args_from(args, 320)
+    args = config.get_parser().parse_args(["--model", "small", "--micro-batch", "8", "--seq-len", "256"])
+    margs = config.model_args_from(args, 320)
     rows = costs.memory_estimate(margs, "fp32", 8, 256)["total"]
     pairs = costs.memory_estimate(margs, "fp32", 16, 256)["total"] + 4 * costs.stage_params(margs)
     dpo = dict(rows_per_example=2, frozen_copies=1)
     monkeypatch.setattr(costs, "available_memory", lambda device: (rows + pairs) / 2)
-    train.check_memory(margs, args, 1, torch.device("cpu"), "fp32")  # pretraining fits
-    with pytest.raises(train.ResourceError, match="model small needs about"):
-        train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)
+    config.check_memory(margs, args, 1, torch.device("cpu"), "fp32")  # pretraining fits
+    with pytest.raises(config.ResourceError, match="model small needs about"):
+        config.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)
     monkeypatch.setattr(costs, "available_memory", lambda device: pairs + 1)
-    train.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
+    config.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -419,7 +420,7 @@ def test_a_packed_sequence_under_the_document_mask_scores_each_document_as_if_al
 
 
 def test_doc_mask_is_on_by_default_for_the_llama_presets_only():
-    parse = train.get_parser().parse_args
+    parse = config.get_parser().parse_args
     assert train.doc_mask_on(parse(["--model", "llama3.2-1b"]))
     assert not train.doc_mask_on(parse([]))
     assert train.doc_mask_on(parse(["--doc-mask"])) and not train.doc_mask_on(
@@ -434,13 +435,13 @@ RAMP = TINY + ["--ramp", "0:32x8,512:64x16", "--max-steps", "5"]
 
 def test_the_ramp_of_llama3_405b_steps_as_the_paper_counts():
     """4M tokens of 4,096-token sequences a step until 252M tokens, 8M of 8,192 until 2.87T, then 16M."""
-    a, b, c = train.parse_ramp("0:4096x1024,252M:8192x1024,2.87T:8192x2048")
+    a, b, c = config.parse_ramp("0:4096x1024,252M:8192x1024,2.87T:8192x2048")
     assert (a.start, a.seen) == (0, 0)
     assert (b.start, b.seen) == (61, 61 * 4096 * 1024)  # ceil(252M / 4,194,304) = 61 steps
     steps = math.ceil((2.87e12 - b.seen) / (8192 * 1024))
     assert (c.start, c.seen) == (61 + steps, b.seen + steps * 8192 * 1024)
-    assert train.tokens_before([a, b, c], 62) == b.seen + 8192 * 1024
-    assert train.parse_count("1.5K") == 1500 and train.parse_count("7") == 7
+    assert config.tokens_before([a, b, c], 62) == b.seen + 8192 * 1024
+    assert config.parse_count("1.5K") == 1500 and config.parse_count("7") == 7
 
 
 def test_a_run_resumed_across_a_ramp_stage_is_bit_identical(tmp_path):
@@ -487,7 +488,7 @@ def test_bad_ramps_are_one_line(tmp_path, flags, env, message):
 
 def test_rope_scaling_is_a_flag_checked_for_sense():
     """The presets keep theirs; the flag sets Llama 3.1's four numbers or none; nonsense is one line."""
-    margs = lambda *flags: train.model_args_from(train.get_parser().parse_args(list(flags)), 256)
+    margs = lambda *flags: config.model_args_from(config.get_parser().parse_args(list(flags)), 256)
     assert margs("--model", "llama3.1-8b").rope_scaling == M.LLAMA31_ROPE
     assert margs("--model", "llama3.1-8b", "--rope-scaling", "none").rope_scaling is None
     assert margs("--model", "tiny", "--rope-scaling", "4:1:4:64").rope_scaling == {
@@ -495,5 +496,5 @@ def test_rope_scaling_is_a_flag_checked_for_sense():
     for bad, message in (("4:4:1:64", "high_freq_factor (1.0) must be larger than low_freq_factor (4.0)"),
                          ("0:1:4:64", "rope_scaling factor must be a positive number"),
                          ("4:1:4", "expected FACTOR:LOW:HIGH:ORIGINAL")):
-        with pytest.raises(train.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             margs("--model", "tiny", "--rope-scaling", bad)

@@ -1,0 +1,584 @@
+"""A run's configuration: the command line's flags, their checks, the device and the process.
+
+train.py, sft.py, dpo.py, reward.py and rl.py share one parser (get_parser; each script adds its own flags)
+and one gate, check_config: every bad input (a flag out of range, a tokenizer larger than the model, a
+layout that does not divide the world or the heads, a model too large for the device's memory) is refused
+here on every rank, in one line, before any process talks and before the output folder is touched. Then
+configure_process makes the process-wide settings (seeds, the GPU, TF32, --deterministic) once, from the
+command line, never from a library function. --ramp's stages (Llama 3's growing batch and sequence length)
+are parsed and checked here too; the loop switches between them (train.switch_stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import platform
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+import checkpoint as C
+import costs
+import data
+import model as M
+import parallel as P
+
+
+class ConfigError(Exception):
+    """A user-facing error: printed as one line, exit code 1."""
+
+
+class ResourceError(ConfigError):
+    """This process's machine cannot run the job (too little memory): said by every rank that finds it."""
+
+
+class LaunchError(ConfigError):
+    """This process was not started as part of a job (torchrun's variables wrong or missing): said by
+    every rank that finds it, since its rank may not be known."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The flags
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a Llama 3 model: `python train.py` (or `torchrun "
+                                            "--standalone --nproc_per_node=1 train.py`).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
+    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
+        g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
+    g.add_argument("--rope-scaling", default=None, metavar="FACTOR:LOW:HIGH:ORIGINAL",
+                   help="Llama 3.1's RoPE frequency scaling, e.g. 8:1:4:8192 (factor, low and high frequency "
+                        "factors, original context), or none; default: the preset's")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="tinyshakespeare",
+                   help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
+                        "mixture of them, e.g. c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2 (weights "
+                        "normalized; a part naming an existing file or folder whole is that source, so the "
+                        "file x:2 at weight 0.5 is x:2:0.5; each source once, under any spelling)")
+    g.add_argument("--anneal-tokens", type=int, default=0,
+                   help="anneal over the run's last N tokens: the learning rate falls linearly to 0 from "
+                        "wherever the schedule is, and the data switches to --anneal-data if given")
+    g.add_argument("--anneal-data", default=None, help="the mixture to anneal on (same form as --data)")
+    g.add_argument("--tokenizer", default="byte",
+                   help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path to a Llama 3 tokenizer.model "
+                        "(sft.py, dpo.py: the one --init was trained with)")
+    g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (T)")
+    g.add_argument("--doc-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend only within each document of a sequence (they start at <|begin_of_text|>), "
+                        "positions restarting per document (default: on for the llama presets)")
+    g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--ramp", default=None,
+                   help="batch and sequence-length stages TOKENS:SEQ_LENxSEQUENCES, e.g. Llama 3 405B's "
+                        "0:4096x1024,252M:8192x1024,2.87T:8192x2048 (K, M, B, T suffixes; the first at 0): "
+                        "from TOKENS seen on, each step is SEQUENCES of SEQ_LEN tokens; it sets --seq-len and "
+                        "--grad-accum (SEQUENCES / (micro-batch x dp)) stage by stage")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
+    g.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
+    g.add_argument("--max-steps", type=int, default=2400,
+                   help="optimizer steps in all (the cosine ends here)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (matrices only)")
+    g.add_argument("--beta1", type=float, default=0.9, help="AdamW first-moment decay")
+    g.add_argument("--beta2", type=float, default=0.95, help="AdamW second-moment decay")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 on CUDA, fp32 elsewhere")
+    add_memory_and_speed_flags(p)
+    add_parallel_flags(p)
+    add_run_flags(p)
+    return p
+
+
+def add_memory_and_speed_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("memory and speed")
+    g.add_argument("--act-ckpt", nargs="?", const="full", default=None, choices=["full", "selective"],
+                   help="activation checkpointing: full (the flag alone) recomputes each block in backward; "
+                        "selective keeps its matmuls' and attention's outputs and recomputes only the "
+                        "element-wise work, for less memory saved at a fraction of the recomputation")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    g.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
+                   help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
+                        "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), math (reference); "
+                        "a masked attention (packed documents, --cp) takes whichever kernel takes masks")
+    g.add_argument("--loss-chunk", type=int, default=1024,
+                   help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
+                        "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
+
+
+def add_parallel_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * cp * pp))")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost: one NVLink domain)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence cut along its length over cp ranks")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
+    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
+                   help="pipeline schedule (interleaved: 1F1B over --virtual-stages model chunks per rank)")
+    g.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank for --schedule interleaved (2 or more)")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2); "
+                        "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
+    g.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds before a stuck collective fails; the first step's wait as long as --io-timeout "
+                        "(each rank compiles it as it first runs it, some slower than others)")
+    g.add_argument("--io-timeout", type=float, default=3600.0,
+                   help="seconds ranks wait for others' disk work "
+                   "(data preparation, checkpoint writes and checks) before the job fails")
+
+
+def add_run_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("run")
+    g.add_argument("--out-dir", default="out", help="checkpoints and metrics.jsonl")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    g.add_argument("--overwrite", action="store_true", help="start afresh even if --out-dir has checkpoints")
+    g.add_argument("--eval-every", type=int, default=600,
+                   help="validation every N steps (0: only at the end, -1: never)")
+    g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
+    g.add_argument("--ckpt-every", type=int, default=1000,
+                   help="checkpoint every N steps and at the end (0: never)")
+    g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
+    g.add_argument("--log-every", type=int, default=100, help="log the mean of the last N steps")
+    g.add_argument("--sample-tokens", type=int, default=300,
+                   help="length of the sample printed at the end "
+                        "(at most --seq-len: RoPE was trained on no more)")
+    g.add_argument("--seed", type=int, default=1337, help="initialization and data order")
+    g.add_argument("--deterministic", action="store_true",
+                   help="bit-identical reruns: deterministic kernels on CUDA (slower); CPU runs already are")
+    g.add_argument("--max-skips", type=int, default=5,
+                   help="stop after this many consecutive skipped steps "
+                        "(non-finite loss or gradient, spikes)")
+    g.add_argument("--skip-spikes", type=float, default=0.0,
+                   help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
+    g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    g.add_argument("--wandb", metavar="PROJECT", help="also send metrics.jsonl's records to Weights & Biases")
+    g.add_argument("--tensorboard", metavar="DIR", help="also write metrics.jsonl's records for TensorBoard")
+
+
+def model_args_from(args, vocab_size: int) -> M.ModelArgs:
+    """Preset + overrides. The small presets adapt their vocabulary to the tokenizer (rounded up to a multiple
+    of 64 for efficient matmuls); the published Llama 3 presets keep theirs."""
+    presets = M.PRESETS
+    if args.model not in presets:
+        raise ConfigError(f"unknown model preset {args.model!r}; choose from {', '.join(presets)}")
+    margs = presets[args.model]
+    over = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
+            if getattr(args, k) is not None}
+    if "vocab_size" not in over and not args.model.startswith("llama"):
+        over["vocab_size"] = 64 * ((vocab_size + 63) // 64)
+    if args.rope_scaling is not None:
+        over["rope_scaling"] = parse_rope_scaling(args.rope_scaling)
+    if "n_heads" in over and "n_kv_heads" not in over and margs.n_heads % margs.n_kv_heads == 0:
+        over["n_kv_heads"] = max(1, over["n_heads"] * margs.n_kv_heads // margs.n_heads)
+    try:
+        margs = replace(margs, **over)
+    except ValueError as e:
+        raise ConfigError(f"invalid model dimensions: {e}") from None
+    if vocab_size > margs.vocab_size:
+        raise ConfigError(f"tokenizer {args.tokenizer!r} has {vocab_size} ids but model {args.model!r} has a "
+                          f"vocabulary of {margs.vocab_size}")
+    return margs
+
+
+def parse_rope_scaling(text: str) -> dict | None:
+    """--rope-scaling "8:1:4:8192" -> ModelArgs.rope_scaling (checked for sense there); "none" -> None."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        factor, low, high, original = text.split(":")
+        return {"factor": float(factor), "low_freq_factor": float(low), "high_freq_factor": float(high),
+                "original_max_seq_len": int(original)}
+    except ValueError:
+        raise ConfigError(f"--rope-scaling {text!r}: expected FACTOR:LOW:HIGH:ORIGINAL (e.g. 8:1:4:8192) or "
+                          "none") from None
+
+
+def parse_pp_layers(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--pp-layers {text!r}: expected the layers of each stage, e.g. 3,3,2") from None
+
+
+def loss_chunk(args) -> int:
+    """--loss-chunk as the next-token loss uses it (parallel.loss_chunk_used)."""
+    return P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
+
+
+def anneal_start(args, dp: int) -> int | None:
+    """The step where --anneal-tokens' annealing starts (None without it): the run's last steps that hold
+    that many tokens, rounded up to whole steps."""
+    if not args.anneal_tokens:
+        return None
+    return args.max_steps - math.ceil(args.anneal_tokens / (args.micro_batch * args.grad_accum * dp *
+                                                             args.seq_len))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Their checks: everything a run cannot use, refused before anything is read, written or allocated
+
+
+def validate(args):
+    """Every flag value a run cannot use is refused here, before anything is read or written. NaN fails
+    every comparison below, so it is refused wherever a range is."""
+    def need(ok: bool, name: str, rule: str):
+        if not ok:
+            raise ConfigError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+    for name in ("seq_len", "micro_batch", "grad_accum", "max_steps", "log_every", "keep_ckpts",
+                 "eval_batches", "max_skips"):
+        need(getattr(args, name) >= 1, name, "at least 1")
+    for name in ("warmup", "ckpt_every", "sample_tokens", "loss_chunk"):
+        need(getattr(args, name) >= 0, name, "at least 0")
+    need(args.eval_every >= -1, "eval_every", "-1 (never), 0 (at the end) or a number of steps")
+    need(0 < args.lr < math.inf, "lr", "a positive number")
+    need(0 <= args.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
+    need(0 <= args.beta1 < 1, "beta1", "in [0, 1)")
+    need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
+    need(0 <= args.weight_decay < math.inf, "weight_decay", "a number >= 0")
+    need(0 <= args.grad_clip < math.inf, "grad_clip", "a number >= 0 (0: off)")
+    need(args.skip_spikes == 0 or 1 < args.skip_spikes < math.inf, "skip_spikes",
+         "0 (off) or a factor above 1")
+    need(0 < args.dist_timeout < math.inf, "dist_timeout", "a positive number of seconds")
+    need(0 < args.io_timeout < math.inf, "io_timeout", "a positive number of seconds")
+    need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
+    need(0 <= args.seed < 2 ** 63, "seed", "in [0, 2^63)")
+    need(args.virtual_stages >= 1, "virtual_stages", "at least 1 (2 or more with --schedule interleaved)")
+    if not str(args.out_dir).strip():
+        raise ConfigError("--out-dir '' names no folder; give one (an empty name would write into the "
+                          "current folder)")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --out-dir and --overwrite deletes it: pass one of "
+                          "them")
+    if args.act_ckpt == "selective" and args.compile:  # the policy sees a compiled block as one opaque call
+        raise ConfigError("--act-ckpt selective does not work with --compile yet (it would recompute every "
+                          "compiled block whole): use --act-ckpt full, or leave out --compile")
+    check_path_lengths(args)
+
+
+NAME_MAX = 255  # bytes in one file or folder name, on every common file system
+
+
+def check_path_lengths(args):
+    """A path with a component longer than a file system allows makes every look at it fail (even
+    Path.exists raises): refused here, by flag, instead."""
+    paths = [(flag, getattr(args, flag, None)) for flag in ("out_dir", "init", "tokenizer", "mirror",
+                                                             "tensorboard")]
+    paths += [(flag, part) for flag in ("data", "anneal_data")
+              for part in str(getattr(args, flag) or "").split(",")]
+    for flag, path in paths:
+        long = [c for c in Path(str(path or "")).parts if len(c.encode()) > NAME_MAX]
+        if long:
+            raise ConfigError(f"--{flag.replace('_', '-')}: the name {long[0][:40]}... is "
+                              f"{len(long[0].encode())} bytes long; file systems allow {NAME_MAX}")
+
+
+TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> what `pip install` needs
+
+
+def check_trackers(args):
+    """A tracker flag whose package is missing is refused before the run starts (train.Trackers imports it)."""
+    for flag, package in TRACKERS.items():
+        if getattr(args, flag) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--{flag} needs the {package} package: pip install {package}")
+
+
+class Spec(NamedTuple):
+    """What check_config found: the run's device, precision, tokenizer and model shape, and --ramp's stages."""
+    device: torch.device
+    precision: str
+    tok: object  # a tiktoken Encoding
+    margs: M.ModelArgs
+    ramp: list | None = None
+
+
+def check_config(args, recipe) -> Spec:
+    """Everything that can be wrong, refused before any process talks and before --out-dir is touched:
+    the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
+    validate(args)
+    world = launch_world()
+    device, precision = pick_device_and_precision(args)
+    if args.attn_backend == "cudnn" and device.type != "cuda":
+        raise ConfigError(f"--attn-backend cudnn runs on CUDA GPUs only, and this run is on {device.type}: use "
+                          "auto, flash or math")
+    check_trackers(args)
+    tok = recipe.tokenizer()
+    margs = recipe.model_args(tok)
+    dp, whole = divmod(world, args.tp * args.cp * args.pp)
+    if args.ramp and recipe.kind != "pretraining":
+        raise ConfigError(f"--ramp stages pretraining's token stream; {recipe.kind} reads whole examples")
+    ramp = check_ramp(args, dp) if args.ramp and dp and not whole else None  # (else the layout's error)
+    for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
+        if stage:
+            enter_stage(args, stage, dp)
+        check_shape(args, world, margs, device, precision, recipe)
+    if ramp:
+        enter_stage(args, ramp[0], dp)
+    check_anneal(args, dp)
+    C.check_out_dir(Path(args.out_dir))
+    check_overwrite(args)
+    return Spec(device, precision, tok, margs, ramp)
+
+
+def check_shape(args, world: int, margs, device, precision: str, recipe):
+    """The sequence length against the model, the parallel layout and the memory, for these settings."""
+    if args.seq_len > margs.max_seq_len:
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
+    split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
+    try:
+        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
+                       args.cp, args.virtual_stages)
+        if args.pp > 1:  # interleaved: --pp-layers counts each model chunk's layers, pp x virtual of them
+            P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
+    except P.LayoutError as e:
+        raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
+    check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
+                 loss_chunk(args) if recipe.head_in_loss else 0)
+
+
+def ramp_stage(args) -> str:
+    return f" at --ramp's stage of {args.seq_len}-token sequences" if args.ramp else ""
+
+
+def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
+                 frozen_copies: int = 0, chunk: int = 0):
+    """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
+    (model states, activations and temporaries of its busiest pipeline stage, costs.memory_estimate, for
+    micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference),
+    or what it holds while the model is built (costs.build_bytes) if that is more, against what its
+    device has free."""
+    split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
+    rows = args.micro_batch * rows_per_example
+    dp = world // (args.tp * args.cp * args.pp)
+    layout = dict(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, split=split, cp=args.cp,
+                  virtual=args.virtual_stages)
+    est = costs.memory_estimate(margs, precision, rows, args.seq_len, act_ckpt=args.act_ckpt, sp=args.sp,
+                                grad_accum=args.grad_accum, schedule=args.schedule, bucket_mb=args.bucket_mb,
+                                loss_chunk=chunk, **layout)
+    if frozen_copies:  # in the training precision, cut as the trained model is
+        est["frozen"] = frozen_copies * costs.BYTES[precision] * max(costs.stage_params(
+            margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))
+        est["total"] += est["frozen"]
+    build = max(costs.build_bytes(margs, precision, stage=s, **layout) for s in range(args.pp))
+    have, need = costs.available_memory(device), max(est["total"], build)
+    if have is not None and need > have:
+        parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
+        built = f"; {build / 1e9:.1f} GB while it is built" if build > est["total"] else ""
+        raise ResourceError(f"model {args.model} needs about {need / 1e9:.1f} GB per process "
+                            f"({parts} GB{built}) but {device.type} has {have / 1e9:.1f} GB available; "
+                            "use a smaller model, shard it "
+                            f"over more processes (--tp, --pp, --zero 1-3) or a device with more memory")
+
+
+def check_overwrite(args):
+    """--overwrite deletes an earlier run's checkpoints and metrics in --out-dir: never what this run reads.
+    A model to start from (--init) or data (--data, --anneal-data) inside the out-dir is refused."""
+    if not args.overwrite:
+        return
+    out = Path(args.out_dir).expanduser().resolve()
+    reads = [("init", getattr(args, "init", None))] + [
+        (flag, source) for flag in ("data", "anneal_data") if getattr(args, flag, None)
+        for source, _ in data.parse_mixture(getattr(args, flag))]
+    for flag, path in reads:
+        where = Path(str(path)).expanduser() if path else None
+        if where is not None and where.exists() and (out == where.resolve() or out in where.resolve().parents):
+            raise ConfigError(f"--overwrite would delete what --{flag.replace('_', '-')} {path} reads: it is "
+                              f"inside --out-dir {args.out_dir}; write this run to another --out-dir")
+
+
+def check_anneal(args, dp: int):
+    if args.anneal_tokens < 0:
+        raise ConfigError(f"--anneal-tokens {args.anneal_tokens} must be 0 (no annealing) or more")
+    if args.anneal_data and not args.anneal_tokens:
+        raise ConfigError("--anneal-data needs --anneal-tokens: how many of the run's last tokens to "
+                          "anneal on")
+    start = anneal_start(args, dp)
+    if start is not None and start < 0:
+        total = args.max_steps * args.micro_batch * args.grad_accum * dp * args.seq_len
+        raise ConfigError(f"--anneal-tokens {args.anneal_tokens:,} is more than the run's {total:,} tokens "
+                          f"(--max-steps {args.max_steps} x {total // args.max_steps:,} tokens a step)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began with
+# 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to 16M after
+# 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); the step's loss is normalized over
+# its own targets as always; the learning rate follows steps, as the paper gives its schedule (8,000
+# warmup steps, cosine over 1.2M steps), and a stage's steps are fixed by the ramp, so the schedule is
+# known from the start. At a stage's first step the loaders are made anew for its length, the training
+# one as far into its epochs as the run has read (switch_stage).
+
+
+class Stage(NamedTuple):
+    tokens: int  # the ramp's threshold: the stage begins at the first step after this many tokens
+    seq_len: int
+    sequences: int  # per optimizer step, over every dp rank
+    start: int  # its first step
+    seen: int  # tokens trained on (over the whole job) before that step
+
+
+def parse_count(text: str) -> int:
+    """"252M" -> 252,000,000 (K, M, B, T: thousands to trillions)."""
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}.get(text[-1:].upper(), 1)
+    number = float(text[:-1] if scale > 1 else text)
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(text)
+    return round(number * scale)
+
+
+def parse_ramp(text: str) -> list[Stage]:
+    """--ramp -> its stages with their first steps; one line for a malformed or out-of-order one."""
+    stages, step, seen = [], 0, 0
+    for part in text.split(","):
+        try:
+            tokens, shape = part.split(":")
+            seq_len, sequences = (int(v) for v in shape.lower().split("x"))
+            tokens = parse_count(tokens)
+        except ValueError:
+            raise ConfigError(f"--ramp stage {part!r}: expected TOKENS:SEQ_LENxSEQUENCES, e.g. 252M:8192x1024"
+                              ) from None
+        if seq_len < 1 or sequences < 1:
+            raise ConfigError(f"--ramp stage {part!r}: a sequence length and a count of sequences >= 1")
+        if not stages and tokens != 0:
+            raise ConfigError(f"--ramp must start at 0 tokens; its first stage starts at {tokens:,}")
+        if stages:
+            last = stages[-1]
+            if tokens <= last.tokens:
+                raise ConfigError(f"--ramp stages must be in order of tokens: {part!r} after {last.tokens:,}")
+            steps = math.ceil((tokens - last.seen) / (last.seq_len * last.sequences))
+            step, seen = last.start + steps, last.seen + steps * last.seq_len * last.sequences
+        stages.append(Stage(tokens, seq_len, sequences, step, seen))
+    return stages
+
+
+def stage_at(stages: list[Stage], step: int) -> Stage:
+    return [s for s in stages if s.start <= step][-1]
+
+
+def tokens_before(stages: list[Stage], step: int) -> int:
+    """Tokens trained on in steps 0 .. step-1."""
+    s = stage_at(stages, step)
+    return s.seen + (step - s.start) * s.seq_len * s.sequences
+
+
+def enter_stage(args, stage: Stage, dp: int):
+    """Set --seq-len and --grad-accum to the stage's (the run's settings for its steps)."""
+    if stage.sequences % (args.micro_batch * dp):
+        raise ConfigError(f"--ramp stage at {stage.tokens:,} tokens: {stage.sequences} sequences a step do not "
+                          f"divide into micro-batches of {args.micro_batch} on {dp} dp ranks")
+    args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
+
+
+def check_ramp(args, dp: int) -> list[Stage]:
+    """The ramp, every stage checked against the flags (the layout and memory per stage: check_config)."""
+    stages = parse_ramp(args.ramp)
+    beyond = [s for s in stages if s.start >= args.max_steps]
+    if beyond:
+        total = tokens_before(stages, args.max_steps)
+        raise ConfigError(f"--ramp stage at {beyond[0].tokens:,} tokens would start at step {beyond[0].start}, "
+                          f"not within the run's --max-steps {args.max_steps} ({total:,} tokens): lower it or "
+                          "train longer")
+    if args.anneal_tokens:
+        raise ConfigError("--anneal-tokens counts steps of one size; with --ramp, end the run with a last "
+                          "stage instead")
+    for stage in stages:
+        enter_stage(args, stage, dp)
+    return stages
+
+
+# ----------------------------------------------------------------------------------------------------
+# The device and the process
+
+
+def pick_device_and_precision(args):
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"--device {args.device!r}: use cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but CUDA is not available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("--device mps was asked for but MPS is not available")
+    if device.type == "cuda" and device.index is None:  # one GPU per process: torchrun's LOCAL_RANK
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"GPU {device.index} asked for (--device or LOCAL_RANK), but this process sees "
+                          f"{torch.cuda.device_count()}; start at most that many processes per node")
+    precision = args.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return device, precision
+
+
+def configure_process(args):
+    """The process-wide settings, made once by the command line before train(): seeds, this process's GPU,
+    TF32 matmuls on CUDA, --deterministic, and (under torchrun) an exit when the agent dies.
+
+    --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
+    with a fixed workspace, no cuDNN autotuning. On an x86 CPU, runs repeat bit for bit without it on one
+    kind of CPU, but MKL and ATen choose kernels by the host's vector unit (AVX-512, AVX2), and other
+    kernels sum in another order: the flag pins both to AVX2. Both read these variables at their first
+    use: effective in a fresh process, as the command line is."""
+    validate(args)
+    launch_world()
+    device, _ = pick_device_and_precision(args)
+    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # set or unset (bench.py times both in one process), but only when it changes: the call imports
+    # torch's compiler stack, a second of start-up for every process of a job that never asked for it
+    if args.deterministic != torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(args.deterministic)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        if device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
+            os.environ.setdefault("MKL_CBWR", "AVX2")
+            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+            say("--deterministic: CPU kernels pinned to AVX2 (MKL_CBWR, ATEN_CPU_CAPABILITY); this costs "
+                "throughput: `python bench.py --deterministic` against `python bench.py` measures it")
+        elif device.type == "cuda":
+            say("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this "
+                "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
+
+
+def env_rank() -> int:
+    """This process's global rank (torchrun's RANK) for deciding who prints: 0 when RANK is unset or not a
+    number (check_config refuses the latter, in a line that this lets through)."""
+    text = os.environ.get("RANK", "0").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def launch_world() -> int:
+    """The job's world size, from torchrun's variables, which must be whole and consistent (launch_env)."""
+    try:
+        return P.launch_env()[1]
+    except P.LayoutError as e:
+        raise LaunchError(f"cannot join the job: {e}") from None
+
+
+def say(msg: str):
+    """Print on global rank 0 only (torchrun's RANK): one line per job, not one per process."""
+    if env_rank() == 0:
+        print(msg, flush=True)
