@@ -64,7 +64,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     at most the GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and
     kernels, NCCL's buffers (one set per process group) and the allocator's fragmentation."""
     margs = M.PRESETS[model]
-    P.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)  # as train.py would
+    config.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)  # as train.py
     dp = gpus // (tp * cp * pp)
     n = M.count_params(margs)
     tokens_micro = micro_batch * seq_len
@@ -516,6 +516,29 @@ def get_parser() -> argparse.ArgumentParser:
     mode.add_argument("--bubble", action="store_true",
                       help="under torchrun: the pipeline bubble measured at pp = processes, beside "
                       "(p-1)/(Vm+p-1)")
+    add_train_args(p)
+    p.add_argument("--memory-census", action="store_true",
+                   help="on a CPU: measure the peak of tensor memory with torch's profiler (slower steps)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps run before timing starts")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient bucket size (train.py --bucket-mb; --dp-vs-ddp: both sides)")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
+    p.add_argument("--micro-batches", default="1,2,4,8,16",  # read by micro_batch_counts
+                   help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
+                   help="pipeline schedule (--plan; --bubble: the one measured beside the interleaved)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per rank: --plan with --schedule interleaved; --bubble measures the "
+                        "interleaved schedule with this many beside --schedule")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (settings and versions included)")
+    add_plan_args(p.add_argument_group("--plan"))
+    return p
+
+
+def add_train_args(p: argparse.ArgumentParser):
+    """The settings of the run measured, as train.py's flags name them."""
     p.add_argument("--model", default="mini", choices=sorted(M.PRESETS), help="a model.py preset")
     p.add_argument("--data", default="tinyshakespeare", help="train.py --data")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
@@ -542,24 +565,6 @@ def get_parser() -> argparse.ArgumentParser:
                    help="train.py --deterministic (sweep key: deterministic)")
     p.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
                    help="train.py --attn-backend: the causal attention's kernel (sweep key: attn)")
-    p.add_argument("--memory-census", action="store_true",
-                   help="on a CPU: measure the peak of tensor memory with torch's profiler (slower steps)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
-    p.add_argument("--warmup-steps", type=int, default=3, help="steps run before timing starts")
-    p.add_argument("--bucket-mb", type=float, default=25.0,
-                   help="gradient bucket size (train.py --bucket-mb; --dp-vs-ddp: both sides)")
-    p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
-    p.add_argument("--micro-batches", default="1,2,4,8,16",  # read by micro_batch_counts
-                   help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
-                   help="pipeline schedule (--plan; --bubble: the one measured beside the interleaved)")
-    p.add_argument("--virtual-stages", type=int, default=1,
-                   help="model chunks per rank: --plan with --schedule interleaved; --bubble measures the "
-                        "interleaved schedule with this many beside --schedule")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (settings and versions included)")
-    add_plan_args(p.add_argument_group("--plan"))
-    return p
 
 
 def add_plan_args(g):
@@ -634,7 +639,7 @@ def check_measured_run(a, row: dict, world: int):
         refuse(f"{what}: seq_len must be at most model {a.model}'s max_seq_len {margs.max_seq_len}, "
                f"got {seq_len}")
     try:  # train_args passes no --schedule: train.py's default, 1F1B
-        P.check_layout(world, tp, pp, margs, row.get("accum", a.grad_accum), "1f1b", seq_len,
+        config.check_layout(world, tp, pp, margs, row.get("accum", a.grad_accum), "1f1b", seq_len,
                        bool(row.get("sp", a.sp)), cp)
     except P.LayoutError as e:
         refuse(f"invalid parallel layout ({what}): {e}")
@@ -649,7 +654,8 @@ def check_comparison(a, world: int):
                f"--standalone --nproc_per_node=2 bench.py {mode} ...")
     for schedule, virtual in bubble_schedules(a) if a.bubble else []:
         try:
-            P.check_layout(world, 1, world, M.PRESETS[a.model], world, schedule, a.seq_len, virtual=virtual)
+            config.check_layout(world, 1, world, M.PRESETS[a.model], world, schedule, a.seq_len,
+                                virtual=virtual)
         except P.LayoutError as e:
             refuse(f"invalid parallel layout: {e}")
 
@@ -657,7 +663,7 @@ def check_comparison(a, world: int):
 def main():
     a = get_parser().parse_args()
     validate(a)  # before any process group, run or output
-    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    config.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     versions = {"torch": torch.__version__, "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                 else f"cpu x{os.cpu_count()}"}

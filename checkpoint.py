@@ -40,6 +40,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -176,6 +177,21 @@ class RunLock:
                 self.out_dir.rmdir()  # only if empty: nothing was written
             except OSError:
                 pass
+
+
+def lock_out_dir(out_dir: Path, mesh, say=print) -> RunLock:
+    """Global rank 0 takes the out-dir's lock; every rank stops if it could not (rank 0 says why)."""
+    lock, error = RunLock(out_dir), None
+    if mesh.rank == 0:
+        try:
+            lock.acquire(say)
+        except CheckpointError as e:
+            error = e
+    if mesh.world > 1 and not P.all_true(error is None, mesh):
+        error = error or CheckpointError(f"{out_dir} could not be locked")
+    if error is not None:
+        raise error
+    return lock
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -634,6 +650,47 @@ def say_unlisted(d: Path, say):
     if extra:
         say(f"checkpoint {d}: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} not in its manifest: "
             "ignored (only the manifest's shards are read)")
+
+
+def resume_point(out_dir: Path, args, margs, mesh, say=print) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run continues from and its meta.json (None, None: a fresh start), on every
+    rank: the checkpoints' shards are checked against their manifests by all the ranks at once, each a
+    share of the files (shared_check). A fresh run never mixes into an earlier one's folder:
+    that takes --resume (continue it) or --overwrite (remove it first)."""
+    verify = args.resume  # (without --resume only whether something is there matters: no checksums)
+    ckpt, skipped = find_latest(out_dir, verify, shared_check(mesh)) if out_dir.is_dir() else (None, [])
+    earlier = earlier_run(out_dir)
+    if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
+        what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
+        raise CheckpointError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue "
+                              "it, --overwrite to start afresh, or another --out-dir")
+    if not args.resume:
+        return None, None
+    for name, why in skipped:
+        say(f"checkpoint {name} is {why}; falling back to an older one")
+    if ckpt is None and skipped:
+        raise CheckpointError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
+                              "nothing was overwritten")
+    if ckpt is None and not skipped:
+        say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+    if ckpt is not None:
+        say_unlisted(ckpt, say)
+    return ckpt, (meta_for(ckpt, margs) if ckpt else None)
+
+
+def meta_for(ckpt: Path, margs: M.ModelArgs) -> dict:
+    """The checkpoint's meta.json, if its model is this run's."""
+    meta = read_meta(ckpt)
+    try:
+        saved = M.ModelArgs.from_dict(meta["model_args"])
+    except ValueError as e:
+        raise CheckpointError(f"cannot read checkpoint {ckpt}: its model_args are malformed: "
+                              f"{data.one_line(e)}")
+    if saved != margs:
+        diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
+        raise CheckpointError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in "
+                              f"{diff}")
+    return meta
 
 
 # ----------------------------------------------------------------------------------------------------

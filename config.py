@@ -17,6 +17,9 @@ import math
 import os
 import platform
 import random
+import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
@@ -83,6 +86,14 @@ def get_parser() -> argparse.ArgumentParser:
                         "0:4096x1024,252M:8192x1024,2.87T:8192x2048 (K, M, B, T suffixes; the first at 0): "
                         "from TOKENS seen on, each step is SEQUENCES of SEQ_LEN tokens; it sets --seq-len and "
                         "--grad-accum (SEQUENCES / (micro-batch x dp)) stage by stage")
+    add_optimization_flags(p)
+    add_memory_and_speed_flags(p)
+    add_parallel_flags(p)
+    add_run_flags(p)
+    return p
+
+
+def add_optimization_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
@@ -95,10 +106,6 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on CUDA, fp32 elsewhere")
-    add_memory_and_speed_flags(p)
-    add_parallel_flags(p)
-    add_run_flags(p)
-    return p
 
 
 def add_memory_and_speed_flags(p: argparse.ArgumentParser):
@@ -341,7 +348,7 @@ def check_shape(args, world: int, margs, device, precision: str, recipe):
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
     split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
     try:
-        P.check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
+        check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
                        args.cp, args.virtual_stages)
         if args.pp > 1:  # interleaved: --pp-layers counts each model chunk's layers, pp x virtual of them
             P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
@@ -349,6 +356,46 @@ def check_shape(args, world: int, margs, device, precision: str, recipe):
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
                  loss_chunk(args) if recipe.head_in_loss else 0)
+
+
+def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
+                 seq_len: int, sp: bool = False, cp: int = 1, virtual: int = 1):
+    """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
+    reaches the same verdict without talking to the others."""
+    errors = []
+    if tp < 1 or pp < 1 or cp < 1:
+        errors.append(f"--tp {tp}, --cp {cp} and --pp {pp} must be at least 1")
+    elif world % (tp * cp * pp):
+        errors.append(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}")
+    if cp > 1 and seq_len % (2 * cp):
+        errors.append(f"context parallelism needs --seq-len {seq_len} divisible by 2*cp = {2 * cp} (each "
+                      "rank holds two of 2*cp equal chunks)")
+    if tp >= 1 and args.n_heads % tp:
+        errors.append(f"n_heads {args.n_heads} is not divisible by tp {tp}")
+    if tp >= 1 and args.n_kv_heads % tp:
+        errors.append(f"n_kv_heads {args.n_kv_heads} is not divisible by tp {tp}")
+    if pp > args.n_layers:
+        errors.append(f"pp {pp} stages need at least {pp} layers, the model has {args.n_layers}")
+    if pp > 1 and args.tie_embeddings:
+        errors.append("tied embeddings across pipeline stages are not supported (the embedding lives on the "
+                      "first stage, the head on the last); use pp 1 or an untied model")
+    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
+        errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages "
+                      f"(pp {pp})")
+    if (schedule == "interleaved") != (virtual > 1):
+        errors.append(f"--schedule {schedule} with --virtual-stages {virtual}: the interleaved schedule, and "
+                      "only it, needs 2 or more model chunks per rank")
+    elif virtual > 1 and pp > 1 and micro_batches % pp:
+        errors.append(f"the interleaved schedule needs --grad-accum {micro_batches} divisible by pp {pp} "
+                      "(micro-batches go through each chunk in groups of pp)")
+    if virtual > 1 and pp * virtual > args.n_layers:
+        errors.append(f"pp {pp} x {virtual} virtual stages need at least {pp * virtual} layers, the model "
+                      f"has {args.n_layers}")
+    if sp and tp > 1 and cp >= 1 and (seq_len // cp) % tp:
+        errors.append(f"sequence parallelism needs each rank's --seq-len / cp = {seq_len}/{cp} tokens "
+                      f"divisible by tp {tp}")
+    if errors:
+        raise P.LayoutError("; ".join(errors))
 
 
 def ramp_stage(args) -> str:
@@ -539,7 +586,7 @@ def configure_process(args):
     validate(args)
     launch_world()
     device, _ = pick_device_and_precision(args)
-    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    exit_with_agent()  # a worker whose torchrun agent was killed ends too
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if device.type == "cuda":
@@ -561,6 +608,27 @@ def configure_process(args):
         elif device.type == "cuda":
             say("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this "
                 "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
+
+
+def exit_with_agent(poll_s: float = 1.0):
+    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
+    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
+    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
+    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
+    the command lines (configure_process, evaluate.py, bench.py), as a process-wide setting."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
+                                                     for t in threading.enumerate()):
+        return  # not started by torchrun, or watched already
+    agent = os.getppid()
+
+    def watch():
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"error (rank {os.environ.get('RANK', '?')}): torchrun's agent (pid {agent}) is gone; "
+              "exiting", file=sys.stderr, flush=True)
+        os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
+
+    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
 
 
 def env_rank() -> int:

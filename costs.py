@@ -83,10 +83,7 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
       layer_backward: one block's backward (3 hidden-sized gradients).
       weight_grad: the embedding's or the head's weight gradient, made whole before it joins the fp32
         buffer.
-    With loss_chunk (head_loss_sum, at fewer tokens than the micro-batch has) no logits are held: the loss
-    keeps the fp32 gradients of the head's input and weight, and while it runs makes one chunk's logits,
-    their loss as above and that chunk's gradients in the compute precision; backward casts the kept
-    gradients to it (bf16, fp16)."""
+    With loss_chunk, the loss's terms are chunked_loss_bytes'."""
     d, b, s = args.dim, BYTES[precision], tp if sp else 1
     V = P.padded_vocab(args.vocab_size, tp) // tp
     rows = tokens * V
@@ -105,12 +102,22 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
     sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
     out["layer_selective"] = out["layer_input"] + tokens * ((kept + sequence) * b + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:
-        c, rows_c = activation_bytes(args, loss_chunk, precision, tp, sp, cp), loss_chunk * V
-        made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
-        run = max(rows_c * b + c["loss_forward"], c["loss_backward"] + made)  # its logits gone by then
-        out.update(logits=0.0, loss_saved=(tokens + V) * d * 4, loss_forward=c["loss_saved"] + run,
-                   loss_backward=(tokens + V) * d * b if b < 4 else 0.0)
+        out.update(chunked_loss_bytes(args, tokens, precision, tp, sp, cp, loss_chunk))
     return out
+
+
+def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, sp: bool, cp: int,
+                       loss_chunk: int) -> dict:
+    """activation_bytes' loss terms with loss_chunk (head_loss_sum, at fewer tokens than the micro-batch
+    has): no logits are held; the loss keeps the fp32 gradients of the head's input and weight, and while
+    it runs makes one chunk's logits, their loss as above and that chunk's gradients in the compute
+    precision; backward casts the kept gradients to it (bf16, fp16)."""
+    d, b, V = args.dim, BYTES[precision], P.padded_vocab(args.vocab_size, tp) // tp
+    c, rows_c = activation_bytes(args, loss_chunk, precision, tp, sp, cp), loss_chunk * V
+    made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
+    run = max(rows_c * b + c["loss_forward"], c["loss_backward"] + made)  # its logits gone by then
+    return dict(logits=0.0, loss_saved=(tokens + V) * d * 4, loss_forward=c["loss_saved"] + run,
+                loss_backward=(tokens + V) * d * b if b < 4 else 0.0)
 
 
 def ckpt_mode(act_ckpt) -> str | None:
@@ -150,17 +157,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
                       loss_chunk=loss_chunk)
         return max((memory_estimate(args, precision, micro_batch, seq_len, stage=s, **layout)
                     for s in range(pp)), key=lambda m: m["total"])
-    dp = dp * cp  # the ranks holding the same weights: ZeRO shards over all of them
-    b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
-    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
-    out = {"weights": n * b, "grads": n * 4,
-           "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
-           "optimizer": 2 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
-    if zero >= 2 and zdp > 1:  # staging (GradSync._launch): the bucket filling, two in flight, their pieces
-        bucket = min(n, bucket_mb * 2 ** 20 / 4)
-        out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
-    if zero >= 3 and zdp > 1:
-        out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
+    out = model_state_bytes(args, precision, tp, pp, dp * cp, zero, stage, split, bucket_mb, virtual)
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk)
     act_ckpt = ckpt_mode(act_ckpt)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
@@ -172,6 +169,23 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
     out["temporaries"] = during_backward  # (the optimizer step allocates nothing)
     out["total"] = sum(out.values())
+    return out
+
+
+def model_state_bytes(args: M.ModelArgs, precision: str, tp: int, pp: int, dp: int, zero: int, stage: int,
+                      split, bucket_mb: float, virtual: int) -> dict:
+    """memory_estimate's model states on one rank of stage `stage`, dp the ranks holding the same weights
+    (dp x cp: ZeRO shards over all of them)."""
+    b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
+    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    out = {"weights": n * b, "grads": n * 4,
+           "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
+           "optimizer": 2 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
+    if zero >= 2 and zdp > 1:  # staging (GradSync._launch): the bucket filling, two in flight, their pieces
+        bucket = min(n, bucket_mb * 2 ** 20 / 4)
+        out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
+    if zero >= 3 and zdp > 1:
+        out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
     return out
 
 
@@ -247,11 +261,7 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
           and the reduce-scatter of their gradients; once more where activation checkpointing recomputes.
           Everything else then carries seq_len / cp tokens.
       pp: each micro-batch's activations to the next stage and their gradient back (sequence-split under SP).
-      dp: the fp32 gradients all-reduced over dp x cp; under ZeRO-1 reduce-scattered, then the updated
-          weights all-gathered in the training precision (0.75 of an all-reduce in bf16); ZeRO-2
-          reduce-scatters every micro-batch's gradients (its buffer cannot hold the sum); ZeRO-3 adds to
-          that two all-gathers of the weights per micro-batch (forward and backward) and none after the
-          step."""
+      dp: dp_bytes."""
     if stage is None:  # per dimension, the most any stage sends
         layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
                       split=split, cp=cp, virtual=virtual)
@@ -275,15 +285,27 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     pp_bytes = grad_accum * boundary * (2 * virtual - first - last) if pp > 1 else 0.0
     kv = micro_batch * seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K and V
     cp_bytes = grad_accum * layers * (2 + (act_ckpt == "full")) * ring(cp) * kv
-    dp = dp * cp  # the ranks holding the same weights
+    return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
+            "dp": dp_bytes(args, b, tp, pp, dp * cp, zero, grad_accum, stage, split, virtual)}
+
+
+def dp_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, dp: int, zero: int, grad_accum: int, stage: int,
+             split, virtual: int) -> float:
+    """comm_estimate's dp bytes, over the dp ranks holding the same weights (dp x cp): the fp32 gradients
+    all-reduced; under ZeRO-1 reduce-scattered, then the updated weights all-gathered in the training
+    precision (0.75 of an all-reduce in bf16); ZeRO-2 reduce-scatters every micro-batch's gradients (its
+    buffer cannot hold the sum); ZeRO-3 adds to that two all-gathers of the weights per micro-batch
+    (forward and backward) and none after the step."""
+    if dp == 1:
+        return 0.0
+    ring = (dp - 1) / dp
     n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
-    dp_bytes = ring(dp) * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring(dp) * n * 4
     if zero >= 3:  # every micro-batch: each unit gathered for its forward and again for its backward
         units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
-        again = units[0] if args.tie_embeddings and first and last else 0  # for the tied head's forward
-        dp_bytes = ring(dp) * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
-    return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
-            "dp": dp_bytes if dp > 1 else 0.0}
+        tied = args.tie_embeddings and stage == 0 and stage == pp - 1
+        again = units[0] if tied else 0  # for the tied head's forward
+        return ring * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
+    return ring * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring * n * 4
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -323,7 +323,6 @@ class DPOTask:
         self.reference_forwards = 1 if reference is not None else 0  # its forward costs FLOPs every step
         self.metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                              "logps/chosen", "logps/rejected") + (("nll_loss",) if args.nll_coef else ())
-        self.total = None
         self._sums = torch.zeros(len(self.metric_names))
 
     def prepare(self, batches):
@@ -338,7 +337,7 @@ class DPOTask:
     def count(self, batch) -> torch.Tensor:
         return torch.full((), batch[0].shape[0] // 2, device=batch[0].device)  # pairs (a fill: no copy)
 
-    def loss(self, logits, targets):
+    def loss(self, logits, targets, total):
         y, ref = targets
         token_logps = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (2B, T), 0 where not learned
         in_dpo = skipping(y, self.skip) != data.IGNORE_INDEX  # (2B, T): the tokens DPO's log-probs sum
@@ -353,17 +352,17 @@ class DPOTask:
         if self.args.nll_coef:  # the chosen reply's NLL per token, over every learned token (eot included)
             nll = -token_logps[:B].sum(dim=-1) / (y[:B] != data.IGNORE_INDEX).sum(dim=-1).clamp(min=1)
             losses = losses + self.args.nll_coef * nll
-        self.tally(pc, pr, rc, rr, nll)
-        return losses.sum() / self.total
+        self.tally(pc, pr, rc, rr, nll, total)
+        return losses.sum() / total
 
     @torch.no_grad()
-    def tally(self, pc, pr, rc, rr, nll):
+    def tally(self, pc, pr, rc, rr, nll, total):
         """Add this micro-batch's pairs to the metric sums (each over the global pair count)."""
         reward_c, reward_r = self.args.beta * (pc - rc), self.args.beta * (pr - rr)
         stats = [reward_c.sum(), reward_r.sum(), (reward_c > reward_r).float().sum(),
                  (reward_c - reward_r).sum(), pc.sum(), pr.sum()] + ([nll.sum()] if nll is not None else [])
         # on the device: a .cpu() here would wait for the GPU at every micro-batch
-        self._sums = self._sums.to(pc.device) + torch.stack(stats) / self.total
+        self._sums = self._sums.to(pc.device) + torch.stack(stats) / total
 
     def metrics(self) -> torch.Tensor:
         """Metric sums since the last call (each divided by the global pair count: means when summed)."""

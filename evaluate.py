@@ -724,6 +724,15 @@ def check_flags(args) -> list[str]:
     return prompts
 
 
+def run_task(task: str, kind: str, payload, model, tok, seq_len: int, args, mesh) -> dict:
+    """One --task's result, by its kind (resolve_task)."""
+    if kind == "perplexity":
+        return perplexity(model, tok, payload, seq_len, args.batch_size, mesh, args.limit)
+    if kind == "needle":
+        return needle(model, tok, seq_len, args.needle_depth, args.limit or 20, args.seed)
+    return multiple_choice(model, tok, payload[:args.limit], seq_len, args.batch_size, mesh, task)
+
+
 def main(argv=None):
     args = get_parser().parse_args(argv)
     prompts = check_flags(args)
@@ -741,7 +750,7 @@ def main(argv=None):
                 print(describe(result), file=sys.stderr, flush=True)
 
     if args.task or prompts:
-        P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+        config.exit_with_agent()  # a worker whose torchrun agent was killed ends too
         device, precision = config.pick_device_and_precision(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this rank's GPU: kernels, NCCL and new tensors default to it
@@ -756,14 +765,7 @@ def main(argv=None):
             raise config.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
                                      f"{model.args.max_seq_len}")
         for task, (kind, payload) in tasks.items():
-            if kind == "perplexity":
-                result = perplexity(model, tok, payload, seq_len, args.batch_size, mesh, args.limit)
-            elif kind == "needle":
-                result = needle(model, tok, seq_len, args.needle_depth, args.limit or 20, args.seed)
-            else:
-                result = multiple_choice(model, tok, payload[:args.limit], seq_len, args.batch_size, mesh,
-                                         task)
-            emit({"task": task, "kind": kind, **result})
+            emit({"task": task, "kind": kind, **run_task(task, kind, payload, model, tok, seq_len, args, mesh)})
         if mesh.rank == 0:
             g = torch.Generator(device=device).manual_seed(args.seed)
             for prompt in prompts:

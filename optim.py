@@ -54,6 +54,75 @@ def decays(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2 and "tok_embeddings" not in name
 
 
+def pack(ranges: list[tuple[int, int]], full: torch.Tensor, compact: torch.Tensor):
+    """Copy `ranges` of a full-length tensor into a compact one, one after another (converting its dtype)."""
+    c = 0
+    for lo, hi in ranges:
+        compact[c:c + hi - lo].copy_(full[lo:hi])
+        c += hi - lo
+
+
+def unpack(ranges: list[tuple[int, int]], compact: torch.Tensor, full: torch.Tensor):
+    """Write a compact tensor back into `ranges` of a full-length one (converting its dtype): one foreach
+    copy, however many ranges."""
+    starts = [0]
+    for lo, hi in ranges:
+        starts.append(starts[-1] + hi - lo)
+    torch._foreach_copy_([full[lo:hi] for lo, hi in ranges],
+                         [compact[c:c + hi - lo] for c, (lo, hi) in zip(starts, ranges)])
+
+
+def load_range(ranges: list[tuple[int, int]], compact: torch.Tensor, lo: int, values: torch.Tensor):
+    """Write `values`, which belong at flat positions [lo, lo + len), into the parts of them in `ranges` of
+    a tensor that holds those ranges packed."""
+    hi, c = lo + values.numel(), 0
+    for rlo, rhi in ranges:
+        a, b = max(lo, rlo), min(hi, rhi)
+        if a < b:
+            compact[c + a - rlo:c + b - rlo].copy_(values[a - lo:b - lo])
+        c += rhi - rlo
+
+
+def lay_out(uniq: list, decide, pad_to: int, unit_of) -> tuple[list[int], list, list, int]:
+    """Where each (name, parameter) of `uniq` lives in the flat buffers (offsets), the [lo, hi) flat ranges
+    that decay (decide), neighbours merged, with unit_of each unit's [lo, hi), and the length: units and
+    length padded to multiples of pad_to (the padding: zero gradients, never read back)."""
+    offsets, decay_ranges, units, off = [], [], [], 0
+    for k, (n, p) in enumerate(uniq):
+        if unit_of and (k == 0 or unit_of(n) != unit_of(uniq[k - 1][0])):  # a unit starts here
+            off = -(-off // pad_to) * pad_to
+            units.append((off, off))
+        offsets.append(off)
+        if decide(n, p):
+            if decay_ranges and decay_ranges[-1][1] == off:
+                decay_ranges[-1] = (decay_ranges[-1][0], off + p.numel())
+            else:
+                decay_ranges.append((off, off + p.numel()))
+        off += p.numel()
+        if unit_of:
+            units[-1] = (units[-1][0], -(-off // pad_to) * pad_to)
+    return offsets, decay_ranges, units, -(-off // pad_to) * pad_to
+
+
+def packed_overlaps(ranges: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `spans` inside `ranges`, as positions in a tensor that holds `ranges` packed."""
+    out, c = [], 0
+    for lo, hi in ranges:
+        for slo, shi in spans:
+            a, b = max(lo, slo), min(hi, shi)
+            if a < b:
+                out.append((c + a - lo, c + b - lo))
+        c += hi - lo
+    return out
+
+
+def clip_scale(max_norm: float, norm: torch.Tensor) -> torch.Tensor | None:
+    """What AdamW.step(grad_scale=) divides the gradients by to clip them to max_norm: max(1, norm /
+    max_norm), clip_grad_norm's factor inverted (None: max_norm 0, no clipping). On the device, like the
+    norm."""
+    return torch.clamp((norm + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
+
+
 class FlatParams:
     """A model's parameters (any dtype) as views into one flat buffer, and their gradients as views into one
     flat fp32 buffer: the storage AdamW updates, and whose slices data parallelism reduces (parallel.py).
@@ -64,8 +133,8 @@ class FlatParams:
     buffer; each parameter's fresh gradient goes only to `on_grad_ready`. `unit_of` (ZeRO-3) lays out the
     parameters of one unit (a block, say) together and pads each unit's span to a multiple of 16 pad_to.
     With `initial` (ZeRO-3 at scale) the parameters hold no values yet (parallel.materialize_empty) and no
-    full-length model copy is ever made. `ranges`: the [lo, hi) ranges of the flat buffers this rank owns
-    (None until AdamW.shard)."""
+    full-length model copy is ever made. shard_grads and shard_weights (ZeRO-2 and 3) keep only a rank's
+    ranges of the gradient buffer and of the model copy (`model_ranges`: the flat ranges it holds)."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
@@ -86,16 +155,16 @@ class FlatParams:
         # 16 elements per dp piece: the fused update's vector loop then covers every element of a rank's
         # shard. A remainder would take its scalar path, whose rounding differs (fused multiply-adds), and a
         # ZeRO shard would no longer update bit for bit as the same numbers do in one full-length buffer.
-        self.lay_out(uniq, decide, VECTOR * pad_to, unit_of)
-        p0 = self.params[0]
-        self.dtype, self.device = p0.dtype, p0.device
-        # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces, see shard) and
-        # the model's own copy of the weights.
-        self.grads_sharded, self.weights_sharded = not full_grad, False
+        self.offsets, self.decay_ranges, self.units, self.numel = lay_out(uniq, decide, VECTOR * pad_to,
+                                                                          unit_of)
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces: shard_grads) and
+        # the model's own copy of the weights (with `initial`, none until shard_weights makes the compact one)
+        self.grads_sharded, self.initial = not full_grad, initial
         self.grad = torch.zeros(self.numel if full_grad else 0, dtype=torch.float32, device=self.device)
-        self.initial = initial  # (with it: no model copy until shard() makes the compact one)
         self.model_flat = None if initial else torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.on_grad_ready: Callable[[int], None] | None = None  # called with the param index (parallel.py)
+        self.model_ranges = None if initial else [(0, self.numel)]
+        self.on_grad_ready: Callable[[int], None] | None = None  # set by call_on_grad_ready
         for i, p in enumerate(self.params):
             if p.dtype != self.dtype or p.device != self.device:
                 raise ValueError(f"all parameters must share one dtype/device; {self.names[i]} is {p.dtype} "
@@ -109,68 +178,34 @@ class FlatParams:
             p.register_post_accumulate_grad_hook(self._make_hook(i))
         self.ranges = None  # what this rank owns: AdamW.shard says
 
-    def lay_out(self, uniq: list, decide, pad_to: int, unit_of):
-        """Where each parameter lives in the flat buffers (offsets), which flat ranges decay, and with unit_of
-        each unit's span; numel, the length, padded to a multiple of pad_to."""
-        self.offsets, off = [], 0
-        self.decay_ranges = []  # [lo, hi) flat ranges of decayed parameters, neighbours merged
-        self.units = []  # with unit_of: each unit's [lo, hi), padded to a multiple of pad_to
-        for k, (n, p) in enumerate(uniq):
-            if unit_of and (k == 0 or unit_of(n) != unit_of(uniq[k - 1][0])):  # a unit starts here
-                off = -(-off // pad_to) * pad_to
-                self.units.append((off, off))
-            self.offsets.append(off)
-            if decide(n, p):
-                if self.decay_ranges and self.decay_ranges[-1][1] == off:
-                    self.decay_ranges[-1] = (self.decay_ranges[-1][0], off + p.numel())
-                else:
-                    self.decay_ranges.append((off, off + p.numel()))
-            off += p.numel()
-            if unit_of:
-                self.units[-1] = (self.units[-1][0], -(-off // pad_to) * pad_to)
-        self.numel = -(-off // pad_to) * pad_to  # padding at the end: zero gradients, never read back
-
     def index_of(self, p: torch.Tensor) -> int:
         """Where parameter p is in self.params (and offsets, names)."""
         return self._index[id(p)]
 
-    def pack(self, full: torch.Tensor, compact: torch.Tensor):
-        """Copy the owned ranges of a full-length tensor into a compact one (converting its dtype)."""
-        c = 0
-        for lo, hi in self.ranges:
-            compact[c:c + hi - lo].copy_(full[lo:hi])
-            c += hi - lo
+    def shard_grads(self, ranges: list[tuple[int, int]]):
+        """ZeRO-2: the gradient buffer holds only `ranges`, packed (fp32 parameters' .grad views into a
+        full-length buffer, if one was made, are dropped)."""
+        size = sum(hi - lo for lo, hi in ranges)
+        self.grads_sharded, self.grad = True, torch.zeros(size, dtype=torch.float32, device=self.device)
+        for p in self.params:
+            p.grad = None
 
     @torch.no_grad()
-    def fill(self, compact: torch.Tensor):
-        """The owned ranges of the model copy, from initial(name, shape): one parameter's value at a time,
-        and only the parameters that overlap an owned range."""
-        c = 0
-        for lo, hi in self.ranges:
+    def shard_weights(self, ranges: list[tuple[int, int]]):
+        """ZeRO-3: the model's copy holds only `ranges`, packed: from initial(name, shape), one parameter's
+        value at a time and only those that overlap them, else cut from the full copy (whoever shards it
+        must first have moved the parameters' storage elsewhere). Units' padding stays 0."""
+        compact, c = torch.zeros(sum(hi - lo for lo, hi in ranges), dtype=self.dtype, device=self.device), 0
+        for lo, hi in ranges if self.initial else []:
             for i, off in enumerate(self.offsets):
                 a, b = max(lo, off), min(hi, off + self.params[i].numel())
                 if a < b:
                     value = self.initial(self.names[i], self.params[i].shape).reshape(-1)
                     compact[c + a - lo:c + b - lo].copy_(value[a - off:b - off])
             c += hi - lo
-
-    def unpack(self, compact: torch.Tensor, full: torch.Tensor):
-        """Write a compact tensor back into the owned ranges of a full-length one (converting its dtype): one
-        foreach copy, however many ranges."""
-        starts = [0]
-        for lo, hi in self.ranges:
-            starts.append(starts[-1] + hi - lo)
-        torch._foreach_copy_([full[lo:hi] for lo, hi in self.ranges],
-                             [compact[c:c + hi - lo] for c, (lo, hi) in zip(starts, self.ranges)])
-
-    def _load_range(self, compact: torch.Tensor, lo: int, values: torch.Tensor):
-        """Write `values`, which belong at flat positions [lo, lo + len), into the owned parts of them."""
-        hi, c = lo + values.numel(), 0
-        for rlo, rhi in self.ranges:
-            a, b = max(lo, rlo), min(hi, rhi)
-            if a < b:
-                compact[c + a - rlo:c + b - rlo].copy_(values[a - lo:b - lo])
-            c += rhi - rlo
+        if not self.initial:
+            pack(ranges, self.model_flat, compact)
+        self.model_flat, self.model_ranges = compact, ranges
 
     def grad_view(self, i: int) -> torch.Tensor:
         return self.grad[self.offsets[i]:self.offsets[i] + self.params[i].numel()].view(self.params[i].shape)
@@ -189,6 +224,10 @@ class FlatParams:
                 self.on_grad_ready(i)
         return hook
 
+    def call_on_grad_ready(self, fn: Callable[[int], None]):
+        """Data parallelism's seam: fn(i) runs as parameter i's gradient is ready (parallel.GradSync)."""
+        self.on_grad_ready = fn
+
     def zero_grad(self):
         self.grad.zero_()
 
@@ -200,9 +239,8 @@ class AdamW(FlatParams):
     by default it owns everything. Under ZeRO pass `allocate_state=False` and let shard() allocate, so the
     full-length state (12 bytes per parameter: master, m and v) never exists on a rank even for a moment.
     A rank that owns a part reads its gradient from `grad_shard` (packed; parallel.py's reduce-scatters
-    write it) and writes its updated weights into the owned ranges of the model copy, whence parallel.py
-    all-gathers them; shard(grads=True) (ZeRO-2) makes the gradient buffer compact, weights=True (ZeRO-3)
-    the model's copy too, filled from `initial` where there is one."""
+    write it) and writes its updated weights into its ranges of the model copy, whence parallel.py
+    all-gathers them. Which stage shards what is parallel.py's GradSync classes' to say."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
@@ -216,49 +254,27 @@ class AdamW(FlatParams):
         if allocate_state:
             self.shard([(0, self.numel)])
 
-    def shard(self, ranges: list[tuple[int, int]], grads: bool = False, weights: bool = False):
+    def shard(self, ranges: list[tuple[int, int]]):
         """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
-        one after another ("compact" layout). Owning everything in fp32, the master *is* the model copy.
-        grads (ZeRO-2): the gradient buffer too is compact, the owned ranges only. weights (ZeRO-3): so is
-        the model's copy (whoever shards it must first have moved the parameters' storage elsewhere)."""
-        self.ranges = ranges
-        size = sum(hi - lo for lo, hi in ranges)
-        if grads:  # (fp32 parameters' .grad views into a full-length buffer, if one was made, are dropped)
-            self.grads_sharded, self.grad = True, torch.zeros(size, dtype=torch.float32, device=self.device)
-            for p in self.params:
-                p.grad = None
-        if weights:
-            compact = torch.zeros(size, dtype=self.dtype, device=self.device)  # (units' padding stays 0)
-            if self.initial:
-                self.fill(compact)
-            else:
-                self.pack(self.model_flat, compact)
-            self.weights_sharded, self.model_flat = True, compact
-        elif self.initial:
-            raise ValueError("an optimizer built with initial= holds its model copy sharded: "
-                             "shard(..., weights=True)")
-        whole = ranges == [(0, self.numel)]
+        one after another ("compact" layout). Where the model copy holds just these ranges (everything, or
+        ZeRO-3's) in fp32, the master *is* the model copy."""
+        if self.model_flat is None:
+            raise ValueError("an optimizer built with initial= holds its model copy sharded: shard_weights "
+                             "first")
+        self.ranges, size = ranges, sum(hi - lo for lo, hi in ranges)
         # the owned gradient, packed, as the update reads it: the gradient buffer itself when it holds just
         # that; under ZeRO-1 a buffer of its own, which GradSync's reduce-scatters write
-        self.grad_shard = self.grad if grads or whole else torch.zeros(size, device=self.device)
+        self.grad_shard = self.grad if self.grad.numel() == size else torch.zeros(size, device=self.device)
         self.master = self.exp_avg = self.exp_avg_sq = None  # free any earlier state first
-        if (weights or whole) and self.dtype == torch.float32:
-            self.master = self.model_flat
-        elif weights:
-            self.master = self.model_flat.float()
+        self.packed_model = self.model_ranges == ranges
+        if self.packed_model:
+            self.master = self.model_flat if self.dtype == torch.float32 else self.model_flat.float()
         else:  # the owned ranges, packed and in fp32: one allocation, no full-length temporary
             self.master = torch.empty(size, dtype=torch.float32, device=self.device)
-            self.pack(self.model_flat, self.master)
+            pack(ranges, self.model_flat, self.master)
         self.exp_avg = torch.zeros(size, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        # where weight decay applies, in the compact layout: owned parts of the decayed ranges
-        self.decay_segments, c = [], 0
-        for lo, hi in ranges:
-            for dlo, dhi in self.decay_ranges:
-                a, b = max(lo, dlo), min(hi, dhi)
-                if a < b:
-                    self.decay_segments.append((c + a - lo, c + b - lo))
-            c += hi - lo
+        self.decay_segments = packed_overlaps(ranges, self.decay_ranges)  # where weight decay applies
         self._step = torch.zeros((), dtype=torch.float32, device=self.device)  # the fused kernel reads it
 
     def grad_norm(self) -> torch.Tensor:
@@ -272,12 +288,6 @@ class AdamW(FlatParams):
         if max_norm > 0:
             self.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
-
-    @staticmethod
-    def clip_scale(max_norm: float, norm: torch.Tensor) -> torch.Tensor | None:
-        """What step(grad_scale=) divides the gradients by to clip them to max_norm: max(1, norm / max_norm),
-        clip_grad_norm's factor inverted (None: max_norm 0, no clipping). On the device, like the norm."""
-        return torch.clamp((norm + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
 
     @torch.no_grad()
     def step(self, lr: float | None = None, grad_scale: torch.Tensor | None = None):
@@ -299,10 +309,10 @@ class AdamW(FlatParams):
         torch._fused_adamw_([self.master], [self.grad_shard], [self.exp_avg], [self.exp_avg_sq], [],
                             [self._step], lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0,
                             eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
-        if self.weights_sharded and self.master is not self.model_flat:
+        if self.packed_model and self.master is not self.model_flat:
             self.model_flat.copy_(self.master)  # both compact: round to bf16/fp16 once
         elif self.master is not self.model_flat:
-            self.unpack(self.master, self.model_flat)  # round to bf16/fp16 once, for the next forward
+            unpack(self.ranges, self.master, self.model_flat)  # round to bf16/fp16 once, for the next forward
 
     # Checkpoints keep state per parameter name, so they do not depend on the flat layout (nor on how
     # tensor/pipeline parallelism cut the model, nor on ZeRO: parallel.py gathers full buffers first).
@@ -336,14 +346,10 @@ class AdamW(FlatParams):
                 if t.numel() != n:
                     raise ValueError(f"optimizer state for {name} has shape {tuple(t.shape)}, "
                                      f"the model has {tuple(self.params[i].shape)}")
-                self._load_range(getattr(self, key), lo, t.reshape(-1))
-            # every rank's model copy gets every parameter, owned or not (rounded to the training dtype);
-            # under ZeRO-3 the copy too holds only the owned ranges
-            if self.weights_sharded:
-                self._load_range(self.model_flat, lo, entry["master"].reshape(-1))
-            else:
-                self.model_flat[lo:lo + n].copy_(entry["master"].reshape(-1))
-
+                load_range(self.ranges, getattr(self, key), lo, t.reshape(-1))
+            # every rank's model copy gets every parameter it holds, owned or not (rounded to the training
+            # dtype): all of them, or under ZeRO-3 the owned ranges only
+            load_range(self.model_ranges, self.model_flat, lo, entry["master"].reshape(-1))
 
 
 class LossScaler:

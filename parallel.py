@@ -25,8 +25,8 @@ by a function in this file, and counted. Contents, in reading order:
                            ZeRO-2: no full gradient buffer; ZeRO-3 (FSDP): each unit's weights gathered
                            only while used
   8. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
-  9. Plumbing              checking a layout, joining the job, timeouts, failures as one CommError naming the
-                           op and the group, helpers for work one rank does for all
+  9. Plumbing              joining the job, timeouts, failures as one CommError naming the op and the
+                           group, helpers for work one rank does for all
 
 model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline change a
 model built on the meta device, and materialize() fills each rank's pieces from one seed (each parameter
@@ -43,8 +43,6 @@ import os
 import re
 import runpy
 import socket
-import sys
-import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -1149,6 +1147,26 @@ def buckets_of(numel: int, dp: int, bucket_mb: float) -> list[tuple[int, int]]:
     return buckets
 
 
+def bucket_map(opt, buckets: list[tuple[int, int]]) -> tuple[list[list[int]], list[int]]:
+    """For each parameter of the optimizer the buckets its flat span overlaps, and for each bucket how many
+    parameters overlap it: the gradients it waits for."""
+    param_buckets, expected = [], [0] * len(buckets)
+    for i, p in enumerate(opt.params):
+        lo, hi = opt.offsets[i], opt.offsets[i] + p.numel()
+        param_buckets.append([b for b, (blo, bhi) in enumerate(buckets) if blo < hi and lo < bhi])
+        for b in param_buckets[-1]:
+            expected[b] += 1
+    return param_buckets, expected
+
+
+def sum_over_tp(grads: list[torch.Tensor], mesh: Mesh):
+    """Sum these gradients over tp in one all-reduce (flattened together, then copied back), not one each:
+    SP makes two norm weights a layer partial."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, mesh, "tp")
+    torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
 class GradSync:
     """Phase 5 of the step, plain data parallelism (and a single replica, which sends nothing): the
     optimizer's flat fp32 gradient buffer is cut into buckets of about bucket_mb, each all-reduced over dp
@@ -1178,14 +1196,7 @@ class GradSync:
             raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp "
                              f"{dp}")
         self.buckets = self.make_buckets(bucket_mb)
-        self.param_buckets = []  # for each param index, the buckets it overlaps
-        self.expected = [0] * len(self.buckets)
-        for i, p in enumerate(opt.params):
-            lo, hi = opt.offsets[i], opt.offsets[i] + p.numel()
-            bs = [b for b, (blo, bhi) in enumerate(self.buckets) if blo < hi and lo < bhi]
-            self.param_buckets.append(bs)
-            for b in bs:
-                self.expected[b] += 1
+        self.param_buckets, self.expected = bucket_map(opt, self.buckets)
         self.enabled, self.handles, self.pending = False, {}, list(self.expected)
         # this dp rank's piece of every bucket: its shard under ZeRO, its share of the gradient norm always
         r = mesh.dp_cp_rank
@@ -1194,7 +1205,7 @@ class GradSync:
         self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
                              for b in range(len(self.buckets))]
         self.own()
-        opt.on_grad_ready = self._on_grad_ready
+        opt.call_on_grad_ready(self._on_grad_ready)
 
     def make_buckets(self, bucket_mb: float) -> list[tuple[int, int]]:
         return buckets_of(self.opt.numel, self.mesh.dp_cp, bucket_mb)
@@ -1229,7 +1240,7 @@ class GradSync:
         self.wait_params()
         self.reduce_all()
         if self.partial_tp and self.mesh.tp > 1:
-            self.sum_over_tp(self.partial_grads())
+            sum_over_tp(self.partial_grads(), self.mesh)
 
     def reduce_all(self):
         if self.enabled:
@@ -1243,13 +1254,6 @@ class GradSync:
     def partial_grads(self) -> list[torch.Tensor]:
         """The SP-partial gradients to sum over tp: whole, as every replica applies all the gradients."""
         return [self.opt.grad_view(i) for i in self.partial_tp]
-
-    def sum_over_tp(self, grads: list[torch.Tensor]):
-        """Sum these gradients over tp in one all-reduce (flattened together, then copied back), not one
-        each: SP makes two norm weights a layer partial."""
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce(flat, self.mesh, "tp")
-        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def parts_in_pieces(self, params: list[int]) -> list[torch.Tensor]:
         """The gradients of these parameters (indices into opt.params) where they lie in this rank's pieces
@@ -1382,7 +1386,8 @@ class ZeRO2Sync(ZeRO1Sync):
     the gradients plus a few buckets in flight; traffic: one reduce-scatter per micro-batch."""
 
     def own(self):
-        self.opt.shard(self.norm_ranges, grads=True)
+        self.opt.shard_grads(self.norm_ranges)
+        self.opt.shard(self.norm_ranges)
         self.staging, self.in_flight = {}, []  # buckets filling; reduce-scatters not waited for yet
         self.plan_gathers()
 
@@ -1447,7 +1452,9 @@ class ZeRO3Sync(ZeRO2Sync):
 
     def own(self):  # the parameters move into unit buffers before the model copy is sharded
         self.weights = ShardedWeights(self.opt, self.mesh, self.buckets, self.piece_starts)
-        self.opt.shard(self.norm_ranges, grads=True, weights=True)
+        self.opt.shard_grads(self.norm_ranges)
+        self.opt.shard_weights(self.norm_ranges)
+        self.opt.shard(self.norm_ranges)
         self.weights.free_all()
         self.staging, self.in_flight = {}, []
         self.gathers, self.gather_groups, self.group_of = {}, [], {}  # (each unit gathers for itself)
@@ -1598,8 +1605,8 @@ def grad_norm(sync: GradSync, model) -> torch.Tensor:
 
 
 # ====================================================================================================
-# 9. The plumbing: checking a layout, joining the job, how long collectives wait, failures turned into one
-#    readable error, and helpers for work one rank does for all (off the training step)
+# 9. The plumbing: joining the job, how long collectives wait, failures turned into one readable error, and
+#    helpers for work one rank does for all (off the training step)
 
 
 # newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); 2.5 has the old
@@ -1609,46 +1616,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 class LayoutError(ValueError):
     """An impossible parallel layout; raised identically on every rank before any communication."""
-
-
-def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
-                 seq_len: int, sp: bool = False, cp: int = 1, virtual: int = 1):
-    """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
-    reaches the same verdict without talking to the others."""
-    errors = []
-    if tp < 1 or pp < 1 or cp < 1:
-        errors.append(f"--tp {tp}, --cp {cp} and --pp {pp} must be at least 1")
-    elif world % (tp * cp * pp):
-        errors.append(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}")
-    if cp > 1 and seq_len % (2 * cp):
-        errors.append(f"context parallelism needs --seq-len {seq_len} divisible by 2*cp = {2 * cp} (each "
-                      "rank holds two of 2*cp equal chunks)")
-    if tp >= 1 and args.n_heads % tp:
-        errors.append(f"n_heads {args.n_heads} is not divisible by tp {tp}")
-    if tp >= 1 and args.n_kv_heads % tp:
-        errors.append(f"n_kv_heads {args.n_kv_heads} is not divisible by tp {tp}")
-    if pp > args.n_layers:
-        errors.append(f"pp {pp} stages need at least {pp} layers, the model has {args.n_layers}")
-    if pp > 1 and args.tie_embeddings:
-        errors.append("tied embeddings across pipeline stages are not supported (the embedding lives on the "
-                      "first stage, the head on the last); use pp 1 or an untied model")
-    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
-        errors.append(f"1F1B needs at least as many micro-batches (--grad-accum {micro_batches}) as stages "
-                      f"(pp {pp})")
-    if (schedule == "interleaved") != (virtual > 1):
-        errors.append(f"--schedule {schedule} with --virtual-stages {virtual}: the interleaved schedule, and "
-                      "only it, needs 2 or more model chunks per rank")
-    elif virtual > 1 and pp > 1 and micro_batches % pp:
-        errors.append(f"the interleaved schedule needs --grad-accum {micro_batches} divisible by pp {pp} "
-                      "(micro-batches go through each chunk in groups of pp)")
-    if virtual > 1 and pp * virtual > args.n_layers:
-        errors.append(f"pp {pp} x {virtual} virtual stages need at least {pp * virtual} layers, the model "
-                      f"has {args.n_layers}")
-    if sp and tp > 1 and cp >= 1 and (seq_len // cp) % tp:
-        errors.append(f"sequence parallelism needs each rank's --seq-len / cp = {seq_len}/{cp} tokens "
-                      f"divisible by tp {tp}")
-    if errors:
-        raise LayoutError("; ".join(errors))
 
 
 def launch_env() -> tuple[int, int]:
@@ -1739,27 +1706,6 @@ def patient(mesh: Mesh):
         mesh.patient = False
 
 
-def exit_with_agent(poll_s: float = 1.0):
-    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
-    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
-    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
-    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
-    the command lines (config.configure_process, evaluate.py, bench.py), as a process-wide setting."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
-                                                     for t in threading.enumerate()):
-        return  # not started by torchrun, or watched already
-    agent = os.getppid()
-
-    def watch():
-        while os.getppid() == agent:
-            time.sleep(poll_s)
-        print(f"error (rank {os.environ.get('RANK', '?')}): torchrun's agent (pid {agent}) is gone; "
-              "exiting", file=sys.stderr, flush=True)
-        os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
-
-    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
-
-
 class CommError(RuntimeError):
     """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
     group and its ranks, so the log says where the job stopped instead of only that it did. (With gloo the
@@ -1809,26 +1755,6 @@ def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
     except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
         _raise_comm_error(e, what, mesh, dim, t0)
     return _Work(work, what, mesh, dim, t0) if async_op else None
-
-
-def on_rank0(fn, mesh: Mesh):
-    """fn() on global rank 0 alone; every rank returns its result, or raises the exception it raised. For
-    work one rank can do for all, such as verifying a checkpoint's checksums: done once, not world times.
-    The others wait on the "io" group."""
-    if mesh.world == 1:
-        return fn()
-    box = [None]
-    if mesh.rank == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # sent to the others, then raised here too
-            box[0] = ("error", e)
-    _launch(("broadcast_object", None), mesh, "io",
-            lambda: dist.broadcast_object_list(box, src=0, group=mesh.groups["io"]))
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value
 
 
 def on_rank0_first(fn, mesh: Mesh):

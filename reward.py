@@ -108,7 +108,7 @@ class RewardTask:
     takes_hidden = False  # the loss is given the head's outputs
 
     def __init__(self, margs, mesh, args):
-        self.mesh, self.margin, self.total = mesh, args.margin, None
+        self.mesh, self.margin = mesh, args.margin
         self._sums = torch.zeros(len(self.metric_names))
 
     def prepare(self, batches):
@@ -117,12 +117,12 @@ class RewardTask:
     def count(self, batch) -> torch.Tensor:
         return torch.full((), batch[0].shape[0] // 2, device=batch[0].device)  # pairs (a fill: no copy)
 
-    def loss(self, logits, targets):
+    def loss(self, logits, targets, total):
         r = scores(logits, targets, self.mesh)  # (2B,)
         rc, rr = r.chunk(2)
         with torch.no_grad():  # on the device: a .cpu() here would wait for the GPU at every micro-batch
-            self._sums = self._sums.to(r.device) + pair_sums(rc, rr) / self.total
-        return bradley_terry(rc, rr, self.margin).sum() / self.total
+            self._sums = self._sums.to(r.device) + pair_sums(rc, rr) / total
+        return bradley_terry(rc, rr, self.margin).sum() / total
 
     def metrics(self) -> torch.Tensor:
         """Metric sums since the last call (each over the global pair count: means when summed)."""
@@ -437,7 +437,7 @@ def sample_main(argv) -> int:
     a = sample_parser().parse_args(argv)
     check_sample_flags(a)
     device, precision = config.pick_device_and_precision(a)
-    P.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    config.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mesh = P.init_mesh(device=device)  # every rank a dp rank: each samples its share of the prompts

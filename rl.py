@@ -370,7 +370,6 @@ class RLTask:
                   "completion_length"))
         self.with_answers = all("answer" in p for p in prompts)
         self.metric_names = names + (("accuracy",) if self.with_answers else ())
-        self.total = None
         self._sums = torch.zeros(len(self.metric_names))
 
     def count(self, batch) -> torch.Tensor:
@@ -443,7 +442,7 @@ class RLTask:
             e["adv"] = adv
         return [(x, target) for x, target, _ in out]
 
-    def loss(self, logits, targets):
+    def loss(self, logits, targets, total):
         y, e = targets
         mask = (y != IGNORE_INDEX).float()
         logp = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (rows, T), 0 outside the replies
@@ -458,14 +457,14 @@ class RLTask:
                                                            e["returns"], self.args)
             stats = [e["reward"], e["kl_sum"], e["entropy"], reply_mean(clipped, mask),
                      reply_mean(value_loss, mask), e["length"]]
-        self.tally(stats + ([e["correct"]] if self.with_answers else []))
-        return reply_mean(losses, mask).sum() / self.total
+        self.tally(stats + ([e["correct"]] if self.with_answers else []), total)
+        return reply_mean(losses, mask).sum() / total
 
     @torch.no_grad()
-    def tally(self, stats: list):
+    def tally(self, stats: list, total):
         """Add this micro-batch's replies to the metric sums (each over the global reply count)."""
         sums = torch.stack([s.float().sum() for s in stats])
-        self._sums = self._sums.to(sums.device) + sums / self.total
+        self._sums = self._sums.to(sums.device) + sums / total
 
     def metrics(self) -> torch.Tensor:
         out, self._sums = self._sums, torch.zeros_like(self._sums)
@@ -494,6 +493,7 @@ class RL(sft.SFT):
 
     kind = "rl"
     head_in_loss = False  # RLTask's loss is given the logits
+    value_head = None  # PPO's critic (extend)
 
     def __init__(self, args):
         super().__init__(args)
@@ -527,16 +527,17 @@ class RL(sft.SFT):
                 f"{len(train):,} prompts ({len(val):,} held out) x {a.group} replies")
 
     def extend(self, model, device, dtype):
+        """PPO's critic: a submodule of the policy, so it is trained, sharded and checkpointed with it."""
         if self.args.algo == "ppo":
-            model.value_head = ValueHead(model, device, dtype)
+            self.value_head = ValueHead(model, device, dtype)
+            model.add_module("value_head", self.value_head)
 
     def task(self, margs, mesh, device, dtype, model):
         a, reference = self.args, None
         if a.kl_coef > 0:
             reference = T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)
         score = make_scorer(a, self.tok, device, dtype, mesh, a.seq_len)
-        value_head = getattr(model, "value_head", None)  # (PPO's, added by extend)
-        return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, value_head)
+        return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, self.value_head)
 
 
 def check_flags(a):

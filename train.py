@@ -101,11 +101,11 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     args, mesh, timer = run.args, run.mesh, run.timer
     timer.start()
     rewind = run.loader.state_dict()
-    batches = load_batches(run)  # 1. data loading: the whole step's, so the normalizer is known up front
+    batches, total = load_batches(run)  # 1. data loading: the whole step's, and the loss's normalizer
     timer.mark("1 data")
     if mesh.pp > 1:  # 2-4. forward, loss, backward of every micro-batch, interleaved across stages
         loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
-                               lambda *a: scaled_loss(run, *a),
+                               lambda *a: scaled_loss(run, *a, total),
                                args.schedule, before_last_backward=run.sync.start, dtype=run.dtype,
                                virtual=args.virtual_stages, head=not run.task.takes_hidden)
         timer.mark("2-4 pipeline")
@@ -115,7 +115,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
             out = P.local_forward(run.model, batch[0], mesh, args.seq_len, P.doc_ids_of(batch),  # 2. forward
                                   head=not run.task.takes_hidden)
             timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's
-            micro_loss = scaled_loss(run, out, batch[1])  # 3. loss: its share of the global batch's mean
+            micro_loss = scaled_loss(run, out, batch[1], total)  # 3. loss: its share of the global batch's mean
             loss += micro_loss.detach()
             timer.mark("3 loss")
             if i == len(batches) - 1:  # the last micro-batch's gradients are reduced over dp as they come
@@ -134,7 +134,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
         return None
     lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio,
                  config.anneal_start(args, mesh.dp))
-    run.opt.step(lr, grad_scale=run.opt.clip_scale(args.grad_clip, tally.norm))  # clipped as it is read
+    run.opt.step(lr, grad_scale=O.clip_scale(args.grad_clip, tally.norm))  # clipped as it is read
     run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
     run.opt.zero_grad()
     timer.end("6 optimizer")
@@ -177,7 +177,7 @@ class Tally(NamedTuple):
                    int(host[3]), int(host[4]))
 
 
-def load_batches(run: Run) -> list:
+def load_batches(run: Run) -> tuple[list, torch.Tensor]:
     """Phase 1: the step's --grad-accum micro-batches on the device, prepared by the task (DPO adds the
     reference's log-probs), and the task's normalizer over the global batch."""
     # From pinned (page-locked) host memory a copy to the GPU is asynchronous: the host goes on queueing
@@ -186,13 +186,13 @@ def load_batches(run: Run) -> list:
     batches = [tuple(pinned(t).to(run.device, non_blocking=True) for t in run.loader.next())
                for _ in range(run.args.grad_accum)]
     batches = [P.context_chunks(b, run.mesh) for b in run.task.prepare(batches)]  # cp: this rank's chunks
-    run.task.total = global_total(run.task, batches, run.mesh, run.device)
-    return batches
+    return batches, global_total(run.task, batches, run.mesh, run.device)
 
 
-def scaled_loss(run: Run, logits, targets) -> torch.Tensor:
-    """Phase 3: the task's loss, scaled up under fp16 so that small gradients survive."""
-    loss = run.task.loss(logits, targets)
+def scaled_loss(run: Run, logits, targets, total) -> torch.Tensor:
+    """Phase 3: the task's loss over the global batch's `total`, scaled up under fp16 so that small
+    gradients survive."""
+    loss = run.task.loss(logits, targets, total)
     return loss * run.scaler.scale if run.scaler else loss
 
 
@@ -250,7 +250,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     recipe = recipe or Pretraining(args)
     spec = config.check_config(args, recipe)
     mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
-    lock, meter, stop = lock_out_dir(Path(args.out_dir), mesh), None, None
+    lock, meter, stop = C.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
         stop = StopFlag()
@@ -412,7 +412,6 @@ class LMTask:
     def __init__(self, margs: M.ModelArgs, mesh, bos: int | None = None, head=None, chunk: int = 0):
         self.vocab_size, self.mesh, self.bos = margs.vocab_size, mesh, bos
         self.head, self.chunk, self.takes_hidden = head, chunk, chunk > 0  # (head: None off the last stage)
-        self.total = None  # the global normalizer, set by load_batches before each step
 
     def prepare(self, batches):
         if self.bos is None:
@@ -422,11 +421,12 @@ class LMTask:
     def count(self, batch) -> torch.Tensor:
         return (batch[1] != IGNORE_INDEX).sum()
 
-    def loss(self, out, targets) -> torch.Tensor:
-        """out: the logits, or with takes_hidden the final norm's output."""
+    def loss(self, out, targets, total) -> torch.Tensor:
+        """out: the logits, or with takes_hidden the final norm's output; total: the global batch's
+        targets (count summed over it)."""
         if self.takes_hidden:
-            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / self.total
-        return P.loss_sum(out, targets, self.vocab_size, self.mesh) / self.total
+            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / total
+        return P.loss_sum(out, targets, self.vocab_size, self.mesh) / total
 
     def metrics(self) -> torch.Tensor:
         return torch.zeros(0, device=self.mesh.device)
@@ -658,13 +658,14 @@ def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
     counting, scoring = (run.make_val() if source is None else run.make_val(source) for _ in range(2))
     one_pass = math.ceil(len(counting) / (counting.batch_size * mesh.dp))
     n = max(1, min(args.eval_batches // mesh.dp, one_pass))
-    task.total = global_total(task, (P.context_chunks(counting.next(), mesh) for _ in range(n)), mesh, device)
+    total = global_total(task, (P.context_chunks(counting.next(), mesh) for _ in range(n)), mesh, device)
     task.metrics()  # start the metric sums afresh
     loss = torch.zeros((), device=device)
     for size in [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]:
         batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
         batches = [P.context_chunks(b, mesh) for b in batches]
-        for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, task.loss,
+        for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim,
+                                             lambda out, targets: task.loss(out, targets, total),
                                              run.dtype, args.virtual_stages, head=not task.takes_hidden):
             loss = loss + chunk_loss
     metrics = task.metrics().to(device)
@@ -827,7 +828,8 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     state. The earlier run's files (--overwrite) go only after all of that worked.
     Returns (the run, the step it starts from, the data's description)."""
     out_dir = Path(args.out_dir)
-    resume, meta = resume_point(out_dir, args, spec.margs, mesh)  # every rank checks its share of the files
+    # every rank checks its share of the files
+    resume, meta = C.resume_point(out_dir, args, spec.margs, mesh, config.say)
     initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
     if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
         config.enter_stage(args, config.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
@@ -866,61 +868,6 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
             config.say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
     P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
     return run, start_step, data_desc
-
-
-def lock_out_dir(out_dir: Path, mesh) -> C.RunLock:
-    """Global rank 0 takes the out-dir's lock; every rank stops if it could not (rank 0 says why)."""
-    lock, error = C.RunLock(out_dir), None
-    if mesh.rank == 0:
-        try:
-            lock.acquire(config.say)
-        except C.CheckpointError as e:
-            error = e
-    if mesh.world > 1 and not P.all_true(error is None, mesh):
-        error = error or C.CheckpointError(f"{out_dir} could not be locked")
-    if error is not None:
-        raise error
-    return lock
-
-
-def resume_point(out_dir: Path, args, margs, mesh) -> tuple[Path | None, dict | None]:
-    """The checkpoint this run continues from and its meta.json (None, None: a fresh start), on every
-    rank: the checkpoints' shards are checked against their manifests by all the ranks at once, each a
-    share of the files (checkpoint.shared_check). A fresh run never mixes into an earlier one's folder:
-    that takes --resume (continue it) or --overwrite (remove it first)."""
-    verify = args.resume  # (without --resume only whether something is there matters: no checksums)
-    ckpt, skipped = C.find_latest(out_dir, verify, C.shared_check(mesh)) if out_dir.is_dir() else (None, [])
-    earlier = C.earlier_run(out_dir)
-    if not args.resume and not args.overwrite and (ckpt or skipped or earlier):
-        what = f"checkpoint {ckpt.name}" if ckpt else earlier or skipped[0][0]
-        raise config.ConfigError(f"{out_dir} already holds {what} of an earlier run; pass --resume to continue "
-                                 "it, --overwrite to start afresh, or another --out-dir")
-    if not args.resume:
-        return None, None
-    for name, why in skipped:
-        config.say(f"checkpoint {name} is {why}; falling back to an older one")
-    if ckpt is None and skipped:
-        raise config.ConfigError(f"no intact checkpoint in {out_dir}: {skipped[0][0]} is {skipped[0][1]}; "
-                                 "nothing was overwritten")
-    if ckpt is None and not skipped:
-        config.say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
-    if ckpt is not None:
-        C.say_unlisted(ckpt, config.say)
-    return ckpt, (read_meta(ckpt, margs) if ckpt else None)
-
-
-def read_meta(ckpt: Path, margs: M.ModelArgs) -> dict:
-    meta = C.read_meta(ckpt)
-    try:
-        saved = M.ModelArgs.from_dict(meta["model_args"])
-    except ValueError as e:
-        raise config.ConfigError(f"cannot read checkpoint {ckpt}: its model_args are malformed: "
-                                 f"{data.one_line(e)}")
-    if saved != margs:
-        diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
-        raise config.ConfigError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in "
-                                 f"{diff}")
-    return meta
 
 
 def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:

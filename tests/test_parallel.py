@@ -225,7 +225,7 @@ def test_context_chunks_balance_causal_work():
     assert len(set(work)) == 1, work
     # under sequence parallelism a rank's T/cp tokens are cut again over tp
     with pytest.raises(P.LayoutError, match=r"--seq-len / cp = 36/2 tokens divisible by tp 4"):
-        P.check_layout(8, 4, 1, M.ModelArgs(n_heads=8, n_kv_heads=4), 1, "1f1b", 36, sp=True, cp=2)
+        config.check_layout(8, 4, 1, M.ModelArgs(n_heads=8, n_kv_heads=4), 1, "1f1b", 36, sp=True, cp=2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -749,7 +749,7 @@ def _step_ops(out_file):
                 with counter:
                     sync.finish()
                     norm = P.grad_norm(sync, model)
-                    opt.step(1e-3, grad_scale=O.AdamW.clip_scale(1.0, norm))
+                    opt.step(1e-3, grad_scale=O.clip_scale(1.0, norm))
                     sync.all_gather_params()
                     opt.zero_grad()
                 P._Work.wait = wait

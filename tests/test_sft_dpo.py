@@ -223,10 +223,9 @@ def test_llama3_dpo_masks_the_format_tokens_and_adds_the_chosen_nll():
         args = dpo.get_parser().parse_args(["--beta", "0.5", *flags])
         task = dpo.DPOTask(M.ModelArgs(vocab_size=V), P.Mesh(), args, cached={},
                            skip=skip if args.mask_format_tokens else None)
-        task.total = torch.tensor(B)
         margin = 0.5 * ((logps[:B] - ref[:B]) - (logps[B:] - ref[B:]))
         want = (-torch.nn.functional.logsigmoid(margin) + coef * nll).mean()
-        assert task.loss(logits, (y, ref)).item() == pytest.approx(want.item(), rel=1e-6)
+        assert task.loss(logits, (y, ref), torch.tensor(B)).item() == pytest.approx(want.item(), rel=1e-6)
         metrics = dict(zip(task.metric_names, task.metrics().tolist()))
         assert metrics["logps/chosen"] == pytest.approx(logps[:B].mean().item(), rel=1e-6)
         assert metrics["rewards/margins"] == pytest.approx(margin.mean().item(), rel=1e-6)
@@ -259,9 +258,8 @@ def test_ipo_uses_per_token_log_probs_and_ipo_sum_the_sums():
     for kind, (p, r) in (("ipo", (logps / length, ref / length)), ("ipo-sum", (logps, ref))):
         args = dpo.get_parser().parse_args(["--loss", kind, "--beta", "0.5"])
         task = dpo.DPOTask(M.ModelArgs(vocab_size=V), P.Mesh(), args, cached={})
-        task.total = torch.tensor(B)
         want = ((p[:B] - r[:B]) - (p[B:] - r[B:]) - 1 / (2 * 0.5)) ** 2
-        assert task.loss(logits, (y, ref)).item() == pytest.approx(want.mean().item(), rel=1e-5)
+        assert task.loss(logits, (y, ref), torch.tensor(B)).item() == pytest.approx(want.mean().item(), rel=1e-5)
         assert task.metrics()[4].item() == pytest.approx(p[:B].mean().item(), rel=1e-5)  # logps/chosen
 
 

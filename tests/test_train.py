@@ -316,8 +316,8 @@ def test_wandb_and_tensorboard_get_the_records_of_metrics_jsonl(tmp_path, monkey
 
 @pytest.mark.parametrize("flag,package", [("--wandb", "wandb"), ("--tensorboard", "tensorboard")])
 def test_a_tracker_without_its_package_is_one_line(tmp_path, monkeypatch, capsys, flag, package):
-    real = train.importlib.util.find_spec
-    monkeypatch.setattr(train.importlib.util, "find_spec",
+    real = config.importlib.util.find_spec
+    monkeypatch.setattr(config.importlib.util, "find_spec",
                         lambda name: None if name == package else real(name))
     with pytest.raises(SystemExit) as exit_info:
         train.run(train.main, TINY + ["--out-dir", str(tmp_path / "o"), flag, "x"])
