@@ -72,9 +72,9 @@ def inject_nan(monkeypatch, calls: set):
     """Make the micro-batch losses numbered in `calls` (1-based) NaN."""
     real, n = train.LMTask.loss, [0]
 
-    def loss(self, logits, targets):
+    def loss(self, logits, targets, total):
         n[0] += 1
-        out = real(self, logits, targets)
+        out = real(self, logits, targets, total)
         return out * float("nan") if n[0] in calls else out
     monkeypatch.setattr(train.LMTask, "loss", loss)
 
@@ -104,9 +104,9 @@ def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
 def test_loss_spike_guard_skips_outliers(tmp_path, monkeypatch):
     real, n = train.LMTask.loss, [0]
 
-    def loss(self, logits, targets):
+    def loss(self, logits, targets, total):
         n[0] += 1
-        return real(self, logits, targets) * (50.0 if n[0] == 15 else 1.0)
+        return real(self, logits, targets, total) * (50.0 if n[0] == 15 else 1.0)
     monkeypatch.setattr(train.LMTask, "loss", loss)
     train.main(TINY + ["--max-steps", "16", "--skip-spikes", "3", "--out-dir", str(tmp_path)])
     skipped = [r for r in records(tmp_path) if "skipped" in r]
@@ -220,14 +220,14 @@ def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layo
         sys.path.insert(0, {str(REPO)!r})
         import train
         real, n = train.LMTask.loss, [0]
-        def loss(self, logits, targets):
+        def loss(self, logits, targets, total):
             n[0] += 1
             if self.mesh.rank == 1 and n[0] == 3:
                 # A rank stuck in native code runs no Python signal handler, so torchrun's SIGTERM reaches
                 # it only as its SIGKILL 30 s later; the default action stands in for that wait here.
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 time.sleep(600)
-            return real(self, logits, targets)
+            return real(self, logits, targets, total)
         train.LMTask.loss = loss
         train.run(argv=sys.argv[1:])
     """))

@@ -34,7 +34,7 @@ RUN = ["--model", "mini", "--seq-len", "64", "--micro-batch", "4", "--max-steps"
 CENSUS = textwrap.dedent(f"""
     import json, os, sys
     sys.path.insert(0, {str(REPO)!r})
-    import bench, costs, train
+    import bench, config, costs, train
     costs.peak_flops = lambda device, precision: (1e12, "a constant: the census is of training")
     args = config.get_parser().parse_args(sys.argv[1:])
     _, peak = bench.cpu_census(lambda: train.train(args))
@@ -170,7 +170,7 @@ def test_peaks_by_gpu_and_precision():
 SAVED = textwrap.dedent(f"""
     import json, os, sys, torch
     sys.path.insert(0, {str(REPO)!r})
-    import model as M, parallel as P, train
+    import config, model as M, parallel as P, train
     margs, tokens = M.PRESETS["mini"], torch.randint(0, 320, (4, 64))
     out = {{}}
     for tp, sp in ((1, False), (2, False), (2, True)):
