@@ -13,8 +13,10 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
       alternating with ours, and the throughput ratio.
   python bench.py --plan --model llama3-70b --gpus 16384 --tp 8 --pp 4 ...
-      no hardware: parameters, training FLOPs, per-GPU memory by kind, communication per step, bubble, step
-      time and days at a stated MFU, and whether it fits.
+      no hardware: parameters, training FLOPs, per-GPU memory by kind, communication per step and its time
+      on NVLink or the network, bubble, step time and days at a stated MFU, whether it fits, and what the
+      run costs: GPU-hours, energy (--pue) and money (--usd-per-gpu-hour). --budget-flops C adds the model
+      size and tokens Chinchilla's fit would spend C on, beside what Llama 3 chose.
   torchrun --standalone --nproc_per_node=2 bench.py --dp-vs-ddp | --bubble
       our data parallelism against torch's DistributedDataParallel; the pipeline bubble against its formula.
 
@@ -46,10 +48,6 @@ import optim as O
 import parallel as P
 import train as T
 
-GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200": 141, "H200 NVL": 141,
-                 "B200": 192, "GB200": 186}
-
-
 # ----------------------------------------------------------------------------------------------------
 # The plan: arithmetic only (costs.memory_estimate and comm_estimate, model.flops_per_token)
 
@@ -57,12 +55,13 @@ GPU_MEMORY_GB = {"A100": 80, "H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200"
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
          grad_accum: int, mfu: float, zero: int = 1, act_ckpt: bool = False, precision: str = "bf16",
          sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1,
-         virtual: int = 1, loss_chunk: int = 1024) -> dict:
+         virtual: int = 1, loss_chunk: int = 1024, pue: float = 1.1, usd_per_gpu_hour: float = 2.0) -> dict:
     """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
     (under each of ZeRO 0 to 3 and activation checkpointing on/off, the chosen one marked), the bytes each
-    GPU sends per step, the bubble, and the step time and days at a stated MFU. The memory fits when it is
-    at most the GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and
-    kernels, NCCL's buffers (one set per process group) and the allocator's fragmentation."""
+    GPU sends per step and their time on its links, the bubble, the step time at a stated MFU and what the
+    run costs (costs.run_costs). The memory fits when it is at most the GPU's capacity less reserve_gb,
+    kept for what no tensor count sees: the CUDA context and kernels, NCCL's buffers (one set per process
+    group) and the allocator's fragmentation."""
     margs = M.PRESETS[model]
     config.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)  # as train.py
     dp = gpus // (tp * cp * pp)
@@ -82,7 +81,8 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
                                **layout)
     peak = costs.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
-    capacity = GPU_MEMORY_GB[gpu] * 1e9
+    capacity = costs.SYSTEMS[gpu].memory_gb * 1e9
+    optimal = costs.compute_optimal(6 * n * tokens)
     return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "cp": cp, "pp": pp, "dp": dp,
             "gpus_per_replica": tp * cp * pp, "micro_batch": micro_batch, "seq_len": seq_len,
             "grad_accum": grad_accum,
@@ -90,8 +90,11 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
             "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok, "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
             "comm_bytes_per_step": comm, "bubble": (pp - 1) / (virtual * grad_accum + pp - 1), "mfu": mfu,
-            "peak_flops": peak, "step_time_s": step_s, "days": steps * step_s / 86400,
-            "gpu_memory_bytes": capacity,
+            "peak_flops": peak, "step_time_s": step_s, **costs.run_costs(gpu, gpus, steps * step_s, pue,
+                                                                          usd_per_gpu_hour),
+            "comm_seconds_per_step": costs.comm_seconds(comm, gpu, tp, cp, pp, gpus),
+            "links": costs.links(gpu, tp, cp, pp, gpus),
+            "compute_optimal": {"parameters": optimal[0], "tokens": optimal[1]}, "gpu_memory_bytes": capacity,
             "reserve_bytes": reserve_gb * 1e9, "fits": chosen["total"] <= capacity - reserve_gb * 1e9,
             "zero": zero, "act_ckpt": act_ckpt, "sp": sp, "schedule": schedule, "virtual_stages": virtual}
 
@@ -110,9 +113,12 @@ def print_plan(r: dict):
           "tokens per step")
     print(f"  {r['tokens']:.3g} tokens: {r['steps']:,} steps, 6ND = {r['flops']:.3g} FLOPs "
           f"({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, "
-          f"{r['flops_per_token']['megatron'] / 1e9:.1f} Megatron)")
+          f"{r['flops_per_token']['megatron'] / 1e9:.1f} Megatron); {r['tokens'] / r['params']:,.0f} tokens "
+          f"per parameter, where Chinchilla's 20 would spend these FLOPs on "
+          f"{r['compute_optimal']['parameters'] / 1e9:,.0f}B parameters and "
+          f"{r['compute_optimal']['tokens'] / 1e12:,.2f}T tokens")
     print(f"  at {100 * r['mfu']:.0f}% MFU of {r['peak_flops'] / 1e12:,.0f} TFLOP/s ({r['precision']}): "
-          f"{r['step_time_s']:.2f} s per step, {r['days']:.1f} days; pipeline bubble {r['bubble']:.3f} "
+          f"{r['step_time_s']:.2f} s per step, {r['days']:,.1f} days; pipeline bubble {r['bubble']:.3f} "
           f"({r['schedule']}" + (f", {r['virtual_stages']} chunks per rank)" if r["virtual_stages"] > 1
                                  else ")"))
     zero = f"ZeRO-{int(r['zero'])}" if r["zero"] else "no ZeRO"
@@ -126,6 +132,19 @@ def print_plan(r: dict):
         print(f"    {name:12s} total {gb(m['total'])}")
     print("  bytes sent per GPU per step: " + ", ".join(f"{k} {gb(v)}" for k,
                                                         v in r["comm_bytes_per_step"].items()))
+    print_costs(r)
+
+
+def print_costs(r: dict):
+    system = costs.SYSTEMS[r["gpu"]]
+    over = lambda s: ", more than the compute)" if s > r["step_time_s"] else ")"
+    times = [f"{dim} {s:.2f} s ({r['links'][dim]}{over(s)}"
+             for dim, s in r["comm_seconds_per_step"].items() if s]
+    print(f"  on the links ({system.nvlink_gbs:g} GB/s NVLink each way within {system.domain} GPUs, "
+          f"{system.network_gbs:g} GB/s network): " + (", ".join(times) or "nothing")
+          + f"; compute {r['step_time_s']:.2f} s a step (all bytes exposed, none overlapped)")
+    print(f"  cost: {r['gpu_hours'] / 1e6:,.2f}M GPU-hours; {r['energy_mwh']:,.0f} MWh ({system.watts:g} W a "
+          f"GPU x PUE {r['pue']:g}); ${r['usd'] / 1e6:,.2f}M at ${r['usd_per_gpu_hour']:g} a GPU-hour")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -579,6 +598,12 @@ def add_plan_args(g):
     g.add_argument("--reserve-gb", type=float, default=4.0,
                    help="GPU memory kept for what tensors do not show: CUDA context, NCCL buffers, "
                    "fragmentation")
+    g.add_argument("--pue", type=float, default=1.1,
+                   help="the data center's power usage effectiveness: its power over the GPUs' (cooling...)")
+    g.add_argument("--usd-per-gpu-hour", type=float, default=2.0, help="the price of one GPU for an hour")
+    g.add_argument("--budget-flops", type=float, default=None,
+                   help="also say what model size and tokens this many training FLOPs buy (Chinchilla), beside "
+                        "what Llama 3 chose")
 
 
 def validate(a):
@@ -598,6 +623,9 @@ def validate(a):
     need(0 < a.tokens < math.inf, "tokens", "a positive number")
     need(0 < a.mfu <= 1, "mfu", "in (0, 1]")
     need(0 <= a.reserve_gb < math.inf, "reserve_gb", "a number >= 0")
+    need(1 <= a.pue < math.inf, "pue", "a number >= 1 (the facility's power over the GPUs')")
+    need(0 <= a.usd_per_gpu_hour < math.inf, "usd_per_gpu_hour", "a number >= 0")
+    need(a.budget_flops is None or 0 < a.budget_flops < math.inf, "budget_flops", "a positive number")
     max_seq_len = M.PRESETS[a.model].max_seq_len
     need(a.seq_len <= max_seq_len, "seq_len", f"at most model {a.model}'s max_seq_len {max_seq_len}")
     micro_batch_counts(a.micro_batches)
@@ -691,15 +719,46 @@ def run_mode(a, versions: dict):
 
 
 def run_plan(a):
+    sizing = sizing_for(a.budget_flops) if a.budget_flops else None
+    if sizing and not a.json:
+        print_sizing(sizing)
     if a.ramp:
         return run_ramp_plan(a)
     try:
         r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
                  a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
-                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages, a.loss_chunk)
+                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour)
     except P.LayoutError as e:
         refuse(f"invalid parallel layout: {e}")
-    print(json.dumps(r)) if a.json else print_plan(r)
+    print(json.dumps({**r, "sizing": sizing} if sizing else r)) if a.json else print_plan(r)
+
+
+# What Llama 3 chose at its budget (Dubey et al. 2024): section 3.2's IsoFLOP fit put the flagship's 3.8e25
+# FLOPs at 402B parameters on 16.55T tokens, and the curves grow flat near their minimum, so 405B on 15.6T
+# tokens cost little; the introduction: the smaller models were trained "much longer than is
+# compute-optimal", and beat compute-optimal models at the same inference budget.
+LLAMA3 = {"llama3.1-405b": 15.6e12, "llama3-70b": 15e12, "llama3-8b": 15e12}
+
+
+def sizing_for(flops: float) -> dict:
+    """--budget-flops: Chinchilla's compute-optimal size, and Llama 3's models' tokens per parameter."""
+    parameters, tokens = costs.compute_optimal(flops)
+    return {"budget_flops": flops, "parameters": parameters, "tokens": tokens,
+            "tokens_per_parameter": costs.TOKENS_PER_PARAMETER,
+            "llama3": {m: {"parameters": M.count_params(M.PRESETS[m]), "tokens": t,
+                           "tokens_per_parameter": t / M.count_params(M.PRESETS[m])} for m, t in LLAMA3.items()}}
+
+
+def print_sizing(s: dict):
+    print(f"{s['budget_flops']:.3g} FLOPs, compute-optimal by Chinchilla (Hoffmann et al. 2022, approaches 1 "
+          f"and 2: N and D both as C^0.5, {s['tokens_per_parameter']} tokens per parameter): "
+          f"{s['parameters'] / 1e9:,.1f}B parameters on {s['tokens'] / 1e12:,.2f}T tokens")
+    print("  Llama 3 chose: " + ", ".join(f"{m} on {v['tokens'] / 1e12:g}T tokens "
+                                         f"({v['tokens_per_parameter']:,.0f} per parameter)"
+                                         for m, v in s["llama3"].items()))
+    print("  (its own fit put 3.8e25 FLOPs at 402B parameters on 16.55T tokens, and the curves are flat near "
+          "the optimum; the smaller models were trained far past it: a model is trained once and served many "
+          "times, and at the same inference cost they beat compute-optimal ones)")
 
 
 def run_ramp_plan(a):
@@ -721,7 +780,7 @@ def run_ramp_plan(a):
             rows.append(plan(a.model, end - s.seen, s.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch,
                              s.sequences // (a.micro_batch * dp), a.mfu, a.zero, a.act_ckpt,
                              "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1, a.reserve_gb,
-                             a.schedule, a.cp, a.virtual_stages, a.loss_chunk))
+                             a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour))
         except P.LayoutError as e:
             refuse(f"invalid parallel layout at the stage of {s.seq_len}-token sequences: {e}")
     if a.json:

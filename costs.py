@@ -14,9 +14,11 @@ census of a CPU run's allocations and the bytes against the collectives' own cou
 from __future__ import annotations
 
 import functools
+import math
 import os
 import resource
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -306,6 +308,67 @@ def dp_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, dp: int, zero: int, gr
         again = units[0] if tied else 0  # for the tied head's forward
         return ring * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
     return ring * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring * n * 4
+
+
+# ----------------------------------------------------------------------------------------------------
+# What a run costs: GPU-hours, energy, money, whether the links keep up; and the size a budget buys
+
+
+class System(NamedTuple):
+    """One GPU as a cluster holds it (datasheets): memory, board power, NVLink bandwidth each way, how many
+    GPUs one NVLink domain joins, and its share of the scale-out network (InfiniBand) each way."""
+    memory_gb: float
+    watts: float
+    nvlink_gbs: float
+    domain: int
+    network_gbs: float
+
+
+# HGX boards join 8 GPUs by NVLink: 600 GB/s both ways on an A100 (NVLink 3), 900 on an H100 or H200 (NVLink 4),
+# 1.8 TB/s on a B200 (NVLink 5); the PCIe and NVL cards are joined in pairs by a bridge; a GB200 NVL72 rack
+# joins 72 GPUs in one NVLink domain (so TP or EP up to 72). The network: one InfiniBand NIC per GPU, HDR
+# 200 Gb/s (A100), NDR 400 Gb/s (H100, H200), XDR 800 Gb/s (B200, GB200).
+SYSTEMS = {"A100": System(80, 400, 300, 8, 25), "H100": System(80, 700, 450, 8, 50),
+           "H100 PCIe": System(80, 350, 300, 2, 50), "H100 NVL": System(94, 400, 300, 2, 50),
+           "H200": System(141, 700, 450, 8, 50), "H200 NVL": System(141, 600, 450, 2, 50),
+           "B200": System(192, 1000, 900, 8, 100), "GB200": System(186, 1200, 900, 72, 100)}
+
+
+def run_costs(gpu: str, gpus: int, seconds: float, pue: float, usd_per_gpu_hour: float) -> dict:
+    """A run of `seconds` on `gpus` GPUs: GPU-hours, days, energy (the GPUs' board power times the
+    facility's PUE, its power over the IT equipment's: cooling, conversion; the CPUs, network and storage
+    are left out) and money at a price per GPU-hour."""
+    gpu_hours = gpus * seconds / 3600
+    return {"gpu_hours": gpu_hours, "days": seconds / 86400, "pue": pue, "usd_per_gpu_hour": usd_per_gpu_hour,
+            "energy_mwh": gpu_hours * SYSTEMS[gpu].watts * pue / 1e6, "usd": gpu_hours * usd_per_gpu_hour}
+
+
+def links(gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict[str, str]:
+    """The link each dimension's groups use: "NVLink" where a group lies in one NVLink domain, else
+    "network". The mesh puts tp innermost, then cp, pp and dp (parallel.init_mesh), so a group spans the
+    product of the sizes up to its own."""
+    span = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": gpus}
+    return {dim: "NVLink" if n <= SYSTEMS[gpu].domain else "network" for dim, n in span.items()}
+
+
+def comm_seconds(comm: dict, gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict:
+    """Seconds per step that each dimension's bytes (comm_estimate's, sent by one GPU) take on its link:
+    bytes over bandwidth each way, all of it exposed (latency, and overlap with compute, left out)."""
+    system, link = SYSTEMS[gpu], links(gpu, tp, cp, pp, gpus)
+    return {dim: sent / 1e9 / (system.nvlink_gbs if link[dim] == "NVLink" else system.network_gbs)
+            for dim, sent in comm.items()}
+
+
+TOKENS_PER_PARAMETER = 20  # Chinchilla's own shape: 70B parameters on 1.4T tokens
+
+
+def compute_optimal(flops: float) -> tuple[float, float]:
+    """(parameters, tokens) that a budget of `flops` = 6 N D trains to the lowest loss by Chinchilla's
+    approaches 1 and 2 (Hoffmann et al. 2022, Table 3): N and D both grow as C^0.5, about 20 tokens per
+    parameter. (Its approach 3, the parametric loss fit, puts more tokens per parameter at large budgets;
+    its published constants are rounded, and Besiroglu et al. 2024 found them at odds with the other two.)"""
+    parameters = math.sqrt(flops / (6 * TOKENS_PER_PARAMETER))
+    return parameters, TOKENS_PER_PARAMETER * parameters
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -38,6 +38,40 @@ def test_plan_reproduces_the_llama3_70b_reference_example():
     assert r["comm_bytes_per_step"]["dp"] == pytest.approx(511 / 512 * largest * (4 + 2))
 
 
+def test_what_a_run_costs_by_hand():
+    """GPU-hours, energy and money: 1,000 H100 for a day at PUE 1.2 and $2.50 an hour are 24,000 GPU-hours,
+    24,000 x 700 W x 1.2 = 20.16 MWh and $60,000; a GB200 rack for 10 days, 17,280 GPU-hours and
+    17,280 x 1,200 W x 1.1 = 22.81 MWh."""
+    h100 = costs.run_costs("H100", 1000, 86400, pue=1.2, usd_per_gpu_hour=2.5)
+    assert (h100["gpu_hours"], h100["days"], h100["usd"]) == (24_000, 1, 60_000)
+    assert h100["energy_mwh"] == pytest.approx(20.16)
+    assert costs.run_costs("GB200", 72, 10 * 86400, 1.1, 0)["energy_mwh"] == pytest.approx(22.8096)
+    # 450 GB over H100's NVLink (450 GB/s each way) is a second; 50 GB over its network too. tp 8 is one
+    # HGX board; pp and dp leave it. On a GB200 rack the 72 GPUs are one NVLink domain: dp 9 x tp 8 on it.
+    sent = {"tp": 450e9, "cp": 0.0, "pp": 50e9, "dp": 100e9}
+    assert costs.comm_seconds(sent, "H100", tp=8, cp=1, pp=2, gpus=64) == {"tp": 1, "cp": 0, "pp": 1, "dp": 2}
+    assert costs.links("GB200", 8, 1, 1, 72) == {"tp": "NVLink", "cp": "NVLink", "pp": "NVLink", "dp": "NVLink"}
+    assert costs.links("GB200", 8, 1, 1, 144)["dp"] == "network"
+    # Chinchilla itself: 70B parameters on 1.4T tokens, 6 x 70e9 x 1.4e12 = 5.88e23 FLOPs
+    assert costs.compute_optimal(5.88e23) == pytest.approx((70e9, 1.4e12))
+    r = bench.plan("llama3-70b", 15e12, 8192, "H100", 16384, tp=8, pp=4, micro_batch=4, grad_accum=4,
+                   mfu=0.4, act_ckpt=True, pue=1.2, usd_per_gpu_hour=3.0)
+    seconds = 223_518 * 481.4e9 * 67_108_864 / (16384 * 989e12 * 0.4)  # steps x FLOPs per step / FLOP/s
+    assert r["gpu_hours"] == pytest.approx(16384 * seconds / 3600, rel=1e-3)
+    assert r["energy_mwh"] == pytest.approx(r["gpu_hours"] * 700 * 1.2 / 1e6)
+    assert r["usd"] == pytest.approx(r["gpu_hours"] * 3.0)
+    assert r["links"] == {"tp": "NVLink", "cp": "NVLink", "pp": "network", "dp": "network"}
+    assert r["comm_seconds_per_step"]["dp"] == pytest.approx(r["comm_bytes_per_step"]["dp"] / 50e9)
+
+
+def test_budget_flops_says_what_size_a_budget_buys():
+    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--budget-flops", "3.8e25",
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    s = json.loads(out)["sizing"]
+    assert s["parameters"] == pytest.approx((3.8e25 / 120) ** 0.5) and s["tokens"] == 20 * s["parameters"]
+    assert s["llama3"]["llama3-8b"]["tokens_per_parameter"] == pytest.approx(15e12 / 8_030_261_248)
+
+
 def test_plan_llama31_8b_on_eight_h100():
     """Llama 3.1 8B, 8,192-token sequences on 8 x 80 GB with ZeRO-1 and activation checkpointing: the model
     states are 64 GB (2 + 4 bytes of bf16 weights and fp32 gradients per parameter on every GPU; 12 of
@@ -266,7 +300,8 @@ BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)
         ("--seq-len", "0"), ("--seq-len", "100000"), ("--tokens", "nan"), ("--tokens", "inf"),
         ("--tokens", "0"), ("--tokens", "-1"), ("--reserve-gb", "-1"), ("--reserve-gb", "nan"),
         ("--reserve-gb", "inf"), ("--micro-batch", "0"), ("--grad-accum", "0"), ("--virtual-stages", "0"),
-        ("--tp", "0"), ("--cp", "-1"), ("--pp", "0")]],
+        ("--tp", "0"), ("--cp", "-1"), ("--pp", "0"), ("--budget-flops", "0"), ("--budget-flops", "nan"),
+        ("--budget-flops", "-1"), ("--pue", "0.9"), ("--pue", "nan"), ("--usd-per-gpu-hour", "-1")]],
     *[(["--sweep", text], 1, "--sweep") for text in ["", ";", " ; ", "mb=4;", "tp=2,tp=4", "mb=x", "tp",
                                                       "mb=0", "seq_len=-1", "zero=4", "act_ckpt=2",
                                                       "seq_len=4096", "tp=3", "attn=fast", "attn=1", "mb=flash"]],
