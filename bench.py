@@ -746,7 +746,8 @@ def sizing_for(flops: float) -> dict:
     return {"budget_flops": flops, "parameters": parameters, "tokens": tokens,
             "tokens_per_parameter": costs.TOKENS_PER_PARAMETER,
             "llama3": {m: {"parameters": M.count_params(M.PRESETS[m]), "tokens": t,
-                           "tokens_per_parameter": t / M.count_params(M.PRESETS[m])} for m, t in LLAMA3.items()}}
+                           "tokens_per_parameter": t / M.count_params(M.PRESETS[m])}
+                       for m, t in LLAMA3.items()}}
 
 
 def print_sizing(s: dict):
