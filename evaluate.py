@@ -6,6 +6,7 @@
         --task hellaswag
     python evaluate.py --init out-sft --chat --prompt "How do I make tea?" --temperature 0
     python evaluate.py --contamination piqa --train ~/.cache/llama3-train/shards/c4_demo-gpt2
+    python evaluate.py --diff out out-sft --diff-plot sft.png          # what SFT changed in the weights
 
 Read top to bottom:
   1. Model           --init (a train/sft/dpo checkpoint, a Hugging Face or a Meta folder) -> an
@@ -18,7 +19,9 @@ Read top to bottom:
   6. Generation      prompts from the command line or a file, plain or in the chat template
   7. Contamination   which benchmark items share an n-gram with the training data: hashed and streamed
   8. A run's picture --plot: train and validation loss against tokens, and the learning rate, as a PNG
-  9. Command line    every task prints a summary; --json prints one JSON object per task instead
+  9. Weight changes  --diff A B: how far each matrix moved between two checkpoints of one model, and in
+                     how many directions (the effective rank of the difference)
+ 10. Command line    every task prints a summary; --json prints one JSON object per task instead
 
 Sections 3 and 5 split their work over data-parallel ranks (torchrun): rank r takes the windows or items
 i with i % world == r and the sums are all-reduced, so any number of processes gives the same numbers.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import bz2
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -617,7 +621,100 @@ def plot_run(out_dir) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 9. Command line
+# 9. What training changed in the weights. Post-training moves a pretrained model a little, and in few
+#    directions (the premise of LoRA, Hu et al. 2021): for each matrix, ||B - A|| / ||A|| and the number of
+#    singular directions of B - A that carry 90% of its squared norm.
+
+
+ENERGY = 0.9  # the share of a difference's squared norm its effective rank's directions carry
+
+
+def kind_of(name: str) -> str:
+    """A parameter's kind: "layers.3.attention.wq.weight" -> "attention.wq", "tok_embeddings.weight" ->
+    "tok_embeddings"."""
+    parts = name.split(".")[:-1]
+    return ".".join(parts[2:] if parts[0] == "layers" else parts)
+
+
+def spectrum(delta: torch.Tensor) -> torch.Tensor:
+    """The squared singular values of a matrix, largest first: the eigenvalues of its Gram matrix on the
+    smaller side, in fp64 (an embedding's (V, dim) needs only a (dim, dim) one)."""
+    small = (delta if delta.shape[0] <= delta.shape[1] else delta.T).double()
+    return torch.linalg.eigvalsh(small @ small.T).clamp(min=0).flip(0)
+
+
+def matrix_change(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How far b is from a: relative change, and for a matrix the difference's rank (singular values above
+    numpy's default tolerance) and effective rank (how many directions carry ENERGY of its squared norm)."""
+    delta = b.float() - a.float()
+    out = {"shape": list(a.shape),
+           "relative_change": (delta.norm() / a.float().norm().clamp(min=1e-30)).item()}
+    if a.dim() == 2:
+        sq = spectrum(delta)
+        tol = (sq[0].sqrt() * max(a.shape) * torch.finfo(torch.float32).eps) ** 2
+        cum = sq.cumsum(0) / sq.sum().clamp(min=1e-300)
+        out.update(rank=int((sq > tol).sum()), full_rank=min(a.shape),
+                   effective_rank=int((cum < ENERGY).sum()) + 1 if sq.sum() else 0)
+    return out
+
+
+def weight_diff(a_path, b_path, mirror=None) -> dict:
+    """--diff A B for two checkpoints (or exports) of one model: each parameter's change, and which layers
+    and kinds moved most. A is read with B's tokenizer: where B's training grew the vocabulary (SFT's chat
+    tokens), A's new rows are what B started from (their mean, sft.grow_vocab)."""
+    tok_a, tok_b = (C.tokenizer_for(p, None, mirror, grows=True) for p in (a_path, b_path))
+    if tok_a.name != tok_b.name:
+        raise config.ConfigError(f"--diff: {a_path} reads the tokenizer {tok_a.name} and {b_path} "
+                                 f"{tok_b.name}: their rows mean different tokens")
+    with contextlib.redirect_stdout(sys.stderr):
+        (margs_a, a), (margs_b, b) = sft.load_init(a_path, tok_b), sft.load_init(b_path, tok_b)
+    if margs_a != margs_b:
+        differ = ", ".join(f"{k} {v} vs {getattr(margs_b, k)}" for k, v in dataclasses.asdict(margs_a).items()
+                           if v != getattr(margs_b, k))
+        raise config.ConfigError(f"--diff: {a_path} and {b_path} are different models ({differ})")
+    tied = {"output.weight"} if margs_b.tie_embeddings else set()  # the embedding's own numbers
+    rows = {name: matrix_change(a[name], b[name]) for name in b
+            if not name.startswith(M.TRAINING_ONLY) and name not in tied}
+    mean = lambda key: {k: sum(v) / len(v) for k, v in grouped(rows, key).items()}
+    return {"kind": "diff", "task": "diff", "a": str(a_path), "b": str(b_path), "params": rows,
+            "by_kind": mean(kind_of), "by_layer": mean(lambda n: n.split(".")[1] if n.startswith("layers.")
+                                                       else None)}
+
+
+def grouped(rows: dict, key) -> dict[str, list[float]]:
+    """The relative changes of the parameters, by key(name) (None: left out)."""
+    out = {}
+    for name, r in rows.items():
+        if key(name) is not None:
+            out.setdefault(key(name), []).append(r["relative_change"])
+    return out
+
+
+def plot_diff(r: dict, path) -> Path:
+    """--diff-plot FILE: each layer's relative change and effective rank, one line per kind of matrix."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise config.ConfigError("--diff-plot needs matplotlib: pip install matplotlib") from None
+    fig = Figure(figsize=(9, 6))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    layered = {n: v for n, v in r["params"].items() if n.startswith("layers.") and "rank" in v}
+    for kind in sorted({kind_of(n) for n in layered}):
+        mine = sorted((int(n.split(".")[1]), v) for n, v in layered.items() if kind_of(n) == kind)
+        top.plot([i for i, _ in mine], [v["relative_change"] for _, v in mine], "o-", label=kind)
+        bottom.plot([i for i, _ in mine], [v["effective_rank"] / v["full_rank"] for _, v in mine], "o-")
+    top.set(ylabel="||B - A|| / ||A||", yscale="log", title=f"{r['a']} -> {r['b']}")
+    bottom.set(xlabel="layer", ylabel=f"effective rank / full ({ENERGY:.0%} of the change)")
+    top.legend(fontsize=8, ncol=4)
+    bottom.set_xticks(sorted({int(n.split(".")[1]) for n in layered}))
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10. Command line
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -659,7 +756,13 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-tokens", type=int, default=8,
                    help="in --tokenizer's tokens (the shards' own for shards)")
     g.add_argument("--examples", type=int, default=3, help="contaminated items shown per kind")
-    g = p.add_argument_group("pictures")
+    g = p.add_argument_group("weights and pictures")
+    g.add_argument("--diff", nargs=2, metavar=("A", "B"),
+                   help="how each matrix changed from checkpoint A to checkpoint B of one model (e.g. "
+                        "pretrained and SFT'd): relative change, the effective rank of the difference, by "
+                        "layer and kind")
+    g.add_argument("--diff-plot", metavar="FILE",
+                   help="with --diff: a PNG of the changes by layer (matplotlib)")
     g.add_argument("--plot", metavar="OUT_DIR", help="a PNG of a run's losses and learning rate (matplotlib)")
     g = p.add_argument_group("system")
     g.add_argument("--mirror", help="local mirror folder for downloads (default: $DATA_MIRROR)")
@@ -684,6 +787,8 @@ def describe(r) -> str:
                 f"{r['accuracy']:.3f} over {r['trials']} keys | key log-prob per token {r['key_logprob']:.3f}")
     if r["kind"] == "generate":
         return f"prompt: {r['prompt']}\n{r['completion']}" + ("" if r["stopped"] else " [...]")
+    if r["kind"] == "diff":
+        return describe_diff(r)
     lines = [f"contamination of {r['task']} ({r['items']:,} items) in {r['train']} "
              f"({r['train_words']:,} words, {r['train_tokens']:,} {r['tokenizer']} tokens):"]
     for kind in ("words", "tokens"):
@@ -692,6 +797,18 @@ def describe(r) -> str:
                      f"contaminated; {c['checkable']:,} items long enough to check")
         lines += [f"    #{e['index']} ({100 * e['overlap']:.0f}% of its n-grams): {e['text'][:100]!r}"
                   for e in c["examples"]]
+    return "\n".join(lines)
+
+
+def describe_diff(r: dict) -> str:
+    by = lambda d: " | ".join(f"{k} {v:.4f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))
+    lines = [f"weights from {r['a']} to {r['b']}: ||B - A|| / ||A||, and the difference's rank and effective "
+             f"rank (the directions holding {ENERGY:.0%} of it)",
+             f"  by kind, most moved first: {by(r['by_kind'])}", f"  by layer: {by(r['by_layer'])}"]
+    for name, v in sorted(r["params"].items(), key=lambda kv: -kv[1]["relative_change"]):
+        ranks = f"rank {v['rank']:>5}, effective {v['effective_rank']:>5} of {v['full_rank']}" if "rank" in v \
+            else ""
+        lines.append(f"  {name:42s} {'x'.join(map(str, v['shape'])):>12} {v['relative_change']:10.5f}  {ranks}")
     return "\n".join(lines)
 
 
@@ -704,9 +821,11 @@ def check_flags(args) -> list[str]:
             prompts += [line for line in Path(args.prompts_file).read_text().split("\n") if line.strip()]
         except OSError as e:
             raise config.ConfigError(f"--prompts-file: {e}") from None
-    if not (args.task or prompts or args.contamination or args.plot):
-        raise config.ConfigError("nothing to do: give --task, --prompt / --prompts-file, --contamination or "
-                                 "--plot")
+    if not (args.task or prompts or args.contamination or args.plot or args.diff):
+        raise config.ConfigError("nothing to do: give --task, --prompt / --prompts-file, --contamination, "
+                                 "--diff or --plot")
+    if args.diff_plot and not args.diff:
+        raise config.ConfigError("--diff-plot draws --diff's changes: give --diff A B")
     if (args.task or prompts) and not args.init:
         raise config.ConfigError("--init (a checkpoint, Hugging Face or Meta folder) is needed for --task and "
                                  "--prompt")
@@ -738,6 +857,11 @@ def main(argv=None):
     prompts = check_flags(args)
     if args.plot:
         print(f"wrote {plot_run(args.plot)}", flush=True)
+    if args.diff:
+        diff = weight_diff(*args.diff, args.mirror)
+        print(json.dumps(diff) if args.json else describe_diff(diff), flush=True)
+        if args.diff_plot:
+            print(f"wrote {plot_diff(diff, args.diff_plot)}", file=sys.stderr if args.json else sys.stdout)
     recorded = C.recorded(args.init) if args.init else {}
     tok = (C.tokenizer_for(args.init, args.tokenizer, args.mirror) if args.init
            else data.get_tokenizer(args.tokenizer or "byte", args.mirror))

@@ -383,3 +383,49 @@ def test_the_pass_key_sits_at_its_depth_and_is_scored_as_its_tokens(tokenizer):
     want = np.mean([E.token_logprobs(model, [p + a], [len(a)])[0].mean()
                     for p, a in (E.needle_prompt(tok, 128, 0.5, k) for k in keys)])
     assert got["key_logprob"] == pytest.approx(want) and got["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+def test_diff_finds_a_hand_made_low_rank_update_exactly(tmp_path, capsys):
+    """B is A plus updates of rank 1, 3 and 4 on three matrices (equal singular values: the effective rank,
+    the directions holding 90% of the change, is the rank too) and nothing else: --diff names those three
+    alone as changed, with their exact relative change and rank; everything else moved 0."""
+    torch.manual_seed(0)
+    a = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=64))
+    b = M.Transformer(a.args)
+    b.load_state_dict(a.state_dict())
+    updates = {"layers.0.attention.wq.weight": 1, "layers.1.feed_forward.w2.weight": 3,
+               "tok_embeddings.weight": 4}
+    with torch.no_grad():
+        for name, rank in updates.items():
+            w = b.get_parameter(name)
+            u = torch.linalg.qr(torch.randn(w.shape[0], rank))[0]  # orthonormal columns
+            v = torch.linalg.qr(torch.randn(w.shape[1], rank))[0]
+            w += 3.0 * u @ v.T  # singular values 3, rank times
+    M.save_hf(a, tmp_path / "a", BYTE)
+    M.save_hf(b, tmp_path / "b", BYTE)
+    r = E.weight_diff(tmp_path / "a", tmp_path / "b")
+    for name, v in r["params"].items():
+        if name in updates:
+            rank, w = updates[name], a.get_parameter(name).detach()
+            assert (v["rank"], v["effective_rank"]) == (rank, rank), name
+            assert v["relative_change"] == pytest.approx(3.0 * rank ** 0.5 / w.norm().item(), rel=1e-4)
+        else:
+            assert v["relative_change"] == 0 and v.get("rank", 0) == 0, name
+    assert set(r["by_kind"]) >= {"attention.wq", "feed_forward.w2", "tok_embeddings", "attention_norm"}
+    E.main(["--diff", str(tmp_path / "a"), str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert "layers.1.feed_forward.w2.weight" in out and "rank     3, effective     3 of 64" in out
+
+
+def test_diff_of_two_different_models_is_one_line(tmp_path, capsys):
+    small = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320))
+    M.save_hf(small, tmp_path / "a", BYTE)
+    M.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=320)),
+              tmp_path / "b", BYTE)
+    gpt2 = data.get_tokenizer("gpt2", os.environ.get("DATA_MIRROR"))
+    M.save_hf(small, tmp_path / "gpt2", data.hf_tokens(gpt2, chat=False))
+    for other, said in (("b", "are different models (n_layers 2 vs 3)"), ("gpt2", "reads the tokenizer")):
+        with pytest.raises(SystemExit):
+            train.run(E.main, ["--diff", str(tmp_path / "a"), str(tmp_path / other)])
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and said in err, err
