@@ -19,6 +19,9 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       size and tokens Chinchilla's fit would spend C on, beside what Llama 3 chose.
   torchrun --standalone --nproc_per_node=2 bench.py --dp-vs-ddp | --bubble
       our data parallelism against torch's DistributedDataParallel; the pipeline bubble against its formula.
+  torchrun --standalone --nproc_per_node=4 bench.py --trace DIR --tp 2 --pp 2 --grad-accum 4
+      one step after the warm-up on every rank: DIR/trace.json (a Chrome trace of the phases, micro-batches
+      and collectives) and DIR/step.png, with the bubble measured beside the formula's.
 
 Every mode prints a table, and with --json one JSON object (settings and versions included). torch's DDP
 and Hugging Face's model are used here, and only here, as baselines.
@@ -535,6 +538,9 @@ def get_parser() -> argparse.ArgumentParser:
     mode.add_argument("--bubble", action="store_true",
                       help="under torchrun: the pipeline bubble measured at pp = processes, beside "
                       "(p-1)/(Vm+p-1)")
+    mode.add_argument("--trace", metavar="DIR",
+                      help="one step of train.py's loop on every rank, after the warm-up, as DIR/trace.json (a "
+                           "Chrome trace: ui.perfetto.dev) and DIR/step.png (with matplotlib)")
     add_train_args(p)
     p.add_argument("--memory-census", action="store_true",
                    help="on a CPU: measure the peak of tensor memory with torch's profiler (slower steps)")
@@ -629,6 +635,8 @@ def validate(a):
     max_seq_len = M.PRESETS[a.model].max_seq_len
     need(a.seq_len <= max_seq_len, "seq_len", f"at most model {a.model}'s max_seq_len {max_seq_len}")
     micro_batch_counts(a.micro_batches)
+    if a.trace and Path(a.trace).exists() and not Path(a.trace).is_dir():
+        refuse(f"--trace {a.trace} is a file: name a folder for trace.json and step.png")
     try:
         world = P.launch_env()[1]
     except P.LayoutError as e:
@@ -709,6 +717,8 @@ def run_mode(a, versions: dict):
         run_comparison(a, versions)
     elif a.compare_hf:
         run_compare_hf(a, versions)
+    elif a.trace:
+        run_trace(a)
     else:
         rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep is not None else [{}])]
         if int(os.environ.get("RANK", "0")) == 0:
@@ -716,6 +726,44 @@ def run_mode(a, versions: dict):
                               "rows": rows})) if a.json else print_measurement(rows, a)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_trace(a):
+    """--trace DIR: the warm-up steps and one more, that one traced on every rank with its checkpoint
+    (train.py --trace-step); rank 0 moves the files into DIR and prints each rank's phases."""
+    b = argparse.Namespace(**{**vars(a), "steps": 1, "memory_census": False})
+    args = train_args(b)
+    args.trace_step = args.max_steps
+    import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the output)
+    with contextlib.redirect_stdout(io.StringIO()):
+        config.configure_process(args)
+        run = T.train(args)
+    if run.mesh.rank == 0:
+        folder, made = Path(a.trace), Path(args.out_dir) / f"trace_step_{args.trace_step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for suffix, name in ((".json", "trace.json"), (".png", "step.png")):
+            if made.with_suffix(suffix).exists():
+                os.replace(made.with_suffix(suffix), folder / name)
+        print_trace(json.loads((folder / "trace.json").read_text()), folder)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print_trace(trace: dict, folder: Path):
+    info, events = trace["otherData"], trace["traceEvents"]
+    print(f"step {info['step']} on {len(info['counted_bytes'])} ranks (tp {info['tp']} x cp {info['cp']} x pp "
+          f"{info['pp']} x dp {info['dp']}, {info['micro_batches']} micro-batches): {folder / 'trace.json'}"
+          + (f", {folder / 'step.png'}" if (folder / "step.png").exists() else " (no picture: no matplotlib)"))
+    for r, counted in enumerate(info["counted_bytes"]):
+        phases = {}
+        for e in events:
+            if e.get("pid") == r and e.get("tid") == 0 and e["ph"] == "X":
+                phases[e["name"]] = phases.get(e["name"], 0.0) + e["dur"] / 1e3
+        print(f"  rank {r}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in phases.items()) + "; sent "
+              + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in counted.items() if v))
+    if info["pp"] > 1:
+        print(f"  pipeline bubble: {info['bubble']['measured']:.3f} measured, {info['bubble']['formula']:.3f} "
+              f"= (p - 1) / (v m + p - 1)")
 
 
 def run_plan(a):

@@ -35,6 +35,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -314,6 +315,25 @@ def load_shards(folder: Path, model, opt, mesh: P.Mesh):
     state = M.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
     opt.load_state_dict({"step": extra["step"], "params": state})
     return extra
+
+
+def rng_state(device) -> dict:
+    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
+    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict, device):
+    torch.set_rng_state(rng["torch"])
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in rng["python"]))
+    state = rng.get("cuda") if device.type == "cuda" else None
+    if isinstance(state, (list, tuple)):  # an older checkpoint's list of every visible GPU's state
+        state = state[device.index or 0] if (device.index or 0) < len(state) else None
+    if state is not None:
+        torch.cuda.set_rng_state(state, device)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -174,6 +174,10 @@ def add_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     g.add_argument("--wandb", metavar="PROJECT", help="also send metrics.jsonl's records to Weights & Biases")
     g.add_argument("--tensorboard", metavar="DIR", help="also write metrics.jsonl's records for TensorBoard")
+    g.add_argument("--trace-step", type=int, default=None, metavar="N",
+                   help="record step N on every rank: --out-dir/trace_step_N.json, a Chrome trace (open it in "
+                        "ui.perfetto.dev) of its phases, micro-batches and collectives, and a picture of it "
+                        "(.png, with matplotlib)")
 
 
 def model_args_from(args, vocab_size: int) -> M.ModelArgs:
@@ -266,6 +270,8 @@ def validate(args):
     need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
     need(0 <= args.seed < 2 ** 63, "seed", "in [0, 2^63)")
     need(args.virtual_stages >= 1, "virtual_stages", "at least 1 (2 or more with --schedule interleaved)")
+    need(args.trace_step is None or 1 <= args.trace_step <= args.max_steps, "trace_step",
+         f"a step of the run, 1 to --max-steps {args.max_steps}")
     if not str(args.out_dir).strip():
         raise ConfigError("--out-dir '' names no folder; give one (an empty name would write into the "
                           "current folder)")

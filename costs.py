@@ -14,10 +14,14 @@ census of a CPU run's allocations and the bytes against the collectives' own cou
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import math
 import os
 import resource
 import time
+from contextlib import contextmanager
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -465,20 +469,30 @@ class PhaseTimer:
     """Seconds per phase of every step. mode "phases": measured between device synchronizations, one after
     each phase (which costs throughput); "steps": the device is synchronized only at each step's start and
     end, so the phases' sum is the step's time as a plain run spends it (the split between them is then
-    host time); None: off."""
+    host time); None: off. With a tracer (--trace-step), one step's phases also go to its trace."""
 
-    def __init__(self, device, mode: str | None = None):
+    def __init__(self, device, mode: str | None = None, tracer: StepTracer | None = None):
         if mode not in (None, "phases", "steps"):
             raise ValueError(f"PhaseTimer mode {mode!r}: use None, 'phases' or 'steps'")
-        self.device, self.mode, self.steps = device, mode, []
+        self.device, self.mode, self.steps, self.tracer = device, mode, [], tracer
 
-    def start(self):
+    def start(self, step: int | None = None):
+        """A step begins (0-based `step`), or with None phase 7, the checkpoint after one."""
+        if self.tracer is not None:
+            self.tracer.start(step)
         if self.mode:
             sync_device(self.device)
             self.steps.append({})
             self.t = time.perf_counter()
 
+    def close(self):
+        """The run is over: a trace still recording is written."""
+        if self.tracer is not None:
+            self.tracer.finish()
+
     def mark(self, phase: str):
+        if self.tracer is not None and self.tracer.trace is not None:
+            self.tracer.trace.phase(phase)
         if self.mode:
             if self.mode == "phases":
                 sync_device(self.device)
@@ -492,3 +506,173 @@ class PhaseTimer:
         if self.mode:
             sync_device(self.device)
         self.mark(phase)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One step's timeline on every rank (--trace-step, bench.py --trace): a Chrome trace and its picture
+
+
+class StepTrace:
+    """One step on one rank as Chrome trace events (ui.perfetto.dev or chrome://tracing open the file):
+    the phases and each micro-batch's forward and backward as slices on the rank's own track (a process
+    per rank), every collective as an async slice with its op, group (tp, cp, pp, dp, world, io) and the
+    bytes it sends. Microseconds of host time from a barrier every rank passed; on a GPU the device is
+    synchronized where each slice ends, so slices are device time too (and the traced step overlaps
+    less). A collective ends when it completes (its future's callback), or when it is waited for."""
+
+    def __init__(self, rank: int, device):
+        self.rank, self.device, self.events, self.ids = rank, device, [], iter(range(10 ** 9))
+        self.t0 = time.perf_counter()
+        self.last = 0.0  # where the next phase slice starts
+
+    def now(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e6
+
+    def add(self, name: str, start: float, track: int, **args):
+        sync_device(self.device)
+        self.events.append({"name": name, "ph": "X", "ts": start, "dur": self.now() - start, "pid": self.rank,
+                            "tid": track, "args": args})
+
+    def phase(self, name: str):
+        """PhaseTimer.mark: the slice since the last mark (or the step's start), on track 0."""
+        self.add(name, self.last, 0)
+        self.last = self.events[-1]["ts"] + self.events[-1]["dur"]
+
+    @contextmanager
+    def span(self, name: str):
+        """A micro-batch's forward or backward (a pipeline stage's compute), on track 1."""
+        start = self.now()
+        yield
+        self.add(name, start, 1)
+
+    def collective(self, op: str, dim: str, sent: float):
+        """A collective launched now; the function returned ends its slice (once, from any thread)."""
+        k, start, ended = next(self.ids), self.now(), []
+
+        def done():
+            if not ended:
+                ended.append(True)
+                head = {"name": op, "cat": dim, "id": k, "pid": self.rank, "tid": 2}
+                self.events.extend([{**head, "ph": "b", "ts": start, "args": {"group": dim, "bytes": sent}},
+                                    {**head, "ph": "e", "ts": self.now()}])
+        return done
+
+
+class StepTracer:
+    """Records step `step` (0-based) on every rank: at its start a barrier, then a StepTrace hung on the mesh
+    (the collectives record into it) and the PhaseTimer (the phases do); at the next step's start, or the
+    run's end, the ranks' events are gathered and rank 0 writes `path` (.json) and, with matplotlib, the
+    picture beside it (.png). `layout`: what the files say of the run (tp, pp, micro-batches, ...)."""
+
+    def __init__(self, step: int, path: Path, mesh, device, layout: dict):
+        self.step, self.path, self.mesh, self.device, self.layout = step, Path(path), mesh, device, layout
+        self.trace, self.counted, self.done = None, None, False
+
+    def start(self, step: int | None):
+        if step is not None and self.trace is not None:
+            self.finish()  # the traced step is over (or was skipped: its attempt is what is written)
+        if step == self.step and not self.done:
+            P.barrier(self.mesh)
+            self.trace, self.counted = StepTrace(self.mesh.rank, self.device), dict(self.mesh.comm_bytes)
+            self.mesh.trace = self.trace
+        elif self.trace is not None:  # phase 7 after the traced step: its own slice, from now
+            self.trace.last = self.trace.now()
+
+    def finish(self):
+        if self.trace is None:
+            return
+        self.mesh.trace, trace, self.done = None, self.trace, True
+        self.trace = None
+        counted = {k: v - self.counted[k] for k, v in self.mesh.comm_bytes.items()}
+        ranks = P.all_gather_objects((trace.events, counted), self.mesh)
+        if self.mesh.rank == 0:
+            write_trace(self.path, [events for events, _ in ranks], {**self.layout, "step": self.step + 1,
+                        "counted_bytes": [c for _, c in ranks]})
+
+
+def write_trace(path: Path, ranks: list[list[dict]], info: dict):
+    """The Chrome trace (path.json) of every rank's events, each rank a process named by its place in the
+    mesh, with the measured bubble beside the formula's; and the picture (path.png) if matplotlib is
+    installed (one line says so when it is not)."""
+    tp, cp, pp = info["tp"], info["cp"], info["pp"]
+    names = {0: "phases", 1: "micro-batches", 2: "collectives"}
+    meta = []
+    for r in range(len(ranks)):
+        where = f"tp {r % tp}, cp {r // tp % cp}, pp {r // (tp * cp) % pp}, dp {r // (tp * cp * pp)}"
+        meta.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r} ({where})"}})
+        meta += [{"name": "thread_name", "ph": "M", "pid": r, "tid": t, "args": {"name": n}}
+                 for t, n in names.items()]
+    info = {**info, "bubble": bubble(ranks, info)}
+    path.with_suffix(".json").write_text(json.dumps({"traceEvents": meta + [e for es in ranks for e in es],
+                                                     "displayTimeUnit": "ms", "otherData": info}))
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"wrote {path.with_suffix('.json')} (no picture: pip install matplotlib)", flush=True)
+        return
+    plot_trace(path.with_suffix(".png"), ranks, info)
+    print(f"wrote {path.with_suffix('.json')} and {path.with_suffix('.png')}", flush=True)
+
+
+def bubble(ranks: list[list[dict]], info: dict) -> dict:
+    """The pipeline's idle share: measured, each rank's time in the schedule (its "2-4 pipeline" phase) not
+    spent on a micro-batch's forward or backward, averaged over the ranks; and the formula's,
+    (p - 1) / (v m + p - 1) (p stages, m micro-batches, v chunks per rank)."""
+    p, m, v = info["pp"], info["micro_batches"], info.get("virtual", 1)
+    idle = []
+    for events in ranks:
+        schedule = sum(e["dur"] for e in events if e.get("tid") == 0 and e["name"] == "2-4 pipeline")
+        busy = sum(e["dur"] for e in events if e.get("tid") == 1 and e["ph"] == "X")
+        if schedule:
+            idle.append(1 - busy / schedule)
+    return {"measured": sum(idle) / len(idle) if idle else 0.0, "formula": (p - 1) / (v * m + p - 1)}
+
+
+def plot_trace(path: Path, ranks: list[list[dict]], info: dict):
+    """The ranks' timelines one above another: phases as wide pale bars, each micro-batch's forward and
+    backward over them, collectives as thin bars beneath, coloured by group."""
+    from matplotlib.figure import Figure  # no pyplot: no window, no process-wide backend
+    from matplotlib.patches import Patch
+    fig = Figure(figsize=(12, 1.4 + 0.75 * len(ranks)))
+    ax = fig.subplots()
+    colour = {"1": "#d9d9d9", "2": "#c6dbef", "3": "#fdd0a2", "4": "#c7e9c0", "5": "#fcbba1", "6": "#dadaeb",
+              "7": "#f0f0f0", "forward": "#3182bd", "backward": "#31a354", "tp": "#e6550d", "cp": "#756bb1",
+              "pp": "#636363", "dp": "#de2d26", "dp_cp": "#de2d26", "world": "#000000", "io": "#bdbdbd"}
+    seen = {}
+    for r, events in enumerate(ranks):
+        y, starts = len(ranks) - 1 - r, {}
+        for e in events:
+            if e["ph"] == "X":  # a phase (track 0, its first character names it) or a micro-batch's work
+                key = e["name"][0] if e["tid"] == 0 else e["name"].split()[0]
+                lane, z = ((y + 0.3, 0.6), 1) if e["tid"] == 0 else ((y + 0.4, 0.4), 2)
+                ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], lane, color=colour[key], zorder=z)
+                seen.setdefault(key, e["name"] if e["tid"] == 0 else key)
+            elif e["ph"] == "b":
+                starts[e["id"]] = e
+            elif e["id"] in starts:
+                b = starts.pop(e["id"])
+                ax.broken_barh([(b["ts"] / 1e3, (e["ts"] - b["ts"]) / 1e3)], (y + 0.05, 0.2), zorder=3,
+                               color=colour.get(b["cat"], "#000000"))
+                seen.setdefault(b["cat"], f"{b['cat']} collectives")
+    tp, cp, pp = info["tp"], info["cp"], info["pp"]
+    ax.set_yticks([len(ranks) - 1 - r + 0.5 for r in range(len(ranks))],
+                  [f"rank {r}\npp {r // (tp * cp) % pp}, tp {r % tp}" for r in range(len(ranks))])
+    ax.set_xlabel("ms from the step's start")
+    ax.legend(handles=[Patch(color=colour[k], label=label) for k, label in sorted(seen.items())],
+              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=6, fontsize=8, frameon=False)
+    b = info["bubble"]
+    title = (f"step {info['step']}: tp {tp} x cp {cp} x pp {pp} x dp {info['dp']}, "
+             f"{info['micro_batches']} micro-batches")
+    if pp > 1:
+        title += f", {info['schedule']}: bubble {b['measured']:.2f} measured, {b['formula']:.2f} by the formula"
+    ax.set_title(title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def tracer_for(args, mesh, device) -> StepTracer | None:
+    """--trace-step N's tracer (None without it): step N as the logs number it, written to the out-dir."""
+    if args.trace_step is None:
+        return None
+    layout = {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batches": args.grad_accum,
+              "virtual": args.virtual_stages, "schedule": args.schedule}
+    return StepTracer(args.trace_step - 1, Path(args.out_dir) / f"trace_step_{args.trace_step:06d}", mesh,
+                      device, layout)
+

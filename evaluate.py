@@ -756,7 +756,16 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-tokens", type=int, default=8,
                    help="in --tokenizer's tokens (the shards' own for shards)")
     g.add_argument("--examples", type=int, default=3, help="contaminated items shown per kind")
-    g = p.add_argument_group("weights and pictures")
+    add_weights_and_pictures_args(p.add_argument_group("weights and pictures"))
+    g = p.add_argument_group("system")
+    g.add_argument("--mirror", help="local mirror folder for downloads (default: $DATA_MIRROR)")
+    g.add_argument("--device", help="cuda, cpu, ... (default: cuda if available)")
+    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 on CUDA, fp32 elsewhere")
+    return p
+
+
+def add_weights_and_pictures_args(g):
     g.add_argument("--diff", nargs=2, metavar=("A", "B"),
                    help="how each matrix changed from checkpoint A to checkpoint B of one model (e.g. "
                         "pretrained and SFT'd): relative change, the effective rank of the difference, by "
@@ -764,12 +773,6 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--diff-plot", metavar="FILE",
                    help="with --diff: a PNG of the changes by layer (matplotlib)")
     g.add_argument("--plot", metavar="OUT_DIR", help="a PNG of a run's losses and learning rate (matplotlib)")
-    g = p.add_argument_group("system")
-    g.add_argument("--mirror", help="local mirror folder for downloads (default: $DATA_MIRROR)")
-    g.add_argument("--device", help="cuda, cpu, ... (default: cuda if available)")
-    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto: bf16 on CUDA, fp32 elsewhere")
-    return p
 
 
 def describe(r) -> str:
@@ -852,16 +855,30 @@ def run_task(task: str, kind: str, payload, model, tok, seq_len: int, args, mesh
     return multiple_choice(model, tok, payload[:args.limit], seq_len, args.batch_size, mesh, task)
 
 
+def seq_len_for(args, recorded: dict, model) -> int:
+    """--seq-len, else the length the model was trained at (as far as it records one), at most its own."""
+    seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len, model.args.max_seq_len)
+    if seq_len > model.args.max_seq_len:
+        raise config.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
+                                 f"{model.args.max_seq_len}")
+    return seq_len
+
+
+def run_diff(args):
+    """--diff A B (and --diff-plot FILE): the table, or with --json the object."""
+    diff = weight_diff(*args.diff, args.mirror)
+    print(json.dumps(diff) if args.json else describe_diff(diff), flush=True)
+    if args.diff_plot:
+        print(f"wrote {plot_diff(diff, args.diff_plot)}", file=sys.stderr if args.json else sys.stdout)
+
+
 def main(argv=None):
     args = get_parser().parse_args(argv)
     prompts = check_flags(args)
     if args.plot:
         print(f"wrote {plot_run(args.plot)}", flush=True)
     if args.diff:
-        diff = weight_diff(*args.diff, args.mirror)
-        print(json.dumps(diff) if args.json else describe_diff(diff), flush=True)
-        if args.diff_plot:
-            print(f"wrote {plot_diff(diff, args.diff_plot)}", file=sys.stderr if args.json else sys.stdout)
+        run_diff(args)
     recorded = C.recorded(args.init) if args.init else {}
     tok = (C.tokenizer_for(args.init, args.tokenizer, args.mirror) if args.init
            else data.get_tokenizer(args.tokenizer or "byte", args.mirror))
@@ -883,11 +900,7 @@ def main(argv=None):
         tasks = P.on_rank0_first(lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task},
                                  mesh)
         model = load_model(args.init, tok, device, dtype, mesh)
-        seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len,
-                                      model.args.max_seq_len)
-        if seq_len > model.args.max_seq_len:
-            raise config.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
-                                     f"{model.args.max_seq_len}")
+        seq_len = seq_len_for(args, recorded, model)
         for task, (kind, payload) in tasks.items():
             emit({"task": task, "kind": kind, **run_task(task, kind, payload, model, tok, seq_len, args, mesh)})
         if mesh.rank == 0:

@@ -45,7 +45,7 @@ import runpy
 import socket
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +94,7 @@ class Mesh:
     comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0,
                                                       "world": 0.0})
     key: int = field(default_factory=lambda: next(_mesh_keys))  # its name for the custom ops (section 3)
+    trace: object = None  # while a step is traced (costs.StepTrace): every collective records its span
 
     def __post_init__(self):
         MESHES[self.key] = self
@@ -189,49 +190,51 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
 #    (ring algorithms: all-reduce sends 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n)
 
 
-def _count(mesh: Mesh, dim: str, nbytes: float):
+def _count(mesh: Mesh, dim: str, nbytes: float) -> float:
     """Bytes sent on a group, counted under its dimension; the gradients' reduction over dp_cp is data
     parallelism's traffic (it is the dp group when cp is 1)."""
     mesh.comm_bytes["dp" if dim == "dp_cp" else dim] += nbytes
+    return nbytes
 
 
 def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, async_op=False):
     n = mesh.size(dim)
     if n == 1:
         return None
-    _count(mesh, dim, 2 * (n - 1) / n * t.numel() * t.element_size())
+    sent = _count(mesh, dim, 2 * (n - 1) / n * t.numel() * t.element_size())
     return _launch(("all_reduce", t), mesh, dim,
-                   lambda: dist.all_reduce(t, op=op, group=mesh.groups.get(dim), async_op=async_op), async_op)
+                   lambda: dist.all_reduce(t, op=op, group=mesh.groups.get(dim), async_op=async_op), async_op,
+                   sent)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out (n * len(inp), ...) <- every rank's inp, concatenated along dim 0 in rank order."""
     n = mesh.size(dim)
-    _count(mesh, dim, (n - 1) / n * out.numel() * out.element_size())
+    sent = _count(mesh, dim, (n - 1) / n * out.numel() * out.element_size())
     return _launch(("all_gather", out), mesh, dim, lambda: _all_gather_single(
-        out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
+        out, inp, group=mesh.groups[dim], async_op=async_op), async_op, sent)
 
 
 def all_gather_many(outs: list[torch.Tensor], inps: list[torch.Tensor], mesh: Mesh, dim: str):
     """all_gather(out, inp) for each pair, launched as one collective (NCCL: one group call, so a unit's
     buckets cost one launch, not one each); returns its handle (asynchronous)."""
-    for out in outs:
-        _count(mesh, dim, (mesh.size(dim) - 1) / mesh.size(dim) * out.numel() * out.element_size())
+    sent = sum(_count(mesh, dim, (mesh.size(dim) - 1) / mesh.size(dim) * out.numel() * out.element_size())
+               for out in outs)
 
     def launch():  # (torch's coalescing manager: private, as Megatron-LM uses it, and on gloo one op too)
         with dist._coalescing_manager(group=mesh.groups[dim], async_ops=True) as many:
             for out, inp in zip(outs, inps):
                 _all_gather_single(out, inp, group=mesh.groups[dim])
         return many
-    return _launch(("all_gather", outs[0]), mesh, dim, launch, async_op=True)
+    return _launch(("all_gather", outs[0]), mesh, dim, launch, async_op=True, nbytes=sent)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
     n = mesh.size(dim)
-    _count(mesh, dim, (n - 1) / n * inp.numel() * inp.element_size())
+    sent = _count(mesh, dim, (n - 1) / n * inp.numel() * inp.element_size())
     return _launch(("reduce_scatter", inp), mesh, dim, lambda: _reduce_scatter_single(
-        out, inp, group=mesh.groups[dim], async_op=async_op), async_op)
+        out, inp, group=mesh.groups[dim], async_op=async_op), async_op, sent)
 
 
 def barrier(mesh: Mesh, long: bool = False):
@@ -849,9 +852,13 @@ def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=N
         ops.append(dist.P2POp(dist.irecv, recv_next, nxt))
     if ops:
         t0 = time.monotonic()
+        sent = sum(t.numel() * t.element_size() for t in (send_next, send_prev) if t is not None)
+        done = mesh.trace.collective("send/recv", "pp", sent) if mesh.trace is not None else None
         try:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
+            if done is not None:
+                done()
         except RuntimeError as e:
             what = "pipeline " + ", ".join(
                 f"{'send to' if op.op is dist.isend else 'recv from'} stage {mesh.pp_peers.index(op.peer)}"
@@ -996,13 +1003,14 @@ class PipelineStage:
         return torch.empty(self.shape, device=self.device, dtype=self.dtype)
 
     @contextmanager
-    def busy(self):
+    def busy(self, name: str):
         """Time counted as this stage's compute when stats is given. Kernels run asynchronously on CUDA:
-        from when earlier work is done to when this work is."""
+        from when earlier work is done to when this work is. In a traced step, a span named `name`."""
         if self.stats is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        yield
+        with self.mesh.trace.span(name) if self.mesh.trace is not None else nullcontext():
+            yield
         if self.stats is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -1010,7 +1018,7 @@ class PipelineStage:
 
     def forward(self, i: int, x, v: int = 0):
         """Micro-batch i through chunk v; returns its output, or its loss where the chunk ends the model."""
-        with self.busy():
+        with self.busy(f"forward {i}" + (f" chunk {v}" if len(self.chunks) > 1 else "")):
             if self.embeds(v):
                 x = self.batches[i][0]
             else:
@@ -1027,7 +1035,7 @@ class PipelineStage:
     def backward(self, i: int, grad, v: int = 0):
         """Micro-batch i back through chunk v, from its output's gradient (None: from its loss); returns
         the gradient of its input (None for the embedding's chunk)."""
-        with self.busy():
+        with self.busy(f"backward {i}" + (f" chunk {v}" if len(self.chunks) > 1 else "")):
             if i == self.m - 1 and v == 0 and self.before_last_backward is not None:
                 self.before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
             out = self.outputs.pop((i, v))
@@ -1736,25 +1744,34 @@ def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
 
 
 class _Work:
-    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops."""
+    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops. In a traced
+    step, `done` ends the op's span when it completes (its future's callback, else the wait)."""
 
-    def __init__(self, work, what: tuple, mesh: Mesh, dim: str, t0: float):
-        self.work, self.what, self.mesh, self.dim, self.t0 = work, what, mesh, dim, t0
+    def __init__(self, work, what: tuple, mesh: Mesh, dim: str, t0: float, done=None):
+        self.work, self.what, self.mesh, self.dim, self.t0, self.done = work, what, mesh, dim, t0, done
+        if done is not None and hasattr(work, "get_future"):
+            work.get_future().add_done_callback(lambda _: done())
 
     def wait(self):
         try:
-            return self.work.wait()
+            out = self.work.wait()
         except RuntimeError as e:
             _raise_comm_error(e, self.what, self.mesh, self.dim, self.t0)
+        if self.done is not None:
+            self.done()
+        return out
 
 
-def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False):
+def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False, nbytes: float = 0.0):
     t0 = time.monotonic()
+    done = mesh.trace.collective(what[0], dim, nbytes) if mesh.trace is not None else None
     try:
         work = fn()
     except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
         _raise_comm_error(e, what, mesh, dim, t0)
-    return _Work(work, what, mesh, dim, t0) if async_op else None
+    if done is not None and not async_op:
+        done()
+    return _Work(work, what, mesh, dim, t0, done) if async_op else None
 
 
 def on_rank0_first(fn, mesh: Mesh):

@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import random
 import signal
 import sys
 import threading
@@ -99,7 +98,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     """One optimizer step, phases 1 to 6 (the loop does 7). None if the guard rejected it: weights,
     optimizer state and loader position are then as they were."""
     args, mesh, timer = run.args, run.mesh, run.timer
-    timer.start()
+    timer.start(step)
     rewind = run.loader.state_dict()
     batches, total = load_batches(run)  # 1. data loading: the whole step's, and the loss's normalizer
     timer.mark("1 data")
@@ -279,6 +278,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                 checkpointer.save(step)
                 stopped(stop, step, result.failed)
                 break
+        run.timer.close()  # (a trace of the last step is written now)
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
         if mixture_seen(run):
             config.say(mixture_seen(run))
@@ -698,7 +698,7 @@ class Checkpointer:
         if step == self.saved_at:
             return
         run.timer.start()  # timed as an entry of its own, apart from the training step
-        extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
+        extra = {"rng": C.rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
         meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
                 "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
                 "recipe": self.recipe.kind, "data": self.data,
@@ -708,25 +708,6 @@ class Checkpointer:
         C.save(out, step, run.mesh, write, meta, run.args.keep_ckpts, self.last_good)
         run.timer.mark("7 checkpoint")
         self.saved_at, self.last_good = step, out / C.step_name(step)
-
-
-def rng_state(device) -> dict:
-    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
-    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    return rng
-
-
-def restore_rng(rng: dict, device):
-    torch.set_rng_state(rng["torch"])
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in rng["python"]))
-    state = rng.get("cuda") if device.type == "cuda" else None
-    if isinstance(state, (list, tuple)):  # an older checkpoint's list of every visible GPU's state
-        state = state[device.index or 0] if (device.index or 0) < len(state) else None
-    if state is not None:
-        torch.cuda.set_rng_state(state, device)
 
 
 class StopFlag:
@@ -856,8 +837,9 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
         raise config.ConfigError(f"cannot build the model from the initial weights: {e}") from None
     scaler = O.LossScaler() if spec.precision == "fp16" else None
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
+    timer = costs.PhaseTimer(spec.device, time_phases, costs.tracer_for(args, mesh, spec.device))
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, costs.PhaseTimer(spec.device, time_phases), spec.ramp)
+              loader, make_val, timer, spec.ramp)
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
@@ -879,7 +861,7 @@ def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
         raise config.ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
     if run.scaler and extra.get("scaler"):
         run.scaler.load_state_dict(extra["scaler"])
-    restore_rng(extra["rng"], run.device)
+    C.restore_rng(extra["rng"], run.device)
     old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
     config.say(f"resumed from {ckpt} at step {meta['step']} (written at tp {old['tp']}, cp {old.get('cp', 1)}, "
                f"pp {old['pp']}, dp {old['dp']})")

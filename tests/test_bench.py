@@ -354,3 +354,63 @@ def test_a_bad_flag_value_on_the_command_line():
                                 "MASTER_PORT": "29500"})
         assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (1, "", 1), r.stderr
         assert r.stderr.startswith(f"error: {argv[-2]} ")
+
+
+def trace_by_rank(trace: dict) -> dict:
+    """A trace's slices and collectives, per rank: {pid: {"phases": [names], "work": [names], "bytes":
+    {group: bytes}}}, and the ranks' process names."""
+    ranks = {}
+    for e in trace["traceEvents"]:
+        r = ranks.setdefault(e["pid"], {"phases": [], "work": [], "bytes": {}, "name": None})
+        if e["ph"] == "M" and e["name"] == "process_name":
+            r["name"] = e["args"]["name"]
+        elif e["ph"] == "X":
+            r["phases" if e["tid"] == 0 else "work"].append(e["name"])
+        elif e["ph"] == "b":
+            group = "dp" if e["cat"] == "dp_cp" else e["cat"]
+            r["bytes"][group] = r["bytes"].get(group, 0.0) + e["args"]["bytes"]
+    return ranks
+
+
+def test_a_traced_step_on_every_rank_under_tp_and_pp(tmp_path):
+    """train.py --trace-step under tp 2 x pp 2, 1F1B, 4 micro-batches, on 4 processes: one track per rank,
+    named by its place; the seven phases (2-4 are the schedule's) on each; each micro-batch's forward and
+    backward on each stage; every collective's bytes, summed by group, equal to what the step counted, which
+    is what metrics.jsonl logs for it; a picture; the bubble measured near the formula's 0.2."""
+    out = tmp_path / "run"
+    subprocess.run(launch.command(4, REPO / "train.py", "--model", "tiny", "--seq-len", "64", "--micro-batch",
+                                  "2", "--grad-accum", "4", "--tp", "2", "--pp", "2", "--max-steps", "2",
+                                  "--log-every", "1", "--eval-every", "-1", "--ckpt-every", "2",
+                                  "--sample-tokens", "0", "--trace-step", "2", "--out-dir", out),
+                   check=True, capture_output=True, text=True)
+    trace = json.loads((out / "trace_step_000002.json").read_text())
+    assert (out / "trace_step_000002.png").stat().st_size > 10_000
+    ranks, info = trace_by_rank(trace), trace["otherData"]
+    assert sorted(ranks) == [0, 1, 2, 3] and ranks[2]["name"] == "rank 2 (tp 0, cp 0, pp 1, dp 0)"
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    for r, got in ranks.items():
+        assert got["phases"] == ["1 data", "2-4 pipeline", "5 grad sync", "6 optimizer", "7 checkpoint"]
+        mbs = [f"{way} {i}" for way in ("forward", "backward") for i in range(4)]
+        assert sorted(got["work"]) == sorted(mbs)
+        counted = {k: v for k, v in info["counted_bytes"][r].items() if v}
+        assert {k: v for k, v in got["bytes"].items() if k != "io"} == counted
+    assert {k: v for k, v in logged["comm_bytes_per_step"].items() if v} == {
+        k: v for k, v in ranks[0]["bytes"].items() if k != "io"}  # rank 0's, as metrics.jsonl has them
+    assert info["bubble"]["formula"] == pytest.approx(0.2) and 0.05 < info["bubble"]["measured"] < 0.6
+
+
+def test_bench_trace_of_one_process(tmp_path):
+    """bench.py --trace DIR on one process: the micro-batches' phases in order on the one track, the files
+    in DIR; a file where the folder should be is one line."""
+    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--trace", str(tmp_path / "t"), "--model",
+                          "tiny", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2",
+                          "--warmup-steps", "1"], capture_output=True, text=True, check=True).stdout
+    assert "rank 0: 1 data" in out and (tmp_path / "t" / "step.png").exists()
+    ranks = trace_by_rank(json.loads((tmp_path / "t" / "trace.json").read_text()))
+    assert list(ranks) == [0] and ranks[0]["phases"] == [
+        "1 data", "2 forward", "3 loss", "4 backward", "2 forward", "3 loss", "4 backward", "5 grad sync",
+        "6 optimizer", "7 checkpoint"]
+    (tmp_path / "file").write_text("")
+    r = subprocess.run([sys.executable, str(REPO / "bench.py"), "--trace", str(tmp_path / "file")],
+                       capture_output=True, text=True)
+    assert (r.returncode, len(r.stderr.splitlines())) == (1, 1) and "is a file" in r.stderr

@@ -259,7 +259,8 @@ def test_ipo_uses_per_token_log_probs_and_ipo_sum_the_sums():
         args = dpo.get_parser().parse_args(["--loss", kind, "--beta", "0.5"])
         task = dpo.DPOTask(M.ModelArgs(vocab_size=V), P.Mesh(), args, cached={})
         want = ((p[:B] - r[:B]) - (p[B:] - r[B:]) - 1 / (2 * 0.5)) ** 2
-        assert task.loss(logits, (y, ref), torch.tensor(B)).item() == pytest.approx(want.mean().item(), rel=1e-5)
+        loss = task.loss(logits, (y, ref), torch.tensor(B))
+        assert loss.item() == pytest.approx(want.mean().item(), rel=1e-5)
         assert task.metrics()[4].item() == pytest.approx(p[:B].mean().item(), rel=1e-5)  # logps/chosen
 
 

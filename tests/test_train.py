@@ -156,6 +156,8 @@ def test_default_configuration_runs(tmp_path):
     (["--model", "llama3-8b", "--tokenizer", "o200k_base"], "has a vocabulary of 128256"),
     (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
     (["--micro-batch", "0"], "--micro-batch must be at least 1"),
+    (["--trace-step", "3"], "--trace-step must be a step of the run, 1 to --max-steps 2"),
+    (["--trace-step", "0"], "--trace-step must be a step of the run"),
 ])
 def test_bad_input_fails_with_one_line(tmp_path, flags, message):
     code, stdout, stderr = run_cli(*TINY, "--max-steps", "2", "--out-dir", str(tmp_path / "o"), *flags)
@@ -239,13 +241,13 @@ def test_a_checkpoint_keeps_only_its_own_gpus_random_state(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: states[device.index])
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]),
                                                                                             device)))
-    rng = train.rng_state(torch.device("cuda", 3))
+    rng = checkpoint.rng_state(torch.device("cuda", 3))
     assert torch.equal(rng["cuda"], states[3])
-    train.restore_rng(rng, torch.device("cuda", 0))  # resumed on another node, where this rank drives GPU 0
-    train.restore_rng({**rng, "cuda": states}, torch.device("cuda", 1))  # an older checkpoint: every GPU's
-    train.restore_rng({**rng, "cuda": states[:2]}, torch.device("cuda", 4))  # ... from fewer GPUs: none
+    checkpoint.restore_rng(rng, torch.device("cuda", 0))  # resumed on another node, this rank driving GPU 0
+    checkpoint.restore_rng({**rng, "cuda": states}, torch.device("cuda", 1))  # an older checkpoint: every GPU's
+    checkpoint.restore_rng({**rng, "cuda": states[:2]}, torch.device("cuda", 4))  # ... from fewer GPUs: none
     assert restored == [(3, torch.device("cuda", 0)), (1, torch.device("cuda", 1))]
-    assert "cuda" not in train.rng_state(torch.device("cpu"))
+    assert "cuda" not in checkpoint.rng_state(torch.device("cpu"))
 
 
 def test_compile_reaches_the_blocks_a_pipeline_stage_runs():
