@@ -518,7 +518,8 @@ class StepTrace:
     per rank), every collective as an async slice with its op, group (tp, cp, pp, dp, world, io) and the
     bytes it sends. Microseconds of host time from a barrier every rank passed; on a GPU the device is
     synchronized where each slice ends, so slices are device time too (and the traced step overlaps
-    less). A collective ends when it completes (its future's callback), or when it is waited for."""
+    less). A collective ends when it completes: on a CPU at its future's callback, on a GPU where it is
+    waited for (parallel._Work), the device synchronized."""
 
     def __init__(self, rank: int, device):
         self.rank, self.device, self.events, self.ids = rank, device, [], iter(range(10 ** 9))
@@ -552,6 +553,7 @@ class StepTrace:
         def done():
             if not ended:
                 ended.append(True)
+                sync_device(self.device)  # (on a CPU nothing: this may run on gloo's thread)
                 head = {"name": op, "cat": dim, "id": k, "pid": self.rank, "tid": 2}
                 self.events.extend([{**head, "ph": "b", "ts": start, "args": {"group": dim, "bytes": sent}},
                                     {**head, "ph": "e", "ts": self.now()}])

@@ -1745,11 +1745,12 @@ def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
 
 class _Work:
     """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops. In a traced
-    step, `done` ends the op's span when it completes (its future's callback, else the wait)."""
+    step, `done` ends the op's span: on gloo when its future's callback runs, as the op completes; on NCCL
+    (whose futures complete once the op is queued) at the wait, with the device synchronized."""
 
     def __init__(self, work, what: tuple, mesh: Mesh, dim: str, t0: float, done=None):
         self.work, self.what, self.mesh, self.dim, self.t0, self.done = work, what, mesh, dim, t0, done
-        if done is not None and hasattr(work, "get_future"):
+        if done is not None and mesh.device.type == "cpu" and hasattr(work, "get_future"):
             work.get_future().add_done_callback(lambda _: done())
 
     def wait(self):
