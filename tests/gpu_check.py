@@ -147,6 +147,29 @@ def bench() -> bool:
     return report("bench.py, bf16, flash and cudnn attention", ok, "tokens/s and MFU above" if ok else why)
 
 
+def trace(work: Path, gpus: int) -> bool:
+    """bench.py --trace on NCCL: a track per GPU, the phases, and every collective's bytes as counted."""
+    tp, pp = (2, 2) if gpus >= 4 else (gpus, 1)
+    ok, why, _ = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      f"--nproc_per_node={tp * pp}", str(REPO / "bench.py"), "--trace", str(work / "trace"),
+                      "--model", "small", "--tp", str(tp), "--pp", str(pp), "--grad-accum", "4"])
+    if not ok:
+        return report(f"bench.py --trace at tp {tp} x pp {pp}", False, why)
+    t = json.loads((work / "trace" / "trace.json").read_text())
+    sent = {}
+    for e in t["traceEvents"]:
+        if e["ph"] == "b" and e["cat"] != "io":
+            key = (e["pid"], "dp" if e["cat"] == "dp_cp" else e["cat"])
+            sent[key] = sent.get(key, 0.0) + e["args"]["bytes"]
+    counted = {(r, k): v for r, c in enumerate(t["otherData"]["counted_bytes"]) for k, v in c.items()
+               if v}
+    phases = {e["name"] for e in t["traceEvents"] if e["ph"] == "X" and e["tid"] == 0}
+    good = sent == counted and {"1 data", "5 grad sync", "6 optimizer", "7 checkpoint"} <= phases
+    return report(f"bench.py --trace at tp {tp} x pp {pp}", good,
+                  f"bubble {t['otherData']['bubble']['measured']:.3f} measured, "
+                  f"{t['otherData']['bubble']['formula']:.3f} by the formula; bytes as counted: {sent == counted}")
+
+
 def sft_dpo(work: Path) -> list[bool]:
     """Packed SFT and DPO on NCCL: dp 2 against one GPU, the same global batch (the CPU tests' data)."""
     import test_sft_dpo as S
@@ -279,7 +302,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
         results = (parity(min(gpus, 8), work) + packed_documents() + (sft_dpo(work) if gpus >= 2 else [])
-                   + [syncs(work, n) for n in (1, 2) if n <= gpus] + [curve(work), bench()])
+                   + [syncs(work, n) for n in (1, 2) if n <= gpus] + [curve(work), bench()]
+                   + ([trace(work, gpus)] if gpus >= 2 else []))
         if gpus >= 8:
             results += [smoke_8b(work), table_8b()]
         else:
