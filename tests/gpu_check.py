@@ -165,9 +165,10 @@ def trace(work: Path, gpus: int) -> bool:
                if v}
     phases = {e["name"] for e in t["traceEvents"] if e["ph"] == "X" and e["tid"] == 0}
     good = sent == counted and {"1 data", "5 grad sync", "6 optimizer", "7 checkpoint"} <= phases
+    bubble = t["otherData"]["bubble"]
     return report(f"bench.py --trace at tp {tp} x pp {pp}", good,
-                  f"bubble {t['otherData']['bubble']['measured']:.3f} measured, "
-                  f"{t['otherData']['bubble']['formula']:.3f} by the formula; bytes as counted: {sent == counted}")
+                  f"bubble {bubble['measured']:.3f} measured, {bubble['formula']:.3f} by the formula; bytes as "
+                  f"counted: {sent == counted}")
 
 
 def sft_dpo(work: Path) -> list[bool]:
