@@ -12,11 +12,12 @@ with the policy/reference log-ratios r_c (chosen) and r_r (rejected) and margin 
     hinge              max(0, 1 - m)                                         (SLiC, Zhao et al. 2023)
 averaged over the pairs of the global batch. The IPO authors' results, and TRL's "ipo", divide each
 sequence's log-prob by its response length first, so a published beta means the same here (summed, beta
-would have to shrink with the length); the logged rewards and logps are then per token too. cDPO applies
---label-smoothing as written above; TRL 1.16's "sigmoid" silently ignores label_smoothing (it trains
-plain DPO), so the two agree only at 0. Logged with TRL's names: rewards/chosen = beta * r_c,
-rewards/rejected = beta * r_r, rewards/accuracies (share with r_c > r_r), rewards/margins,
-logps/chosen, logps/rejected.
+would have to shrink with the length). cDPO applies --label-smoothing as written above; TRL 1.16's
+"sigmoid" silently ignores label_smoothing (it trains plain DPO), so the two agree only at 0. Logged with
+TRL's names and meanings, whatever the loss, from the summed log-probs: rewards/chosen = beta * r_c,
+rewards/rejected = beta * r_r, rewards/accuracies (share with r_c > r_r), rewards/margins, logps/chosen,
+logps/rejected; under ipo the same of the per-token log-probs the loss uses, as rewards_per_token/... and
+logps_per_token/....
 
 Llama 3's two changes (Dubey et al. 2024, section 4.1.4), both off by default: --mask-format-tokens leaves
 the chat format's tokens (headers and <|eot_id|>: the same in both replies, so their log-probs only add
@@ -321,8 +322,10 @@ class DPOTask:
         self.vocab_size, self.mesh, self.args, self.skip = margs.vocab_size, mesh, args, skip
         self.reference, self.cached = reference, cached  # a model, or (pairs, 2) log-probs by pair index
         self.reference_forwards = 1 if reference is not None else 0  # its forward costs FLOPs every step
-        self.metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                             "logps/chosen", "logps/rejected") + (("nll_loss",) if args.nll_coef else ())
+        names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected")
+        per_token = tuple(n.replace("/", "_per_token/") for n in names) if args.loss == "ipo" else ()
+        self.metric_names = names + per_token + (("nll_loss",) if args.nll_coef else ())
         self._sums = torch.zeros(len(self.metric_names))
 
     def prepare(self, batches):
@@ -341,28 +344,33 @@ class DPOTask:
         y, ref = targets
         token_logps = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (2B, T), 0 where not learned
         in_dpo = skipping(y, self.skip) != data.IGNORE_INDEX  # (2B, T): the tokens DPO's log-probs sum
-        logps = token_logps.masked_fill(~in_dpo, 0.0).sum(dim=-1)  # (2B,)
+        summed = token_logps.masked_fill(~in_dpo, 0.0).sum(dim=-1)  # (2B,)
+        logps, ref_used, B = summed, ref, summed.shape[0] // 2
         if self.args.loss == "ipo":  # log-probs per response token, the IPO authors' (and TRL's) convention
             length = in_dpo.sum(dim=-1).clamp(min=1)  # (2B,)
-            logps, ref = logps / length, ref / length
-        B = logps.shape[0] // 2
-        pc, pr, rc, rr = logps[:B], logps[B:], ref[:B], ref[B:]
-        losses = dpo_loss(pc, pr, rc, rr, self.args.beta, self.args.loss, self.args.label_smoothing)
+            logps, ref_used = summed / length, ref / length
+        pairs = lambda p, r: (p[:B], p[B:], r[:B], r[B:])  # (chosen, rejected) of the policy, the reference
+        losses = dpo_loss(*pairs(logps, ref_used), self.args.beta, self.args.loss, self.args.label_smoothing)
         nll = None
         if self.args.nll_coef:  # the chosen reply's NLL per token, over every learned token (eot included)
             nll = -token_logps[:B].sum(dim=-1) / (y[:B] != data.IGNORE_INDEX).sum(dim=-1).clamp(min=1)
             losses = losses + self.args.nll_coef * nll
-        self.tally(pc, pr, rc, rr, nll, total)
+        per_token = [pairs(logps, ref_used)] if self.args.loss == "ipo" else []
+        self.tally([pairs(summed, ref)] + per_token, nll, total)
         return losses.sum() / total
 
     @torch.no_grad()
-    def tally(self, pc, pr, rc, rr, nll, total):
-        """Add this micro-batch's pairs to the metric sums (each over the global pair count)."""
-        reward_c, reward_r = self.args.beta * (pc - rc), self.args.beta * (pr - rr)
-        stats = [reward_c.sum(), reward_r.sum(), (reward_c > reward_r).float().sum(),
-                 (reward_c - reward_r).sum(), pc.sum(), pr.sum()] + ([nll.sum()] if nll is not None else [])
+    def tally(self, logps: list[tuple], nll, total):
+        """Add this micro-batch's pairs to the metric sums (each over the global pair count): for each
+        (policy chosen, rejected, reference chosen, rejected) log-probs, the rewards and logps."""
+        stats = []
+        for pc, pr, rc, rr in logps:
+            reward_c, reward_r = self.args.beta * (pc - rc), self.args.beta * (pr - rr)
+            stats += [reward_c.sum(), reward_r.sum(), (reward_c > reward_r).float().sum(),
+                      (reward_c - reward_r).sum(), pc.sum(), pr.sum()]
+        stats += [nll.sum()] if nll is not None else []
         # on the device: a .cpu() here would wait for the GPU at every micro-batch
-        self._sums = self._sums.to(pc.device) + torch.stack(stats) / total
+        self._sums = self._sums.to(stats[0].device) + torch.stack(stats) / total
 
     def metrics(self) -> torch.Tensor:
         """Metric sums since the last call (each divided by the global pair count: means when summed)."""

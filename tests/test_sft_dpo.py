@@ -245,7 +245,9 @@ def test_llama3_dpo_runs_and_logs_its_nll(tmp_path, precompute):
 
 def test_ipo_uses_per_token_log_probs_and_ipo_sum_the_sums():
     """--loss ipo divides each sequence's log-probs (policy and reference) by its response length, as the
-    IPO authors and TRL do; ipo-sum squares the summed log-ratios (Eq. 17 as written)."""
+    IPO authors and TRL do; ipo-sum squares the summed log-ratios (Eq. 17 as written). The metrics under
+    TRL's names are of the summed log-probs whatever the loss, as TRL logs them; under ipo the per-token
+    ones it uses are logged too, under their own names."""
     torch.manual_seed(0)
     B, T, V = 2, 6, 11
     logits = torch.randn(2 * B, T, V)
@@ -261,7 +263,17 @@ def test_ipo_uses_per_token_log_probs_and_ipo_sum_the_sums():
         want = ((p[:B] - r[:B]) - (p[B:] - r[B:]) - 1 / (2 * 0.5)) ** 2
         loss = task.loss(logits, (y, ref), torch.tensor(B))
         assert loss.item() == pytest.approx(want.mean().item(), rel=1e-5)
-        assert task.metrics()[4].item() == pytest.approx(p[:B].mean().item(), rel=1e-5)  # logps/chosen
+        got = dict(zip(task.metric_names, task.metrics().tolist()))
+        assert got["logps/chosen"] == pytest.approx(logps[:B].mean().item(), rel=1e-5)  # TRL's: summed
+        margin = 0.5 * ((logps[:B] - ref[:B]) - (logps[B:] - ref[B:]))
+        assert got["rewards/margins"] == pytest.approx(margin.mean().item(), rel=1e-5)
+        assert got["rewards/accuracies"] == (margin > 0).float().mean().item()
+        if kind == "ipo":
+            assert got["logps_per_token/chosen"] == pytest.approx(p[:B].mean().item(), rel=1e-5)
+            per_token = 0.5 * ((p[:B] - r[:B]) - (p[B:] - r[B:]))
+            assert got["rewards_per_token/margins"] == pytest.approx(per_token.mean().item(), rel=1e-5)
+        else:
+            assert not any("per_token" in name for name in got)
 
 
 def _torchrun(script, n, out, *flags):
