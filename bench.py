@@ -16,7 +16,8 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       no hardware: parameters, training FLOPs, per-GPU memory by kind, communication per step and its time
       on NVLink or the network, bubble, step time and days at a stated MFU, whether it fits, and what the
       run costs: GPU-hours, energy (--pue) and money (--usd-per-gpu-hour). --budget-flops C adds the model
-      size and tokens Chinchilla's fit would spend C on, beside what Llama 3 chose.
+      size and tokens Chinchilla's fit would spend C on, beside what Llama 3 chose. --launch slurm|k8s
+      prints instead a batch script or a Kubernetes PyTorchJob that runs train.py at the planned layout.
   torchrun --standalone --nproc_per_node=2 bench.py --dp-vs-ddp | --bubble
       our data parallelism against torch's DistributedDataParallel; the pipeline bubble against its formula.
   torchrun --standalone --nproc_per_node=4 bench.py --trace DIR --tp 2 --pp 2 --grad-accum 4
@@ -35,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import tempfile
 import time
@@ -610,6 +612,12 @@ def add_plan_args(g):
     g.add_argument("--budget-flops", type=float, default=None,
                    help="also say what model size and tokens this many training FLOPs buy (Chinchilla), beside "
                         "what Llama 3 chose")
+    g.add_argument("--launch", choices=["slurm", "k8s"], default=None,
+                   help="print, instead of the plan, a Slurm batch script or a Kubernetes PyTorchJob that runs "
+                        "train.py at the planned layout")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="--launch: default 8 (4 for GB200)")
+    g.add_argument("--image", default="llama3-train:latest",
+                   help="--launch k8s: a container image holding this repository and its requirements")
 
 
 def validate(a):
@@ -624,6 +632,7 @@ def validate(a):
                  "blocks", "gpus"):
         need(getattr(a, name) >= 1, name, "at least 1")
     need(a.warmup_steps >= 0, "warmup_steps", "at least 0")
+    need(a.gpus_per_node is None or a.gpus_per_node >= 1, "gpus_per_node", "at least 1")
     need(a.loss_chunk >= 0, "loss_chunk", "at least 0")
     need(0 < a.bucket_mb < math.inf, "bucket_mb", "a positive number")
     need(0 < a.tokens < math.inf, "tokens", "a positive number")
@@ -635,6 +644,8 @@ def validate(a):
     max_seq_len = M.PRESETS[a.model].max_seq_len
     need(a.seq_len <= max_seq_len, "seq_len", f"at most model {a.model}'s max_seq_len {max_seq_len}")
     micro_batch_counts(a.micro_batches)
+    if a.launch and not a.plan:
+        refuse("--launch writes the launch of a --plan: add --plan and the layout")
     if a.trace and Path(a.trace).exists() and not Path(a.trace).is_dir():
         refuse(f"--trace {a.trace} is a file: name a folder for trace.json and step.png")
     try:
@@ -778,7 +789,111 @@ def run_plan(a):
                  a.reserve_gb, a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour)
     except P.LayoutError as e:
         refuse(f"invalid parallel layout: {e}")
+    if a.launch:
+        return print(launch_script(a, r))
     print(json.dumps({**r, "sizing": sizing} if sizing else r)) if a.json else print_plan(r)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launching the planned run: a Slurm batch script or a Kubernetes PyTorchJob. Slurm gives a job whole nodes
+# and runs one task on each (srun); Kubernetes schedules pods, one per node here, through Kubeflow's
+# training operator, which gives each pod the rendezvous torchrun needs (PET_* variables). Either way
+# torchrun on every node starts one process per GPU and they meet at the first node (c10d rendezvous).
+
+
+def nodes_of(a) -> tuple[int, int]:
+    """(nodes, GPUs a node) for --launch, or one line why the layout does not fit whole nodes: every tp
+    group must lie within one NVLink domain: a node, or a GB200 NVL72 rack, whose NVLink spans its trays."""
+    per_node, rack = a.gpus_per_node or (4 if a.gpu == "GB200" else 8), costs.SYSTEMS[a.gpu].domain
+    domain = rack if rack > 8 else per_node  # (8: an HGX board, one node)
+    if a.gpus % per_node:
+        refuse(f"--launch: --gpus {a.gpus} is not a number of whole nodes of {per_node} GPUs "
+               "(--gpus-per-node)")
+    if a.tp > domain or (per_node % a.tp if a.tp <= per_node else a.tp % per_node):
+        refuse(f"--launch: tp {a.tp} groups would not lie within nodes of {per_node} GPUs, {domain} in one "
+               "NVLink domain: tensor parallelism's all-reduces must not cross the network")
+    return a.gpus // per_node, per_node
+
+
+def train_flags(a, r: dict) -> list[str]:
+    """train.py's flags for the planned run (the data, its tokenizer and the steps included)."""
+    flags = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--micro-batch",
+             str(a.micro_batch), "--grad-accum", str(a.grad_accum), "--tp", str(a.tp), "--cp", str(a.cp),
+             "--pp", str(a.pp), "--zero", str(a.zero), "--max-steps", str(r["steps"])]
+    flags += ["--tokenizer", "llama3"] if a.model.startswith("llama") else []
+    flags += ["--sp"] if a.sp or a.tp > 1 else []
+    flags += (["--act-ckpt"] + (["selective"] if a.act_ckpt == "selective" else [])) if a.act_ckpt else []
+    flags += ["--schedule", a.schedule] if a.pp > 1 else []
+    flags += ["--virtual-stages", str(a.virtual_stages)] if a.virtual_stages > 1 else []
+    flags += ["--ramp", a.ramp] if a.ramp else []  # (its stages set --seq-len and --grad-accum)
+    return flags
+
+
+def launch_script(a, r: dict) -> str:
+    nodes, per_node = nodes_of(a)
+    name = a.model.replace(".", "-")
+    about = (f"{a.model} on {a.gpus:,} {a.gpu} ({nodes:,} nodes x {per_node}): tp {a.tp} x cp {a.cp} x pp "
+             f"{a.pp} x dp {r['dp']}, {r['memory_per_gpu_bytes'] / 1e9:.1f} GB per GPU, {r['steps']:,} steps, "
+             f"{r['days']:.1f} days at {100 * a.mfu:.0f}% MFU (bench.py --plan)")
+    return (slurm_script if a.launch == "slurm" else k8s_job)(a, r, nodes, per_node, name, about)
+
+
+def slurm_script(a, r: dict, nodes: int, per_node: int, name: str, about: str) -> str:
+    flags = " ".join(shlex.quote(f) for f in train_flags(a, r))
+    return f"""#!/bin/bash
+# {about}
+#SBATCH --job-name={name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={per_node}
+#SBATCH --exclusive
+set -euo pipefail
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # the rendezvous: the first node
+export OMP_NUM_THREADS=$(( SLURM_CPUS_ON_NODE / {per_node} ))
+export NCCL_DEBUG=WARN  # what fails, without every step of NCCL's start
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed collective ends the job rather than hanging it
+# export NCCL_SOCKET_IFNAME=...  # the interface between the nodes, if NCCL picks another
+OUT_DIR=${{OUT_DIR:-$PWD/out-{name}}}  # one folder every node sees
+srun torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d \\
+    --rdzv-endpoint=$head:29500 train.py {flags} --out-dir $OUT_DIR --resume"""
+
+
+def k8s_job(a, r: dict, nodes: int, per_node: int, name: str, about: str) -> str:
+    pod = f"""      template:
+        spec:
+          containers:
+            - name: pytorch
+              image: {a.image}
+              command: ["torchrun", "train.py", {", ".join(json.dumps(f) for f in train_flags(a, r))},
+                        "--out-dir", "/shared/out-{name}", "--resume"]
+              env:
+                - {{name: NCCL_DEBUG, value: WARN}}
+                - {{name: TORCH_NCCL_ASYNC_ERROR_HANDLING, value: "1"}}
+              resources:
+                limits: {{nvidia.com/gpu: {per_node}}}
+              volumeMounts:
+                - {{name: shared, mountPath: /shared}}  # one folder every pod sees
+          volumes:
+            - name: shared
+              persistentVolumeClaim: {{claimName: {name}-shared}}"""
+    workers = f"""
+    Worker:
+      replicas: {nodes - 1}
+      restartPolicy: OnFailure
+{pod}""" if nodes > 1 else ""
+    return f"""# {about}
+# torchrun reads its rendezvous from the PET_* variables the training operator sets in every pod
+apiVersion: kubeflow.org/v1
+kind: PyTorchJob
+metadata:
+  name: {name}
+spec:
+  nprocPerNode: "{per_node}"
+  pytorchReplicaSpecs:
+    Master:
+      replicas: 1
+      restartPolicy: OnFailure
+{pod}{workers}"""
 
 
 # What Llama 3 chose at its budget (Dubey et al. 2024): section 3.2's IsoFLOP fit put the flagship's 3.8e25
@@ -832,6 +947,10 @@ def run_ramp_plan(a):
                              a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour))
         except P.LayoutError as e:
             refuse(f"invalid parallel layout at the stage of {s.seq_len}-token sequences: {e}")
+    if a.launch:  # the whole ramp as one run: its steps, its largest stage's memory
+        worst = max(rows, key=lambda r: r["memory_per_gpu_bytes"])
+        return print(launch_script(a, {**worst, "steps": sum(r["steps"] for r in rows),
+                                       "days": sum(r["days"] for r in rows)}))
     if a.json:
         return print(json.dumps(rows))
     gb = lambda x: f"{x / 1e9:,.1f} GB"

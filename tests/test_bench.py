@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import bench
 import config
@@ -301,6 +302,7 @@ BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)
         ("--tokens", "0"), ("--tokens", "-1"), ("--reserve-gb", "-1"), ("--reserve-gb", "nan"),
         ("--reserve-gb", "inf"), ("--micro-batch", "0"), ("--grad-accum", "0"), ("--virtual-stages", "0"),
         ("--tp", "0"), ("--cp", "-1"), ("--pp", "0"), ("--budget-flops", "0"), ("--budget-flops", "nan"),
+        ("--gpus-per-node", "0"),
         ("--budget-flops", "-1"), ("--pue", "0.9"), ("--pue", "nan"), ("--usd-per-gpu-hour", "-1")]],
     *[(["--sweep", text], 1, "--sweep") for text in ["", ";", " ; ", "mb=4;", "tp=2,tp=4", "mb=x", "tp",
                                                       "mb=0", "seq_len=-1", "zero=4", "act_ckpt=2",
@@ -318,6 +320,7 @@ BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)
     *[(["--bubble", "--micro-batches", text], 2, "--micro-batches")
       for text in ["0", "1,-2", "a", "", "1,,2"]],
     (["--bubble"], 1, "torchrun --standalone --nproc_per_node=2"),
+    (["--launch", "slurm"], 1, "--launch"),
     (["--dp-vs-ddp"], 1, "torchrun --standalone --nproc_per_node=2"),
     (["--bubble", "--model", "tiny", "--virtual-stages", "2", "--schedule", "interleaved"], 2, "layers"),
 ]
@@ -414,3 +417,34 @@ def test_bench_trace_of_one_process(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "bench.py"), "--trace", str(tmp_path / "file")],
                        capture_output=True, text=True)
     assert (r.returncode, len(r.stderr.splitlines())) == (1, 1) and "is a file" in r.stderr
+
+
+def test_launch_writes_the_planned_run_for_slurm_and_kubernetes():
+    """--plan --launch: a batch script of one srun task per node, torchrun's c10d rendezvous on the first
+    node, and train.py at the planned layout; a PyTorchJob of one pod per node with the same train.py."""
+    plan = ["--plan", "--model", "llama3.1-8b", "--gpus", "32", "--tp", "8", "--pp", "2", "--micro-batch", "1",
+            "--seq-len", "8192", "--grad-accum", "4", "--zero", "1", "--act-ckpt", "--data", "/data/shards"]
+    run = lambda *more: subprocess.run([sys.executable, str(REPO / "bench.py"), *plan, *more],
+                                       capture_output=True, text=True, check=True).stdout
+    script = run("--launch", "slurm")
+    assert "#SBATCH --nodes=4\n" in script and "#SBATCH --gpus-per-node=8\n" in script
+    assert "#SBATCH --ntasks-per-node=1\n" in script
+    command = script.split("srun ", 1)[1].replace("\\\n", " ").split()
+    assert command[:3] == ["torchrun", "--nnodes=4", "--nproc_per_node=8"] and "--rdzv-backend=c10d" in command
+    flags = command[command.index("train.py") + 1:]
+    args = config.get_parser().parse_args([f.replace("$OUT_DIR", "out") for f in flags])
+    assert (args.tp, args.pp, args.grad_accum, args.zero, args.act_ckpt, args.sp) == (8, 2, 4, 1, "full", True)
+    assert (args.data, args.tokenizer, args.resume) == ("/data/shards", "llama3", True)
+    job = yaml.safe_load(run("--launch", "k8s", "--image", "me/train:1"))
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert (job["kind"], job["spec"]["nprocPerNode"]) == ("PyTorchJob", "8")
+    assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 3)
+    pod = specs["Worker"]["template"]["spec"]["containers"][0]
+    assert pod["image"] == "me/train:1" and pod["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert pod["command"][:2] == ["torchrun", "train.py"]
+    assert config.get_parser().parse_args(pod["command"][2:]).tp == 8
+    for more, said in ((["--gpus-per-node", "6"], "not a number of whole nodes"),
+                       (["--gpus-per-node", "4"], "tp 8 groups would not lie within nodes")):
+        r = subprocess.run([sys.executable, str(REPO / "bench.py"), *plan, "--launch", "slurm", *more],
+                           capture_output=True, text=True)
+        assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and said in r.stderr, r.stderr
