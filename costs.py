@@ -379,8 +379,9 @@ def compute_optimal(flops: float) -> tuple[float, float]:
 # Instruments: peak FLOP/s for MFU, memory, the phases' time
 
 
-# Dense tensor-core peaks in TFLOP/s (datasheets, without sparsity): bf16 and fp16, and TF32, which is what
-# fp32 matmuls run on here (train() allows TF32). NVL parts run at lower clocks than SXM ones.
+# Dense tensor-core peaks in TFLOP/s (NVIDIA's datasheets: A100, H100, H200, HGX B200, GB200 NVL72; without
+# sparsity, which the sheets' headline figures include): bf16 and fp16, and TF32, which is what fp32 matmuls
+# run on here (train() allows TF32). NVL parts run at lower clocks than SXM ones; a GB200's B200 at more.
 GPU_PEAK_TFLOPS = {"A100": {"bf16": 312, "tf32": 156}, "H100 PCIe": {"bf16": 756, "tf32": 378},
                    "H100 NVL": {"bf16": 835, "tf32": 417.5}, "H100": {"bf16": 989, "tf32": 494.5},
                    "H200 NVL": {"bf16": 835, "tf32": 417.5}, "H200": {"bf16": 989, "tf32": 494.5},
