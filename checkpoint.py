@@ -23,7 +23,8 @@ Read in this order:
                against its manifest (shared_check: every rank hashes a share of the files, at once); a
                pointer out of the folder, a damaged step or a shard file outside the manifest (unlisted:
                never read) is said out loud
-  6. Records   recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all)
+  6. Records   recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all);
+               load_init: its model args and weights, whichever of the three formats it is in
   7. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
   8. Consolidation  consolidate (and `python checkpoint.py consolidate`): a checkpoint, or the mean of a run's
                last few, as one Hugging Face folder
@@ -32,6 +33,7 @@ Read in this order:
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import os
@@ -41,7 +43,7 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -717,6 +719,8 @@ def meta_for(ckpt: Path, margs: M.ModelArgs) -> dict:
 # 6. What a model folder records: the tokenizer its ids belong to, the sequence length it was trained at,
 #    and whether it speaks the chat format. Read from a checkpoint's meta.json, from an export's
 #    config.json (checkpoint.py consolidate --hf writes "tokenizer" there) or a Meta folder's params.json.
+#    And its weights: load_init reads any of the three, growing the vocabulary where the tokenizer has
+#    more ids (sft.py's chat tokens).
 
 
 def recorded(path) -> dict:
@@ -776,6 +780,66 @@ def tokenizer_for(path, requested: str | None, mirror=None, grows: bool = False)
         raise CheckpointError(f"--tokenizer {tok.name} has {tok.n_vocab:,} ids but --init {path} has "
                               f"{rows:,} embedding rows")
     return tok
+
+
+def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
+    """--init -> (model args, full state dict), from any of the three formats. A checkpoint is verified
+    against its manifest, as --resume does, unless verify=False: for a job whose ranks have verified it."""
+    path = Path(path)
+    if is_checkpoint(path):
+        path = resolve(path, verify=verify)
+    try:
+        if is_checkpoint(path):
+            margs = checkpoint_args(path)
+            full, _ = read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
+            master = lambda name: (lambda: full[name]["master"])
+            names = [name for name in full if not name.startswith(M.TRAINING_ONLY)]  # the model's own
+            state = M.LazyState({name: master(name) for name in names} |
+                                ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings
+                                 else {}))
+        elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
+            margs, state = M.hf_state(path)
+        elif (path / "params.json").exists():
+            model = M.load_meta(path)
+            margs, state = model.args, model.state_dict()
+        else:
+            raise CheckpointError(f"--init {path}: not a checkpoint folder, a Hugging Face folder "
+                                     "(config.json) or a Meta folder (params.json)")
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read --init {path}: {type(e).__name__}: {data.one_line(e)}")
+    if tok.n_vocab > margs.vocab_size:
+        margs, state = grow_vocab(margs, state, tok.n_vocab)
+    return margs, state
+
+
+def checkpoint_args(step: Path) -> M.ModelArgs:
+    """A checkpoint's model args, from its meta.json alone."""
+    return M.ModelArgs.from_dict(read_meta(step)["model_args"])
+
+
+def with_room_for(margs: M.ModelArgs, n_vocab: int) -> M.ModelArgs:
+    """The model args with a row for every id of a tokenizer with n_vocab ids (rounded up to 64 rows)."""
+    if n_vocab <= margs.vocab_size:
+        return margs
+    return replace(margs, vocab_size=64 * ((n_vocab + 63) // 64))
+
+
+def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelArgs, dict]:
+    """Add embedding and output rows for ids the model has never seen (e.g. chat tokens appended to a base
+    vocabulary). New rows start at the mean of the existing rows (Hewitt 2021): a new token begins as an
+    'average' token, and its logit as the mean logit, rather than as noise of an unrelated scale."""
+    grown = with_room_for(margs, n_vocab)
+    state = collections.ChainMap({}, state)  # the grown tensors over the rest (a lazy state stays lazy)
+    for name in ("tok_embeddings.weight", "output.weight")[:1 if margs.num_labels else 2]:  # (not a score)
+        if name in state:
+            w = state[name]
+            state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(grown.vocab_size - w.shape[0],
+                                                                           -1)])
+    print(f"vocabulary grown from {margs.vocab_size} to {grown.vocab_size} rows (new rows = mean of the old)",
+          flush=True)
+    return grown, state
 
 
 # ----------------------------------------------------------------------------------------------------

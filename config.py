@@ -656,3 +656,26 @@ def say(msg: str):
     """Print on global rank 0 only (torchrun's RANK): one line per job, not one per process."""
     if env_rank() == 0:
         print(msg, flush=True)
+
+
+def run(main_fn, argv=None):
+    """main_fn() with user errors as one line on stderr (from rank 0, or from the rank whose own input is
+    bad, or from each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
+    rank = env_rank()
+    try:
+        main_fn(argv)
+    except (ConfigError, C.CheckpointError) as e:
+        if rank == 0 or isinstance(e, (ResourceError, LaunchError)):
+            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
+        else:  # rank 0 says it; leave after it does, or torchrun (which stops the job at the first exit)
+            time.sleep(5)  # may kill rank 0 before its line is out
+        sys.exit(1)
+    except data.DataError as e:
+        print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
+        sys.exit(1)
+    except P.CommError as e:  # every rank that saw it says so: the ranks named are the ones to look at
+        print(f"error (rank {rank}): {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -480,4 +480,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    T.run(main)
+    config.run(main)

@@ -52,8 +52,6 @@ import config
 import data
 import model as M
 import parallel as P
-import sft
-import train as T
 
 # ----------------------------------------------------------------------------------------------------
 # 1. The model
@@ -68,7 +66,7 @@ def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
             # every rank checks a share of the shards, rank 0 says what it passed over
             path = C.resolve(path, say=lambda msg: print(msg) if mesh.rank == 0 else None,
                              check=C.shared_check(mesh))
-        margs, state = sft.load_init(path, tok, verify=False)
+        margs, state = C.load_init(path, tok, verify=False)
     with torch.device("meta"):
         model = M.Transformer(margs)  # no random initialization: every weight comes from the state dict
     model.load_state_dict(state, assign=True)
@@ -661,13 +659,13 @@ def matrix_change(a: torch.Tensor, b: torch.Tensor) -> dict:
 def weight_diff(a_path, b_path, mirror=None) -> dict:
     """--diff A B for two checkpoints (or exports) of one model: each parameter's change, and which layers
     and kinds moved most. A is read with B's tokenizer: where B's training grew the vocabulary (SFT's chat
-    tokens), A's new rows are what B started from (their mean, sft.grow_vocab)."""
+    tokens), A's new rows are what B started from (their mean, checkpoint.grow_vocab)."""
     tok_a, tok_b = (C.tokenizer_for(p, None, mirror, grows=True) for p in (a_path, b_path))
     if tok_a.name != tok_b.name:
         raise config.ConfigError(f"--diff: {a_path} reads the tokenizer {tok_a.name} and {b_path} "
                                  f"{tok_b.name}: their rows mean different tokens")
     with contextlib.redirect_stdout(sys.stderr):
-        (margs_a, a), (margs_b, b) = sft.load_init(a_path, tok_b), sft.load_init(b_path, tok_b)
+        (margs_a, a), (margs_b, b) = C.load_init(a_path, tok_b), C.load_init(b_path, tok_b)
     if margs_a != margs_b:
         differ = ", ".join(f"{k} {v} vs {getattr(margs_b, k)}" for k, v in dataclasses.asdict(margs_a).items()
                            if v != getattr(margs_b, k))
@@ -923,4 +921,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    T.run(main)
+    config.run(main)

@@ -477,4 +477,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    T.run(main)
+    config.run(main)

@@ -631,4 +631,4 @@ def eval_main(argv) -> int:
 
 
 if __name__ == "__main__":
-    T.run(main)
+    config.run(main)

@@ -18,10 +18,7 @@ At the end it answers --sample-prompt in chat mode.
 from __future__ import annotations
 
 import argparse
-import collections
 import hashlib
-from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,66 +49,6 @@ def get_parser() -> argparse.ArgumentParser:
 
 # ----------------------------------------------------------------------------------------------------
 # The model to start from
-
-
-def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
-    """--init -> (model args, full state dict), from any of the three formats. A checkpoint is verified
-    against its manifest, as --resume does, unless verify=False: for a job whose ranks have verified it."""
-    path = Path(path)
-    if C.is_checkpoint(path):
-        path = C.resolve(path, verify=verify)
-    try:
-        if C.is_checkpoint(path):
-            margs = checkpoint_args(path)
-            full, _ = C.read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
-            master = lambda name: (lambda: full[name]["master"])
-            names = [name for name in full if not name.startswith(M.TRAINING_ONLY)]  # the model's own
-            state = M.LazyState({name: master(name) for name in names} |
-                                ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings
-                                 else {}))
-        elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
-            margs, state = M.hf_state(path)
-        elif (path / "params.json").exists():
-            model = M.load_meta(path)
-            margs, state = model.args, model.state_dict()
-        else:
-            raise config.ConfigError(f"--init {path}: not a checkpoint folder, a Hugging Face folder "
-                                     "(config.json) or a Meta folder (params.json)")
-    except (config.ConfigError, C.CheckpointError):
-        raise
-    except Exception as e:
-        raise config.ConfigError(f"cannot read --init {path}: {type(e).__name__}: {data.one_line(e)}")
-    if tok.n_vocab > margs.vocab_size:
-        margs, state = grow_vocab(margs, state, tok.n_vocab)
-    return margs, state
-
-
-def checkpoint_args(step: Path) -> M.ModelArgs:
-    """A checkpoint's model args, from its meta.json alone."""
-    return M.ModelArgs.from_dict(C.read_meta(step)["model_args"])
-
-
-def with_room_for(margs: M.ModelArgs, n_vocab: int) -> M.ModelArgs:
-    """The model args with a row for every id of a tokenizer with n_vocab ids (rounded up to 64 rows)."""
-    if n_vocab <= margs.vocab_size:
-        return margs
-    return replace(margs, vocab_size=64 * ((n_vocab + 63) // 64))
-
-
-def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelArgs, dict]:
-    """Add embedding and output rows for ids the model has never seen (e.g. chat tokens appended to a base
-    vocabulary). New rows start at the mean of the existing rows (Hewitt 2021): a new token begins as an
-    'average' token, and its logit as the mean logit, rather than as noise of an unrelated scale."""
-    grown = with_room_for(margs, n_vocab)
-    state = collections.ChainMap({}, state)  # the grown tensors over the rest (a lazy state stays lazy)
-    for name in ("tok_embeddings.weight", "output.weight")[:1 if margs.num_labels else 2]:  # (not a score)
-        if name in state:
-            w = state[name]
-            state[name] = torch.cat([w, w.mean(dim=0, keepdim=True).expand(grown.vocab_size - w.shape[0],
-                                                                           -1)])
-    print(f"vocabulary grown from {margs.vocab_size} to {grown.vocab_size} rows (new rows = mean of the old)",
-          flush=True)
-    return grown, state
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -342,12 +279,12 @@ class SFT(T.Pretraining):
             print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
             return super().model_args(tok)
         if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
-            margs, self.state = load_init(args.init, tok)
+            margs, self.state = C.load_init(args.init, tok)
             return margs
         # rank 0 says what it skips, later
         self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)
         try:
-            self.margs = with_room_for(checkpoint_args(self.picked), tok.n_vocab)
+            self.margs = C.with_room_for(C.checkpoint_args(self.picked), tok.n_vocab)
         except ValueError as e:
             raise config.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
                                      f"{data.one_line(e)}") from None
@@ -358,7 +295,7 @@ class SFT(T.Pretraining):
             return self.state
         # every rank checks a share of the shards; may fall back past a damaged step
         verified = C.resolve(self.args.init, say=config.say, check=C.shared_check(mesh))
-        verified_margs, state = load_init(verified, self.tok, verify=False)
+        verified_margs, state = C.load_init(verified, self.tok, verify=False)
         if verified_margs != self.margs:
             raise config.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has "
                                      f"another model shape than {self.picked.name}; name the step folder to "
@@ -420,4 +357,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    T.run(main)
+    config.run(main)

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -955,28 +954,5 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-def run(main_fn=main, argv=None):
-    """main_fn() with user errors as one line on stderr (from rank 0, or from the rank whose own input is
-    bad, or from each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
-    rank = config.env_rank()
-    try:
-        main_fn(argv)
-    except (config.ConfigError, C.CheckpointError) as e:
-        if rank == 0 or isinstance(e, (config.ResourceError, config.LaunchError)):
-            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
-        else:  # rank 0 says it; leave after it does, or torchrun (which stops the job at the first exit)
-            time.sleep(5)  # may kill rank 0 before its line is out
-        sys.exit(1)
-    except data.DataError as e:
-        print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
-        sys.exit(1)
-    except P.CommError as e:  # every rank that saw it says so: the ranks named are the ones to look at
-        print(f"error (rank {rank}): {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-
-
 if __name__ == "__main__":
-    run()
+    config.run(main)

@@ -26,7 +26,7 @@ FLAGS = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--grad-acc
 CHAOS = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import torch, parallel, train
+    import torch, config, parallel, train
     # which kill comes next: one marker file per kill done, so the plan does not depend on how torchrun
     # counts restarts
     done = len([f for f in os.listdir({markers!r}) if f.startswith("killed")])
@@ -57,7 +57,7 @@ CHAOS = textwrap.dedent("""
                     die()
                 return real_save(obj, f, *a, **k)
             torch.save = save
-    train.run(argv=sys.argv[1:])
+    config.run(train.main, sys.argv[1:])
 """)
 
 

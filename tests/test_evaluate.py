@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint as C
+import config
 import data
 import evaluate as E
 import launch
@@ -335,7 +336,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
              "{bad_json}": str(tmp_path / "bad.jsonl"),
              "{bad_label}": str(tmp_path / "label.jsonl"), "{tmp}": str(tmp_path)}
     with pytest.raises(SystemExit) as exit_info:
-        train.run(E.main, [names.get(a, a) for a in argv])
+        config.run(E.main, [names.get(a, a) for a in argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 1 and err[-1].startswith("error: ") and message in err[-1]
     assert not any(line.startswith("Traceback") for line in err)
@@ -355,7 +356,7 @@ def test_plot_draws_a_run_and_says_when_matplotlib_is_missing(checkpoint, tmp_pa
     assert capsys.readouterr().out == f"wrote {run / 'loss.png'}\n"
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an absent package looks like
     with pytest.raises(SystemExit) as exit_info:
-        train.run(E.main, ["--plot", str(run)])
+        config.run(E.main, ["--plot", str(run)])
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip() == "error: --plot needs matplotlib: pip install matplotlib"
 
@@ -426,6 +427,6 @@ def test_diff_of_two_different_models_is_one_line(tmp_path, capsys):
     M.save_hf(small, tmp_path / "gpt2", data.hf_tokens(gpt2, chat=False))
     for other, said in (("b", "are different models (n_layers 2 vs 3)"), ("gpt2", "reads the tokenizer")):
         with pytest.raises(SystemExit):
-            train.run(E.main, ["--diff", str(tmp_path / "a"), str(tmp_path / other)])
+            config.run(E.main, ["--diff", str(tmp_path / "a"), str(tmp_path / other)])
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and said in err, err

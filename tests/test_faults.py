@@ -122,7 +122,7 @@ def test_nan_gradient_on_one_rank_makes_every_rank_skip(tmp_path, when):
     script.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        import parallel, train
+        import config, parallel, train
         real, calls = parallel.GradSync.{method}, [0]
         def patched(self):
             real(self)
@@ -130,7 +130,7 @@ def test_nan_gradient_on_one_rank_makes_every_rank_skip(tmp_path, when):
             if self.mesh.rank == 1 and calls[0] == 2:  # step 2
                 self.opt.grad[0] = float("nan")
         parallel.GradSync.{method} = patched
-        train.run(argv=sys.argv[1:])
+        config.run(train.main, sys.argv[1:])
     """))
     common = [*TINY, "--max-steps", "4", "--grad-accum", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -218,7 +218,7 @@ def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layo
     script.write_text(textwrap.dedent(f"""
         import os, signal, sys, time
         sys.path.insert(0, {str(REPO)!r})
-        import train
+        import config, train
         real, n = train.LMTask.loss, [0]
         def loss(self, logits, targets, total):
             n[0] += 1
@@ -229,7 +229,7 @@ def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layo
                 time.sleep(600)
             return real(self, logits, targets, total)
         train.LMTask.loss = loss
-        train.run(argv=sys.argv[1:])
+        config.run(train.main, sys.argv[1:])
     """))
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -304,13 +304,13 @@ def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_
     script.write_text(textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(REPO)!r})
-        import checkpoint, data, parallel, train
+        import checkpoint, config, data, parallel, train
         slow = lambda real: (lambda *a, **k: (time.sleep(6) if os.environ["RANK"] == "0" else None,
                                               real(*a, **k))[1])
         data.resolve_data = slow(data.resolve_data)
         checkpoint.save_shards = slow(checkpoint.save_shards)
         checkpoint.clear_run, checkpoint.rotate = slow(checkpoint.clear_run), slow(checkpoint.rotate)
-        train.run(argv=sys.argv[1:])
+        config.run(train.main, sys.argv[1:])
     """))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script), *TINY, "--max-steps", "2", "--ckpt-every", "2", "--dist-timeout", "3",
@@ -358,14 +358,14 @@ def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.Comple
     script.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        import data, train, {module}
+        import config, data, train, {module}
         real = data.sha256_file
         def counted(path):
             with open({str(log)!r}, "a") as f:
                 f.write(os.environ["RANK"] + "\\n")
             return real(path)
         data.sha256_file = counted
-        train.run({module}.main, argv=sys.argv[1:])
+        config.run({module}.main, sys.argv[1:])
     """))
     return subprocess.run(launch.command(2, script, *argv), capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import data
 import dpo
 import evaluate
@@ -49,9 +50,9 @@ def error_line(stderr: str) -> str:
 
 
 def refused(capsys, main, argv) -> str:
-    """A script's main, run as its command line runs it (train.run): exit code 1 and one error line."""
+    """A script's main, run as its command line runs it (config.run): exit code 1 and one error line."""
     with pytest.raises(SystemExit) as stop:
-        train.run(main, argv)
+        config.run(main, argv)
     assert stop.value.code == 1
     return error_line(capsys.readouterr().err)
 

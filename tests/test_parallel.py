@@ -476,11 +476,11 @@ COUNT_COMPILES = """
 import functools, json, os, sys
 import torch._dynamo
 from torch._dynamo.utils import counters
-import train
+import config, train
 
 torch._dynamo.config.error_on_recompile = True
 train.compile_blocks = functools.partial(train.compile_blocks, backend="aot_eager")
-train.run(train.main, sys.argv[1:])
+config.run(train.main, sys.argv[1:])
 if os.environ["RANK"] == "0":
     with open(os.environ["COMPILE_COUNTS"], "w") as f:
         json.dump({"breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}, f)
@@ -540,7 +540,7 @@ def test_zero_is_identical_to_plain_dp(tmp_path, zero, micro):
 COUNT_SYNCS = """
 import collections, json, os, sys
 import torch
-import costs
+import config, costs
 import train
 
 PROJECT = {"train.py", "model.py", "parallel.py", "optim.py", "data.py", "checkpoint.py", "costs.py"}
@@ -573,7 +573,7 @@ def train_until_it_returns(*args, **kwargs):
             json.dump(seen, f)
 
 train.train_step, train.train = first_step_starts_counting, train_until_it_returns
-train.run(train.main, sys.argv[1:])
+config.run(train.main, sys.argv[1:])
 """
 
 SYNC_LAYOUTS = [(1, []), (1, ["--precision", "fp16", "--skip-spikes", "3"]), (2, []), (2, ["--zero", "1"]),
@@ -1033,14 +1033,14 @@ def test_one_failing_rank_ends_the_job(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        import parallel, train
+        import config, parallel, train
         real = parallel.local_forward
         def broken(model, x, mesh, *a, **k):
             if mesh.rank == 3:
                 raise RuntimeError("stage 1 exploded on rank 3")
             return real(model, x, mesh, *a, **k)
         parallel.local_forward = broken
-        train.run(argv=sys.argv[1:])
+        config.run(train.main, sys.argv[1:])
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script),
            *TINY, "--pp", "2", "--micro-batch", "4", "--grad-accum", "2", "--max-steps", "3",
@@ -1062,14 +1062,14 @@ def test_every_data_cache_is_prepared_once_by_one_process(tmp_path, shared):
     script.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        import data, train
+        import config, data, train
         real = data._tokenize_split
         def counted(docs, enc, out, split, *rest):
             with open({str(log)!r}, "a") as f:
                 f.write(f"{{os.environ['DATA_CACHE']}} {{os.environ['RANK']}} {{split}}\\n")
             return real(docs, enc, out, split, *rest)
         data._tokenize_split = counted
-        train.run(argv=sys.argv[1:])
+        config.run(train.main, sys.argv[1:])
     """))
     port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",

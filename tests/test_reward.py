@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import transformers  # test-only dependency: requirements-test.txt
 
 import checkpoint as C
+import config
 import data
 import dpo
 import launch
@@ -154,7 +155,7 @@ def test_the_reward_models_loss_is_the_same_under_tp_dp_and_pp(tmp_path):
 ])
 def test_bad_reward_flags_are_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
-        train.run(reward.main, TINY + argv + ["--out-dir", str(tmp_path / "o")])
+        config.run(reward.main, TINY + argv + ["--out-dir", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and message in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
@@ -165,7 +166,7 @@ def test_scoring_with_a_language_model_is_refused(tmp_path, capsys):
     train.main(BASE + ["--max-steps", "1", "--out-dir", str(base)])
     pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     with pytest.raises(SystemExit) as stop:
-        train.run(reward.main, ["score", "--reward", str(base), "--data", str(pairs)])
+        config.run(reward.main, ["score", "--reward", str(base), "--data", str(pairs)])
     assert stop.value.code == 1 and "is not a reward model" in capsys.readouterr().err
 
 
@@ -275,7 +276,7 @@ def test_bad_rejection_sampling_input_is_one_line_and_writes_nothing(policy_and_
         argv = ["sample", "--policy", str(policy), "--reward", str(rm), "--prompts", str(prompts), "--k", "2",
                 "--out", str(where), *flags]
         with pytest.raises(SystemExit) as stop:
-            train.run(reward.main, argv)
+            config.run(reward.main, argv)
         err = capsys.readouterr().err
         assert stop.value.code == 1 and message in err and "Traceback" not in err, (flags, err)
         assert not out.exists() and taken.read_text() == "keep me\n"

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import checkpoint as C
+import config
 import launch
 import parallel as P
 import reward
 import rl
-import train
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--seq-len", "48", "--max-new-tokens", "8", "--micro-batch", "2", "--group", "4",
@@ -220,7 +220,7 @@ def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
 
 def bad_run(capsys, tmp_path, argv):
     with pytest.raises(SystemExit) as stop:
-        train.run(rl.main, argv)
+        config.run(rl.main, argv)
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "Traceback" not in err, err
     return err

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+import config
 import data
 import dpo
-import train
 from data import IGNORE_INDEX, DataError, encode_chat, get_tokenizer
 from dpo import PreferenceLoader, preference_examples, read_preferences
 from sft import SFTLoader, read_sft, sft_examples, split_examples
@@ -470,7 +470,7 @@ def test_preference_pairs_that_are_the_same_once_cut_are_dropped_and_counted(tmp
     same.write_text((json.dumps({"prompt": "q", "chosen": "a" * 80 + "yes", "rejected": "a" * 80 + "no"})
                      + "\n") * 10)
     with pytest.raises(SystemExit) as stop:
-        train.run(dpo.main, ["--model", "tiny", "--data", str(same), "--seq-len", "64", "--max-steps", "1",
+        config.run(dpo.main, ["--model", "tiny", "--data", str(same), "--seq-len", "64", "--max-steps", "1",
                              "--out-dir", str(tmp_path / "o"), "--sample-prompt", ""])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "no usable preference pair (all dropped" in err and "'identical': 10" in err

@@ -350,7 +350,7 @@ def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
               "--micro-batch", "2", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir",
               str(dpo_out)])
     tok = data.get_tokenizer("byte")
-    margs, state = sft.load_init(dpo_out, tok)
+    margs, state = C.load_init(dpo_out, tok)
     chat_model = M.Transformer(margs)
     chat_model.load_state_dict(state)
     reply = sft.chat(chat_model, tok, [{"role": "user", "content": "Name a colour."}], max_new_tokens=20)
@@ -365,7 +365,7 @@ def test_init_from_hf_grows_a_smaller_vocabulary(tmp_path):
     small = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=200, multiple_of=16,
                                       max_seq_len=128))
     M.save_hf(small, tmp_path / "hf")
-    margs, state = sft.load_init(tmp_path / "hf", data.get_tokenizer("byte"))
+    margs, state = C.load_init(tmp_path / "hf", data.get_tokenizer("byte"))
     assert margs.vocab_size == 320
     for name in ("tok_embeddings.weight", "output.weight"):
         old = small.state_dict()[name]

@@ -322,7 +322,7 @@ def test_a_tracker_without_its_package_is_one_line(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(config.importlib.util, "find_spec",
                         lambda name: None if name == package else real(name))
     with pytest.raises(SystemExit) as exit_info:
-        train.run(train.main, TINY + ["--out-dir", str(tmp_path / "o"), flag, "x"])
+        config.run(train.main, TINY + ["--out-dir", str(tmp_path / "o"), flag, "x"])
     assert exit_info.value.code == 1
     said = capsys.readouterr().err.strip()
     assert said == f"error: {flag} needs the {package} package: pip install {package}"
