@@ -1003,13 +1003,15 @@ class PipelineStage:
         return torch.empty(self.shape, device=self.device, dtype=self.dtype)
 
     @contextmanager
-    def busy(self, name: str):
+    def busy(self, work: str, i: int, v: int):
         """Time counted as this stage's compute when stats is given. Kernels run asynchronously on CUDA:
-        from when earlier work is done to when this work is. In a traced step, a span named `name`."""
+        from when earlier work is done to when this work is. In a traced step, a span ("forward 3")."""
         if self.stats is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        with self.mesh.trace.span(name) if self.mesh.trace is not None else nullcontext():
+        trace = self.mesh.trace  # (the span's name is made only in a traced step, off the hot path)
+        with trace.span(f"{work} {i}" + (f" chunk {v}" if len(self.chunks) > 1 else "")) \
+                if trace is not None else nullcontext():
             yield
         if self.stats is not None:
             if self.device.type == "cuda":
@@ -1018,7 +1020,7 @@ class PipelineStage:
 
     def forward(self, i: int, x, v: int = 0):
         """Micro-batch i through chunk v; returns its output, or its loss where the chunk ends the model."""
-        with self.busy(f"forward {i}" + (f" chunk {v}" if len(self.chunks) > 1 else "")):
+        with self.busy("forward", i, v):
             if self.embeds(v):
                 x = self.batches[i][0]
             else:
@@ -1035,7 +1037,7 @@ class PipelineStage:
     def backward(self, i: int, grad, v: int = 0):
         """Micro-batch i back through chunk v, from its output's gradient (None: from its loss); returns
         the gradient of its input (None for the embedding's chunk)."""
-        with self.busy(f"backward {i}" + (f" chunk {v}" if len(self.chunks) > 1 else "")):
+        with self.busy("backward", i, v):
             if i == self.m - 1 and v == 0 and self.before_last_backward is not None:
                 self.before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
             out = self.outputs.pop((i, v))

@@ -421,8 +421,8 @@ class LMTask:
         return (batch[1] != IGNORE_INDEX).sum()
 
     def loss(self, out, targets, total) -> torch.Tensor:
-        """out: the logits, or with takes_hidden the final norm's output; total: the global batch's
-        targets (count summed over it)."""
+        """out: the logits, or with takes_hidden the final norm's output; total: the target tokens of the
+        whole global batch (the normalizer, load_batches')."""
         if self.takes_hidden:
             return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / total
         return P.loss_sum(out, targets, self.vocab_size, self.mesh) / total
