@@ -885,9 +885,10 @@ def clear_run(out_dir: Path) -> list[str]:
 # 8. Consolidation: a checkpoint (or the mean of a run's last few) -> one Hugging Face folder
 
 
-def consolidate(folder: Path, hf: Path, tokens: dict | None = None, average: list[Path] = ()):
+def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, average: list[Path] = ()):
     """A sharded checkpoint -> a Hugging Face folder, which every --init reads, as transformers does; with
-    `tokens` (data.hf_tokens), the folder records its tokenizer and special ids (model.save_hf). With
+    `tokenizer` (the tiktoken Encoding it was trained with), the folder records it and its special ids
+    (data.hf_tokens) and carries it as a Hugging Face tokenizer (data.hf_tokenizer_files). With
     `average` (other checkpoints of the same run), each weight is the element-wise mean of `folder`'s and
     theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory."""
     folder = Path(folder)
@@ -901,7 +902,11 @@ def consolidate(folder: Path, hf: Path, tokens: dict | None = None, average: lis
     if args.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
     model.load_state_dict(state)
-    M.save_hf(model, hf, tokens)
+    if tokenizer is None:
+        M.save_hf(model, hf)
+    else:
+        files = data.hf_tokenizer_files(tokenizer, chat, meta["args"].get("seq_len"))
+        M.save_hf(model, hf, data.hf_tokens(tokenizer, chat), files)
     return model
 
 
@@ -924,7 +929,7 @@ def main(argv=None) -> int:
                  last_intact(a.checkpoint, a.average_last, say))
         ckpt = ckpts[0]
         tok = tokenizer_for(ckpt, a.tokenizer)
-        consolidate(ckpt, Path(a.hf), data.hf_tokens(tok, recorded(ckpt).get("chat", False)), ckpts[1:])
+        consolidate(ckpt, Path(a.hf), tok, recorded(ckpt).get("chat", False), ckpts[1:])
     except (CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

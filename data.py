@@ -7,6 +7,7 @@ The data path of the project, in the order the bytes travel through this file:
                  With DATA_MIRROR (or mirror=/--mirror) it copies from a local mirror folder instead.
   2. Tokenizers  get_tokenizer(): byte, gpt2, cl100k_base, o200k_base and llama3 as tiktoken Encodings,
                  all carrying the Llama 3 special tokens (<|begin_of_text|>, <|end_of_text|>, ...).
+                 hf_tokenizer_files(): the same tokenizer as Hugging Face's tokenizer.json, for an export.
   3. Documents   read_documents(): a .txt file is one document, a .jsonl file one document per line.
   4. Shards      write_shard() / read_shard(): a 256-byte header, then uint16 or uint32 tokens.
   5. prepare()   documents -> BOS + tokens + EOS -> train_*.bin, val_*.bin, and meta.json written last
@@ -480,6 +481,86 @@ def hf_tokens(enc, chat: bool) -> dict:
     eos = [eot_id(enc), eos_id(enc)] if chat else eos_id(enc)
     return {"tokenizer": enc.name, "bos_token_id": bos_id(enc), "eos_token_id": eos,
             "pad_token_id": pad_id(enc)}
+
+
+# A Hugging Face tokenizer.json describes the same byte-level BPE as a tiktoken Encoding, in other words:
+#  - tokens are written in "byte-level characters", one printable character per byte (GPT-2's map), since
+#    JSON holds text, not bytes;
+#  - tiktoken ranks pieces, where Hugging Face lists merges: the token of rank r is made by merging any two
+#    tokens that spell it, so every such split becomes a merge, and merges are ordered by r. ignore_merges
+#    looks a whole pre-token up first, as tiktoken does;
+#  - the pre-tokenizer splits text with the Encoding's own pattern, then maps bytes to characters;
+#  - the post-processor adds <|begin_of_text|> in front, as prepare() does to every document.
+
+def hf_tokenizer_files(enc, chat: bool, max_len: int | None = None) -> dict:
+    """{file name: JSON object} of a Hugging Face tokenizer for `enc`: tokenizer.json, tokenizer_config.json
+    (with the Llama 3 chat template for a chat model) and special_tokens_map.json. save_hf writes them."""
+    names = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>" if chat else "<|end_of_text|>",
+             "pad_token": "<|finetune_right_pad_id|>"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "clean_up_tokenization_spaces": False,
+              "model_input_names": ["input_ids", "attention_mask"], "model_max_length": max_len or 131_072}
+    if chat:
+        config["chat_template"] = LLAMA3_CHAT_TEMPLATE
+    return {"tokenizer.json": _tokenizer_json(enc), "tokenizer_config.json": config,
+            "special_tokens_map.json": names}
+
+
+def _tokenizer_json(enc) -> dict:
+    char = _byte_chars()
+    spell = lambda token: "".join(char[b] for b in token)
+    ranks, specials = enc._mergeable_ranks, sorted(enc._special_tokens.items(), key=lambda item: item[1])
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    split = {"type": "Split", "pattern": {"Regex": _onig(enc._pat_str)}, "behavior": "Isolated",
+             "invert": False}
+    bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+           # special tokens too: where their ids leave gaps (cl100k_base, o200k_base), the tokenizers
+           # library would number them after the vocabulary unless the model names their ids
+           "vocab": {**{spell(token): rank for token, rank in ranks.items()}, **dict(specials)},
+           "merges": [[spell(a), spell(b)] for a, b in _merges(ranks)]}
+    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+            "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for t, i in specials],
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+            "post_processor": _bos_first(bos_id(enc)), "decoder": byte_level, "model": bpe}
+
+
+def _bos_first(bos: int) -> dict:
+    """A post-processor that puts <|begin_of_text|> in front of a text (and of each text of a pair)."""
+    token = lambda type_id: {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": type_id}}
+    text = lambda name, type_id: {"Sequence": {"id": name, "type_id": type_id}}
+    return {"type": "TemplateProcessing", "single": [token(0), text("A", 0)],
+            "pair": [token(0), text("A", 0), token(1), text("B", 1)],
+            "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [bos],
+                                                     "tokens": ["<|begin_of_text|>"]}}}
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> character map: printable Latin-1 bytes stand for themselves; the other 68 (controls,
+    space, soft hyphen) take the characters from U+0100 on, in byte order. So a space is "\u0120" (Ġ)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def _onig(pattern: str) -> str:
+    """The pattern for Oniguruma, the regex engine of Hugging Face's tokenizers, where "{1,3}+" means "{1,3},
+    one or more times", not a possessive {1,3} as in tiktoken (cl100k_base's numbers: "7500" would be one
+    piece, not "750" + "0"). A possessive interval that ends its alternative, as there, matches what a
+    greedy one does, since nothing after it can make it give digits back."""
+    return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
+
+
+def _merges(ranks: dict) -> list[tuple[bytes, bytes]]:
+    """Every (left, right) pair of tokens that spells another token, ordered by that token's rank (then by
+    the ranks of the two halves): tiktoken merges the adjacent pair whose union ranks lowest."""
+    found = []
+    for token, rank in ranks.items():
+        for i in range(1, len(token)):
+            left, right = ranks.get(token[:i]), ranks.get(token[i:])
+            if left is not None and right is not None:
+                found.append((rank, left, right, token[:i], token[i:]))
+    return [(a, b) for *_, a, b in sorted(found)]
 
 
 # ======== 3. Documents ============================================================================
@@ -1275,6 +1356,15 @@ def check_messages(messages):
         if not isinstance(message.get("content"), str):
             raise DataError(f"message {i} ({role}) has content of type "
                             f"{type(message.get('content')).__name__}, not a string")
+
+
+# The same format as a Jinja template, for an export's tokenizer_config.json (apply_chat_template). Rendered
+# as one text and then encoded, it gives encode_chat's ids except for content that starts with a newline
+# (which joins the header's "\n\n" in one piece) or holds a special token's text (which becomes that token).
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 
 
 def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:

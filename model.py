@@ -983,14 +983,16 @@ def load_hf(path, dtype=torch.float32) -> Transformer:
     return _load_state(model, {k: state[k].to(dtype) for k in state if k not in tied}, str(path))
 
 
-HF_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json")  # all save_hf writes
+HF_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json",  # all save_hf writes
+                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def save_hf(model: Transformer, path, tokens: dict | None = None):
+def save_hf(model: Transformer, path, tokens: dict | None = None, files: dict | None = None):
     """Write a Hugging Face Llama directory: config.json and model.safetensors (in the model's dtype). With
     `tokens` (data.hf_tokens: the tokenizer's name and its bos, eos and pad ids under transformers' names),
     config.json records them and generation_config.json tells generate() where to stop: without them,
-    transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here.
+    transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here. `files`
+    ({name: JSON object}, data.hf_tokenizer_files) are written beside them: the tokenizer itself.
 
     All or nothing: the files are written and fsynced in a temporary sibling folder, which is then renamed
     to `path`, so a full disk or a kill never leaves a truncated model in a folder that looks complete. An
@@ -1012,6 +1014,8 @@ def save_hf(model: Transformer, path, tokens: dict | None = None):
         if tokens:
             generation = {k: tokens[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        for name, obj in (files or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
         for f in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them the export
             _fsync(f)
         _swap_in(tmp, path)

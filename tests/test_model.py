@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import data
 import model as M
 
 
@@ -473,8 +474,9 @@ def test_save_hf_replaces_an_earlier_export_and_syncs(tmp_path, monkeypatch):
     real_fsync = M.os.fsync
     monkeypatch.setattr(M.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     (tmp_path / "out").mkdir()  # an empty folder is taken
-    M.save_hf(a, tmp_path / "out", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    assert sorted(export_files(tmp_path / "out")) == sorted(M.HF_EXPORT_FILES) and len(synced) >= 4
+    byte = data.get_tokenizer("byte")
+    M.save_hf(a, tmp_path / "out", data.hf_tokens(byte, False), data.hf_tokenizer_files(byte, False))
+    assert sorted(export_files(tmp_path / "out")) == sorted(M.HF_EXPORT_FILES) and len(synced) >= 7
     M.save_hf(b, tmp_path / "out")  # an earlier export is replaced as a whole: no stale generation config
     assert sorted(export_files(tmp_path / "out")) == ["config.json", "model.safetensors"]
     assert torch.equal(M.load_hf(tmp_path / "out").output.weight, b.output.weight)

@@ -103,6 +103,10 @@ def test_sft_fits_a_handful_of_conversations(tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     new = hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
     assert ours == "Blue." and new == tok.encode_ordinary("Blue.") + [data.eot_id(tok)]
+    # and the folder carries its tokenizer: transformers' own pipeline reads it and its chat template
+    chat = transformers.pipeline("text-generation", str(tmp_path / "hf"))
+    reply = chat(messages, max_new_tokens=30, do_sample=False)[0]["generated_text"][-1]
+    assert reply == {"role": "assistant", "content": "Blue."}
 
 
 # ---------------------------------------------------------------------------------------------------
