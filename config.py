@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import platform
 import random
 import sys
@@ -156,6 +157,9 @@ def add_run_flags(p: argparse.ArgumentParser):
     g.add_argument("--eval-every", type=int, default=600,
                    help="validation every N steps (0: only at the end, -1: never)")
     g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
+    g.add_argument("--eval-tasks", default="", metavar="TASK[:N],...",
+                   help="multiple-choice benchmarks scored at each validation, as evaluate.py scores them "
+                        "(e.g. hellaswag:200,piqa; N: the first N items)")
     g.add_argument("--ckpt-every", type=int, default=1000,
                    help="checkpoint every N steps and at the end (0: never)")
     g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
@@ -257,6 +261,7 @@ def validate(args):
     for name in ("warmup", "ckpt_every", "sample_tokens", "loss_chunk"):
         need(getattr(args, name) >= 0, name, "at least 0")
     need(args.eval_every >= -1, "eval_every", "-1 (never), 0 (at the end) or a number of steps")
+    eval_tasks(args.eval_tasks)
     need(0 < args.lr < math.inf, "lr", "a positive number")
     need(0 <= args.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
     need(0 <= args.beta1 < 1, "beta1", "in [0, 1)")
@@ -282,6 +287,18 @@ def validate(args):
         raise ConfigError("--act-ckpt selective does not work with --compile yet (it would recompute every "
                           "compiled block whole): use --act-ckpt full, or leave out --compile")
     check_path_lengths(args)
+
+
+def eval_tasks(spec: str) -> list[tuple[str, int | None]]:
+    """--eval-tasks "hellaswag:200,piqa" -> [("hellaswag", 200), ("piqa", None)]: a benchmark (or a file of
+    items) and how many of its first items to score (None: all)."""
+    tasks = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, limit = part.rpartition(":") if re.fullmatch(r".+:\w*", part) else (part, "", "")
+        if sep and not (limit.isdigit() and int(limit) >= 1):
+            raise ConfigError(f"--eval-tasks {part!r}: the number after ':' is how many items, at least 1")
+        tasks.append((name, int(limit) if limit else None))
+    return tasks
 
 
 NAME_MAX = 255  # bytes in one file or folder name, on every common file system

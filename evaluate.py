@@ -18,7 +18,8 @@ Read top to bottom:
   5. Multiple choice every choice scored by its log-likelihood after the context: acc, acc_norm, acc_token
   6. Generation      prompts from the command line or a file, plain or in the chat template
   7. Contamination   which benchmark items share an n-gram with the training data: hashed and streamed
-  8. A run's picture --plot: train and validation loss against tokens, and the learning rate, as a PNG
+  8. A run's picture --plot: train and validation loss against tokens, benchmarks scored during training,
+                     and the learning rate, as a PNG
   9. Weight changes  --diff A B: how far each matrix moved between two checkpoints of one model, and in
                      how many directions (the effective rank of the difference)
  10. Command line    every task prints a summary; --json prints one JSON object per task instead
@@ -385,15 +386,34 @@ def needle(model, tok, length: int, depth: float, trials: int, seed: int) -> dic
 
 
 def multiple_choice(model, tok, items, seq_len, batch_size, mesh, name="") -> dict:
-    mine = list(range(mesh.dp_rank, len(items), mesh.dp))
-    requests, cut = [], 0  # (tokens, number of choice tokens at the end); items with a choice cut short
+    """Rank r scores the items i with i % dp == r; the counts are summed over the ranks (choice_result)."""
+    mine = range(mesh.dp_rank, len(items), mesh.dp)
+    requests, cut = choice_requests(tok, items, mine, seq_len)
+    scores = score_by_length(model, requests, batch_size, Progress(name, len(requests), mesh))
+    result = choice_result(choice_tally(items, mine, requests, scores, cut), seq_len, mesh,
+                           model.tok_embeddings.weight.device)
+    if mesh.rank == 0:
+        say_cut(name or "multiple choice", result["choices_cut"], result["items"], seq_len)
+    return result
+
+
+def choice_requests(tok, items, mine, seq_len) -> tuple[list, int]:
+    """Every choice of the items `mine` as a request (tokens, the number of choice tokens at their end), and
+    how many of those items have a choice longer than seq_len. train.py scores the same requests in the
+    middle of a run, through its own layout (request_logprobs)."""
+    requests, cut = [], 0
     for i in mine:
         context = [data.bos_id(tok)] + tok.encode_ordinary(items[i]["context"])
         conts = [tok.encode_ordinary(" " + choice) for choice in items[i]["choices"]]
         cut += any(len(cont) > seq_len for cont in conts)
         requests += [((context + cont)[-(seq_len + 1):], min(len(cont), seq_len)) for cont in conts]
-    scores = score_by_length(model, requests, batch_size, Progress(name, len(requests), mesh))
-    sums, k = np.zeros(5), 0  # right by acc, acc_norm, acc_token; items; items with a choice cut short
+    return requests, cut
+
+
+def choice_tally(items, mine, requests, scores, cut) -> list[float]:
+    """Each request's summed log-prob (`scores`) -> [items right by acc, by acc_norm, by acc_token, items,
+    items with a choice cut short]: the sums choice_result turns into accuracies."""
+    sums, k = np.zeros(5), 0
     for i in mine:
         choices, label = items[i]["choices"], items[i]["label"]
         logp = np.array(scores[k:k + len(choices)])
@@ -403,14 +423,22 @@ def multiple_choice(model, tok, items, seq_len, batch_size, mesh, name="") -> di
         sums += [logp.argmax() == label, (logp / n_chars).argmax() == label, (logp / n_tokens).argmax()
                  == label, 1, 0]
     sums[4] = cut
-    device = model.tok_embeddings.weight.device
-    right, right_norm, right_token, n, cut = _all_reduce(sums.tolist(), mesh, device)
-    if cut and mesh.rank == 0:  # lm-evaluation-harness refuses these items; here they count, said once
-        print(f"{name or 'multiple choice'}: {int(cut):,} of {int(n):,} items have a choice longer than the "
-              f"{seq_len}-token window; each such choice is scored on its last {seq_len} tokens only",
-              file=sys.stderr, flush=True)
+    return sums.tolist()
+
+
+def choice_result(sums, seq_len, mesh, device) -> dict:
+    """Every dp rank's choice_tally summed -> acc, acc_norm, acc_token and the counts."""
+    right, right_norm, right_token, n, cut = _all_reduce(sums, mesh, device)
     return {"acc": right / n, "acc_norm": right_norm / n, "acc_token": right_token / n, "items": int(n),
             "seq_len": seq_len, "choices_cut": int(cut)}
+
+
+def say_cut(name: str, cut: int, n: int, seq_len: int):
+    """lm-evaluation-harness refuses items with a choice longer than the window; here they count, and the
+    log says how many."""
+    if cut:
+        print(f"{name}: {cut:,} of {n:,} items have a choice longer than the {seq_len}-token window; each such "
+              f"choice is scored on its last {seq_len} tokens only", file=sys.stderr, flush=True)
 
 
 def score_by_length(model, requests, batch_size, progress) -> list[float]:
@@ -589,8 +617,7 @@ def contamination(items, source, tok, n_words=13, n_tokens=8, examples=3, mirror
 
 
 def plot_run(out_dir) -> Path:
-    """<out-dir>/loss.png: train and validation loss against the tokens trained on (against steps for runs
-    that did not record tokens), the learning rate beneath. matplotlib is needed for this alone."""
+    """<out-dir>/loss.png (run_figure). matplotlib is needed for this alone."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no window, no process-wide backend to choose
     except ImportError:
@@ -600,22 +627,36 @@ def plot_run(out_dir) -> Path:
         raise config.ConfigError(f"--plot {out_dir}: no metrics.jsonl there (a train.py, sft.py or dpo.py "
                                  "--out-dir)")
     records = [r for _, r in data.json_records(path) if isinstance(r, dict)]
-    train, val = [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
-    if not train + val:
+    if not any("loss" in r or "val_loss" in r for r in records):
         raise data.DataError(f"{path}: no loss recorded yet")
+    run_figure(Figure(figsize=(8, 6)), records, str(out_dir)).savefig(Path(out_dir) / "loss.png", dpi=120,
+                                                                      bbox_inches="tight")
+    return Path(out_dir) / "loss.png"
+
+
+def run_figure(fig, records: list[dict], title: str):
+    """Train and validation loss against the tokens trained on (against steps for runs that did not record
+    tokens); beneath, the --eval-tasks benchmarks' acc_norm if the run scored any; the learning rate last."""
+    train, val = [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+    tasks = sorted({k.removesuffix("/acc_norm") for r in val for k in r if k.endswith("/acc_norm")})
     x = "tokens" if all("tokens" in r for r in train + val) else "step"
-    fig = Figure(figsize=(8, 6))
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    axes = fig.subplots(3 if tasks else 2, 1, sharex=True, height_ratios=[3, 2, 1] if tasks else [3, 1])
+    top, bottom = axes[0], axes[-1]
     top.plot([r[x] for r in train], [r["loss"] for r in train], label="train")
     top.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
-    top.set(ylabel="loss", title=str(out_dir))
+    top.set(ylabel="loss", title=title)
     top.legend()
+    for task in tasks:
+        scored = [r for r in val if f"{task}/acc_norm" in r]
+        axes[1].plot([r[x] for r in scored], [r[f"{task}/acc_norm"] for r in scored], "o-", label=task)
+    if tasks:
+        axes[1].set(ylabel="acc_norm")
+        axes[1].legend()
     bottom.plot([r[x] for r in train], [r["lr"] for r in train], color="gray")
     bottom.set(xlabel=x, ylabel="learning rate")
-    for ax in (top, bottom):
+    for ax in axes:
         ax.grid(alpha=0.3)
-    fig.savefig(Path(out_dir) / "loss.png", dpi=120, bbox_inches="tight")
-    return Path(out_dir) / "loss.png"
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
 
 Read in this order: train_step and train(), which checks the configuration, sets the run up and loops;
 the recipe (what is trained: Pretraining, LMTask); the pieces around the steps that each decide their own
-"when" (Meter, evaluate, Checkpointer, StopFlag); setting up; the ramp's switch; the command line. The
-flags and their checks are config.py's, the measuring instruments costs.py's; sft.py and dpo.py bring
-their own recipes.
+"when" (Meter, evaluate and the benchmarks, Checkpointer, StopFlag); setting up; the ramp's switch; the
+command line. The flags and their checks are config.py's, the measuring instruments costs.py's; sft.py
+and dpo.py bring their own recipes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import checkpoint as C
 import config
 import costs
 import data
+import evaluate as E
 import model as M
 import optim as O
 import parallel as P
@@ -73,6 +74,7 @@ class Run:
     make_val: Callable  # a fresh validation loader, from its start
     timer: costs.PhaseTimer
     ramp: list | None = None  # --ramp's stages (switch_stage)
+    benchmarks: list = ()  # --eval-tasks: [(name, items)], scored at each validation
 
     @property
     def dtype(self) -> torch.dtype:
@@ -247,6 +249,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
     recipe = recipe or Pretraining(args)
     spec = config.check_config(args, recipe)
+    check_benchmarks(args)
     mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
     lock, meter, stop = C.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
     try:
@@ -269,7 +272,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
             meter.step(step, result)
             if validation_due(step, args):
                 with meter.paused():
-                    meter.validation(step, *validation(run))
+                    meter.validation(step, *validation(run), benchmarks(run))
             if checkpointer.due(step):
                 with meter.paused():
                     checkpointer.save(step)  # 7. checkpoint
@@ -559,10 +562,11 @@ class Meter:
                    f"{rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
         self.write(rec)
 
-    def validation(self, step: int, loss: float, metrics: list, by_source: dict):
+    def validation(self, step: int, loss: float, metrics: list, by_source: dict, scores: dict):
         """Log a validation (called while paused: the pause so far is its time); by_source: a mixture's
-        loss on each source's own validation split."""
-        extra = {**self.named(metrics, "val_"), **{f"val_loss/{k}": v for k, v in by_source.items()}}
+        loss on each source's own validation split; scores: the --eval-tasks benchmarks' accuracies."""
+        by_source = {f"val_loss/{k}": v for k, v in by_source.items()}
+        extra = {**self.named(metrics, "val_"), **by_source, **scores}
         config.say(f"step {step:6d} | val loss {loss:.4f}"
                    + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
                    + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
@@ -672,6 +676,96 @@ def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
     run.model.train()
     loss, *metrics = torch.cat([loss.view(1), metrics]).tolist()
     return loss, metrics
+
+
+# Benchmarks during training (--eval-tasks): evaluate.py's multiple-choice scoring (the same requests and
+# tallies), but run through this run's own layout, since under tp, cp and pp no rank holds the whole model.
+
+
+def check_benchmarks(args):
+    """--eval-tasks names benchmarks or files of items: refused before any process talks."""
+    for name, _ in config.eval_tasks(args.eval_tasks):
+        if name not in E.BENCHMARKS and not Path(name).expanduser().is_file():
+            raise config.ConfigError(f"--eval-tasks {name}: not a benchmark ({', '.join(E.BENCHMARKS)}) nor a "
+                                     "file of multiple-choice items")
+
+
+def load_benchmarks(args, tok, mesh) -> list[tuple[str, list]]:
+    """[(name, its first N items)], read by rank 0 first (a download fills a cache folder); rank 0 says
+    how many have a choice cut to the window, once."""
+    read = lambda: [(name, E.read_items(name, args.mirror)[:limit])
+                    for name, limit in config.eval_tasks(args.eval_tasks)]
+    tasks = P.on_rank0_first(read, mesh) if args.eval_tasks else []
+    for name, items in tasks if mesh.rank == 0 else []:
+        cut = E.choice_requests(tok, items, range(len(items)), args.seq_len)[1]
+        E.say_cut(name, cut, len(items), args.seq_len)
+    return tasks
+
+
+def benchmarks(run: Run) -> dict:
+    """Each --eval-tasks benchmark's acc and acc_norm ({"hellaswag/acc": ...}): the items i with
+    i % dp == dp_rank go to each replica, whose ranks score them together; the counts are summed over dp."""
+    results, mesh = {}, run.mesh
+    for name, items in run.benchmarks:
+        mine = range(mesh.dp_rank, len(items), mesh.dp)
+        requests, cut = E.choice_requests(run.tok, items, mine, run.args.seq_len)
+        tally = E.choice_tally(items, mine, requests, request_logprobs(run, requests), cut)
+        result = E.choice_result(tally, run.args.seq_len, mesh, run.device)
+        results.update({f"{name}/{k}": result[k] for k in ("acc", "acc_norm")})
+    return results
+
+
+@torch.no_grad()
+def request_logprobs(run: Run, requests: list) -> list[float]:
+    """The summed log-prob of each request's last n tokens ((tokens, n): evaluate.choice_requests), through
+    the pipeline: the requests packed into rows of seq_len, each its own document (the mask and RoPE's
+    positions restart, so it scores as it would alone), micro_batch rows at a time; the head runs only at
+    the scored positions. Every dp rank runs as many micro-batches (ZeRO-3 gathers weights over dp)."""
+    mesh, args, device, B = run.mesh, run.args, run.device, run.args.micro_batch
+    rows = pack_requests(requests, args.seq_len, data.pad_id(run.tok))  # (4, rows, T)
+    n = torch.tensor([math.ceil(rows.shape[1] / B)], device=device)
+    P.all_reduce(n, mesh, "dp", op=dist.ReduceOp.MAX)
+    rows = torch.cat([rows, pack_requests([], args.seq_len, 0, int(n) * B - rows.shape[1])], dim=1).to(device)
+    inputs, targets, docs, index = rows
+    batches = [P.context_chunks((inputs[i:i + B], targets[i:i + B], docs[i:i + B]), mesh)
+               for i in range(0, len(inputs), B)]
+    pos = P.context_positions(args.seq_len, mesh.cp, mesh.cp_rank, device) if mesh.cp > 1 else slice(None)
+    at = iter([index[i:i + B, pos] for i in range(0, len(inputs), B)])  # each micro-batch's, in order
+    scores = torch.zeros(len(requests), dtype=torch.float64, device=device)
+
+    def score(h, targets):  # h: (B, T/cp, dim), the final norm's output on the last stage
+        keep, where = targets != IGNORE_INDEX, next(at)
+        logp = -P.token_losses(run.model.output(h[keep]), targets[keep], run.margs.vocab_size, mesh)
+        scores.index_add_(0, where[keep], logp.double())
+
+    run.model.eval()
+    P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, score, run.dtype,
+                       args.virtual_stages, head=False)
+    run.model.train()
+    for dim in ("cp", "pp"):  # each cp rank scored its chunks; the last stage holds the scores
+        P.all_reduce(scores, mesh, dim)
+    return scores.tolist()
+
+
+def pack_requests(requests: list, seq_len: int, pad: int, empty: int = 0) -> torch.Tensor:
+    """Requests (tokens, n) -> (4, rows, seq_len): inputs, targets, document ids, request index. Each
+    request gives its tokens but the last as inputs, its last n as targets (the rest IGNORE_INDEX), its own
+    document id, and its index at each of its positions (-1 in padding, whose document comes last). Filled
+    in order, a request to a row while it fits; then `empty` rows of padding."""
+    blank = lambda: torch.tensor([pad, IGNORE_INDEX, seq_len, -1])[:, None].repeat(1, seq_len)  # (4, T)
+    rows, used, doc = [], seq_len, 0
+    for r, (seq, n) in enumerate(requests):
+        L = len(seq) - 1  # positions it takes: every token but the last predicts the next
+        if used + L > seq_len:
+            rows.append(blank())
+            used, doc = 0, 0
+        row = rows[-1]
+        row[0, used:used + L] = torch.as_tensor(seq[:-1])
+        row[1, used + L - n:used + L] = torch.as_tensor(seq[-n:])
+        row[2, used:used + L], row[3, used:used + L] = doc, r
+        used, doc = used + L, doc + 1
+    rows += [blank() for _ in range(empty)]
+    return torch.stack(rows, dim=1) if rows else torch.empty(4, 0, seq_len, dtype=torch.long)
 
 
 class Checkpointer:
@@ -838,7 +932,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     timer = costs.PhaseTimer(spec.device, time_phases, costs.tracer_for(args, mesh, spec.device))
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, timer, spec.ramp)
+              loader, make_val, timer, spec.ramp, load_benchmarks(args, spec.tok, mesh))
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)

@@ -361,6 +361,18 @@ def test_plot_draws_a_run_and_says_when_matplotlib_is_missing(checkpoint, tmp_pa
     assert capsys.readouterr().err.strip() == "error: --plot needs matplotlib: pip install matplotlib"
 
 
+def test_the_plot_draws_the_benchmarks_scored_during_training():
+    """A run with --eval-tasks: a panel between the losses and the learning rate, a line per benchmark."""
+    from matplotlib.figure import Figure
+    records = [{"step": s, "tokens": 100 * s, "loss": 5 - s, "lr": 1e-3} for s in (1, 2)]
+    records += [{"step": 2, "tokens": 200, "val_loss": 4.0, "piqa/acc": 0.5, "piqa/acc_norm": 0.55,
+                 "hellaswag/acc": 0.25, "hellaswag/acc_norm": 0.3}]
+    loss, scores, lr = E.run_figure(Figure(), records, "run").axes
+    assert [line.get_label() for line in scores.get_lines()] == ["hellaswag", "piqa"]
+    assert [list(line.get_ydata()) for line in scores.get_lines()] == [[0.3], [0.55]]
+    assert len(E.run_figure(Figure(), records[:2], "run").axes) == 2  # none scored: no panel
+
+
 @pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
 def test_the_pass_key_sits_at_its_depth_and_is_scored_as_its_tokens(tokenizer):
     """needle_prompt: the prompt and the key fill exactly the length asked, the key stated once at the

@@ -293,6 +293,8 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--pp-layers", "a,b"], "--pp-layers 'a,b': expected the layers of each stage"),
     (["--ckpt-every", "-1"], "--ckpt-every must be at least 0, got -1"),
     (["--eval-every", "-2"], "--eval-every must be -1 (never)"),
+    (["--eval-tasks", "piqa,nosuch:10"], "--eval-tasks nosuch: not a benchmark (hellaswag, piqa, arc_easy)"),
+    (["--eval-tasks", "piqa:0"], "--eval-tasks 'piqa:0': the number after ':' is how many items, at least 1"),
     (["--skip-spikes", "0.5"], "--skip-spikes must be 0 (off) or a factor above 1"),
     (["--model", "llama3.1-405b"], "model llama3.1-405b needs about"),
     (["--virtual-stages", "0"], "--virtual-stages must be at least 1"),

@@ -22,6 +22,7 @@ import checkpoint as C
 import config
 import costs
 import data
+import evaluate
 import launch
 import model as M
 import parallel as P
@@ -452,6 +453,60 @@ def test_document_masking_matches_single_process(tmp_path, short_documents, n, f
     assert losses(masked)[0] != losses(unmasked)[0]
     job(n, tmp_path, "--data", str(data_file), "--doc-mask", *flags)
     assert_same_training(tmp_path, masked)
+
+
+# A run that also writes, at its end, the summed log-probs of the choices of 13 PIQA items as its layout scores
+# them (train.request_logprobs: requests packed into rows, through the pipeline, the head at the scored
+# positions only); --eval-tasks logs the accuracies from the same scores.
+BENCHMARK_RUN = f"""
+import json, sys
+sys.path.insert(0, {str(REPO)!r})
+import config, evaluate, train
+args = config.get_parser().parse_args(sys.argv[1:])
+run = train.train(args)
+items = evaluate.read_items("piqa")[:13]
+requests, _ = evaluate.choice_requests(run.tok, items, range(13), args.seq_len)
+scores = train.request_logprobs(run, requests)
+if run.mesh.rank == 0:
+    open(args.out_dir + "/scores.json", "w").write(json.dumps(scores))
+"""
+
+
+def benchmark_job(n, out, *flags):
+    (out / "run.py").write_text(BENCHMARK_RUN)
+    job(n, out / "o", "--eval-tasks", "piqa:13", *flags, script=out / "run.py")
+    records = [json.loads(line) for line in (out / "o" / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "o" / "scores.json").read_text()), [r for r in records if "piqa/acc" in r]
+
+
+@pytest.fixture(scope="module")
+def benchmark_reference(tmp_path_factory):
+    return benchmark_job(1, tmp_path_factory.mktemp("bench"))
+
+
+BENCHMARK_LAYOUTS = [(2, ["--tp", "2", "--sp"]), (2, ["--cp", "2"]), (2, ["--zero", "3"]),
+                     (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]),
+                     (8, ["--cp", "2", "--tp", "2", "--pp", "2", "--zero", "1"])]
+
+
+@pytest.mark.parametrize("n,flags", BENCHMARK_LAYOUTS, ids=[f"{n}:{' '.join(f)}" for n, f in BENCHMARK_LAYOUTS])
+def test_benchmarks_during_training_match_evaluate(tmp_path, benchmark_reference, n, flags):
+    """--eval-tasks under each layout (dp ranks with unequal shares of the items among them): each choice's
+    log-prob is what evaluate.py computes from the run's checkpoint (the whole model, one request a row),
+    and the logged accuracies are the single-process run's."""
+    scores, logged = benchmark_job(n, tmp_path, *flags)
+    ref_scores, ref_logged = benchmark_reference
+    tok = data.get_tokenizer("byte")
+    items = evaluate.read_items("piqa")[:13]
+    requests, cut = evaluate.choice_requests(tok, items, range(13), 32)
+    model = evaluate.load_model(tmp_path / "o", tok, torch.device("cpu"), torch.float32, P.Mesh())
+    whole = evaluate.score_by_length(model, requests, 8, evaluate.Progress("piqa", len(requests), P.Mesh()))
+    assert cut > 0 and len(scores) == len(requests) == 26  # some choices longer than the window: cut
+    scores, whole, ref_scores = (torch.tensor(v, dtype=torch.float64) for v in (scores, whole, ref_scores))
+    assert torch.allclose(scores, whole, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(scores, ref_scores, rtol=1e-4, atol=1e-3)
+    assert len(logged) == 1 and {k: v for k, v in logged[0].items() if "/" in k} == {
+        k: v for k, v in ref_logged[0].items() if "/" in k}
 
 
 RAMP = ["--ramp", "0:32x16,1K:64x32"]  # step 3 is 32 sequences of 64 tokens

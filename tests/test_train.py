@@ -304,7 +304,8 @@ def test_wandb_and_tensorboard_get_the_records_of_metrics_jsonl(tmp_path, monkey
     fake_package(monkeypatch, "torch.utils.tensorboard", SummaryWriter=SummaryWriter)
     out = tmp_path / "o"
     train.main(TINY + ["--max-steps", "4", "--log-every", "2", "--eval-every", "2", "--out-dir", str(out),
-                       "--wandb", "my-project", "--tensorboard", str(tmp_path / "tb")])
+                       "--wandb", "my-project", "--tensorboard", str(tmp_path / "tb"),
+                       "--eval-tasks", "piqa:8"])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     flat = lambda r: {"step": r["step"], **{f"{k}/{s}" if isinstance(v, dict) else k: x for k, v in r.items()
                                             if k != "step" for s, x in (v.items() if isinstance(v, dict)
@@ -312,6 +313,7 @@ def test_wandb_and_tensorboard_get_the_records_of_metrics_jsonl(tmp_path, monkey
     assert len(records) == 4 and logged == [flat(r) for r in records]  # 2 log lines, 2 validations
     assert scalars == [(k, v, r["step"]) for r in records for k, v in flat(r).items() if k != "step"]
     assert ("val_loss", records[1]["val_loss"], 2) in scalars
+    assert ("piqa/acc_norm", records[1]["piqa/acc_norm"], 2) in scalars and "piqa/acc" in logged[1]
     assert events == ["my-project", f"tensorboard in {tmp_path / 'tb'}", "wandb finished",
                       "tensorboard closed"]
 
