@@ -145,7 +145,7 @@ def print_costs(r: dict):
     over = lambda s: ", more than the compute)" if s > r["step_time_s"] else ")"
     times = [f"{dim} {s:.2f} s ({r['links'][dim]}{over(s)}"
              for dim, s in r["comm_seconds_per_step"].items() if s]
-    print(f"  on the links ({system.nvlink_gbs:g} GB/s NVLink each way within {system.domain} GPUs, "
+    print(f"  on the links ({system.link_gbs:g} GB/s {system.link} each way within {system.domain} GPUs, "
           f"{system.network_gbs:g} GB/s network): " + (", ".join(times) or "nothing")
           + f"; compute {r['step_time_s']:.2f} s a step (all bytes exposed, none overlapped)")
     print(f"  cost: {r['gpu_hours'] / 1e6:,.2f}M GPU-hours; {r['energy_mwh']:,.0f} MWh ({system.watts:g} W a "
@@ -803,7 +803,8 @@ def run_plan(a):
 
 def nodes_of(a) -> tuple[int, int]:
     """(nodes, GPUs a node) for --launch, or one line why the layout does not fit whole nodes: every tp
-    group must lie within one NVLink domain: a node, or a GB200 NVL72 rack, whose NVLink spans its trays."""
+    group must lie within one NVLink (or PCIe, Infinity Fabric) domain: a node, or a GB200 NVL72 rack,
+    whose NVLink spans its trays."""
     per_node, rack = a.gpus_per_node or (4 if a.gpu == "GB200" else 8), costs.SYSTEMS[a.gpu].domain
     domain = rack if rack > 8 else per_node  # (8: an HGX board, one node)
     if a.gpus % per_node:
@@ -811,7 +812,8 @@ def nodes_of(a) -> tuple[int, int]:
                "(--gpus-per-node)")
     if a.tp > domain or (per_node % a.tp if a.tp <= per_node else a.tp % per_node):
         refuse(f"--launch: tp {a.tp} groups would not lie within nodes of {per_node} GPUs, {domain} in one "
-               "NVLink domain: tensor parallelism's all-reduces must not cross the network")
+               f"{costs.SYSTEMS[a.gpu].link} domain: tensor parallelism's all-reduces must not cross the "
+               "network")
     return a.gpus // per_node, per_node
 
 

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import resource
 import time
 from contextlib import contextmanager
@@ -319,23 +320,34 @@ def dp_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, dp: int, zero: int, gr
 
 
 class System(NamedTuple):
-    """One GPU as a cluster holds it (datasheets): memory, board power, NVLink bandwidth each way, how many
-    GPUs one NVLink domain joins, and its share of the scale-out network (InfiniBand) each way."""
+    """One GPU as a cluster holds it (datasheets): memory, board power, the link that joins it to the GPUs
+    of its server or rack (NVLink, AMD's Infinity Fabric, or plain PCIe) and its bandwidth each way, how
+    many GPUs that link joins, and its share of the scale-out network (InfiniBand, Ethernet) each way."""
     memory_gb: float
     watts: float
-    nvlink_gbs: float
+    link: str
+    link_gbs: float
     domain: int
     network_gbs: float
 
 
 # HGX boards join 8 GPUs by NVLink: 600 GB/s both ways on an A100 (NVLink 3), 900 on an H100 or H200 (NVLink 4),
 # 1.8 TB/s on a B200 (NVLink 5); the PCIe and NVL cards are joined in pairs by a bridge; a GB200 NVL72 rack
-# joins 72 GPUs in one NVLink domain (so TP or EP up to 72). The network: one InfiniBand NIC per GPU, HDR
-# 200 Gb/s (A100), NDR 400 Gb/s (H100, H200), XDR 800 Gb/s (B200, GB200).
-SYSTEMS = {"A100": System(80, 400, 300, 8, 25), "H100": System(80, 700, 450, 8, 50),
-           "H100 PCIe": System(80, 350, 300, 2, 50), "H100 NVL": System(94, 400, 300, 2, 50),
-           "H200": System(141, 700, 450, 8, 50), "H200 NVL": System(141, 600, 450, 2, 50),
-           "B200": System(192, 1000, 900, 8, 100), "GB200": System(186, 1200, 900, 72, 100)}
+# joins 72 GPUs in one NVLink domain (so TP or EP up to 72). An MI300X platform joins 8 by Infinity Fabric,
+# 7 links of 64 GB/s each way, one to each peer. Cards without either (L4, L40S, A10, A10G, GeForce) talk over
+# PCIe inside a server of 8: 32 GB/s each way on Gen4, 64 on Gen5. The network: one InfiniBand NIC per GPU,
+# HDR 200 Gb/s (A100), NDR 400 Gb/s (H100, H200, MI300X), XDR 800 Gb/s (B200, GB200); for the PCIe cards a
+# 100 Gb/s Ethernet share per GPU, what such clusters vary most in. A B200 holds 180 GB (the first datasheet
+# said 192), a GB200's GPU 186.
+SYSTEMS = {"RTX 4090": System(24, 450, "PCIe", 32, 8, 12.5), "RTX 5090": System(32, 575, "PCIe", 64, 8, 12.5),
+           "L4": System(24, 72, "PCIe", 32, 8, 12.5), "L40S": System(48, 350, "PCIe", 32, 8, 12.5),
+           "A10": System(24, 150, "PCIe", 32, 8, 12.5), "A10G": System(24, 300, "PCIe", 32, 8, 12.5),
+           "A100": System(80, 400, "NVLink", 300, 8, 25), "A100 40GB": System(40, 400, "NVLink", 300, 8, 25),
+           "H100": System(80, 700, "NVLink", 450, 8, 50), "H100 PCIe": System(80, 350, "NVLink", 300, 2, 50),
+           "H100 NVL": System(94, 400, "NVLink", 300, 2, 50), "H200": System(141, 700, "NVLink", 450, 8, 50),
+           "H200 NVL": System(141, 600, "NVLink", 450, 2, 50), "B200": System(180, 1000, "NVLink", 900, 8, 100),
+           "GB200": System(186, 1200, "NVLink", 900, 72, 100),
+           "MI300X": System(192, 750, "Infinity Fabric", 448, 8, 50)}
 
 
 def run_costs(gpu: str, gpus: int, seconds: float, pue: float, usd_per_gpu_hour: float) -> dict:
@@ -348,18 +360,18 @@ def run_costs(gpu: str, gpus: int, seconds: float, pue: float, usd_per_gpu_hour:
 
 
 def links(gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict[str, str]:
-    """The link each dimension's groups use: "NVLink" where a group lies in one NVLink domain, else
-    "network". The mesh puts tp innermost, then cp, pp and dp (parallel.init_mesh), so a group spans the
-    product of the sizes up to its own."""
+    """The link each dimension's groups use: the GPU's own link ("NVLink", "PCIe", ...) where a group lies
+    in one of its domains, else "network". The mesh puts tp innermost, then cp, pp and dp
+    (parallel.init_mesh), so a group spans the product of the sizes up to its own."""
     span = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": gpus}
-    return {dim: "NVLink" if n <= SYSTEMS[gpu].domain else "network" for dim, n in span.items()}
+    return {dim: SYSTEMS[gpu].link if n <= SYSTEMS[gpu].domain else "network" for dim, n in span.items()}
 
 
 def comm_seconds(comm: dict, gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict:
     """Seconds per step that each dimension's bytes (comm_estimate's, sent by one GPU) take on its link:
     bytes over bandwidth each way, all of it exposed (latency, and overlap with compute, left out)."""
     system, link = SYSTEMS[gpu], links(gpu, tp, cp, pp, gpus)
-    return {dim: sent / 1e9 / (system.nvlink_gbs if link[dim] == "NVLink" else system.network_gbs)
+    return {dim: sent / 1e9 / (system.network_gbs if link[dim] == "network" else system.link_gbs)
             for dim, sent in comm.items()}
 
 
@@ -379,22 +391,51 @@ def compute_optimal(flops: float) -> tuple[float, float]:
 # Instruments: peak FLOP/s for MFU, memory, the phases' time
 
 
-# Dense tensor-core peaks in TFLOP/s (NVIDIA's datasheets: A100, H100, H200, HGX B200, GB200 NVL72; without
-# sparsity, which the sheets' headline figures include): bf16 and fp16, and TF32, which is what fp32 matmuls
-# run on here (train() allows TF32). NVL parts run at lower clocks than SXM ones; a GB200's B200 at more.
-GPU_PEAK_TFLOPS = {"A100": {"bf16": 312, "tf32": 156}, "H100 PCIe": {"bf16": 756, "tf32": 378},
-                   "H100 NVL": {"bf16": 835, "tf32": 417.5}, "H100": {"bf16": 989, "tf32": 494.5},
-                   "H200 NVL": {"bf16": 835, "tf32": 417.5}, "H200": {"bf16": 989, "tf32": 494.5},
-                   "B200": {"bf16": 2250, "tf32": 1100}, "GB200": {"bf16": 2500, "tf32": 1250}}
+class Peak(NamedTuple):
+    """A GPU's dense tensor-core peak in TFLOP/s: bf16 (and fp16), and TF32, which is what fp32 matmuls run
+    on here (train() allows TF32); and where the figures come from."""
+    bf16: float
+    tf32: float
+    source: str
+
+
+# Without sparsity: the datasheets' headline figures assume 2:4 sparsity (an asterisk), and are halved here.
+# NVL parts run at lower clocks than SXM ones; a GB200's B200 at more. GeForce cards multiply bf16 with an
+# fp32 accumulator (what training uses) at half their fp16-accumulate rate: the whitepapers list both.
+GPU_PEAK_TFLOPS = {
+    "RTX 4090": Peak(165.2, 82.6, "NVIDIA Ada Lovelace architecture whitepaper, appendix A: bf16 with fp32 "
+                                  "accumulate 165.2, TF32 82.6"),
+    "RTX 5090": Peak(209.5, 104.8, "NVIDIA RTX Blackwell architecture whitepaper: bf16 with fp32 accumulate "
+                                   "209.5; TF32 half that, as on every GeForce part"),
+    "L4": Peak(121, 60, "NVIDIA L4 datasheet: 242 / 120 with sparsity"),
+    "L40S": Peak(362.05, 183, "NVIDIA L40S datasheet: 733 / 366 with sparsity"),
+    "A10": Peak(125, 62.5, "NVIDIA A10 datasheet: 250 / 125 with sparsity"),
+    # no datasheet: AWS's GA102 for its G5 instances, fp32 accumulate at half rate as on GeForce parts; a
+    # published GEMM benchmark measured 69.5 / 34.7
+    "A10G": Peak(70, 35, "derived: 80 SMs x 1.71 GHz x 512 bf16 FLOP per clock (no NVIDIA datasheet)"),
+    "A100": Peak(312, 156, "NVIDIA A100 datasheet (40 and 80 GB, SXM and PCIe): 624 / 312 with sparsity"),
+    "A100 40GB": Peak(312, 156, "NVIDIA A100 datasheet: 624 / 312 with sparsity"),
+    "H100 PCIe": Peak(756, 378, "NVIDIA H100 datasheet: 1,513 / 756 with sparsity"),
+    "H100 NVL": Peak(835, 417.5, "NVIDIA H100 datasheet: 1,671 / 835 with sparsity"),
+    "H100": Peak(989, 494.5, "NVIDIA H100 datasheet, SXM: 1,979 / 989 with sparsity"),
+    "H200 NVL": Peak(835, 417.5, "NVIDIA H200 datasheet: 1,671 / 835 with sparsity"),
+    "H200": Peak(989, 494.5, "NVIDIA H200 datasheet, SXM: 1,979 / 989 with sparsity"),
+    "B200": Peak(2250, 1100, "NVIDIA Blackwell datasheet, HGX B200: 4.5 / 2.2 PFLOP/s with sparsity"),
+    "GB200": Peak(2500, 1250, "NVIDIA Blackwell datasheet, GB200 NVL72 per GPU: 5 / 2.5 PFLOP/s with sparsity"),
+    "MI300X": Peak(1307.4, 653.7, "AMD Instinct MI300X data sheet: 2,614.9 / 1,307.4 with sparsity"),
+}
 
 
 def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
-    """(FLOP/s, which figure) for a GPU named like torch.cuda.get_device_name(), or None if unknown."""
-    # 'H100 NVL' before 'H100', 'GB200' before 'B200'
+    """(FLOP/s, which figure and its source) for a GPU named like torch.cuda.get_device_name() ("NVIDIA
+    A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"), or None if unknown. A key matches as a whole word: "L4"
+    is not an L40 and "H200" not a GH200. The longest first: "H100 NVL" before "H100"."""
     for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
             kind = "tf32" if precision == "fp32" else "bf16"
-            return GPU_PEAK_TFLOPS[key][kind] * 1e12, f"{name} ({key}, dense {kind.upper()}, table)"
+            peak = getattr(GPU_PEAK_TFLOPS[key], kind)
+            return peak * 1e12, (f"{name} ({key}, dense {kind.upper()} {peak:g} TFLOP/s: "
+                                 f"{GPU_PEAK_TFLOPS[key].source})")
     return None
 
 
@@ -404,11 +445,13 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     (measured_peak) once per process, so every run in it (bench.py's sweep) has the same denominator. The
     description says so when the precision runs at under half of fp32's speed on this device (a CPU
     without native bf16 kernels): that run would be faster in fp32."""
-    known = gpu_peak(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    known = gpu_peak(name, precision) if device.type == "cuda" else None
     if known:
         return known
     peak = measured_peak(device, M.DTYPES[precision])
-    source = f"{device.type} measured: the best {precision} nn.Linear matmul"
+    source = (f"{name}: not in the peak table, so measured: the best {precision} nn.Linear matmul"
+              if device.type == "cuda" else f"{name} measured: the best {precision} nn.Linear matmul")
     if precision != "fp32":
         fp32 = measured_peak(device, torch.float32)
         if peak < fp32 / 2:

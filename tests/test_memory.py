@@ -164,7 +164,30 @@ def test_peaks_by_gpu_and_precision():
     assert costs.gpu_peak("NVIDIA H100 PCIe", "bf16")[0] == 756e12
     assert costs.gpu_peak("NVIDIA GB200", "bf16")[0] == 2500e12
     assert costs.gpu_peak("NVIDIA A100-SXM4-80GB", "fp32")[0] == 156e12
-    assert costs.gpu_peak("NVIDIA GeForce RTX 4090", "bf16") is None  # unknown: train.py measures a matmul
+    # the names torch.cuda.get_device_name() gives the parts people train on, each matched as a whole word
+    names = {"NVIDIA GeForce RTX 4090": "RTX 4090", "NVIDIA GeForce RTX 5090": "RTX 5090", "NVIDIA L4": "L4",
+             "NVIDIA L40S": "L40S", "NVIDIA A10": "A10", "NVIDIA A10G": "A10G", "NVIDIA A100-SXM4-40GB": "A100",
+             "NVIDIA A100 80GB PCIe": "A100", "NVIDIA H200": "H200", "NVIDIA B200": "B200",
+             "AMD Instinct MI300X": "MI300X"}
+    for name, key in names.items():
+        peak, source = costs.gpu_peak(name, "bf16")
+        assert peak == costs.GPU_PEAK_TFLOPS[key].bf16 * 1e12 and f"({key}, dense BF16" in source
+        assert costs.gpu_peak(name, "fp32")[0] == costs.GPU_PEAK_TFLOPS[key].tf32 * 1e12
+    assert costs.gpu_peak("NVIDIA GeForce RTX 4090", "bf16")[0] == 165.2e12  # fp32 accumulate: what trains
+    assert costs.gpu_peak("NVIDIA L40", "bf16") is None and costs.gpu_peak("NVIDIA GH200 480GB", "bf16") is None
+    for key, peak in costs.GPU_PEAK_TFLOPS.items():  # every part has its figures' source, and a system
+        assert peak.source and peak.tf32 < peak.bf16 and key in costs.SYSTEMS
+
+
+def test_an_unknown_gpu_is_measured_and_the_log_says_so(monkeypatch):
+    monkeypatch.setattr(costs.torch.cuda, "get_device_name", lambda device: "NVIDIA L40")
+    monkeypatch.setattr(costs, "measured_peak", lambda device, dtype: 150e12)
+    costs.peak_flops.cache_clear()
+    try:
+        assert costs.peak_flops(torch.device("cuda", 0), "bf16") == (
+            150e12, "NVIDIA L40: not in the peak table, so measured: the best bf16 nn.Linear matmul")
+    finally:
+        costs.peak_flops.cache_clear()
 
 
 SAVED = textwrap.dedent(f"""
