@@ -60,13 +60,15 @@ import train as T
 def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
          grad_accum: int, mfu: float, zero: int = 1, act_ckpt: bool = False, precision: str = "bf16",
          sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1,
-         virtual: int = 1, loss_chunk: int = 1024, pue: float = 1.1, usd_per_gpu_hour: float = 2.0) -> dict:
+         virtual: int = 1, loss_chunk: int = 1024, pue: float = 1.1, usd_per_gpu_hour: float = 2.0,
+         lora: tuple | None = None) -> dict:
     """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
     (under each of ZeRO 0 to 3 and activation checkpointing on/off, the chosen one marked), the bytes each
     GPU sends per step and their time on its links, the bubble, the step time at a stated MFU and what the
     run costs (costs.run_costs). The memory fits when it is at most the GPU's capacity less reserve_gb,
     kept for what no tensor count sees: the CUDA context and kernels, NCCL's buffers (one set per process
-    group) and the allocator's fragmentation."""
+    group) and the allocator's fragmentation. lora (rank, targets): LoRA fine-tuning, the model frozen
+    (costs.memory_estimate) and its training FLOPs 4N + 12LdT, with no weight gradients."""
     margs = M.PRESETS[model]
     config.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)  # as train.py
     dp = gpus // (tp * cp * pp)
@@ -75,11 +77,13 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
     flops_tok = M.flops_per_token(margs, seq_len)
+    if lora:
+        flops_tok = {k: v - 2 * M.matmul_params(margs) for k, v in flops_tok.items()}
     layout = dict(tp=tp, pp=pp, dp=dp, sp=sp, grad_accum=grad_accum, cp=cp, virtual=virtual)
     memory = lambda z, ck: costs.memory_estimate(
         margs, precision, micro_batch, seq_len, act_ckpt=ck, zero=int(z), schedule=schedule, **layout,
-        loss_chunk=P.loss_chunk_used(loss_chunk, tokens_micro // cp, z))
-    variants = {f"zero{z}_ckpt{ckpt_label(c)}": memory(z, c) for z in (0, 1, 2, 3)
+        loss_chunk=P.loss_chunk_used(loss_chunk, tokens_micro // cp, z), lora=lora)
+    variants = {f"zero{z}_ckpt{ckpt_label(c)}": memory(z, c) for z in (0, 1, 2, 3) if not (lora and z == 3)
                 for c in (False, "selective", "full")}
     chosen = variants[f"zero{int(zero)}_ckpt{ckpt_label(act_ckpt)}"]
     comm = costs.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt=act_ckpt, zero=int(zero),
@@ -92,7 +96,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
             "gpus_per_replica": tp * cp * pp, "micro_batch": micro_batch, "seq_len": seq_len,
             "grad_accum": grad_accum,
             "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
-            "steps": steps, "flops": 6 * n * tokens, "flops_per_token": flops_tok, "precision": precision,
+            "steps": steps, "flops": (4 if lora else 6) * n * tokens, "flops_per_token": flops_tok, "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
             "comm_bytes_per_step": comm, "bubble": (pp - 1) / (virtual * grad_accum + pp - 1), "mfu": mfu,
             "peak_flops": peak, "step_time_s": step_s, **costs.run_costs(gpu, gpus, steps * step_s, pue,
@@ -101,7 +105,9 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
             "links": costs.links(gpu, tp, cp, pp, gpus),
             "compute_optimal": {"parameters": optimal[0], "tokens": optimal[1]}, "gpu_memory_bytes": capacity,
             "reserve_bytes": reserve_gb * 1e9, "fits": chosen["total"] <= capacity - reserve_gb * 1e9,
-            "zero": zero, "act_ckpt": act_ckpt, "sp": sp, "schedule": schedule, "virtual_stages": virtual}
+            "zero": zero, "act_ckpt": act_ckpt, "sp": sp, "schedule": schedule, "virtual_stages": virtual,
+            "lora": {"rank": lora[0], "targets": list(lora[1]),
+                     "trained": costs.lora_params(margs, *lora) * margs.n_layers} if lora else None}
 
 
 def ckpt_label(act_ckpt) -> str:
@@ -116,16 +122,19 @@ def print_plan(r: dict):
     print(f"  batch: {r['micro_batch']} x {r['seq_len']:,} = {r['tokens_per_micro_batch']:,} tokens per "
           f"micro-batch, x {r['grad_accum']} accumulation x {r['dp']} dp = {r['tokens_per_global_batch']:,} "
           "tokens per step")
-    print(f"  {r['tokens']:.3g} tokens: {r['steps']:,} steps, 6ND = {r['flops']:.3g} FLOPs "
-          f"({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, "
-          f"{r['flops_per_token']['megatron'] / 1e9:.1f} Megatron); {r['tokens'] / r['params']:,.0f} tokens "
-          f"per parameter, where Chinchilla's 20 would spend these FLOPs on "
-          f"{r['compute_optimal']['parameters'] / 1e9:,.0f}B parameters and "
-          f"{r['compute_optimal']['tokens'] / 1e12:,.2f}T tokens")
+    sizing = (f"; {r['tokens'] / r['params']:,.0f} tokens per parameter, where Chinchilla's 20 would spend "
+              f"these FLOPs on {r['compute_optimal']['parameters'] / 1e9:,.0f}B parameters and "
+              f"{r['compute_optimal']['tokens'] / 1e12:,.2f}T tokens") if not r["lora"] else ""
+    print(f"  {r['tokens']:.3g} tokens: {r['steps']:,} steps, {'4ND' if r['lora'] else '6ND'} = "
+          f"{r['flops']:.3g} FLOPs ({r['flops_per_token']['palm'] / 1e9:.1f} GFLOP/token PaLM, "
+          f"{r['flops_per_token']['megatron'] / 1e9:.1f} Megatron){sizing}")
     print(f"  at {100 * r['mfu']:.0f}% MFU of {r['peak_flops'] / 1e12:,.0f} TFLOP/s ({r['precision']}): "
           f"{r['step_time_s']:.2f} s per step, {r['days']:,.1f} days; pipeline bubble {r['bubble']:.3f} "
           f"({r['schedule']}" + (f", {r['virtual_stages']} chunks per rank)" if r["virtual_stages"] > 1
                                  else ")"))
+    if r["lora"]:
+        print(f"  LoRA rank {r['lora']['rank']} on {', '.join(r['lora']['targets'])}: "
+              f"{r['lora']['trained']:,} trained parameters, the model frozen in {r['precision']}")
     zero = f"ZeRO-{int(r['zero'])}" if r["zero"] else "no ZeRO"
     print(f"  memory of the busiest GPU ({zero}, "
           f"{ {None: 'no ', 'full': '', 'selective': 'selective '}[costs.ckpt_mode(r['act_ckpt'])]}"
@@ -609,6 +618,9 @@ def add_plan_args(g):
     g.add_argument("--pue", type=float, default=1.1,
                    help="the data center's power usage effectiveness: its power over the GPUs' (cooling...)")
     g.add_argument("--usd-per-gpu-hour", type=float, default=2.0, help="the price of one GPU for an hour")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="plan LoRA fine-tuning (sft.py --lora-rank): adapters of rank R, the model frozen")
+    g.add_argument("--lora-targets", default=",".join(M.LORA_TARGETS), help="the linears LoRA adapts")
     g.add_argument("--budget-flops", type=float, default=None,
                    help="also say what model size and tokens this many training FLOPs buy (Chinchilla), beside "
                         "what Llama 3 chose")
@@ -777,6 +789,22 @@ def print_trace(trace: dict, folder: Path):
               f"= (p - 1) / (v m + p - 1)")
 
 
+def plan_lora(a) -> tuple | None:
+    """--lora-rank and --lora-targets as plan() takes them, (rank, targets), checked as sft.py checks them."""
+    if a.lora_rank is None:
+        return None
+    if a.launch or a.zero == 3:
+        refuse("--lora-rank: " + ("--launch writes train.py's command, which trains every weight" if a.launch
+                                  else "--zero 3 shards what the optimizer trains, under LoRA the adapters "
+                                       "alone: plan --zero 1 or 2"))
+    targets = tuple(t.strip() for t in a.lora_targets.split(",") if t.strip())
+    try:
+        config.check_lora_shape(a.lora_rank, 1.0, targets, M.PRESETS[a.model])
+    except config.ConfigError as e:
+        refuse(str(e))
+    return a.lora_rank, targets
+
+
 def run_plan(a):
     sizing = sizing_for(a.budget_flops) if a.budget_flops else None
     if sizing and not a.json:
@@ -786,7 +814,8 @@ def run_plan(a):
     try:
         r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
                  a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
-                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour)
+                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour,
+                 plan_lora(a))
     except P.LayoutError as e:
         refuse(f"invalid parallel layout: {e}")
     if a.launch:

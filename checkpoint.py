@@ -24,10 +24,12 @@ Read in this order:
                pointer out of the folder, a damaged step or a shard file outside the manifest (unlisted:
                never read) is said out loud
   6. Records   recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all);
-               load_init: its model args and weights, whichever of the three formats it is in
+               load_init: its model args and weights, whichever of the three formats it is in (a LoRA
+               checkpoint's adapters merged into the model they adapt: checkpoint_state)
   7. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
   8. Consolidation  consolidate (and `python checkpoint.py consolidate`): a checkpoint, or the mean of a run's
-               last few, as one Hugging Face folder
+               last few, as one Hugging Face folder; export_peft: a LoRA checkpoint's adapters alone, as
+               PEFT lays them out
 """
 
 from __future__ import annotations
@@ -790,13 +792,7 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
         path = resolve(path, verify=verify)
     try:
         if is_checkpoint(path):
-            margs = checkpoint_args(path)
-            full, _ = read_full_state(path, keys=("master",))  # lazy: assembled when a rank needs it
-            master = lambda name: (lambda: full[name]["master"])
-            names = [name for name in full if not name.startswith(M.TRAINING_ONLY)]  # the model's own
-            state = M.LazyState({name: master(name) for name in names} |
-                                ({"output.weight": master("tok_embeddings.weight")} if margs.tie_embeddings
-                                 else {}))
+            margs, state = checkpoint_state(path, tok, verify)
         elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
             margs, state = M.hf_state(path)
         elif (path / "params.json").exists():
@@ -809,7 +805,7 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
         raise
     except Exception as e:
         raise CheckpointError(f"cannot read --init {path}: {type(e).__name__}: {data.one_line(e)}")
-    if tok.n_vocab > margs.vocab_size:
+    if tok is not None and tok.n_vocab > margs.vocab_size:
         margs, state = grow_vocab(margs, state, tok.n_vocab)
     return margs, state
 
@@ -817,6 +813,53 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
 def checkpoint_args(step: Path) -> M.ModelArgs:
     """A checkpoint's model args, from its meta.json alone."""
     return M.ModelArgs.from_dict(read_meta(step)["model_args"])
+
+
+def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.ModelArgs, M.LazyState]:
+    """A checkpoint's model args and weights (its fp32 masters, each read when looked up), without what only
+    training keeps (M.TRAINING_ONLY). A LoRA checkpoint holds its adapters alone: each adapted weight is
+    then the model it adapts (lora_base) merged with them, W + (alpha / r) B A."""
+    margs, lora = checkpoint_args(step), read_meta(step).get("lora")
+    full, _ = read_full_state(step, keys=("master",))
+    master = lambda name: (lambda: full[name]["master"])
+    state = {name: master(name) for name in full
+             if not name.startswith(M.TRAINING_ONLY) and not M.is_lora(name)}
+    if lora:
+        base = lora_base(lora, margs, tok, verify)
+        for name in base:
+            adapter = name.removesuffix(".weight")
+            if f"{adapter}.lora_A" in full:
+                state[name] = lambda name=name, ab=(master(f"{adapter}.lora_A"), master(f"{adapter}.lora_B")): \
+                    M.merge_lora(base[name], ab[0](), ab[1](), lora["alpha"] / lora["rank"])
+            else:
+                state.setdefault(name, lambda name=name: base[name])  # (a head trained whole is the run's own)
+    if margs.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return margs, M.LazyState(state)
+
+
+def lora_record(lora: tuple | None, init: str | None, seed: int) -> dict | None:
+    """What a LoRA checkpoint needs to become a model again (checkpoint_state): its adapters' settings and
+    the model they adapt, --init (an absolute path), or with none the one --seed draws."""
+    if lora is None:
+        return None
+    rank, alpha, targets = lora
+    return {"rank": rank, "alpha": alpha, "targets": list(targets), "seed": seed,
+            "base": str(Path(init).expanduser().resolve()) if init else None}
+
+
+def lora_base(lora: dict, margs: M.ModelArgs, tok, verify: bool):
+    """The weights a LoRA checkpoint adapts, lazily: its --init, read as any --init is, or the model drawn
+    from its seed."""
+    if lora["base"] is not None:
+        if not Path(lora["base"]).exists():
+            raise CheckpointError(f"this LoRA checkpoint adapts {lora['base']}, which is gone: the adapters "
+                                  "alone are no model")
+        return load_init(lora["base"], tok, verify)[1]
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in M.Transformer(margs).named_parameters()}
+    return M.LazyState({name: (lambda name=name, shape=shape: M.init_tensor(margs, name, shape, lora["seed"]))
+                        for name, shape in shapes.items()})
 
 
 def with_room_for(margs: M.ModelArgs, n_vocab: int) -> M.ModelArgs:
@@ -890,18 +933,14 @@ def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, aver
     `tokenizer` (the tiktoken Encoding it was trained with), the folder records it and its special ids
     (data.hf_tokens) and carries it as a Hugging Face tokenizer (data.hf_tokenizer_files). With
     `average` (other checkpoints of the same run), each weight is the element-wise mean of `folder`'s and
-    theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory."""
+    theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory. A LoRA
+    checkpoint is written merged (checkpoint_state)."""
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
-    args = M.ModelArgs.from_dict(meta["model_args"])
-    fulls = [read_full_state(f, keys=("master",))[0] for f in [folder, *average]]
-    model = M.empty_model(args)
-    mean = lambda name: sum(full[name]["master"].float() for full in fulls) / len(fulls)
-    state = {name: fulls[0][name]["master"] if not average else mean(name) for name in fulls[0]
-             if not name.startswith(M.TRAINING_ONLY)}
-    if args.tie_embeddings:
-        state.setdefault("output.weight", state["tok_embeddings.weight"])
-    model.load_state_dict(state)
+    states = [checkpoint_state(f, tokenizer, verify=False)[1] for f in [folder, *average]]
+    model = M.empty_model(M.ModelArgs.from_dict(meta["model_args"]))
+    mean = lambda name: sum(state[name].float() for state in states) / len(states)
+    model.load_state_dict({name: states[0][name] if not average else mean(name) for name in states[0]})
     if tokenizer is None:
         M.save_hf(model, hf)
     else:
@@ -910,12 +949,40 @@ def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, aver
     return model
 
 
+PEFT_EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+PEFT_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj",
+              "w2": "down_proj", "w3": "up_proj"}
+
+
+def export_peft(folder: Path, out: Path):
+    """A LoRA checkpoint's adapters alone, as PEFT saves them (adapter_model.safetensors: the Hugging Face
+    module's name, then lora_A.weight (r, in) and lora_B.weight (out, r); adapter_config.json), for
+    PeftModel.from_pretrained(base, out) on the Hugging Face export of the model they adapt."""
+    meta, (full, _) = read_meta(folder), read_full_state(folder, keys=("master",))
+    lora = meta.get("lora")
+    if not lora:
+        raise CheckpointError(f"{folder} is not a LoRA checkpoint (no --lora-rank): export it whole with --hf")
+    if any(not M.is_lora(name) for name in full):
+        raise CheckpointError(f"{folder} trains a head whole beside its adapters (a reward model): export it "
+                              "merged with --hf")
+    theirs = lambda name: "base_model.model." + M.hf_name(name.rsplit(".", 1)[0] + ".weight").removesuffix(
+        ".weight") + f".{name.rsplit('.', 1)[1]}.weight"
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
+              "target_modules": sorted(PEFT_NAMES[t] for t in lora["targets"]), "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "base_model_name_or_path": lora["base"]}
+    M.write_export(out, {"adapter_model.safetensors": {theirs(name): full[name]["master"] for name in full}},
+                   {"adapter_config.json": config}, PEFT_EXPORT_FILES)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tools for sharded checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="merge a checkpoint's shards into a Hugging Face folder")
     c.add_argument("checkpoint", help="a step directory, or an --out-dir (its newest intact checkpoint)")
-    c.add_argument("--hf", required=True, help="write a Hugging Face Llama folder here")
+    out = c.add_mutually_exclusive_group(required=True)
+    out.add_argument("--hf", help="write a Hugging Face Llama folder here (a LoRA checkpoint: merged)")
+    out.add_argument("--peft", help="write a LoRA checkpoint's adapters alone here, in PEFT's layout")
     c.add_argument("--tokenizer", help="the tokenizer.model of a checkpoint trained with a custom one")
     c.add_argument("--average-last", type=int, default=1, metavar="N",
                    help="write the mean of the out-dir's last N intact checkpoints (Llama 3 averaged those "
@@ -923,13 +990,17 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         say = lambda msg: print(msg, file=sys.stderr)
-        if a.average_last < 1:
-            raise CheckpointError(f"--average-last {a.average_last}: at least 1")
+        if a.average_last < 1 or (a.peft and a.average_last > 1):
+            raise CheckpointError(f"--average-last {a.average_last}: at least 1, and 1 with --peft (the "
+                                  "mean of adapters is not the mean of the models: average them with --hf)")
         ckpts = ([resolve(a.checkpoint, say=say)] if a.average_last == 1 else
                  last_intact(a.checkpoint, a.average_last, say))
         ckpt = ckpts[0]
         tok = tokenizer_for(ckpt, a.tokenizer)
-        consolidate(ckpt, Path(a.hf), tok, recorded(ckpt).get("chat", False), ckpts[1:])
+        if a.peft:
+            export_peft(ckpt, Path(a.peft))
+        else:
+            consolidate(ckpt, Path(a.hf), tok, recorded(ckpt).get("chat", False), ckpts[1:])
     except (CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -938,7 +1009,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     averaged = f" (the mean of {', '.join(c.name for c in ckpts)})" if len(ckpts) > 1 else ""
-    print(f"consolidated {ckpt}{averaged} -> {a.hf} (tokenizer {tok.name})")
+    print(f"consolidated {ckpt}{averaged} -> {a.hf or a.peft} (tokenizer {tok.name})")
     return 0
 
 

@@ -88,6 +88,7 @@ def get_parser() -> argparse.ArgumentParser:
                         "from TOKENS seen on, each step is SEQUENCES of SEQ_LEN tokens; it sets --seq-len and "
                         "--grad-accum (SEQUENCES / (micro-batch x dp)) stage by stage")
     add_optimization_flags(p)
+    add_lora_flags(p)
     add_memory_and_speed_flags(p)
     add_parallel_flags(p)
     add_run_flags(p)
@@ -107,6 +108,52 @@ def add_optimization_flags(p: argparse.ArgumentParser):
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on CUDA, fp32 elsewhere")
+
+
+def add_lora_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("LoRA (sft.py, dpo.py, reward.py, rl.py)")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="train low-rank updates of rank R beside the frozen model (LoRA), not every weight")
+    g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                   help="the updates are scaled by A / R (default: A = 2R)")
+    g.add_argument("--lora-targets", default=",".join(M.LORA_TARGETS),
+                   help="the linears of every block that get an update")
+
+
+def lora_of(args) -> tuple[int, float, tuple[str, ...]] | None:
+    """(rank, alpha, targets) of --lora-rank, --lora-alpha, --lora-targets; None without --lora-rank."""
+    if args.lora_rank is None:
+        return None
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    return args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+
+
+def check_lora(args, margs, recipe):
+    """LoRA's flags against the recipe and the model: one line for each that cannot work."""
+    lora = lora_of(args)
+    if lora is None:
+        return
+    if recipe.kind == "pretraining":
+        raise ConfigError("--lora-rank: LoRA adapts a trained model; use it with sft.py, dpo.py, reward.py or "
+                          "rl.py (train.py trains every weight)")
+    check_lora_shape(*lora, margs)
+    if args.zero == 3:
+        raise ConfigError("--zero 3 shards the weights the optimizer trains, which under LoRA are the adapters "
+                          "alone: use --zero 1 or 2 (the frozen model stays whole on each rank)")
+
+
+def check_lora_shape(rank: int, alpha: float, targets, margs):
+    """The targets name linears of a block, and the rank fits every one of them."""
+    unknown = [t for t in targets if t not in M.LORA_TARGETS]
+    if unknown or not targets:
+        raise ConfigError(f"--lora-targets {','.join(targets)!r}: {', '.join(unknown) or 'nothing'} matches no "
+                          f"linear of a block; they are {', '.join(M.LORA_TARGETS)}")
+    smallest = min(min(costs.lora_shapes(margs)[t]) for t in targets)
+    if not 1 <= rank <= smallest:
+        raise ConfigError(f"--lora-rank {rank}: must be at least 1 and at most the smallest side of a targeted "
+                          f"matrix ({smallest})")
+    if not 0 < alpha < math.inf:
+        raise ConfigError(f"--lora-alpha {alpha}: must be a positive number")
 
 
 def add_memory_and_speed_flags(p: argparse.ArgumentParser):
@@ -349,6 +396,7 @@ def check_config(args, recipe) -> Spec:
     check_trackers(args)
     tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
+    check_lora(args, margs, recipe)
     dp, whole = divmod(world, args.tp * args.cp * args.pp)
     if args.ramp and recipe.kind != "pretraining":
         raise ConfigError(f"--ramp stages pretraining's token stream; {recipe.kind} reads whole examples")
@@ -437,14 +485,16 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
     dp = world // (args.tp * args.cp * args.pp)
     layout = dict(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, split=split, cp=args.cp,
                   virtual=args.virtual_stages)
+    lora = lora_of(args)
+    est_lora = (lora[0], lora[2]) if lora else None  # (rank, targets)
     est = costs.memory_estimate(margs, precision, rows, args.seq_len, act_ckpt=args.act_ckpt, sp=args.sp,
                                 grad_accum=args.grad_accum, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=chunk, **layout)
+                                loss_chunk=chunk, lora=est_lora, **layout)
     if frozen_copies:  # in the training precision, cut as the trained model is
         est["frozen"] = frozen_copies * costs.BYTES[precision] * max(costs.stage_params(
             margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))
         est["total"] += est["frozen"]
-    build = max(costs.build_bytes(margs, precision, stage=s, **layout) for s in range(args.pp))
+    build = max(costs.build_bytes(margs, precision, stage=s, lora=est_lora, **layout) for s in range(args.pp))
     have, need = costs.available_memory(device), max(est["total"], build)
     if have is not None and need > have:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)

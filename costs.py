@@ -66,6 +66,22 @@ def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
     return sum(unit_params(args, tp, pp, stage, split, virtual))
 
 
+def lora_shapes(args: M.ModelArgs) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear of a block that LoRA can adapt, whole."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return {"wq": (args.dim, q), "wk": (args.dim, kv), "wv": (args.dim, kv), "wo": (q, args.dim),
+            "w1": (args.dim, args.hidden_dim), "w2": (args.hidden_dim, args.dim),
+            "w3": (args.dim, args.hidden_dim)}
+
+
+def lora_params(args: M.ModelArgs, rank: int, targets, tp: int = 1) -> int:
+    """LoRA's parameters in one block on one tp rank: r (in + out) per targeted linear, the side that tp
+    splits (a column-parallel linear's outputs, a row-parallel one's inputs) divided by tp."""
+    rows = ("wo", "w2")
+    return sum(rank * (i // tp + o if t in rows else i + o // tp)
+               for t, (i, o) in lora_shapes(args).items() if t in targets)
+
+
 def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
                      cp: int = 1, loss_chunk: int = 0) -> dict:
     """Bytes of one micro-batch of `tokens` tokens (this rank's: under cp, 1/cp of each sequence), as
@@ -137,7 +153,7 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
                     act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
                     split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
-                    virtual: int = 1, loss_chunk: int = 0) -> dict[str, float]:
+                    virtual: int = 1, loss_chunk: int = 0, lora: tuple | None = None) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
@@ -157,15 +173,19 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps a
     reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (one byte per
     parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference.
-    loss_chunk: train.py's --loss-chunk as the next-token loss uses it (loss_chunk there; 0: whole logits)."""
+    loss_chunk: train.py's --loss-chunk as the next-token loss uses it (loss_chunk there; 0: whole logits).
+    lora: (rank, targets) of LoRA: the model's weights frozen (b bytes each, nothing else), the model
+    states above for the adapters alone, and no weight gradient of the embedding or the head; LoRA's own
+    activations (r numbers a token for each adapted linear) are left out."""
     if stage is None:
         layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
                       schedule=schedule, split=split, cp=cp, bucket_mb=bucket_mb, virtual=virtual,
-                      loss_chunk=loss_chunk)
+                      loss_chunk=loss_chunk, lora=lora)
         return max((memory_estimate(args, precision, micro_batch, seq_len, stage=s, **layout)
                     for s in range(pp)), key=lambda m: m["total"])
-    out = model_state_bytes(args, precision, tp, pp, dp * cp, zero, stage, split, bucket_mb, virtual)
+    out = model_state_bytes(args, precision, tp, pp, dp * cp, zero, stage, split, bucket_mb, virtual, lora)
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk)
+    a["weight_grad"] = 0.0 if lora else a["weight_grad"]
     act_ckpt = ckpt_mode(act_ckpt)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     out["activations"] = held_activations(a, layers, stage, pp, schedule, grad_accum, virtual, act_ckpt)
@@ -180,12 +200,15 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
 
 
 def model_state_bytes(args: M.ModelArgs, precision: str, tp: int, pp: int, dp: int, zero: int, stage: int,
-                      split, bucket_mb: float, virtual: int) -> dict:
+                      split, bucket_mb: float, virtual: int, lora: tuple | None = None) -> dict:
     """memory_estimate's model states on one rank of stage `stage`, dp the ranks holding the same weights
-    (dp x cp: ZeRO shards over all of them)."""
+    (dp x cp: ZeRO shards over all of them); with lora, those of the adapters beside the frozen weights."""
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
-    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
-    out = {"weights": n * b, "grads": n * 4,
+    n, frozen = stage_params(args, tp, pp, stage, split, virtual), 0
+    if lora:
+        n, frozen = lora_params(args, *lora, tp) * rank_layers(args.n_layers, pp, stage, split, virtual), n
+    n = -(-n // dp) * dp
+    out = {"weights": (n + frozen) * b, "grads": n * 4,
            "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
            "optimizer": 2 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
     if zero >= 2 and zdp > 1:  # staging (GradSync._launch): the bucket filling, two in flight, their pieces
@@ -198,16 +221,21 @@ def model_state_bytes(args: M.ModelArgs, precision: str, tp: int, pp: int, dp: i
 
 def build_bytes(args: M.ModelArgs, precision: str = "bf16", *, tp: int = 1, pp: int = 1, dp: int = 1,
                 zero: int = 0, stage: int = 0, split: list[int] | None = None, cp: int = 1,
-                virtual: int = 1) -> float:
+                virtual: int = 1, lora: tuple | None = None) -> float:
     """The most one rank of pipeline stage `stage` holds while train.py builds its model and optimizer,
     before the optimizer's state exists (the steady state after that is memory_estimate's). Each parameter
     is drawn or read whole in fp32, one at a time, and cut to this rank's tp piece (another fp32 copy
     when tp cuts it). Without ZeRO-3 the pieces make the model (b bytes each), which AdamW then copies into
     its flat buffer beside the fp32 gradient buffer: for a moment both copies exist. ZeRO-3 over dp x cp
     writes each piece straight into this rank's 1/dp share of the model copy (materialize_empty,
-    AdamW(initial=)): the share, beside one parameter or one unit's buffer (made and released once)."""
+    AdamW(initial=)): the share, beside one parameter or one unit's buffer (made and released once).
+    lora (rank, targets): the optimizer takes the adapters alone; the frozen model stays as built."""
     dp, b = dp * cp, BYTES[precision]
     n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    if lora:
+        n_lora = lora_params(args, *lora, tp) * rank_layers(args.n_layers, pp, stage, split, virtual)
+        one_fp32 = 4 * max(args.dim * args.hidden_dim, args.vocab_size * args.dim)  # read whole, then cut
+        return n * b + max(one_fp32, n_lora * (2 * b + 4))
     fulls = [args.dim * args.hidden_dim, args.n_heads * args.head_dim * args.dim]
     fulls += [args.vocab_size * args.dim] if stage in (0, pp - 1) else []
     one = max(4 * f * (1 + (1 / tp if tp > 1 else 0)) for f in fulls)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 import config
 import data
+import model as M
 import parallel as P
 import sft
 import train as T
@@ -271,10 +272,11 @@ def skipping(targets, skip):
 def reference_logps(reference, batches, mesh, args, skip=None) -> list:
     """Sequence log-probs of every micro-batch under the frozen reference (pipelined like the policy), the
     target ids in `skip` left out; only the last stage computes them, the others get None."""
-    scored = P.pipeline_forward(reference, batches, mesh, args.seq_len, reference.args.dim,
-                                lambda logits, y: sequence_logps(logits, y, reference.args.vocab_size, mesh,
-                                                                 skip),
-                                next(reference.parameters()).dtype, args.virtual_stages)
+    with M.without_lora(reference):  # (LoRA: the reference is the policy's own frozen model)
+        scored = P.pipeline_forward(reference, batches, mesh, args.seq_len, reference.args.dim,
+                                    lambda logits, y: sequence_logps(logits, y, reference.args.vocab_size, mesh,
+                                                                     skip),
+                                    next(reference.parameters()).dtype, args.virtual_stages)
     return scored if mesh.last_stage else [None] * len(batches)
 
 
@@ -408,6 +410,8 @@ def weights_digest(model, mesh) -> str:
     digest, which only costs a recomputation."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
+        if M.is_lora(name):  # the reference is the model without them
+            continue
         h.update(name.encode())
         h.update(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
     if mesh.world == 1:
@@ -439,8 +443,13 @@ class DPO(sft.SFT):
 
     kind = "dpo"
     rows_per_example = DPOTask.rows_per_example
-    frozen_copies = 1  # the reference (with --precompute-ref too: it lives while its log-probs are computed)
     head_in_loss = False  # DPOTask's loss is given the logits
+
+    def __init__(self, args):
+        super().__init__(args)
+        # the reference (with --precompute-ref too: it lives while its log-probs are computed); under LoRA
+        # it is the policy's frozen model itself, its adapters off (M.without_lora)
+        self.frozen_copies = 0 if config.lora_of(args) else 1
 
     def weights(self, mesh) -> dict | None:
         self.initial = super().weights(mesh)  # kept: the reference is built from them too (task)
@@ -455,9 +464,8 @@ class DPO(sft.SFT):
         return train, make_val, desc
 
     def task(self, margs, mesh, device, dtype, model):
-        reference = T.build_model(margs, self.initial, self.args, mesh, device, dtype).eval()
-        for p in reference.parameters():
-            p.requires_grad_(False)
+        reference = model if config.lora_of(self.args) else \
+            T.build_model(margs, self.initial, self.args, mesh, device, dtype).eval().requires_grad_(False)
         if not self.args.precompute_ref:
             return DPOTask(margs, mesh, self.args, reference=reference, skip=self.skip)
         # the point of precomputing: the reference is freed when this returns, before training starts

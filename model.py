@@ -5,7 +5,8 @@ Read top to bottom:
   2. RMSNorm, RoPE                normalization and rotary positions with the Llama 3.1 frequency scaling
   3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP
   4. Transformer                  embedding -> n_layers x Block -> norm -> output head; packed documents
-                                 (a dense mask, or FlexAttention's block mask on CUDA)
+                                 (a dense mask, or FlexAttention's block mask on CUDA); LoRA's low-rank
+                                 updates on the linears (add_lora, merge_lora)
   5. generate                     sampling with a KV cache (temperature, top-k, top-p; 0 = greedy)
   6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
                                  hf_state reads a Hugging Face folder lazily, tensor by tensor
@@ -351,6 +352,23 @@ class KVCache:
         return self.k[:, :, :start_pos + T], self.v[:, :, :start_pos + T]
 
 
+class Linear(nn.Linear):
+    """x W^T, no bias: the linears of attention and the MLP. One may carry a LoRA update (add_lora):
+    x W^T + (alpha / r) (x A^T) B^T, A (r, in) and B (out, r)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__(in_features, out_features, bias=False, device=device)
+        self.register_parameter("lora_A", None)
+        self.register_parameter("lora_B", None)
+        self.lora_scale, self.lora_on = 0.0, True
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.lora_A is not None and self.lora_on:  # (B, T, in) -> (B, T, r) -> (B, T, out)
+            y = y + self.lora_scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return y
+
+
 class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (Ainslie et al. 2023).
     backend: which kernel computes it (ATTN_BACKENDS; set_attn_backend)."""
@@ -360,10 +378,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         kv_dim = args.n_kv_heads * args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = Linear(args.dim, args.n_heads * args.head_dim)
+        self.wk = Linear(args.dim, kv_dim)
+        self.wv = Linear(args.dim, kv_dim)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim)
 
     def project(self, x, cos, sin):
         """x (B, T, dim) -> q (B, T, n_heads, head_dim), k and v (B, T, n_kv_heads, head_dim), RoPE applied
@@ -440,9 +458,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+        self.w1 = Linear(args.dim, args.hidden_dim)  # gate
+        self.w3 = Linear(args.dim, args.hidden_dim)  # up
+        self.w2 = Linear(args.hidden_dim, args.dim)  # down
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -475,11 +493,13 @@ def init_tensor(args: ModelArgs, name: str, shape, seed: int, device="cpu") -> t
     parameter without making the others, so a tensor- or pipeline-parallel rank builds only its own pieces
     and still holds exactly the weights the whole model would have (parallel.materialize). Drawn on the
     CPU by default, so a seed gives the same model on any device."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device)
-    std = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    if name.endswith(("norm.weight", "lora_B")):  # (LoRA's B: zero, so training starts from the model)
+        return torch.full(shape, float(name.endswith("norm.weight")), device=device)
     g = torch.Generator(device=device)  # seeded by a digest: the same in every process (unlike hash())
     g.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:4], "little"))
+    if name.endswith("lora_A"):  # as nn.Linear draws its weight (PEFT's LoRA too): U(-1/sqrt(in), 1/sqrt(in))
+        return torch.empty(shape, device=device).uniform_(-shape[1] ** -0.5, shape[1] ** -0.5, generator=g)
+    std = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
     return torch.empty(shape, device=device).normal_(0.0, std, generator=g)
 
 
@@ -604,6 +624,66 @@ def empty_model(args: ModelArgs, dtype=torch.float32, device="cpu") -> Transform
     with torch.device("meta"):
         model = Transformer(args)
     return with_storage(model.to(dtype), device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4b. LoRA (Hu et al. 2021): fine-tuning that trains, beside each chosen linear's frozen W, a low-rank update
+#     (alpha / r) B A: A (r, in) drawn as a linear's weight is, B (out, r) zero, so training starts from the
+#     model itself. Only A and B are trained: no gradient, fp32 master or optimizer state for W, a
+#     fraction of a percent of the parameters. A merged model (merge_lora) is the plain architecture again.
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def lora_linears(model: Transformer) -> list[tuple[str, Linear]]:
+    """(name, module) of every linear LoRA can adapt: "layers.3.attention.wq", ... (this stage's layers)."""
+    parts = (("attention", LORA_TARGETS[:4]), ("feed_forward", LORA_TARGETS[4:]))
+    return [(f"layers.{key}.{part}.{name}", getattr(getattr(block, part), name))
+            for key, block in model.layers.items() for part, names in parts for name in names]
+
+
+def add_lora(model: Transformer, rank: int, alpha: float, targets, train=()):
+    """Freeze every parameter but those whose names start with one of `train` (a new head), and give each
+    targeted linear (by short name: wq ... w3) factors A (r, in) and B (out, r) of its shape here,
+    uninitialized (init_tensor draws them). Under tensor parallelism (model.tp_placement) a column-parallel
+    linear's B is split with its rows and a row-parallel one's A with its columns; the other factor is
+    whole on every rank, and its gradient a partial sum over tp (each rank sees its own slice of the
+    linear's outputs or inputs)."""
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(tuple(train)))
+    for name, linear in lora_linears(model):
+        if name.rsplit(".", 1)[1] in targets:
+            (out, inp), w = linear.weight.shape, linear.weight
+            linear.lora_A = nn.Parameter(torch.empty(rank, inp, device=w.device, dtype=w.dtype))
+            linear.lora_B = nn.Parameter(torch.empty(out, rank, device=w.device, dtype=w.dtype))
+            linear.lora_scale = alpha / rank
+            dim, size = model.tp_placement.get(f"{name}.weight", (None, None))
+            if dim is not None:
+                model.tp_placement[f"{name}.lora_{'BA'[dim]}"] = (dim, size)
+
+
+def is_lora(name: str) -> bool:
+    return name.endswith(("lora_A", "lora_B"))
+
+
+def merge_lora(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
+    """W + scale * B A, in fp32 (the merged linear computes what the adapted one did, in one matmul)."""
+    return weight.float() + scale * (lora_B.float() @ lora_A.float())
+
+
+@contextlib.contextmanager
+def without_lora(model: Transformer):
+    """The model without its LoRA updates inside the block: the base it adapts (dpo.py's and rl.py's
+    reference, so no second copy of the model is held)."""
+    adapted = [linear for _, linear in lora_linears(model) if linear.lora_A is not None]
+    for linear in adapted:
+        linear.lora_on = False
+    try:
+        yield model
+    finally:
+        for linear in adapted:
+            linear.lora_on = True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -827,7 +907,7 @@ _HF_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.N / model.layers.N
 }
 
 
-def _hf_name(ours: str, classifier: bool = False) -> str:
+def hf_name(ours: str, classifier: bool = False) -> str:
     """Our parameter name -> Hugging Face's; classifier: the head is LlamaForSequenceClassification's."""
     if ours.startswith("layers."):
         _, i, rest = ours.split(".", 2)
@@ -961,15 +1041,15 @@ def hf_state(path) -> tuple[ModelArgs, LazyState]:
         expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     if args.tie_embeddings:
         expected.pop("output.weight")  # the head is the embedding
-    hf_name = lambda ours: _hf_name(ours, classifier=args.num_labels is not None)
-    missing = [hf_name(k) for k in expected if hf_name(k) not in where]
+    theirs = lambda ours: hf_name(ours, classifier=args.num_labels is not None)
+    missing = [theirs(k) for k in expected if theirs(k) not in where]
     if missing:
         raise ValueError(f"{path}: missing {missing[:4]}")
     for k, shape in expected.items():
-        if tuple(where[hf_name(k)][1]) != shape:
-            raise ValueError(f"{path}: {k} has shape {tuple(where[hf_name(k)][1])}, the config says {shape}")
+        if tuple(where[theirs(k)][1]) != shape:
+            raise ValueError(f"{path}: {k} has shape {tuple(where[theirs(k)][1])}, the config says {shape}")
     read = lambda hf: (lambda: read_safetensors(where[hf][0], [hf])[hf])
-    readers = {k: read(hf_name(k)) for k in expected}
+    readers = {k: read(theirs(k)) for k in expected}
     if args.tie_embeddings:
         readers["output.weight"] = readers["tok_embeddings.weight"]
     return args, LazyState(readers)
@@ -992,29 +1072,34 @@ def save_hf(model: Transformer, path, tokens: dict | None = None, files: dict | 
     `tokens` (data.hf_tokens: the tokenizer's name and its bos, eos and pad ids under transformers' names),
     config.json records them and generation_config.json tells generate() where to stop: without them,
     transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here. `files`
-    ({name: JSON object}, data.hf_tokenizer_files) are written beside them: the tokenizer itself.
-
-    All or nothing: the files are written and fsynced in a temporary sibling folder, which is then renamed
-    to `path`, so a full disk or a kill never leaves a truncated model in a folder that looks complete. An
-    existing `path` is replaced only if it is empty or holds nothing but files save_hf writes (an earlier
-    export); anything else is refused (FileExistsError) before anything is written."""
-    path = Path(os.path.abspath(path))  # "." and "x/.." have no name to put a sibling next to
-    _check_export_target(path)
+    ({name: JSON object}, data.hf_tokenizer_files) are written beside them: the tokenizer itself."""
     classifier = model.args.num_labels is not None  # (LlamaForSequenceClassification's head: "score")
-    state = {_hf_name(k, classifier): v for k, v in model.state_dict().items()
+    state = {hf_name(k, classifier): v for k, v in model.state_dict().items()
              if not (k == "output.weight" and model.args.tie_embeddings)}
     cfg = hf_config(model.args) | (tokens or {})
     cfg["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    jsons = {"config.json": cfg, **(files or {})}
+    if tokens:
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        jsons["generation_config.json"] = {k: tokens[k] for k in ids}
+    write_export(path, {"model.safetensors": state}, jsons, HF_EXPORT_FILES)
+
+
+def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
+    """A folder of safetensors files ({name: state dict}) and JSON files ({name: object}), all or nothing:
+    written and fsynced in a temporary sibling folder, then renamed to `path`, so a full disk or a kill
+    never leaves a truncated model in a folder that looks complete. An existing `path` is replaced only if
+    it is empty or holds nothing but files of an export (`ours`: an earlier one); anything else is refused
+    (FileExistsError) before anything is written."""
+    path = Path(os.path.abspath(path))  # "." and "x/.." have no name to put a sibling next to
+    _check_export_target(path, ours)
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save of an earlier process with our pid
         tmp.mkdir(parents=True)
-        write_safetensors(state, tmp / "model.safetensors")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        if tokens:
-            generation = {k: tokens[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        for name, obj in (files or {}).items():
+        for name, state in tensors.items():
+            write_safetensors(state, tmp / name)
+        for name, obj in jsons.items():
             (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
         for f in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them the export
             _fsync(f)
@@ -1024,15 +1109,15 @@ def save_hf(model: Transformer, path, tokens: dict | None = None, files: dict | 
         raise
 
 
-def _check_export_target(path: Path):
-    """save_hf replaces only what it wrote itself: a file, a link or a folder holding anything else (a
-    checkpoint, someone's notes) is refused, and nothing is written."""
+def _check_export_target(path: Path, ours):
+    """An export replaces only what an export wrote (`ours`): a file, a link or a folder holding anything
+    else (a checkpoint, someone's notes) is refused, and nothing is written."""
     if path.is_symlink() or (path.exists() and not path.is_dir()):  # a link would be replaced, not followed
         raise FileExistsError(f"{path} exists and is a file or a link, not a folder; nothing was written: "
                               "remove it or export to another path")
     if path.is_dir():
         others = sorted(p.name for p in path.iterdir()
-                        if p.name not in HF_EXPORT_FILES or p.is_symlink() or not p.is_file())
+                        if p.name not in ours or p.is_symlink() or not p.is_file())
         if others:
             raise FileExistsError(f"{path} holds files an export does not write ({', '.join(others[:5])}"
                                   f"{', ...' if len(others) > 5 else ''}); nothing was written: export to a "
@@ -1148,10 +1233,13 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
     'megatron' (Megatron-LM, llm.c): the attention term halved, since causal masking skips half of it.
     N_matmul counts every weight that takes part in a matmul: all but the embedding table, the output head
     included (when tied, the shared matrix is still used once as the head)."""
-    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings
-                                                      else 0)
     attn = 12 * args.n_layers * args.dim * seq_len
-    return {"palm": 6 * n_matmul + attn, "megatron": 6 * n_matmul + attn / 2}
+    return {"palm": 6 * matmul_params(args) + attn, "megatron": 6 * matmul_params(args) + attn / 2}
+
+
+def matmul_params(args: ModelArgs) -> int:
+    """The weights that take part in a matmul: all but the embedding table (a tied head is used as one)."""
+    return count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings else 0)
 
 
 if __name__ == "__main__":  # python model.py: list the presets with their sizes

@@ -384,28 +384,28 @@ class ParallelNorm(M.RMSNorm):
         return enter_tp(super().forward(x), self.mesh)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(M.Linear):
     """y_r = x @ W_r^T with W split by rows (output features): rank r computes its slice of the outputs
     (its attention heads, its share of the FFN hidden units). Its input must already be in the TP region:
-    the ParallelNorm before it applied f."""
+    the ParallelNorm before it applied f. (With LoRA: A whole, B split like W: x A^T B_r^T is the slice.)"""
 
     def __init__(self, full: nn.Linear, mesh: Mesh):
-        out_features = full.out_features // mesh.tp
-        super().__init__(full.in_features, out_features, bias=False, device="meta")
+        super().__init__(full.in_features, full.out_features // mesh.tp, device="meta")
         self.weight = nn.Parameter(full.weight.detach().chunk(mesh.tp, dim=0)[mesh.tp_rank].clone())
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(M.Linear):
     """y = sum_r x_r @ W_r^T with W split by columns (input features): each rank multiplies its slice of the
-    hidden units and g (all-reduce, or reduce-scatter under SP) adds the partial results."""
+    hidden units and g (all-reduce, or reduce-scatter under SP) adds the partial results. (With LoRA: A
+    split like W, B whole: g adds the x_r A_r^T B^T as well, before it leaves the TP region.)"""
 
     def __init__(self, full: nn.Linear, mesh: Mesh):
-        super().__init__(full.in_features // mesh.tp, full.out_features, bias=False, device="meta")
+        super().__init__(full.in_features // mesh.tp, full.out_features, device="meta")
         self.weight = nn.Parameter(full.weight.detach().chunk(mesh.tp, dim=1)[mesh.tp_rank].clone())
         self.mesh = mesh
 
     def forward(self, x):
-        return leave_tp(F.linear(x, self.weight), self.mesh)
+        return leave_tp(super().forward(x), self.mesh)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -528,20 +528,23 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     plain torch). The logits come from calls of the head module itself, so its forward hooks run (ZeRO-1
     and 2 wait there for the all-gather of its updated weights). Kept for backward: the gradients, h's
     (N, dim) and the weight's (V, dim) in fp32; backward only scales them by the incoming gradient, so the
-    result must be used linearly (a sum, divided by a count)."""
+    result must be used linearly (a sum, divided by a count). A frozen head (LoRA) gets no gradient."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, loss_fn, head):
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        trained = weight.requires_grad
+        grad_w = torch.zeros(weight.shape if trained else (), dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for lo in range(0, h.shape[0], chunk):
             with torch.enable_grad():
                 hc = h[lo:lo + chunk].detach().requires_grad_()
                 loss = loss_fn(head(hc), targets[lo:lo + chunk])
-                gh, gw = torch.autograd.grad(loss, (hc, weight))  # (no .grad touched, no hook fired)
+                # (no .grad touched, no hook fired)
+                gh, *gw = torch.autograd.grad(loss, (hc, weight) if trained else (hc,))
             grad_h[lo:lo + chunk] = gh
-            grad_w += gw
+            if trained:
+                grad_w += gw[0]
             total += loss.detach()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = h.dtype, weight.dtype
@@ -550,8 +553,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w.mul_(grad).to(ctx.dtypes[1]), None, None, None,
-                None)
+        grad_w = grad_w.mul_(grad).to(ctx.dtypes[1]) if grad_w.dim() else None
+        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w, None, None, None, None
 
 
 def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: Mesh, chunk: int):
@@ -1362,10 +1365,10 @@ class ZeRO1Sync(GradSync):
     def prefetch_into(self, model):
         """Make each unit of the model (the embedding, each block, the final norm, the head) wait, as its
         forward starts, for the buckets its parameters lie in. A block compiled by --compile is hooked as
-        itself and as its compiled wrapper (hook_unit)."""
+        itself and as its compiled wrapper (hook_unit). (Frozen weights, LoRA's, are in no bucket.)"""
         for unit, modules in unit_modules(model):
-            buckets = sorted({b for p in modules[0].parameters() for b in self.param_buckets[
-                self.opt.index_of(p)]})
+            buckets = sorted({b for p in modules[0].parameters() if p.requires_grad
+                              for b in self.param_buckets[self.opt.index_of(p)]})
             hook_unit(modules, before=lambda buckets=buckets: self.wait_params(buckets))
 
     def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:

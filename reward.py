@@ -146,6 +146,7 @@ class RewardModel(sft.SFT):
     kind = "reward"
     rows_per_example = RewardTask.rows_per_example
     head_in_loss = False  # RewardTask's loss is given the head's outputs
+    trained_whole = ("output.",)  # under LoRA the head, new, is trained whole beside the adapters
 
     def model_args(self, tok) -> M.ModelArgs:
         self.base = super().model_args(tok)  # the --init model's own shape (SFT.weights checks it)

@@ -412,7 +412,7 @@ class RLTask:
         extras = {"reward": r, "length": (y != IGNORE_INDEX).sum(dim=-1).float(),
                   "reward_std": grouped.std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(r),
                   "correct": torch.tensor(correct, device=device) if self.with_answers else None,
-                  "ref": self.token_logps(self.reference, x, y) if self.reference is not None else None}
+                  "ref": self.reference_logps(x, y) if self.reference is not None else None}
         if a.algo == "grpo":
             extras["adv"] = group_advantages(r, G)
         return x, (y, extras)
@@ -421,6 +421,11 @@ class RLTask:
         """log p(target) per token under `model` (rows, T), 0 where the target is IGNORE_INDEX."""
         logits = P.local_forward(model, x, self.mesh, self.args.seq_len)
         return -P.token_losses(logits, y, self.vocab_size, self.mesh)
+
+    def reference_logps(self, x, y) -> torch.Tensor:
+        """token_logps under the reference: under LoRA, the policy's own frozen model, its adapters off."""
+        with M.without_lora(self.reference):
+            return self.token_logps(self.reference, x, y)
 
     @torch.no_grad()
     def ppo_targets(self, rolled):
@@ -498,7 +503,8 @@ class RL(sft.SFT):
     def __init__(self, args):
         super().__init__(args)
         self.rows_per_example = args.group  # replies per prompt: rows per example (memory, tokens, FLOPs)
-        self.frozen_copies = int(args.kl_coef > 0)
+        # the reference, none under LoRA: the policy's frozen model, its adapters off (reference_logps)
+        self.frozen_copies = int(args.kl_coef > 0 and not config.lora_of(args))
 
     def tokenizer(self):
         """The policy's (as SFT's); a reward model must read the same ids."""
@@ -535,7 +541,8 @@ class RL(sft.SFT):
     def task(self, margs, mesh, device, dtype, model):
         a, reference = self.args, None
         if a.kl_coef > 0:
-            reference = T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)
+            reference = model if config.lora_of(a) else \
+                T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)
         score = make_scorer(a, self.tok, device, dtype, mesh, a.seq_len)
         return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, self.value_head)
 

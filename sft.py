@@ -2,6 +2,7 @@
 
     python sft.py --init out --data alpaca_5000                        # from a train.py checkpoint
     torchrun --nproc_per_node=8 sft.py --init Llama-3.2-1B --tokenizer llama3 --tp 2   # from HF weights
+    python sft.py --init out --lora-rank 16                            # LoRA: the model frozen, adapters
 
 The same training loop as train.py (its seven phases, flags, parallel layouts, checkpoints and --resume);
 only its recipe differs (the SFT class):
@@ -12,6 +13,8 @@ only its recipe differs (the SFT class):
     attention and positions that never cross from one example into another (--no-pack: one per row);
   - nothing else: the loss is the same sum of token cross-entropies over the global count of target tokens,
     so train and validation losses are the mean loss on response tokens.
+With --lora-rank (here and in dpo.py, reward.py, rl.py) the model stays frozen and only LoRA's low-rank
+updates train (model.add_lora); the checkpoints hold them alone, and read as a model they are merged in.
 At the end it answers --sample-prompt in chat mode.
 """
 

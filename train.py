@@ -319,6 +319,7 @@ class Pretraining:
     rows_per_example = 1  # model input rows per example of the loader (check_memory; DPO: a pair's two)
     frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
     head_in_loss = True  # LMTask applies the head in its loss, --loss-chunk tokens at a time (check_memory)
+    trained_whole = ()  # under LoRA, the parameters (by name prefix) trained whole all the same (a new head)
 
     def __init__(self, args):
         self.args = args
@@ -477,7 +478,8 @@ class Meter:
     def restage(self):
         """Tokens per step and model FLOPs per token, for the run's settings (a --ramp stage changes them)."""
         self.tokens_per_step = step_tokens(self.run.args, self.run.task, self.run.mesh)
-        self.flops_per_token = model_flops_per_token(self.run.margs, self.run.args.seq_len, self.run.task)
+        self.flops_per_token = model_flops_per_token(self.run.margs, self.run.args.seq_len, self.run.task,
+                                                     config.lora_of(self.run.args) is not None)
 
     def restart(self):
         """A new window: the steps, tokens, loss and metric sums, time and bytes since the last line."""
@@ -616,10 +618,12 @@ def step_tokens(args, task, mesh) -> int:
     return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
 
 
-def model_flops_per_token(margs, seq_len: int, task) -> float:
+def model_flops_per_token(margs, seq_len: int, task, lora: bool = False) -> float:
     """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
-    that for each forward of a frozen reference model the task runs alongside (DPO without a cache)."""
-    return M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
+    that for each forward of a frozen reference model the task runs alongside (DPO without a cache). Under
+    LoRA the frozen weights get no gradient: 4N (the adapters' own FLOPs, r/dim of that, left out)."""
+    flops = M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
+    return flops - 2 * M.matmul_params(margs) if lora else flops
 
 
 def tokens_by_source(run: Run) -> dict[str, int]:
@@ -779,6 +783,7 @@ class Checkpointer:
     def __init__(self, run: Run, start_step: int, recipe: Pretraining):
         self.run, self.saved_at, self.recipe = run, start_step, recipe
         self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
+        self.lora = lora_record(run.args)
         out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
         self.last_good = out / C.step_name(start_step) if start_step else None
 
@@ -794,7 +799,7 @@ class Checkpointer:
         extra = {"rng": C.rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
         meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
                 "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
-                "recipe": self.recipe.kind, "data": self.data,
+                "recipe": self.recipe.kind, "data": self.data, "lora": self.lora,
                 "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
         write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
         out = Path(run.args.out_dir)
@@ -839,20 +844,23 @@ class StopFlag:
 # Setting up: the model, the optimizer, the resume point
 
 
-def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False):
+def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False, lora=None, train=()):
     """The model on the meta device (shapes, no storage), sharded (tp), cut (pp) and cast there; then this
     rank's pieces get storage and values, from the seed or from `state` (a full state dict). Every layout
     starts from bit-identical weights, and a rank holds only its own. lazy (ZeRO-3 over dp x cp > 1): no
     values here and no storage kept (parallel.materialize_empty); the optimizer writes each rank's pieces
-    of them straight into its shard (AdamW(initial=initial_values(...)))."""
+    of them straight into its shard (AdamW(initial=initial_values(...))). lora (rank, alpha, targets): the
+    adapters are added to the sharded linears (drawn from the seed) and all else frozen but `train`."""
     with torch.device("meta"):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_context_parallel(model, mesh)
     P.apply_pipeline(model, mesh, config.parse_pp_layers(args.pp_layers), args.virtual_stages)
+    if lora:
+        M.add_lora(model, *lora, train)
     model.to(dtype)  # still on the meta device: each piece is cast as it is written, no fp32 model exists
     if state is not None:
-        missing = sorted({n for n, _ in model.named_parameters()} - set(state))
+        missing = sorted({n for n, _ in model.named_parameters() if not M.is_lora(n)} - set(state))
         if missing:
             raise ValueError("the initial state has no "
                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -870,7 +878,8 @@ def full_values(margs, state, seed: int):
     the CPU (one seed gives one model on any device), or read from `state`."""
     if state is None:
         return lambda name, shape: M.init_tensor(margs, name, shape, seed)
-    return lambda name, shape: read_initial(state, name)
+    return lambda name, shape: M.init_tensor(margs, name, shape, seed) if M.is_lora(name) else \
+        read_initial(state, name)
 
 
 def initial_values(model, margs, state, args, mesh):
@@ -916,16 +925,21 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
                              f"dp {mesh.dp}); use more data or a smaller batch")
     dtype, lazy = M.DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
-        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy)
+        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy, config.lora_of(args),
+                            recipe.trained_whole)
         recipe.extend(model, spec.device, dtype)
-        opt = O.AdamW(model.named_parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # (LoRA: adapters)
+        opt = O.AdamW(trained, lr=args.lr, betas=(args.beta1, args.beta2),
                       weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
                       allocate_state=False,  # GradSync shards
                       full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
                       unit_of=P.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
                       initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
-        sp_partial = [i for i, n in enumerate(opt.names) if mesh.sp and n not in model.tp_placement]
-        sync = P.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=sp_partial)  # (lazy: values now)
+        # gradients that are partial sums over tp: of weights tp does not cut, the norms' under SP, and
+        # LoRA's factors beside a cut linear (M.add_lora)
+        partial = [i for i, n in enumerate(opt.names)
+                   if n not in model.tp_placement and (mesh.sp or M.is_lora(n))]
+        sync = P.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=partial)  # (lazy: values now)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise config.ConfigError(f"cannot build the model from the initial weights: {e}") from None
     scaler = O.LossScaler() if spec.precision == "fp16" else None
@@ -977,12 +991,22 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
         raise config.ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
                                  f"--resume would continue it as {recipe.kind}: resume it with {script}, or "
                                  "start from it with --init and another --out-dir")
+    lora = lora_record(run.args)
+    if meta.get("lora") != lora:  # the adapters, their settings and the model they adapt are the run's
+        raise config.ConfigError(f"checkpoint {ckpt} was trained with LoRA {meta.get('lora') or 'off'}, this "
+                                 f"run has {lora or 'LoRA off'}: resume it with the same --lora-rank, "
+                                 "--lora-alpha, --lora-targets and --init")
     run.loader.load_state_dict(meta["loader"])  # the loader's settings (seq_len, seed, mixture) first
     if "data" in meta and meta["data"] != run.loader.fingerprint():
         start = " (--init from it)" if kind != "pretraining" else ""
         raise config.ConfigError(f"checkpoint {ckpt} was trained on other data (--data {args.get('data')!r} "
                                  f"then, {run.args.data!r} now, whose contents differ); --resume needs the "
                                  f"same data: start a new run in another --out-dir{start}")
+
+
+def lora_record(args) -> dict | None:
+    """What a LoRA run's checkpoints record (checkpoint.lora_record): pretraining has no --init."""
+    return C.lora_record(config.lora_of(args), vars(args).get("init"), args.seed)
 
 
 def announce(run: Run, meter: Meter, name: str, data_desc: str):
@@ -999,7 +1023,13 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
     config.say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step ({args.micro_batch}{rows} x "
                f"{args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
-    config.say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention 6N+12LdT"
+    lora = config.lora_of(args)
+    if lora:
+        trained = sum(p.numel() for p in run.opt.params)
+        config.say(f"LoRA rank {lora[0]}, alpha {lora[1]:g} on {', '.join(lora[2])}: {trained:,} trained "
+                   f"parameters on this rank, the model frozen in {run.precision}")
+    config.say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention "
+        + ("4N+12LdT (LoRA: no weight gradients)" if lora else "6N+12LdT")
         + (" plus the reference's forward" if task.reference_forwards else "")
         + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "
         f"per device ({meter.peak_source})")
