@@ -962,7 +962,7 @@ def export_peft(folder: Path, out: Path):
     lora = meta.get("lora")
     if not lora:
         raise CheckpointError(f"{folder} is not a LoRA checkpoint (no --lora-rank): export it whole with --hf")
-    if any(not M.is_lora(name) for name in full):
+    if any(not M.is_lora(name) and not name.startswith(M.TRAINING_ONLY) for name in full):
         raise CheckpointError(f"{folder} trains a head whole beside its adapters (a reward model): export it "
                               "merged with --hf")
     theirs = lambda name: "base_model.model." + M.hf_name(name.rsplit(".", 1)[0] + ".weight").removesuffix(
@@ -971,8 +971,9 @@ def export_peft(folder: Path, out: Path):
               "target_modules": sorted(PEFT_NAMES[t] for t in lora["targets"]), "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "base_model_name_or_path": lora["base"]}
-    M.write_export(out, {"adapter_model.safetensors": {theirs(name): full[name]["master"] for name in full}},
-                   {"adapter_config.json": config}, PEFT_EXPORT_FILES)
+    adapters = {theirs(name): full[name]["master"] for name in full if M.is_lora(name)}
+    M.write_export(out, {"adapter_model.safetensors": adapters}, {"adapter_config.json": config},
+                   PEFT_EXPORT_FILES)
 
 
 def main(argv=None) -> int:

@@ -935,10 +935,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
                       full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
                       unit_of=P.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
                       initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
-        # gradients that are partial sums over tp: of weights tp does not cut, the norms' under SP, and
-        # LoRA's factors beside a cut linear (M.add_lora)
-        partial = [i for i, n in enumerate(opt.names)
-                   if n not in model.tp_placement and (mesh.sp or M.is_lora(n))]
+        partial = partial_over_tp(opt.names, model, mesh)
         sync = P.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=partial)  # (lazy: values now)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise config.ConfigError(f"cannot build the model from the initial weights: {e}") from None
@@ -957,6 +954,12 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
             config.say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
     P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
     return run, start_step, data_desc
+
+
+def partial_over_tp(names: list[str], model, mesh) -> list[int]:
+    """The parameters (indices into names) whose gradients are partial sums over tp: of the weights tp does
+    not cut, the norms' under SP and LoRA's factors beside a cut linear (M.add_lora)."""
+    return [i for i, n in enumerate(names) if n not in model.tp_placement and (mesh.sp or M.is_lora(n))]
 
 
 def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:

@@ -211,6 +211,8 @@ def test_a_reward_model_and_rl_with_lora(lora_sft, tmp_path, capsys):
         run = train.train(args, rl.RL(args))
         assert run.task.reference is run.model and rl.RL(args).frozen_copies == 0
         assert all(M.is_lora(n) or n.startswith("value_head.") for n in run.opt.names)
+    assert C.main(["consolidate", str(tmp_path / "ppo"), "--peft", str(tmp_path / "peft")]) == 0  # (no critic)
+    assert all(".lora_" in k for k in M.read_safetensors(tmp_path / "peft" / "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize("flags,message", [
