@@ -838,24 +838,42 @@ def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.Model
     return margs, M.LazyState(state)
 
 
-def lora_record(lora: tuple | None, init: str | None, seed: int) -> dict | None:
+def lora_record(lora: tuple | None, base: Path | None, seed: int) -> dict | None:
     """What a LoRA checkpoint needs to become a model again (checkpoint_state): its adapters' settings and
-    the model they adapt, --init (an absolute path), or with none the one --seed draws."""
+    the model they adapt: `base` (the --init folder, a checkpoint's own step folder, as an absolute path)
+    and its fingerprint, or with none the model --seed draws."""
     if lora is None:
         return None
     rank, alpha, targets = lora
+    base = Path(base).expanduser().resolve() if base else None
     return {"rank": rank, "alpha": alpha, "targets": list(targets), "seed": seed,
-            "base": str(Path(init).expanduser().resolve()) if init else None}
+            "base": str(base) if base else None, "base_fingerprint": fingerprint(base) if base else None}
+
+
+def fingerprint(folder: Path) -> str:
+    """What identifies the weights in a model folder without reading them: a checkpoint's manifest (each
+    shard's sha256), else the name, size and modification time of each weight file."""
+    folder = Path(folder)
+    if (folder / "meta.json").is_file():
+        listed = read_meta(folder)["files"]
+    else:
+        listed = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir())
+                  if f.suffix in (".safetensors", ".pth", ".bin")}
+    return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def lora_base(lora: dict, margs: M.ModelArgs, tok, verify: bool):
-    """The weights a LoRA checkpoint adapts, lazily: its --init, read as any --init is, or the model drawn
-    from its seed."""
+    """The weights a LoRA checkpoint adapts, lazily: the folder it records (unchanged since), read as any
+    --init is, or the model drawn from its seed."""
     if lora["base"] is not None:
-        if not Path(lora["base"]).exists():
-            raise CheckpointError(f"this LoRA checkpoint adapts {lora['base']}, which is gone: the adapters "
-                                  "alone are no model")
-        return load_init(lora["base"], tok, verify)[1]
+        base = Path(lora["base"])
+        if not base.exists():
+            raise CheckpointError(f"this LoRA checkpoint adapts {base}, which is gone: the adapters alone are "
+                                  "no model")
+        if fingerprint(base) != lora.get("base_fingerprint", fingerprint(base)):
+            raise CheckpointError(f"this LoRA checkpoint adapts {base}, whose weight files have changed since "
+                                  "it was trained: the adapters belong to the model that was there")
+        return load_init(base, tok, verify)[1]
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in M.Transformer(margs).named_parameters()}
     return M.LazyState({name: (lambda name=name, shape=shape: M.init_tensor(margs, name, shape, lora["seed"]))
@@ -944,7 +962,7 @@ def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, aver
     if tokenizer is None:
         M.save_hf(model, hf)
     else:
-        files = data.hf_tokenizer_files(tokenizer, chat, meta["args"].get("seq_len"))
+        files = data.hf_tokenizer_files(tokenizer, chat, model.args.max_seq_len)
         M.save_hf(model, hf, data.hf_tokens(tokenizer, chat), files)
     return model
 

@@ -281,8 +281,15 @@ class SFT(T.Pretraining):
         if args.init is None:
             print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
             return super().model_args(tok)
+        rows = C.recorded(args.init).get("vocab_size")
+        if config.lora_of(args) and rows and tok.n_vocab > rows:
+            raise config.ConfigError(f"--lora-rank: the tokenizer {tok.name} has {tok.n_vocab:,} ids, --init "
+                                     f"{args.init} {rows:,} rows; LoRA keeps the embedding and the head "
+                                     "frozen, so the rows added for them could never learn: fine-tune without "
+                                     "LoRA")
         if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
             margs, self.state = C.load_init(args.init, tok)
+            self.init_folder = args.init
             return margs
         # rank 0 says what it skips, later
         self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)
@@ -299,6 +306,7 @@ class SFT(T.Pretraining):
         # every rank checks a share of the shards; may fall back past a damaged step
         verified = C.resolve(self.args.init, say=config.say, check=C.shared_check(mesh))
         verified_margs, state = C.load_init(verified, self.tok, verify=False)
+        self.init_folder = verified  # (a LoRA run's checkpoints name this step, not an out-dir that grows)
         if verified_margs != self.margs:
             raise config.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has "
                                      f"another model shape than {self.picked.name}; name the step folder to "

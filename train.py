@@ -249,7 +249,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
     recipe = recipe or Pretraining(args)
     spec = config.check_config(args, recipe)
-    check_benchmarks(args)
+    check_benchmarks(args, recipe)
     mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
     lock, meter, stop = C.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
     try:
@@ -320,6 +320,7 @@ class Pretraining:
     frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
     head_in_loss = True  # LMTask applies the head in its loss, --loss-chunk tokens at a time (check_memory)
     trained_whole = ()  # under LoRA, the parameters (by name prefix) trained whole all the same (a new head)
+    init_folder = None  # where the initial weights came from (weights()): --init, or the step it named
 
     def __init__(self, args):
         self.args = args
@@ -686,8 +687,12 @@ def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
 # tallies), but run through this run's own layout, since under tp, cp and pp no rank holds the whole model.
 
 
-def check_benchmarks(args):
-    """--eval-tasks names benchmarks or files of items: refused before any process talks."""
+def check_benchmarks(args, recipe: Pretraining):
+    """--eval-tasks names benchmarks or files of items, for a language model: refused before any process
+    talks."""
+    if args.eval_tasks and recipe.kind == "reward":
+        raise config.ConfigError("--eval-tasks scores the choices of a language model; a reward model's head "
+                                 "has one output: score its pairs instead (reward.py score)")
     for name, _ in config.eval_tasks(args.eval_tasks):
         if name not in E.BENCHMARKS and not Path(name).expanduser().is_file():
             raise config.ConfigError(f"--eval-tasks {name}: not a benchmark ({', '.join(E.BENCHMARKS)}) nor a "
@@ -783,7 +788,7 @@ class Checkpointer:
     def __init__(self, run: Run, start_step: int, recipe: Pretraining):
         self.run, self.saved_at, self.recipe = run, start_step, recipe
         self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
-        self.lora = lora_record(run.args)
+        self.lora = lora_record(run.args, recipe)
         out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
         self.last_good = out / C.step_name(start_step) if start_step else None
 
@@ -994,7 +999,7 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
         raise config.ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
                                  f"--resume would continue it as {recipe.kind}: resume it with {script}, or "
                                  "start from it with --init and another --out-dir")
-    lora = lora_record(run.args)
+    lora = lora_record(run.args, recipe)
     if meta.get("lora") != lora:  # the adapters, their settings and the model they adapt are the run's
         raise config.ConfigError(f"checkpoint {ckpt} was trained with LoRA {meta.get('lora') or 'off'}, this "
                                  f"run has {lora or 'LoRA off'}: resume it with the same --lora-rank, "
@@ -1007,9 +1012,9 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
                                  f"same data: start a new run in another --out-dir{start}")
 
 
-def lora_record(args) -> dict | None:
-    """What a LoRA run's checkpoints record (checkpoint.lora_record): pretraining has no --init."""
-    return C.lora_record(config.lora_of(args), vars(args).get("init"), args.seed)
+def lora_record(args, recipe: Pretraining) -> dict | None:
+    """What a LoRA run's checkpoints record (checkpoint.lora_record): the model its weights came from."""
+    return C.lora_record(config.lora_of(args), recipe.init_folder, args.seed)
 
 
 def announce(run: Run, meter: Meter, name: str, data_desc: str):

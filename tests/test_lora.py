@@ -117,7 +117,7 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(lora_sft):
     full, _ = C.read_full_state(step)
     assert sorted(full) == sorted(run.opt.names)  # the adapters alone, with their Adam moments
     assert C.read_meta(step)["lora"] == {"rank": 4, "alpha": 8.0, "targets": list(M.LORA_TARGETS), "seed": 1337,
-                                         "base": str(base.resolve())}
+                                         "base": str(base.resolve()), "base_fingerprint": C.fingerprint(base)}
 
 
 def test_a_lora_checkpoint_is_a_model_again_merged(lora_sft, tmp_path, capsys):
@@ -173,6 +173,8 @@ def test_dpo_with_lora_has_no_second_model(lora_sft, tmp_path):
     args = dpo.get_parser().parse_args(TINY + LORA + ["--init", str(sft_out), "--data", str(path),
                                                       "--max-steps", "4", "--out-dir", str(tmp_path / "o")])
     run = sft.post_train(args, dpo.DPO)
+    # it adapts the step --init named, not the out-dir, whose newest step may change
+    assert C.read_meta(C.read_latest(tmp_path / "o"))["lora"]["base"] == str(C.read_latest(sft_out))
     first = json.loads((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert run.task.reference is run.model and dpo.DPO(args).frozen_copies == 0
@@ -245,6 +247,20 @@ def test_resume_keeps_the_adapters_settings(lora_sft, tmp_path, capsys):
     assert C.read_latest(run).name == "step_000003"
 
 
+def test_the_model_a_checkpoint_adapts_must_be_the_one_it_was_trained_on(tmp_path, capsys):
+    """Rewritten since (another model exported to the same folder), the base would give a merged model
+    that nobody trained: reading the checkpoint as a model is refused in one line."""
+    torch.manual_seed(2)
+    tiny = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320)
+    tokens = data.hf_tokens(data.get_tokenizer("byte"), chat=False)
+    M.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)
+    sft.main(TINY + LORA + ["--init", str(tmp_path / "base"), "--max-steps", "1",
+                            "--out-dir", str(tmp_path / "o")])
+    M.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)  # another model under the same name
+    assert C.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 1
+    assert "whose weight files have changed since it was trained" in capsys.readouterr().err
+
+
 def test_lora_is_refused_where_it_cannot_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config.run(train.main, ["--model", "tiny", "--lora-rank", "4", "--out-dir", str(tmp_path / "o")])
@@ -253,3 +269,14 @@ def test_lora_is_refused_where_it_cannot_work(tmp_path, capsys):
                 "--sample-tokens", "0", "--out-dir", str(tmp_path / "plain")])
     assert C.main(["consolidate", str(tmp_path / "plain"), "--peft", str(tmp_path / "p")]) == 1
     assert "is not a LoRA checkpoint (no --lora-rank): export it whole with --hf" in capsys.readouterr().err
+    # a tokenizer with ids the base has no rows for: the new rows would stay frozen at their start
+    M.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256)),
+              tmp_path / "small", data.hf_tokens(data.get_tokenizer("byte"), chat=False))
+    with pytest.raises(SystemExit):
+        config.run(sft.main, TINY + LORA + ["--init", str(tmp_path / "small"),
+                                            "--out-dir", str(tmp_path / "s")])
+    assert "the rows added for them could never learn" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a reward model's head has one output: no choices to score
+        config.run(reward.main, RUN + ["--data", "hh_rlhf_harmless_test", "--eval-tasks", "piqa:4",
+                                       "--out-dir", str(tmp_path / "r")])
+    assert "--eval-tasks scores the choices of a language model" in capsys.readouterr().err
