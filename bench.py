@@ -76,9 +76,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     tokens_micro = micro_batch * seq_len
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
-    flops_tok = M.flops_per_token(margs, seq_len)
-    if lora:
-        flops_tok = {k: v - 2 * M.matmul_params(margs) for k, v in flops_tok.items()}
+    flops_tok = M.flops_per_token(margs, seq_len, frozen=lora is not None)
     layout = dict(tp=tp, pp=pp, dp=dp, sp=sp, grad_accum=grad_accum, cp=cp, virtual=virtual)
     memory = lambda z, ck: costs.memory_estimate(
         margs, precision, micro_batch, seq_len, act_ckpt=ck, zero=int(z), schedule=schedule, **layout,
@@ -96,7 +94,8 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
             "gpus_per_replica": tp * cp * pp, "micro_batch": micro_batch, "seq_len": seq_len,
             "grad_accum": grad_accum,
             "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
-            "steps": steps, "flops": (4 if lora else 6) * n * tokens, "flops_per_token": flops_tok, "precision": precision,
+            "steps": steps, "flops": (4 if lora else 6) * n * tokens, "flops_per_token": flops_tok,
+            "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
             "comm_bytes_per_step": comm, "bubble": (pp - 1) / (virtual * grad_accum + pp - 1), "mfu": mfu,
             "peak_flops": peak, "step_time_s": step_s, **costs.run_costs(gpu, gpus, steps * step_s, pue,
@@ -570,6 +569,7 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (settings and versions included)")
     add_plan_args(p.add_argument_group("--plan"))
+    config.add_lora_flags(p)  # (--plan: the memory and FLOPs of LoRA fine-tuning)
     return p
 
 
@@ -618,9 +618,6 @@ def add_plan_args(g):
     g.add_argument("--pue", type=float, default=1.1,
                    help="the data center's power usage effectiveness: its power over the GPUs' (cooling...)")
     g.add_argument("--usd-per-gpu-hour", type=float, default=2.0, help="the price of one GPU for an hour")
-    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
-                   help="plan LoRA fine-tuning (sft.py --lora-rank): adapters of rank R, the model frozen")
-    g.add_argument("--lora-targets", default=",".join(M.LORA_TARGETS), help="the linears LoRA adapts")
     g.add_argument("--budget-flops", type=float, default=None,
                    help="also say what model size and tokens this many training FLOPs buy (Chinchilla), beside "
                         "what Llama 3 chose")
@@ -658,6 +655,8 @@ def validate(a):
     micro_batch_counts(a.micro_batches)
     if a.launch and not a.plan:
         refuse("--launch writes the launch of a --plan: add --plan and the layout")
+    if a.lora_rank is not None and not a.plan:  # (what bench.py measures is train.py's pretraining)
+        refuse("--lora-rank plans LoRA fine-tuning: use it with --plan")
     if a.trace and Path(a.trace).exists() and not Path(a.trace).is_dir():
         refuse(f"--trace {a.trace} is a file: name a folder for trace.json and step.png")
     try:
@@ -791,18 +790,18 @@ def print_trace(trace: dict, folder: Path):
 
 def plan_lora(a) -> tuple | None:
     """--lora-rank and --lora-targets as plan() takes them, (rank, targets), checked as sft.py checks them."""
-    if a.lora_rank is None:
+    lora = config.lora_of(a)
+    if lora is None:
         return None
     if a.launch or a.zero == 3:
         refuse("--lora-rank: " + ("--launch writes train.py's command, which trains every weight" if a.launch
                                   else "--zero 3 shards what the optimizer trains, under LoRA the adapters "
                                        "alone: plan --zero 1 or 2"))
-    targets = tuple(t.strip() for t in a.lora_targets.split(",") if t.strip())
     try:
-        config.check_lora_shape(a.lora_rank, 1.0, targets, M.PRESETS[a.model])
+        config.check_lora_shape(*lora, M.PRESETS[a.model])
     except config.ConfigError as e:
         refuse(str(e))
-    return a.lora_rank, targets
+    return lora[0], lora[2]
 
 
 def run_plan(a):

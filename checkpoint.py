@@ -825,14 +825,15 @@ def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.Model
     state = {name: master(name) for name in full
              if not name.startswith(M.TRAINING_ONLY) and not M.is_lora(name)}
     if lora:
-        base = lora_base(lora, margs, tok, verify)
+        base, scale = lora_base(lora, margs, tok, verify), lora["alpha"] / lora["rank"]
+        merged = lambda name, linear: (lambda: M.merge_lora(base[name], full[f"{linear}.lora_A"]["master"],
+                                                            full[f"{linear}.lora_B"]["master"], scale))
         for name in base:
-            adapter = name.removesuffix(".weight")
-            if f"{adapter}.lora_A" in full:
-                state[name] = lambda name=name, ab=(master(f"{adapter}.lora_A"), master(f"{adapter}.lora_B")): \
-                    M.merge_lora(base[name], ab[0](), ab[1](), lora["alpha"] / lora["rank"])
-            else:
-                state.setdefault(name, lambda name=name: base[name])  # (a head trained whole is the run's own)
+            linear = name.removesuffix(".weight")
+            if f"{linear}.lora_A" in full:
+                state[name] = merged(name, linear)
+            else:  # (a head trained whole is the run's own)
+                state.setdefault(name, lambda name=name: base[name])
     if margs.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return margs, M.LazyState(state)
@@ -870,7 +871,7 @@ def lora_base(lora: dict, margs: M.ModelArgs, tok, verify: bool):
         if not base.exists():
             raise CheckpointError(f"this LoRA checkpoint adapts {base}, which is gone: the adapters alone are "
                                   "no model")
-        if fingerprint(base) != lora.get("base_fingerprint", fingerprint(base)):
+        if lora.get("base_fingerprint") not in (None, fingerprint(base)):
             raise CheckpointError(f"this LoRA checkpoint adapts {base}, whose weight files have changed since "
                                   "it was trained: the adapters belong to the model that was there")
         return load_init(base, tok, verify)[1]
@@ -983,8 +984,9 @@ def export_peft(folder: Path, out: Path):
     if any(not M.is_lora(name) and not name.startswith(M.TRAINING_ONLY) for name in full):
         raise CheckpointError(f"{folder} trains a head whole beside its adapters (a reward model): export it "
                               "merged with --hf")
-    theirs = lambda name: "base_model.model." + M.hf_name(name.rsplit(".", 1)[0] + ".weight").removesuffix(
-        ".weight") + f".{name.rsplit('.', 1)[1]}.weight"
+    def theirs(name):  # layers.0.attention.wq.lora_A -> base_model.model.(its HF module).lora_A.weight
+        linear, factor = name.rsplit(".", 1)
+        return f"base_model.model.{M.hf_name(linear + '.weight').removesuffix('.weight')}.{factor}.weight"
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
               "target_modules": sorted(PEFT_NAMES[t] for t in lora["targets"]), "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True,

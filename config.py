@@ -111,7 +111,7 @@ def add_optimization_flags(p: argparse.ArgumentParser):
 
 
 def add_lora_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("LoRA (sft.py, dpo.py, reward.py, rl.py)")
+    g = p.add_argument_group("LoRA (sft.py, dpo.py, reward.py, rl.py; bench.py --plan)")
     g.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="train low-rank updates of rank R beside the frozen model (LoRA), not every weight")
     g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
@@ -189,8 +189,8 @@ def add_parallel_flags(p: argparse.ArgumentParser):
                         "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
     g.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds before a stuck collective fails; the first step's wait as long as --io-timeout "
-                        "(each rank compiles it as it first runs it, some slower than others)")
+                   help="seconds before a stuck collective fails; the first step's wait as long as "
+                        "--io-timeout (each rank compiles it as it first runs it, some slower than others)")
     g.add_argument("--io-timeout", type=float, default=3600.0,
                    help="seconds ranks wait for others' disk work "
                    "(data preparation, checkpoint writes and checks) before the job fails")

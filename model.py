@@ -1227,19 +1227,17 @@ def count_params(args: ModelArgs, embedding: bool = True) -> int:
     return n + (V * d if embedding else 0)
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> dict[str, float]:
+def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3x forward) under the two conventions in use:
     'palm' (PaLM appendix B, nanoGPT, torchtitan): 6*N_matmul + 12*L*d*T, attention scores counted in full;
     'megatron' (Megatron-LM, llm.c): the attention term halved, since causal masking skips half of it.
     N_matmul counts every weight that takes part in a matmul: all but the embedding table, the output head
-    included (when tied, the shared matrix is still used once as the head)."""
-    attn = 12 * args.n_layers * args.dim * seq_len
-    return {"palm": 6 * matmul_params(args) + attn, "megatron": 6 * matmul_params(args) + attn / 2}
-
-
-def matmul_params(args: ModelArgs) -> int:
-    """The weights that take part in a matmul: all but the embedding table (a tied head is used as one)."""
-    return count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+    included (when tied, the shared matrix is still used once as the head). frozen (LoRA): the weights get
+    no gradient, so 4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
+    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings
+                                                      else 0)
+    attn, matmuls = 12 * args.n_layers * args.dim * seq_len, (4 if frozen else 6) * n_matmul
+    return {"palm": matmuls + attn, "megatron": matmuls + attn / 2}
 
 
 if __name__ == "__main__":  # python model.py: list the presets with their sizes

@@ -622,9 +622,9 @@ def step_tokens(args, task, mesh) -> int:
 def model_flops_per_token(margs, seq_len: int, task, lora: bool = False) -> float:
     """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
     that for each forward of a frozen reference model the task runs alongside (DPO without a cache). Under
-    LoRA the frozen weights get no gradient: 4N (the adapters' own FLOPs, r/dim of that, left out)."""
-    flops = M.flops_per_token(margs, seq_len)["palm"] * (1 + task.reference_forwards / 3)
-    return flops - 2 * M.matmul_params(margs) if lora else flops
+    LoRA the frozen weights get no gradient: 4N + 12LdT."""
+    forward = M.flops_per_token(margs, seq_len)["palm"] / 3
+    return M.flops_per_token(margs, seq_len, frozen=lora)["palm"] + task.reference_forwards * forward
 
 
 def tokens_by_source(run: Run) -> dict[str, int]:

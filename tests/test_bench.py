@@ -321,6 +321,9 @@ BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)
       for text in ["0", "1,-2", "a", "", "1,,2"]],
     (["--bubble"], 1, "torchrun --standalone --nproc_per_node=2"),
     (["--launch", "slurm"], 1, "--launch"),
+    (["--lora-rank", "8"], 1, "--lora-rank plans LoRA fine-tuning: use it with --plan"),
+    (["--plan", "--lora-rank", "8", "--lora-targets", "q_proj"], 1, "q_proj matches no linear"),
+    (["--plan", "--lora-rank", "8", "--zero", "3"], 1, "--zero 3 shards what the optimizer trains"),
     (["--dp-vs-ddp"], 1, "torchrun --standalone --nproc_per_node=2"),
     (["--bubble", "--model", "tiny", "--virtual-stages", "2", "--schedule", "interleaved"], 2, "layers"),
 ]
