@@ -959,6 +959,7 @@ def run_ramp_plan(a):
     """--plan --ramp: one plan per stage (its sequence length, its accumulation, its share of --tokens) and
     the run's totals; the largest stage's memory decides whether the layout fits."""
     try:
+        config.check_ramp_flags(a, get_parser())
         stages = config.parse_ramp(a.ramp)
     except config.ConfigError as e:
         refuse(str(e))

@@ -926,9 +926,11 @@ def earlier_run(out_dir: Path) -> str | None:
     steps = step_dirs(out_dir) if out_dir.is_dir() else []
     if steps:
         return f"checkpoint {steps[-1].name}"
-    for name in ("latest", "metrics.jsonl"):
-        if (out_dir / name).exists():
-            return name
+    if (out_dir / "latest").exists():
+        return "latest"
+    # a log with records: a run that stopped before its first step leaves an empty one, which is no run
+    if (out_dir / "metrics.jsonl").is_file() and (out_dir / "metrics.jsonl").stat().st_size:
+        return "metrics.jsonl"
     return None
 
 

@@ -121,8 +121,11 @@ def add_lora_flags(p: argparse.ArgumentParser):
 
 
 def lora_of(args) -> tuple[int, float, tuple[str, ...]] | None:
-    """(rank, alpha, targets) of --lora-rank, --lora-alpha, --lora-targets; None without --lora-rank."""
+    """(rank, alpha, targets) of --lora-rank, --lora-alpha, --lora-targets; None without --lora-rank, where
+    the other two may not be given (they would do nothing)."""
     if args.lora_rank is None:
+        if args.lora_alpha is not None or args.lora_targets != ",".join(M.LORA_TARGETS):
+            raise ConfigError("--lora-alpha and --lora-targets shape LoRA's updates: they need --lora-rank R")
         return None
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
     return args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
@@ -242,18 +245,43 @@ def model_args_from(args, vocab_size: int) -> M.ModelArgs:
             if getattr(args, k) is not None}
     if "vocab_size" not in over and not args.model.startswith("llama"):
         over["vocab_size"] = 64 * ((vocab_size + 63) // 64)
-    if args.rope_scaling is not None:
-        over["rope_scaling"] = parse_rope_scaling(args.rope_scaling)
     if "n_heads" in over and "n_kv_heads" not in over and margs.n_heads % margs.n_kv_heads == 0:
         over["n_kv_heads"] = max(1, over["n_heads"] * margs.n_kv_heads // margs.n_heads)
     try:
-        margs = replace(margs, **over)
+        margs = with_rope_scaling(replace(margs, **over), args.rope_scaling)
     except ValueError as e:
         raise ConfigError(f"invalid model dimensions: {e}") from None
     if vocab_size > margs.vocab_size:
         raise ConfigError(f"tokenizer {args.tokenizer!r} has {vocab_size} ids but model {args.model!r} has a "
                           f"vocabulary of {margs.vocab_size}")
     return margs
+
+
+SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
+
+
+def init_model_args(args, margs: M.ModelArgs) -> M.ModelArgs:
+    """The model args of --init with what the command line may change of them: --rope-scaling, which changes
+    no weight (fine-tuning for a longer context is where it is set). The shape flags would change the
+    weights themselves: refused."""
+    given = [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: the model's shape is --init {args.init}'s; leave the shape "
+                          "flags out (--rope-scaling may change)")
+    try:
+        return with_rope_scaling(margs, args.rope_scaling)
+    except ValueError as e:
+        raise ConfigError(f"--rope-scaling {args.rope_scaling}: {e}") from None
+
+
+def with_rope_scaling(margs: M.ModelArgs, text: str | None) -> M.ModelArgs:
+    """--rope-scaling applied (None: as it is). The context grows to factor x the original one, if that is
+    longer than the model's: what the scaling is for."""
+    if text is None:
+        return margs
+    scaling = parse_rope_scaling(text)
+    longer = int(scaling["factor"] * scaling["original_max_seq_len"]) if scaling else 0
+    return replace(margs, rope_scaling=scaling, max_seq_len=max(margs.max_seq_len, longer))
 
 
 def parse_rope_scaling(text: str) -> dict | None:
@@ -324,6 +352,14 @@ def validate(args):
     need(args.virtual_stages >= 1, "virtual_stages", "at least 1 (2 or more with --schedule interleaved)")
     need(args.trace_step is None or 1 <= args.trace_step <= args.max_steps, "trace_step",
          f"a step of the run, 1 to --max-steps {args.max_steps}")
+    need(args.warmup <= args.max_steps, "warmup", f"at most --max-steps {args.max_steps} (a longer warmup "
+         "never reaches --lr)")
+    if args.eval_tasks and args.eval_every == -1:
+        raise ConfigError(f"--eval-tasks {args.eval_tasks} is scored at each validation, and --eval-every -1 "
+                          "turns validation off: give --eval-every N (0: at the end)")
+    if getattr(args, "val_fraction", None) == 0 and args.eval_every != -1:
+        raise ConfigError("--val-fraction 0 holds nothing out to validate on: add --eval-every -1 (no "
+                          "validation), or hold out a share")
     if not str(args.out_dir).strip():
         raise ConfigError("--out-dir '' names no folder; give one (an empty name would write into the "
                           "current folder)")
@@ -344,6 +380,9 @@ def eval_tasks(spec: str) -> list[tuple[str, int | None]]:
         name, sep, limit = part.rpartition(":") if re.fullmatch(r".+:\w*", part) else (part, "", "")
         if sep and not (limit.isdigit() and int(limit) >= 1):
             raise ConfigError(f"--eval-tasks {part!r}: the number after ':' is how many items, at least 1")
+        if name in [n for n, _ in tasks]:
+            raise ConfigError(f"--eval-tasks names {name} twice: one entry a benchmark (NAME:N scores its "
+                              "first N items)")
         tasks.append((name, int(limit) if limit else None))
     return tasks
 
@@ -388,6 +427,12 @@ def check_config(args, recipe) -> Spec:
     """Everything that can be wrong, refused before any process talks and before --out-dir is touched:
     the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
     validate(args)
+    for flag, why in recipe.unused_flags.items():  # given all the same, they would do nothing
+        value = getattr(args, flag)
+        if value is not None:
+            given = f"--{'no-' * (value is False)}{flag.replace('_', '-')}" + ("" if isinstance(value, bool)
+                                                                              else f" {value}")
+            raise ConfigError(f"{given}: {why}")
     world = launch_world()
     device, precision = pick_device_and_precision(args)
     if args.attn_backend == "cudnn" and device.type != "cuda":
@@ -398,8 +443,6 @@ def check_config(args, recipe) -> Spec:
     margs = recipe.model_args(tok)
     check_lora(args, margs, recipe)
     dp, whole = divmod(world, args.tp * args.cp * args.pp)
-    if args.ramp and recipe.kind != "pretraining":
-        raise ConfigError(f"--ramp stages pretraining's token stream; {recipe.kind} reads whole examples")
     ramp = check_ramp(args, dp) if args.ramp and dp and not whole else None  # (else the layout's error)
     for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
         if stage:
@@ -604,8 +647,19 @@ def enter_stage(args, stage: Stage, dp: int):
     args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
 
 
+def check_ramp_flags(args, parser: argparse.ArgumentParser):
+    """--seq-len or --grad-accum given beside --ramp, which sets both stage by stage: refused (the parser
+    knows the defaults)."""
+    given = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in ("seq_len", "grad_accum")
+             if getattr(args, f) != parser.get_default(f)]
+    if given:
+        raise ConfigError(f"--ramp sets the sequence length and the accumulation stage by stage: leave out "
+                          f"{' and '.join(given)}")
+
+
 def check_ramp(args, dp: int) -> list[Stage]:
     """The ramp, every stage checked against the flags (the layout and memory per stage: check_config)."""
+    check_ramp_flags(args, get_parser())
     stages = parse_ramp(args.ramp)
     beyond = [s for s in stages if s.start >= args.max_steps]
     if beyond:

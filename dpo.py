@@ -425,9 +425,6 @@ def preference_data(a, tok, mesh, with_index: bool = False):
     """A recipe's data (train.Pretraining.data) for preference pairs: --data read, encoded and split,
     PreferenceLoaders of this dp rank for training and validation (the validation pairs' indices follow
     the training pairs', for a cache by pair index), and a description."""
-    if a.anneal_data:
-        raise config.ConfigError(f"--anneal-data {a.anneal_data}: preference training reads one dataset, "
-                                 f"--data")
     pairs = read_preferences(a.data, mirror=a.mirror)
     examples, counts = preference_examples(tok, pairs, a.seq_len)
     train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)

@@ -260,6 +260,10 @@ class SFT(T.Pretraining):
 
     kind = "sft"
     chat = True
+    unused_flags = {"ramp": "--ramp stages pretraining's token stream; fine-tuning reads whole examples",
+                    "doc_mask": "fine-tuning gives each example of a row its own document always",
+                    "anneal_data": "fine-tuning reads one dataset, --data (--anneal-tokens alone anneals the "
+                                   "learning rate)"}
 
     def tokenizer(self):
         """The one --init was trained with (--tokenizer may only repeat it); without --init, byte."""
@@ -290,7 +294,7 @@ class SFT(T.Pretraining):
         if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
             margs, self.state = C.load_init(args.init, tok)
             self.init_folder = args.init
-            return margs
+            return config.init_model_args(args, margs)
         # rank 0 says what it skips, later
         self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)
         try:
@@ -298,7 +302,7 @@ class SFT(T.Pretraining):
         except ValueError as e:
             raise config.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
                                      f"{data.one_line(e)}") from None
-        return self.margs
+        return config.init_model_args(args, self.margs)
 
     def weights(self, mesh) -> dict | None:
         if self.args.init is None or not C.is_checkpoint(self.args.init):
@@ -315,8 +319,6 @@ class SFT(T.Pretraining):
 
     def data(self, tok, mesh):
         args = self.args
-        if args.anneal_data:  # (--anneal-tokens alone anneals the learning rate, as in pretraining)
-            raise config.ConfigError(f"--anneal-data {args.anneal_data}: fine-tuning reads one dataset, --data")
         conversations = read_sft(args.data, mirror=args.mirror)
         examples, counts = sft_examples(tok, conversations, args.seq_len)
         train_ex, val_ex = split_and_report("conversation", len(conversations), examples, counts, args, mesh)
@@ -324,7 +326,8 @@ class SFT(T.Pretraining):
                                                dp_size=mesh.dp, seed=seed, pack=args.pack,
                                                pad_id=data.pad_id(tok))
         train = make(train_ex, args.seed)
-        make(val_ex, 0)  # fail now, not at the first evaluation
+        if val_ex:  # (none with --val-fraction 0, which turns validation off)
+            make(val_ex, 0)  # fail now, not at the first evaluation
         return train, lambda: make(val_ex,
                                    0), f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
 

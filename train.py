@@ -201,9 +201,9 @@ class SkipGuard:
     spikes (--skip-spikes) is not applied; every rank reaches the same verdict (from the same tally).
     --max-skips bad steps in a row stop the run."""
 
-    def __init__(self, args, meter: Meter):
+    def __init__(self, args, meter: Meter, checkpointer: Checkpointer):
         self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
-        self.meter = meter
+        self.meter, self.checkpointer = meter, checkpointer
         self.recent, self.skipped, self.in_a_row = [], 0, 0
 
     def accepts(self, run: Run, tally: Tally, step: int) -> bool:
@@ -219,8 +219,10 @@ class SkipGuard:
         config.say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
         self.meter.write({"step": step + 1, "skipped": bad, "skipped_total": self.skipped})
         if self.in_a_row >= self.max_skips:
-            raise TrainingError(f"stopped: {self.in_a_row} consecutive steps skipped, the last for {bad}; "
-                                f"the last checkpoint is intact (lower --lr, check the data, or --resume)")
+            last = self.checkpointer.last_good
+            kept = (f"the last checkpoint, {last.name}, is intact (lower --lr, check the data, or --resume)"
+                    if last else "no checkpoint was written (lower --lr, or check the data)")
+            raise TrainingError(f"stopped: {self.in_a_row} consecutive steps skipped, the last for {bad}; {kept}")
         return False
 
     def problem(self, run: Run, tally: Tally) -> str | None:
@@ -256,7 +258,8 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
         stop = StopFlag()
         meter = Meter(run, stop)
-        guard, checkpointer = SkipGuard(args, meter), Checkpointer(run, step, recipe)
+        checkpointer = Checkpointer(run, step, recipe)
+        guard = SkipGuard(args, meter, checkpointer)
         announce(run, meter, recipe.name(), data_desc)
         run.model.train()
         first = step
@@ -320,6 +323,8 @@ class Pretraining:
     frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
     head_in_loss = True  # LMTask applies the head in its loss, --loss-chunk tokens at a time (check_memory)
     trained_whole = ()  # under LoRA, the parameters (by name prefix) trained whole all the same (a new head)
+    unused_flags: dict = {}  # flag -> why this recipe has no use for it (refused when given)
+    resume_flags = ()  # flags a --resume must repeat: the checkpoint's parameters depend on them
     init_folder = None  # where the initial weights came from (weights()): --init, or the step it named
 
     def __init__(self, args):
@@ -918,6 +923,9 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     out_dir = Path(args.out_dir)
     # every rank checks its share of the files
     resume, meta = C.resume_point(out_dir, args, spec.margs, mesh, config.say)
+    if meta and args.trace_step is not None and args.trace_step <= meta["step"]:
+        raise config.ConfigError(f"--trace-step {args.trace_step}: this run resumes after step {meta['step']}; "
+                                 "trace one of the steps it will run")
     initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
     if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
         config.enter_stage(args, config.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
@@ -1004,6 +1012,11 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
         raise config.ConfigError(f"checkpoint {ckpt} was trained with LoRA {meta.get('lora') or 'off'}, this "
                                  f"run has {lora or 'LoRA off'}: resume it with the same --lora-rank, "
                                  "--lora-alpha, --lora-targets and --init")
+    for flag in recipe.resume_flags:  # the checkpoint's parameters depend on them (PPO's value head)
+        if args.get(flag) != getattr(run.args, flag):
+            raise config.ConfigError(f"checkpoint {ckpt} was trained with --{flag} {args.get(flag)}, this run "
+                                     f"has --{flag} {getattr(run.args, flag)}: resume it with --{flag} "
+                                     f"{args.get(flag)}, or start from it with --init and another --out-dir")
     run.loader.load_state_dict(meta["loader"])  # the loader's settings (seq_len, seed, mixture) first
     if "data" in meta and meta["data"] != run.loader.fingerprint():
         start = " (--init from it)" if kind != "pretraining" else ""

@@ -99,6 +99,10 @@ def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
         train.main(TINY + ["--max-steps", "10", "--max-skips", "3", "--ckpt-every", "2", "--out-dir",
                            str(tmp_path)])
     assert checkpoint.find_latest(tmp_path)[0].name == "step_000002"  # the last good checkpoint
+    # with none written yet, the line does not promise one
+    with pytest.raises(train.TrainingError, match="no checkpoint was written") as stop:
+        train.main(TINY + ["--max-steps", "10", "--max-skips", "3", "--out-dir", str(tmp_path / "none")])
+    assert "intact" not in str(stop.value) and not checkpoint.step_dirs(tmp_path / "none")
 
 
 def test_loss_spike_guard_skips_outliers(tmp_path, monkeypatch):
@@ -379,7 +383,7 @@ def test_the_ranks_share_the_checks_of_an_init_checkpoint(tmp_path):
     train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(base)])
     conversations = tmp_path / "c.jsonl"
     conversations.write_text((json.dumps(CONVERSATION) + "\n") * 40)
-    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1",
+    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1", "--warmup", "1",
                         "--seq-len", "64", "--micro-batch", "1", "--init", str(base)]
     p = counting_hashes(tmp_path, "sft", sft_flags + ["--out-dir", str(tmp_path / "s")])
     assert p.returncode == 0, p.stderr[-3000:]

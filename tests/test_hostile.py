@@ -173,7 +173,7 @@ def test_init_checks_the_checkpoint_manifest(tmp_path, capsys):
     conversations.write_text((json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                        {"role": "assistant", "content": "hello"}]})
                                                        + "\n") * 10)
-    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1",
+    sft_flags = TINY + ["--data", str(conversations), "--val-fraction", "0.2", "--max-steps", "1", "--warmup", "1",
                         "--seq-len", "128", "--micro-batch", "1"]
     message = refused(capsys, sft.main, sft_flags + ["--init", str(base / "step_000004"), "--out-dir",
                                                      str(tmp_path / "s")])
@@ -265,7 +265,8 @@ def test_ids_beyond_the_vocabulary_behind_an_intact_header_stop_a_tensor_paralle
 
 def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path):
     """--eval-batches past the size of the split reads the split once (and a few micro-batches at a time)."""
-    flags = TINY + ["--max-steps", "1", "--eval-every", "0", "--ckpt-every", "0", "--micro-batch", "64"]
+    flags = TINY + ["--max-steps", "1", "--warmup", "1", "--eval-every", "0", "--ckpt-every", "0",
+                    "--micro-batch", "64"]
     p = cli("train.py", *flags, "--out-dir", tmp_path / "a", "--eval-batches", "100000000", timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     val = data.Loader(data.resolve_data("tinyshakespeare", "byte"), "val", 64, 32)
@@ -293,7 +294,8 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--pp-layers", "a,b"], "--pp-layers 'a,b': expected the layers of each stage"),
     (["--ckpt-every", "-1"], "--ckpt-every must be at least 0, got -1"),
     (["--eval-every", "-2"], "--eval-every must be -1 (never)"),
-    (["--eval-tasks", "piqa,nosuch:10"], "--eval-tasks nosuch: not a benchmark (hellaswag, piqa, arc_easy)"),
+    (["--eval-tasks", "piqa,nosuch:10", "--eval-every", "0"],
+     "--eval-tasks nosuch: not a benchmark (hellaswag, piqa, arc_easy)"),
     (["--eval-tasks", "piqa:0"], "--eval-tasks 'piqa:0': the number after ':' is how many items, at least 1"),
     (["--skip-spikes", "0.5"], "--skip-spikes must be 0 (off) or a factor above 1"),
     (["--model", "llama3.1-405b"], "model llama3.1-405b needs about"),
@@ -304,6 +306,14 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--out-dir", ""], "--out-dir '' names no folder"),
     (["--out-dir", "x" * 300], "--out-dir: the name xxxxxxxx"),
     (["--data", "/tmp/" + "y" * 256 + "/a.txt"], "is 256 bytes long; file systems allow 255"),
+    # flags that would be accepted and do nothing
+    (["--warmup", "5"], "--warmup must be at most --max-steps 2 (a longer warmup never reaches --lr), got 5"),
+    (["--eval-tasks", "piqa"], "--eval-tasks piqa is scored at each validation, and --eval-every -1 turns"),
+    (["--eval-tasks", "piqa:3,piqa", "--eval-every", "0"], "--eval-tasks names piqa twice"),
+    (["--lora-alpha", "4"], "--lora-alpha and --lora-targets shape LoRA's updates: they need --lora-rank R"),
+    (["--lora-targets", "wq"], "--lora-alpha and --lora-targets shape LoRA's updates: they need --lora-rank"),
+    (["--ramp", "0:32x4"], "--ramp sets the sequence length and the accumulation stage by stage: leave out "
+                           "--seq-len 32"),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flags, message):
     out = tmp_path / "o"
@@ -320,6 +330,13 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flag
     (evaluate.main, ["--prompt", "a", "--top-k", "-3"], "top_k must be at least 1"),
     (dpo.main, ["--loss", "hinge", "--label-smoothing", "0.1"], "--loss hinge has no use for it"),
     (dpo.main, ["--nll-coef", "-1"], "--nll-coef must be a number >= 0, got -1.0"),
+    # pretraining's flags, which the fine-tuning recipes would ignore
+    (sft.main, ["--doc-mask"], "--doc-mask: fine-tuning gives each example of a row its own document always"),
+    (dpo.main, ["--no-doc-mask"], "--no-doc-mask: fine-tuning gives each example"),
+    (dpo.main, ["--anneal-data", "c4_demo"], "--anneal-data c4_demo: fine-tuning reads one dataset, --data"),
+    (sft.main, ["--ramp", "0:32x8"], "--ramp 0:32x8: --ramp stages pretraining's token stream"),
+    (sft.main, ["--val-fraction", "0"], "--val-fraction 0 holds nothing out to validate on: add --eval-every -1"),
+    (evaluate.main, ["--diff", "a", "b", "--task", "piqa"], "--diff compares the weights of two models, --task"),
 ])
 def test_bad_flags_of_the_other_scripts_are_refused(tmp_path, capsys, main, flags, message):
     assert message in refused(capsys, main, ["--init", str(tmp_path), *flags])
@@ -487,7 +504,7 @@ def test_overwrite_never_deletes_what_the_run_reads(tmp_path, capsys):
     train.main(TINY + ["--max-steps", "2", "--out-dir", str(base)])
     before = checkpoint.find_latest(base)
     sft_flags = TINY + ["--data", str(jsonl(tmp_path / "c.jsonl", CONVERSATION)), "--val-fraction", "0.2",
-                        "--max-steps", "1", "--seq-len", "64"]
+                        "--max-steps", "1", "--warmup", "1", "--seq-len", "64"]
     for init in (base, base / "step_000002"):
         message = refused(capsys, sft.main, sft_flags + ["--init", str(init), "--out-dir", str(base),
                                                          "--overwrite"])
@@ -511,7 +528,7 @@ def test_resume_continues_only_its_own_recipe_on_its_own_data(tmp_path, capsys):
     s = tmp_path / "s"
     sft_flags = ["--val-fraction", "0.2", "--seq-len", "64", "--init", str(base), "--out-dir", str(s)]
     sft.main(TINY + sft_flags + ["--data", str(jsonl(tmp_path / "c.jsonl", CONVERSATION)),
-                                 "--max-steps", "1"])
+                                 "--max-steps", "1", "--warmup", "1"])
     dpo_flags = TINY + sft_flags + ["--data", str(jsonl(tmp_path / "p.jsonl", PAIR)), "--max-steps", "2",
                                     "--resume"]
     message = refused(capsys, dpo.main, dpo_flags)
@@ -522,6 +539,55 @@ def test_resume_continues_only_its_own_recipe_on_its_own_data(tmp_path, capsys):
     meta_path.write_text(json.dumps(meta))
     assert "was written by sft.py" in refused(capsys, dpo.main, dpo_flags)
     assert [r["step"] for r in records(s) if "loss" in r] == [1]  # nothing was added to the SFT run
+
+
+def test_init_keeps_its_shape_and_takes_a_rope_scaling(tmp_path, capsys):
+    """--init gives the model; a shape flag beside it was ignored (refused now), and --rope-scaling, which
+    changes no weight, takes effect: the context grows to factor x original, recorded in the checkpoint."""
+    base = tmp_path / "base"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(base)])  # tiny: max_seq_len 256
+    flags = TINY + ["--init", str(base), "--data", str(jsonl(tmp_path / "c.jsonl", CONVERSATION)),
+                    "--val-fraction", "0", "--max-steps", "1", "--warmup", "1", "--micro-batch", "1"]
+    for shape in (["--dim", "32"], ["--n-layers", "3"], ["--vocab-size", "512"]):
+        message = refused(capsys, sft.main, flags + shape + ["--out-dir", str(tmp_path / "s")])
+        assert f"{shape[0]}: the model's shape is --init {base}'s; leave the shape flags out" in message
+    assert not (tmp_path / "s").exists()
+    sft.main(flags + ["--rope-scaling", "4:1:4:256", "--seq-len", "512", "--out-dir", str(tmp_path / "s")])
+    saved = json.loads((tmp_path / "s" / "step_000001" / "meta.json").read_text())["model_args"]
+    assert saved["max_seq_len"] == 1024 and saved["rope_scaling"] == {
+        "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_seq_len": 256}
+
+
+def test_trace_step_before_a_resumed_runs_first_step_is_refused(tmp_path, capsys):
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    before = (out / "metrics.jsonl").read_bytes()
+    message = refused(capsys, train.main, TINY + ["--max-steps", "4", "--out-dir", str(out), "--resume",
+                                                  "--trace-step", "2"])
+    assert "--trace-step 2: this run resumes after step 2; trace one of the steps it will run" in message
+    assert (out / "metrics.jsonl").read_bytes() == before and not list(out.glob("trace_*"))
+
+
+def test_a_start_that_failed_before_its_first_step_does_not_block_the_rerun(tmp_path):
+    """A run that stopped before its first step left an empty metrics.jsonl, and the corrected rerun was
+    refused as if an earlier run were there; a log with records still is one."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_bytes(b"")
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    assert [r["step"] for r in records(out)] == [1, 2]
+    assert checkpoint.earlier_run(out) == "checkpoint step_000002"
+    shutil.rmtree(out / "step_000002")
+    (out / "latest").unlink()
+    assert checkpoint.earlier_run(out) == "metrics.jsonl"
+
+
+def test_diff_compares_shapes_however_the_ffn_is_spelled(tmp_path):
+    """A checkpoint (the preset's FFN rule) and its own export (an explicit intermediate_size) are one model."""
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "o")])
+    checkpoint.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")])
+    r = evaluate.weight_diff(tmp_path / "o", tmp_path / "hf")
+    assert all(v["relative_change"] == 0 for v in r["params"].values())
 
 
 def test_a_file_in_a_step_folders_place_is_replaced_and_failures_name_the_real_checkpoint(tmp_path,

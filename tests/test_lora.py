@@ -254,7 +254,7 @@ def test_the_model_a_checkpoint_adapts_must_be_the_one_it_was_trained_on(tmp_pat
     tiny = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320)
     tokens = data.hf_tokens(data.get_tokenizer("byte"), chat=False)
     M.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)
-    sft.main(TINY + LORA + ["--init", str(tmp_path / "base"), "--max-steps", "1",
+    sft.main(TINY + LORA + ["--init", str(tmp_path / "base"), "--max-steps", "1", "--warmup", "1",
                             "--out-dir", str(tmp_path / "o")])
     M.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)  # another model under the same name
     assert C.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 1
@@ -265,7 +265,7 @@ def test_lora_is_refused_where_it_cannot_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config.run(train.main, ["--model", "tiny", "--lora-rank", "4", "--out-dir", str(tmp_path / "o")])
     assert "LoRA adapts a trained model; use it with sft.py" in capsys.readouterr().err
-    train.main(["--model", "tiny", "--seq-len", "32", "--max-steps", "1", "--eval-every", "-1",
+    train.main(["--model", "tiny", "--seq-len", "32", "--max-steps", "1", "--warmup", "1", "--eval-every", "-1",
                 "--sample-tokens", "0", "--out-dir", str(tmp_path / "plain")])
     assert C.main(["consolidate", str(tmp_path / "plain"), "--peft", str(tmp_path / "p")]) == 1
     assert "is not a LoRA checkpoint (no --lora-rank): export it whole with --hf" in capsys.readouterr().err

@@ -324,7 +324,7 @@ def test_a_rank_of_llama3_8b_holds_only_its_own_pieces():
 # Whole runs: every layout gives the single-process losses and weights
 
 
-TINY = ["--model", "tiny", "--n-layers", "4", "--vocab-size", "301", "--seq-len", "32", "--lr", "3e-3",
+TINY = ["--model", "tiny", "--n-layers", "4", "--vocab-size", "301", "--lr", "3e-3",
         "--warmup", "1", "--log-every", "1", "--eval-batches", "4", "--eval-every", "0", "--sample-tokens",
         "0", "--ckpt-every", "1000", "--loss-chunk", "48"]  # 128 tokens a micro-batch: the loss in 3 chunks
 GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
@@ -339,8 +339,9 @@ def job(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env
     accum = GLOBAL_BATCH // (micro * dp)
     start = launch.command(n, script) if check else [sys.executable, "-m", "torch.distributed.run",
                                                      "--standalone", f"--nproc_per_node={n}", str(script)]
-    cmd = [*start, *TINY, "--micro-batch", str(micro), "--grad-accum", str(accum), "--max-steps", str(steps),
-           "--out-dir", str(out_dir), *flags]
+    shape = [] if "--ramp" in flags else ["--seq-len", "32", "--grad-accum", str(accum)]  # (the ramp's own)
+    cmd = [*start, *TINY, *shape, "--micro-batch", str(micro), "--max-steps", str(steps), "--out-dir",
+           str(out_dir), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     if check:
@@ -1123,7 +1124,8 @@ def test_one_failing_rank_ends_the_job(tmp_path):
         config.run(train.main, sys.argv[1:])
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script),
-           *TINY, "--pp", "2", "--micro-batch", "4", "--grad-accum", "2", "--max-steps", "3",
+           *TINY, "--seq-len", "32", "--pp", "2", "--micro-batch", "4", "--grad-accum", "2",
+           "--max-steps", "3",
            "--out-dir", str(tmp_path / "o"), "--dist-timeout", "30"]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ,
@@ -1156,7 +1158,7 @@ def test_every_data_cache_is_prepared_once_by_one_process(tmp_path, shared):
                                "--nproc_per_node=2",
                                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                                "--rdzv-id=two-nodes",
-                               str(script), *TINY, "--micro-batch", "4", "--max-steps", "2",
+                               str(script), *TINY, "--seq-len", "32", "--micro-batch", "4", "--max-steps", "2",
                                "--out-dir", str(tmp_path / "o")],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1",

@@ -111,8 +111,8 @@ def test_a_reward_model_goes_to_hugging_face_and_back(tmp_path):
         back, _ = reward.load_reward_model(hf, torch.device("cpu"))
         torch.testing.assert_close(reward.scores(back(x), y, P.Mesh()), want, rtol=1e-5, atol=1e-5)
     again = tmp_path / "again"
-    reward.main(TINY + ["--init", str(hf), "--data", str(pairs), "--max-steps", "1", "--lr", "1e-9",
-                        "--micro-batch", "4", "--out-dir", str(again)])
+    reward.main(TINY + ["--init", str(hf), "--data", str(pairs), "--max-steps", "1", "--warmup", "1", "--lr",
+                        "1e-9", "--micro-batch", "4", "--out-dir", str(again)])
     kept = C.read_full_state(C.read_latest(again))[0]["output.weight"]["master"]
     torch.testing.assert_close(kept, M.read_safetensors(hf / "model.safetensors")["score.weight"], rtol=0,
                                atol=1e-6)  # its own head, moved by lr 1e-9 only
@@ -163,7 +163,7 @@ def test_bad_reward_flags_are_one_line(tmp_path, capsys, argv, message):
 
 def test_scoring_with_a_language_model_is_refused(tmp_path, capsys):
     base = tmp_path / "base"
-    train.main(BASE + ["--max-steps", "1", "--out-dir", str(base)])
+    train.main(BASE + ["--max-steps", "1", "--warmup", "1", "--out-dir", str(base)])
     pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     with pytest.raises(SystemExit) as stop:
         config.run(reward.main, ["score", "--reward", str(base), "--data", str(pairs)])
@@ -256,7 +256,8 @@ def test_bad_rejection_sampling_input_is_one_line_and_writes_nothing(policy_and_
     policy, rm, prompts = policy_and_reward
     gpt2_rm = tmp_path / "rm-gpt2"
     reward.main(BASE + ["--tokenizer", "gpt2", "--seq-len", "64", "--data", str(write_jsonl(
-        tmp_path / "p.jsonl", PAIRS)), "--max-steps", "1", "--micro-batch", "2", "--out-dir", str(gpt2_rm)])
+        tmp_path / "p.jsonl", PAIRS)), "--max-steps", "1", "--warmup", "1", "--micro-batch", "2", "--out-dir",
+        str(gpt2_rm)])
     no_user = write_jsonl(tmp_path / "system.jsonl", [{"prompt": "Hi."},
                                                       {"prompt": [{"role": "system", "content": "Be brief."}]}])
     taken = tmp_path / "taken.jsonl"

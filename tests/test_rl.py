@@ -272,7 +272,8 @@ def test_a_reward_model_scores_rollouts_and_one_of_another_tokenizer_is_refused(
     for tokenizer in ("byte", "gpt2"):
         rms[tokenizer] = tmp_path / f"rm-{tokenizer}"
         reward.main(["--model", "tiny", "--tokenizer", tokenizer, "--seq-len", "32", "--data", str(pairs),
-                     "--max-steps", "1", "--micro-batch", "2", "--eval-every", "0", "--val-fraction", "0.25",
+                     "--max-steps", "1", "--warmup", "1", "--micro-batch", "2", "--eval-every", "0",
+                     "--val-fraction", "0.25",
                      "--out-dir", str(rms[tokenizer])])
     argv = [a for a in BASE if a not in ("--reward-fn", "arithmetic-length")] + ["--prompts", str(prompts)]
     rl.main(argv + ["--max-steps", "2", "--reward", str(rms["byte"]), "--out-dir", str(tmp_path / "ok")])

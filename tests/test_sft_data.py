@@ -471,15 +471,16 @@ def test_preference_pairs_that_are_the_same_once_cut_are_dropped_and_counted(tmp
                      + "\n") * 10)
     with pytest.raises(SystemExit) as stop:
         config.run(dpo.main, ["--model", "tiny", "--data", str(same), "--seq-len", "64", "--max-steps", "1",
-                             "--out-dir", str(tmp_path / "o"), "--sample-prompt", ""])
+                             "--warmup", "1", "--out-dir", str(tmp_path / "o"), "--sample-prompt", ""])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "no usable preference pair (all dropped" in err and "'identical': 10" in err
     assert not (tmp_path / "o").exists()
     mixed = tmp_path / "mixed.jsonl"  # with some left, the run says how many it dropped, and trains on the rest
     distinct = [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"} for i in range(10)]
     mixed.write_text(same.read_text() + "".join(json.dumps(r) + "\n" for r in distinct))
-    dpo.main(["--model", "tiny", "--data", str(mixed), "--seq-len", "64", "--max-steps", "1", "--micro-batch",
-              "2", "--out-dir", str(tmp_path / "o"), "--sample-prompt", "", "--eval-batches", "1"])
+    dpo.main(["--model", "tiny", "--data", str(mixed), "--seq-len", "64", "--max-steps", "1", "--warmup", "1",
+              "--micro-batch", "2", "--out-dir", str(tmp_path / "o"), "--sample-prompt", "", "--eval-batches",
+              "1"])
     assert "10 dropped as the same on both sides once cut" in capsys.readouterr().out
 
 

@@ -163,8 +163,9 @@ def test_reference_cache_is_never_served_for_other_pairs(tmp_path, capsys):
     first step, with the policy equal to the reference, is at log 2 again. --sample-prompt '' skips the
     closing chat sample."""
     path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
-    common = TINY + ["--data", str(path), "--max-steps", "1", "--micro-batch", "4", "--precompute-ref",
-                     "--ckpt-every", "0", "--out-dir", str(tmp_path / "o"), "--sample-prompt", ""]
+    common = TINY + ["--data", str(path), "--max-steps", "1", "--warmup", "1", "--micro-batch", "4",
+                     "--precompute-ref", "--ckpt-every", "0", "--out-dir", str(tmp_path / "o"),
+                     "--sample-prompt", ""]
     for seed in ("1337", "5"):
         dpo.main(common + ["--seed", seed])
         first = next(r for r in records(tmp_path / "o") if "loss" in r)

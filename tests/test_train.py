@@ -368,7 +368,7 @@ def test_a_bad_mixture_is_one_line_and_writes_nothing(tmp_path):
                           ("tinyshakespeare:1,wiki_demo:0", "wiki_demo has weight 0"),
                           (f"{empty}:1,tinyshakespeare:1", "no documents")):
         out = tmp_path / "o"
-        code, _, err = run_cli(*TINY, "--max-steps", "1", "--data", spec, "--out-dir", str(out))
+        code, _, err = run_cli(*TINY, "--max-steps", "1", "--warmup", "1", "--data", spec, "--out-dir", str(out))
         assert code == 1 and len(error_lines(err)) == 1 and message in error_lines(err)[0], err[-2000:]
         assert not out.exists()
 
@@ -434,7 +434,9 @@ def test_doc_mask_is_on_by_default_for_the_llama_presets_only():
 # ----------------------------------------------------------------------------------------------------
 # The batch and sequence-length ramp (--ramp)
 
-RAMP = TINY + ["--ramp", "0:32x8,512:64x16", "--max-steps", "5"]
+# --ramp sets --seq-len and --grad-accum stage by stage: given beside it, they are refused
+RAMP_BASE = [f for i, f in enumerate(TINY) if not {f, TINY[i - 1]} & {"--seq-len", "--grad-accum"}]
+RAMP = RAMP_BASE + ["--ramp", "0:32x8,512:64x16", "--max-steps", "5"]
 
 
 def test_the_ramp_of_llama3_405b_steps_as_the_paper_counts():
@@ -481,10 +483,12 @@ def test_a_run_resumed_across_a_ramp_stage_is_bit_identical(tmp_path):
     (["--ramp", "0:32x8,512:34x8", "--cp", "2"], {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
      "at --ramp's stage of 34-token sequences: context parallelism needs --seq-len 34 divisible by 2*cp"),
+    (["--ramp", "0:32x8", "--seq-len", "64"], {}, "--ramp sets the sequence length and the accumulation stage "
+     "by stage: leave out --seq-len 64"),
 ])
 def test_bad_ramps_are_one_line(tmp_path, flags, env, message):
-    p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "5", *flags, "--out-dir",
-                        str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO, timeout=60,
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), *RAMP_BASE, "--max-steps", "5", *flags,
+                        "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO, timeout=60,
                        env={**os.environ, "RANK": "0", "LOCAL_RANK": "0", **env})
     assert p.returncode == 1 and message in p.stderr, p.stderr[-2000:]
     assert len(error_lines(p.stderr)) == 1 and not (tmp_path / "o").exists()
