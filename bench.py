@@ -38,6 +38,8 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 
 import config
 import costs
+import data
 import model as M
 import optim as O
 import parallel as P
@@ -185,6 +188,7 @@ def train_args(a, **over) -> argparse.Namespace:
     argv += ["--compile"] if over.get("compile", a.compile) else []
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
     argv += ["--attn-backend", over.get("attn", a.attn_backend)]
+    argv += [] if a.memory_check else ["--no-memory-check"]
     return config.get_parser().parse_args(argv)
 
 
@@ -265,7 +269,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": config.loss_chunk(args),
-            "attn_backend": args.attn_backend,
+            "attn_backend": args.attn_backend, "attn_kernel": run.attention,
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
@@ -287,35 +291,116 @@ def logged_comm(out_dir) -> dict | None:
     return [r for r in records if "comm_bytes_per_step" in r][-1]["comm_bytes_per_step"]
 
 
-def print_measurement(rows: list[dict], a):
-    r0 = rows[0]
-    print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
-          f"{costs.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
-          f"{a.steps} steps after {a.warmup_steps} warm-up")
-    head = (f"  {'tp cp pp dp':>11s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} "
-            f"{'tok/s/dev':>9s} "
-            f"{'MFU palm':>8s} {'megatron':>8s} {'mem GB':>7s} {'est GB':>7s}  phases (ms)")
-    print(head)
-    for r in rows:
-        ph = " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items())
-        print(f"  {r['tp']:2d} {r['cp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} "
-              f"{ckpt_label(r['act_ckpt']):>4s} {1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} "
-              f"{r['tokens_per_s_per_device']:9,.0f} "
-              f"{100 * r['mfu']['palm']:7.2f}% {100 * r['mfu']['megatron']:7.2f}% {r['peak_memory_gb']:7.3f} "
-              f"{r['memory_estimate_gb']['total']:7.3f}  {ph}"
-              + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
-              + (f"  attn {r['attn_backend']}" if r["attn_backend"] != "auto" else ""))
-        comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
-        if comm:
-            est = r["comm_estimate_bytes"]
-            print("       bytes sent per step (estimate): " + ", ".join(
-                f"{k} {v / 1e6:.2f} MB ({est.get(k, 0) / 1e6:.2f})" for k, v in comm.items()))
-    if r0["memory_census"]:
-        print("  (mem GB: the busiest rank's tensors at their peak, counted by torch's profiler, which slows "
-              "the steps; est GB: costs.memory_estimate)")
-    elif r0["peak_flops_source"].startswith("cpu"):
-        print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts "
-              "tensors: --memory-census counts them too)")
+class Table:
+    """The measured rows, printed as each finishes: one JSON line per row with --json (settings and versions
+    in each), else a table whose heading comes with the first measured row. A refused or failed setting is
+    a row that says why."""
+
+    def __init__(self, a, versions: dict):
+        self.a, self.versions, self.measured, self.failed = a, versions, 0, 0
+        self.quiet = int(os.environ.get("RANK", "0")) != 0  # one rank prints
+
+    def add(self, row: dict):
+        self.failed += "error" in row
+        if self.quiet:
+            return
+        if self.a.json:
+            print(json.dumps({**self.versions, "model": self.a.model, **row}), flush=True)
+        elif "error" in row:
+            print(f"  {setting_text(row['setting'])}: {row['error']}", flush=True)
+        else:
+            if not self.measured:
+                self.heading(row)
+            print(row_line(row), flush=True)
+        self.measured += "error" not in row
+
+    def heading(self, r0: dict):
+        a = self.a
+        print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
+              f"{costs.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
+              f"{a.steps} steps after {a.warmup_steps} warm-up")
+        print(f"  {'tp cp pp dp':>11s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
+              f"{'MFU palm':>8s} {'megatron':>8s} {'mem GB':>7s} {'est GB':>7s}  phases (ms)", flush=True)
+
+    def close(self):
+        if self.quiet or self.a.json or not self.measured:
+            return
+        if self.a.memory_census:
+            print("  (mem GB: the busiest rank's tensors at their peak, counted by torch's profiler, which slows "
+                  "the steps; est GB: costs.memory_estimate)")
+        elif self.a.device == "cpu" or not torch.cuda.is_available():
+            print("  (mem GB on a CPU is the process's peak RSS, the Python runtime included; est GB counts "
+                  "tensors: --memory-census counts them too)")
+
+
+def row_line(r: dict) -> str:
+    """One measured row of the table (and the bytes it sent, beside the estimate, on a line below)."""
+    ph = " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items())
+    line = (f"  {r['tp']:2d} {r['cp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} "
+            f"{ckpt_label(r['act_ckpt']):>4s} {1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} "
+            f"{r['tokens_per_s_per_device']:9,.0f} {100 * r['mfu']['palm']:7.2f}% "
+            f"{100 * r['mfu']['megatron']:7.2f}% "
+            f"{r['peak_memory_gb']:7.3f} {r['memory_estimate_gb']['total']:7.3f}  {ph}"
+            + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
+            + f"  attn {r['attn_kernel']}")
+    comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
+    if comm:
+        est = r["comm_estimate_bytes"]
+        line += "\n       bytes sent per step (estimate): " + ", ".join(
+            f"{k} {v / 1e6:.2f} MB ({est.get(k, 0) / 1e6:.2f})" for k, v in comm.items())
+    return line
+
+
+def setting_text(over: dict) -> str:
+    """A --sweep setting as it is written ('mb=4,attn=flash'); the flags' own run: '(the flags)'."""
+    return ",".join(f"{k}={v}" for k, v in over.items()) or "(the flags)"
+
+
+def run_measured(a, versions: dict, argv: list[str]) -> int:
+    """Each setting (the flags' run, or each --sweep setting over them) measured on its own and printed as
+    it finishes; a refused or failed setting is a row that says why, and the sweep goes on. In one process a
+    sweep's settings each run in a process of their own (measure_apart): nothing of one row, its memory,
+    its compiled code or its failure, reaches the next. Under torchrun they run here, and a refusal (every
+    rank makes it alike, before anything runs) is a row. Returns 1 if a row failed, else 0."""
+    settings = parse_sweep(a.sweep) if a.sweep is not None else [{}]
+    apart = len(settings) > 1 and P.launch_env()[1] == 1
+    table = Table(a, versions)
+    for over in settings:
+        table.add(measure_apart(argv, over) if apart else measure_here(a, over))
+    table.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return int(table.failed > 0)
+
+
+def measure_here(a, over: dict) -> dict:
+    """One setting measured in this process: its row, or {"setting", "error"} for a refusal (or, in a process
+    of its own, any failure: there is nothing left to lose)."""
+    alone = P.launch_env()[1] == 1
+    try:
+        return {"setting": over, **measure(a, **over)}
+    except (config.ConfigError, *((Exception,) if alone else ())) as e:
+        kind = "" if isinstance(e, config.ConfigError) else f"{type(e).__name__}: "  # (a refusal says itself)
+        return {"setting": over, "error": f"{kind}{data.one_line(e)}"[:400]}
+
+
+def measure_apart(argv: list[str], over: dict) -> dict:
+    """One setting measured in a child process (this script, its flags, the one setting, --json): its row,
+    or {"setting", "error"} with the child's last line of errors."""
+    flags, skip = [], False
+    for arg in argv:  # the flags without the sweep (and --json, added back)
+        if skip or arg in ("--sweep", "--json") or arg.startswith("--sweep="):
+            skip = arg == "--sweep"
+            continue
+        flags.append(arg)
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags, "--sweep", setting_text(over),
+                        "--json"], capture_output=True, text=True)
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if rows:
+        return {k: v for k, v in rows[-1].items() if k not in ("torch", "python", "device", "model")}
+    sys.stderr.write(p.stderr)
+    why = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
+    return {"setting": over, "error": why.removeprefix("error: ")}
 
 
 SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile", "loss_chunk",
@@ -371,10 +456,39 @@ def parse_setting(item: str, text: str) -> dict:
 
 
 def compare_hf(a) -> dict:
-    """Both sides synchronize the device at each step's end only (ours: timing "steps"), on one device."""
+    """Ours and transformers' LlamaForCausalLM on the same model and batch, alternating (ours, theirs, ours,
+    theirs: both see the same machine load). Each side is built, timed and freed before the other starts, so
+    neither is measured in, or refused for, the other's memory. Both synchronize the device at each step's
+    end only (ours: timing "steps"), on one device, with the same AdamW settings; what each keeps in fp32
+    differs, and the result says so."""
+    import transformers
+    ours, theirs = [], []
+    for _ in range(2):
+        ours.append(measure(a, "steps")["tokens_per_s"])
+        free_memory()
+        theirs.append(hf_tokens_per_s(a))
+        free_memory()
+    precision = config.pick_device_and_precision(a)[1]
+    low = "fp32" if precision == "fp32" else "bf16"  # (no loss scaling for fp16 on their side: bf16 there)
+    return {"ours_tokens_per_s": ours, "hf_tokens_per_s": theirs,
+            "ratio_ours_over_hf": statistics.median(ours) / statistics.median(theirs),
+            "transformers": transformers.__version__,
+            "ours_keeps": f"{precision} weights; fp32 gradients, master weights and AdamW moments",
+            "hf_keeps": f"{low} weights, gradients and AdamW moments (torch.optim.AdamW in the weights' dtype)"}
+
+
+def free_memory():
+    """What the last measured side left behind, given back: its garbage, and the allocator's cached blocks."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def hf_tokens_per_s(a) -> float:
+    """transformers' LlamaForCausalLM + torch.optim.AdamW (same lr, betas, decay, clipping) on --model's shape
+    and one random batch: tokens/s, the median of --steps steps after --warmup-steps."""
     import transformers
     margs = M.PRESETS[a.model]
-    ours = [measure(a, "steps")["tokens_per_s"]]
     cfg = transformers.LlamaConfig(hidden_size=margs.dim, intermediate_size=margs.hidden_dim,
                                    num_hidden_layers=margs.n_layers, num_attention_heads=margs.n_heads,
                                    num_key_value_heads=margs.n_kv_heads, vocab_size=margs.vocab_size,
@@ -382,37 +496,29 @@ def compare_hf(a) -> dict:
                                    max_position_embeddings=margs.max_seq_len,
                                    tie_word_embeddings=margs.tie_embeddings)
     device, precision = config.pick_device_and_precision(a)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # no loss scaling for fp16 on this side
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     x = torch.randint(0, margs.vocab_size, (a.micro_batch, a.seq_len), device=device)
 
-    def hf_step():
+    def step():
         for _ in range(a.grad_accum):
-            out = hf(input_ids=x, labels=x)
-            (out.loss / a.grad_accum).backward()
+            (hf(input_ids=x, labels=x).loss / a.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    theirs = []
-    for round_ in range(2):  # ours, theirs, ours, theirs: both see the same machine load
-        for _ in range(a.warmup_steps):
-            hf_step()
-        times = []
-        for _ in range(a.steps):
-            costs.sync_device(device)
-            t0 = time.perf_counter()
-            hf_step()
-            costs.sync_device(device)
-            times.append(time.perf_counter() - t0)
-        theirs.append(a.micro_batch * a.seq_len * a.grad_accum / statistics.median(times))
-        if round_ == 0:
-            ours.append(measure(a, "steps")["tokens_per_s"])
-    return {"ours_tokens_per_s": ours, "hf_tokens_per_s": theirs,
-            "ratio_ours_over_hf": statistics.median(ours) / statistics.median(theirs),
-            "transformers": transformers.__version__}
+    for _ in range(a.warmup_steps):
+        step()
+    times = []
+    for _ in range(a.steps):
+        costs.sync_device(device)
+        t0 = time.perf_counter()
+        step()
+        costs.sync_device(device)
+        times.append(time.perf_counter() - t0)
+    return a.micro_batch * a.seq_len * a.grad_accum / statistics.median(times)
 
 
 def timed_steps(step, n: int, device, warmup: int = 2) -> list[float]:
@@ -601,6 +707,8 @@ def add_train_args(p: argparse.ArgumentParser):
                    help="train.py --deterministic (sweep key: deterministic)")
     p.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
                    help="train.py --attn-backend: the causal attention's kernel (sweep key: attn)")
+    p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="train.py --memory-check: refuse a run whose estimate exceeds the memory available")
 
 
 def add_plan_args(g):
@@ -718,21 +826,22 @@ def check_comparison(a, world: int):
             refuse(f"invalid parallel layout: {e}")
 
 
-def main():
-    a = get_parser().parse_args()
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = get_parser().parse_args(argv)
     validate(a)  # before any process group, run or output
     config.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     versions = {"torch": torch.__version__, "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                 else f"cpu x{os.cpu_count()}"}
     try:
-        run_mode(a, versions)
+        return run_mode(a, versions, argv)
     except config.ConfigError as e:  # what train.py refuses and validate() cannot foresee (--device, memory)
         refuse(str(e))
 
 
-def run_mode(a, versions: dict):
-    """The mode the flags name; measuring train.py's loop when they name none."""
+def run_mode(a, versions: dict, argv: list[str]) -> int:
+    """The mode the flags name; measuring train.py's loop when they name none. Returns the exit code."""
     if a.plan:
         run_plan(a)
     elif a.dp_vs_ddp or a.bubble:
@@ -742,12 +851,8 @@ def run_mode(a, versions: dict):
     elif a.trace:
         run_trace(a)
     else:
-        rows = [measure(a, **over) for over in (parse_sweep(a.sweep) if a.sweep is not None else [{}])]
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps({**versions, "model": a.model,
-                              "rows": rows})) if a.json else print_measurement(rows, a)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return run_measured(a, versions, argv)
+    return 0
 
 
 def run_trace(a):
@@ -1033,6 +1138,7 @@ def run_compare_hf(a, versions: dict):
           + " / ".join(f"{t:,.0f}" for t in r["ours_tokens_per_s"]) + " tok/s, transformers "
           + " / ".join(f"{t:,.0f}" for t in r["hf_tokens_per_s"])
           + f" tok/s -> ours / transformers = {r['ratio_ours_over_hf']:.2f}")
+    print(f"  ours keeps {r['ours_keeps']}; transformers keeps {r['hf_keeps']}")
 
 
 def print_comparison(result, a, world):
@@ -1057,4 +1163,4 @@ def print_comparison(result, a, world):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

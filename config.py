@@ -170,6 +170,9 @@ def add_memory_and_speed_flags(p: argparse.ArgumentParser):
                    help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
                         "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), math (reference); "
                         "a masked attention (packed documents, --cp) takes whichever kernel takes masks")
+    g.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="refuse a run whose estimated memory exceeds what the device has available "
+                        "(--no-memory-check: start it all the same)")
     g.add_argument("--loss-chunk", type=int, default=1024,
                    help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
                         "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
@@ -420,6 +423,7 @@ class Spec(NamedTuple):
     precision: str
     tok: object  # a tiktoken Encoding
     margs: M.ModelArgs
+    attention: str  # the kernel that computes the attention: flex, flash, cudnn, efficient or math
     ramp: list | None = None
 
 
@@ -435,9 +439,6 @@ def check_config(args, recipe) -> Spec:
             raise ConfigError(f"{given}: {why}")
     world = launch_world()
     device, precision = pick_device_and_precision(args)
-    if args.attn_backend == "cudnn" and device.type != "cuda":
-        raise ConfigError(f"--attn-backend cudnn runs on CUDA GPUs only, and this run is on {device.type}: use "
-                          "auto, flash or math")
     check_trackers(args)
     tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
@@ -450,10 +451,11 @@ def check_config(args, recipe) -> Spec:
         check_shape(args, world, margs, device, precision, recipe)
     if ramp:
         enter_stage(args, ramp[0], dp)
+    kernel = check_attention(args, margs, device, precision, recipe.masked_attention())
     check_anneal(args, dp)
     C.check_out_dir(Path(args.out_dir))
     check_overwrite(args)
-    return Spec(device, precision, tok, margs, ramp)
+    return Spec(device, precision, tok, margs, kernel, ramp)
 
 
 def check_shape(args, world: int, margs, device, precision: str, recipe):
@@ -470,6 +472,33 @@ def check_shape(args, world: int, margs, device, precision: str, recipe):
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
                  loss_chunk(args) if recipe.head_in_loss else 0)
+
+
+def check_attention(args, margs: M.ModelArgs, device, precision: str, masked: str | None) -> str:
+    """The kernel that will compute the run's attention, asked of the model's own dispatch
+    (model.attention_kernel) with this rank's heads at up to 1,024 positions: flex wherever the attention is
+    masked on a GPU (masked: why, from the recipe; --cp's positions too). A --attn-backend that cannot
+    compute it (a kernel this device lacks, or not for this precision) or that the masked attention never
+    reaches is refused."""
+    backend, masked = args.attn_backend, masked or ("--cp gives each rank's queries their keys by a mask"
+                                                    if args.cp > 1 else None)
+    if backend in ("cudnn", "efficient") and device.type != "cuda":
+        raise ConfigError(f"--attn-backend {backend} runs on CUDA GPUs only, and this run is on {device.type}: "
+                          "use auto, flash or math")
+    if masked and backend != "auto":
+        raise ConfigError(f"--attn-backend {backend} computes an unmasked causal attention, and this run's is "
+                          f"masked in every batch ({masked}): leave it at auto (FlexAttention on a GPU)")
+    T, dtype = min(args.seq_len, 1024), M.DTYPES[precision]
+    q = torch.empty(1, margs.n_heads // args.tp, T, margs.head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, margs.n_kv_heads // args.tp, T, margs.head_dim, device=device, dtype=dtype)
+    if masked and device.type in M.BLOCK_MASK_DEVICES:
+        return "flex"
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril() if masked else None
+    try:
+        return M.attention_kernel(q, kv, kv, mask, not masked, backend)
+    except ValueError as e:
+        raise ConfigError(f"--attn-backend {backend} cannot compute this run's attention ({precision}, head_dim "
+                          f"{margs.head_dim}) on {device}: {e}") from None
 
 
 def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
@@ -539,13 +568,14 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
         est["total"] += est["frozen"]
     build = max(costs.build_bytes(margs, precision, stage=s, lora=est_lora, **layout) for s in range(args.pp))
     have, need = costs.available_memory(device), max(est["total"], build)
-    if have is not None and need > have:
+    if have is not None and need > have and args.memory_check:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
         built = f"; {build / 1e9:.1f} GB while it is built" if build > est["total"] else ""
         raise ResourceError(f"model {args.model} needs about {need / 1e9:.1f} GB per process "
-                            f"({parts} GB{built}) but {device.type} has {have / 1e9:.1f} GB available; "
-                            "use a smaller model, shard it "
-                            f"over more processes (--tp, --pp, --zero 1-3) or a device with more memory")
+                            f"({parts} GB{built}) but {device.type} has {have / 1e9:.1f} GB available, "
+                            f"{(need - have) / 1e9:.1f} GB short; use a smaller model or micro-batch, shard it "
+                            "over more processes (--tp, --pp, --zero 1-3), a device with more memory, or "
+                            "--no-memory-check to try it all the same")
 
 
 def check_overwrite(args):

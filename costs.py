@@ -525,10 +525,13 @@ def peak_memory_gb(device) -> float:
 
 
 def available_memory(device) -> float | None:
-    """Bytes this process may still use: free GPU memory, or the host's available memory shared by the
+    """Bytes this process may still use: on a GPU its free memory plus what this process's caching allocator
+    holds without using it (a second run in one process, bench.py's, finds the first one's blocks cached:
+    free to it, though the device counts them as taken); on a CPU the host's available memory shared by the
     processes torchrun started on it (None where it cannot be read)."""
     if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(torch.cuda.mem_get_info(device)[0] + cached)
     try:
         with open("/proc/meminfo") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))

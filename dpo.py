@@ -442,6 +442,9 @@ class DPO(sft.SFT):
     rows_per_example = DPOTask.rows_per_example
     head_in_loss = False  # DPOTask's loss is given the logits
 
+    def masked_attention(self) -> str | None:
+        return None  # one example a row, unpacked: the plain causal attention
+
     def __init__(self, args):
         super().__init__(args)
         # the reference (with --precompute-ref too: it lives while its log-probs are computed); under LoRA

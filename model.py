@@ -35,6 +35,7 @@ import os
 import shutil
 import struct
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -409,10 +410,13 @@ class Attention(nn.Module):
 # The kernels SDPA may be held to for the causal attention, none of which changes the result beyond float
 # rounding. auto: SDPA's own choice, fed grouped K and V on CUDA (FlashAttention-2 takes them as they are)
 # and repeated ones on the CPU; flash: FlashAttention-2 (Dao 2023), grouped; cudnn: cuDNN's fused
-# attention (CUDA only; faster than flash on H100, and it wants K and V repeated to n_heads); math: the
-# unfused reference.
+# attention (CUDA only; faster than flash on H100, and it wants K and V repeated to n_heads); efficient: the
+# memory-efficient kernel (Rabe & Staats 2021; CUDA only); math: the unfused reference. A masked attention
+# (packed documents, context parallelism) is FlexAttention's on a GPU (document_mask) and SDPA's own choice
+# of its masked kernels elsewhere: the flag does not reach it (config.check_attention refuses it there).
 ATTN_BACKENDS = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                 "math": SDPBackend.MATH}
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+SDPA_KERNELS = {int(b): name for name, b in ATTN_BACKENDS.items() if b is not None}  # (torch's numbering)
 
 
 def set_attn_backend(model: nn.Module, backend: str):
@@ -425,25 +429,56 @@ def set_attn_backend(model: nn.Module, backend: str):
 def attention(q, k, v, mask, is_causal: bool, backend: str = "auto"):
     """SDPA for q (B, n_heads, T, head_dim) and k, v (B, n_kv_heads, S, head_dim); under GQA each key/value
     head serves n_heads / n_kv_heads query heads. Without a mask, the kernel `backend` names (see
-    ATTN_BACKENDS), K and V grouped (enable_gqa, not copied) where it takes them so. With a mask (packed
-    documents; a prefill on a cache), SDPA's own choice, K and V repeated: the kernels that take a mask do
-    not all group, and a kernel that cannot serves the call in the slow math path. A BlockMask (packed
-    documents on CUDA, see document_mask) goes to FlexAttention instead, which groups by itself. bf16 on
-    a CPU is computed in fp32: SDPA's CPU kernels are slower in bf16 (the flash kernel's backward above all)."""
+    ATTN_BACKENDS); with one (a prefill on a cache, packed documents off the GPU), SDPA's own choice. A
+    BlockMask (packed documents on CUDA, see document_mask) goes to FlexAttention, which groups by itself."""
     if isinstance(mask, BlockMask):
-        flex = compiled_flex_attention() if q.is_cuda else flex_attention
+        # compiled once on its own; inside a compiled block (--compile) the block's compilation fuses it
+        flex = flex_attention if torch.compiler.is_compiling() or not q.is_cuda else compiled_flex_attention()
         return flex(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-    kernel = ATTN_BACKENDS[backend] if mask is None else None
+    dtype = q.dtype
+    q, k, v = sdpa_inputs(q, k, v, mask, backend)
+    with held_to(backend, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=k.shape[1] != q.shape[1]).to(dtype)
+
+
+def held_to(backend: str, mask):
+    """SDPA held to `backend`'s kernel, for the causal attention (a masked one: SDPA's own choice)."""
+    held = mask is None and backend != "auto"
+    return sdpa_kernel([ATTN_BACKENDS[backend]]) if held else contextlib.nullcontext()
+
+
+def sdpa_inputs(q, k, v, mask, backend: str):
+    """q, k, v as SDPA gets them: K and V grouped (enable_gqa, not copied) for the kernels that take them so
+    (flash; auto on CUDA), else repeated to n_heads (the kernels that take a mask do not all group, and one
+    that cannot serves the call in the slow math path); bf16 on a CPU as fp32, whose kernels are faster
+    there (the flash kernel's backward above all)."""
     grouped = mask is None and (backend == "flash" or backend == "auto" and q.is_cuda)
     if k.shape[1] != q.shape[1] and not grouped:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
-    dtype = q.dtype
-    if q.device.type == "cpu" and dtype == torch.bfloat16:  # the CPU's bf16 kernels are slower than fp32's
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         q, k, v = q.float(), k.float(), v.float()
-    with sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              enable_gqa=k.shape[1] != q.shape[1]).to(dtype)
+    return q, k, v
+
+
+def attention_kernel(q, k, v, mask, is_causal: bool, backend: str = "auto") -> str:
+    """The kernel attention() computes these inputs with: flex for a BlockMask, else the one SDPA picks
+    under `backend`, asked of SDPA itself. ValueError with SDPA's reasons where `backend` cannot compute
+    them (a precision, a mask or shapes its kernel does not take)."""
+    if isinstance(mask, BlockMask):
+        return "flex"
+    q, k, v = sdpa_inputs(q, k, v, mask, backend)
+    with warnings.catch_warnings(record=True) as why, held_to(backend, mask):
+        warnings.simplefilter("always")
+        try:
+            choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, enable_gqa=k.shape[1] != q.shape[1])
+        except RuntimeError:
+            choice = -1
+    if choice not in SDPA_KERNELS:  # SDPA says why each kernel cannot, in warnings
+        reasons = sorted({" ".join(str(w.message).split())[:150] for w in why})
+        raise ValueError("; ".join(reasons) or "no SDPA kernel takes these inputs")
+    return SDPA_KERNELS[choice]
 
 
 @functools.cache

@@ -500,6 +500,9 @@ class RL(sft.SFT):
     head_in_loss = False  # RLTask's loss is given the logits
     value_head = None  # PPO's critic (extend)
 
+    def masked_attention(self) -> str | None:
+        return None  # one example a row, unpacked: the plain causal attention
+
     def __init__(self, args):
         super().__init__(args)
         self.rows_per_example = args.group  # replies per prompt: rows per example (memory, tokens, FLOPs)

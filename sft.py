@@ -265,6 +265,9 @@ class SFT(T.Pretraining):
                     "anneal_data": "fine-tuning reads one dataset, --data (--anneal-tokens alone anneals the "
                                    "learning rate)"}
 
+    def masked_attention(self) -> str | None:
+        return "fine-tuning keeps it within each example of a row"
+
     def tokenizer(self):
         """The one --init was trained with (--tokenizer may only repeat it); without --init, byte."""
         if self.args.init is None:

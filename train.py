@@ -73,6 +73,7 @@ class Run:
     loader: data.Loader
     make_val: Callable  # a fresh validation loader, from its start
     timer: costs.PhaseTimer
+    attention: str = "auto"  # the kernel that computes the attention (config.check_attention)
     ramp: list | None = None  # --ramp's stages (switch_stage)
     benchmarks: list = ()  # --eval-tasks: [(name, items)], scored at each validation
 
@@ -381,6 +382,11 @@ class Pretraining:
             make_val(name)  # fail now, not at the first evaluation
         shares = ", ".join(f"{name} {w:.0%}" for name, w in mixture)
         return train, make_val, f"a mixture of {shares}: {train.num_tokens:,} train tokens"
+
+    def masked_attention(self) -> str | None:
+        """Why this recipe's attention is masked in every batch (None: it is the plain causal one)."""
+        return ("--doc-mask, the llama presets' default, keeps it within each document"
+                if doc_mask_on(self.args) else None)
 
     def extend(self, model, device, dtype):
         """Modules trained beside the model's own, added to it before the optimizer takes its parameters
@@ -956,7 +962,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     timer = costs.PhaseTimer(spec.device, time_phases, costs.tracer_for(args, mesh, spec.device))
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, timer, spec.ramp, load_benchmarks(args, spec.tok, mesh))
+              loader, make_val, timer, spec.attention, spec.ramp, load_benchmarks(args, spec.tok, mesh))
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
@@ -1049,7 +1055,7 @@ def announce(run: Run, meter: Meter, name: str, data_desc: str):
         trained = sum(p.numel() for p in run.opt.params)
         config.say(f"LoRA rank {lora[0]}, alpha {lora[1]:g} on {', '.join(lora[2])}: {trained:,} trained "
                    f"parameters on this rank, the model frozen in {run.precision}")
-    config.say(f"device {run.device}, {run.precision}; MFU uses the PaLM convention "
+    config.say(f"device {run.device}, {run.precision}, attention {run.attention}; MFU uses the PaLM convention "
         + ("4N+12LdT (LoRA: no weight gradients)" if lora else "6N+12LdT")
         + (" plus the reference's forward" if task.reference_forwards else "")
         + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "

@@ -176,10 +176,12 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
            "--steps", "2", "--warmup-steps", "1", "--json"]
-    rows = json.loads(subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1,attn=flash"], capture_output=True,
-                                     text=True, check=True, env=env).stdout.splitlines()[-1])["rows"]
-    assert len(rows) == 2 and rows[1]["act_ckpt"]
-    assert (rows[0]["attn_backend"], rows[1]["attn_backend"]) == ("auto", "flash")
+    p = subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1,attn=flash;attn=math"], capture_output=True,
+                       text=True, check=True, env=env)
+    rows = [json.loads(line) for line in p.stdout.splitlines()]  # a line per row, as each finishes
+    assert len(rows) == 3 and rows[1]["act_ckpt"] and all(r["model"] == "tiny" for r in rows)
+    assert [(r["attn_backend"], r["attn_kernel"]) for r in rows] == [("auto", "flash"), ("flash", "flash"),
+                                                                    ("math", "math")]  # (what SDPA ran)
     for r in rows:
         assert set(r["phases_s"]) == {"1 data", "2 forward", "3 loss", "4 backward", "5 grad sync",
                                       "6 optimizer", "7 checkpoint"}
@@ -189,7 +191,44 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
         hf = json.loads(subprocess.run(cmd + ["--compare-hf", "--precision", precision], capture_output=True,
                                        text=True, check=True, env=env).stdout.splitlines()[-1])["compare_hf"]
         assert len(hf["ours_tokens_per_s"]) == len(hf["hf_tokens_per_s"]) == 2
-        assert hf["ratio_ours_over_hf"] > 0
+        assert hf["ratio_ours_over_hf"] > 0 and "fp32 gradients, master weights" in hf["ours_keeps"]
+
+
+def test_a_refused_row_is_a_row_and_the_sweep_goes_on(tmp_path):
+    """A refused or failed setting lost every row before it (bench.py exited, and the table and the JSON came
+    at the end). Now each setting runs on its own (in one process, a process of its own), each row is
+    printed as it finishes, and a refused one says why; the exit code says that one failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
+           "--steps", "1", "--warmup-steps", "1", "--sweep", "mb=4;mb=4,attn=cudnn;mb=2"]
+    p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env)
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert p.returncode == 1 and [r["setting"] for r in rows] == [{"mb": 4}, {"mb": 4, "attn": "cudnn"}, {"mb": 2}]
+    assert "error" not in rows[0] and "error" not in rows[2] and rows[2]["micro_batch"] == 2
+    assert rows[1]["error"] == ("--attn-backend cudnn runs on CUDA GPUs only, and this run is on cpu: use auto, "
+                                "flash or math")
+    text = subprocess.run(cmd, capture_output=True, text=True, env=env).stdout.splitlines()
+    assert "  mb=4,attn=cudnn: --attn-backend cudnn runs on CUDA GPUs only" in text[3]
+    assert len(text) == 6 and text[1].split()[:2] == ["tp", "cp"]  # 2 lines of heading, 3 rows, a note
+
+
+def test_compare_hf_frees_each_side_before_the_other_runs(monkeypatch):
+    """--compare-hf (ours, transformers, ours again) was refused at its third run: the transformers model and
+    its optimizer were alive while ours ran again. Each side is freed before the next starts (counted here
+    by the garbage collector); what the allocator still caches is counted as available by the memory check
+    (tests/test_memory.py)."""
+    import gc
+    import transformers
+    import model as M
+    a = bench.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps",
+                                       "1", "--warmup-steps", "0", "--compare-hf"])
+    seen, measure, hf = [], bench.measure, bench.hf_tokens_per_s
+    alive = lambda kind: sum(type(o) is kind for o in gc.get_objects())
+    monkeypatch.setattr(bench, "measure", lambda *args, **kw: seen.append(
+        ("ours", alive(transformers.LlamaForCausalLM))) or measure(*args, **kw))
+    monkeypatch.setattr(bench, "hf_tokens_per_s", lambda a: seen.append(("theirs", alive(M.Transformer))) or hf(a))
+    assert bench.compare_hf(a)["ratio_ours_over_hf"] > 0
+    assert seen == [("ours", 0), ("theirs", 0), ("ours", 0), ("theirs", 0)]
 
 
 def as_rank(monkeypatch, rank: int, world: int):

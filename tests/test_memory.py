@@ -286,3 +286,26 @@ def test_the_memory_check_counts_the_build(monkeypatch):
     big = M.PRESETS["llama3-70b"]
     assert costs.build_bytes(big, "bf16", dp=512, zero=3) < min(5e9, costs.memory_estimate(
         big, "bf16", 1, 128, dp=512, zero=3)["total"])
+
+
+def test_available_memory_counts_what_this_process_has_cached(monkeypatch):
+    """A second run in one process (a bench.py sweep's next row) found the first one's blocks in the caching
+    allocator, counted as used by the device's free memory, and was refused on an 80 GB card with 43 GB
+    "available". What this process's allocator holds unused is available to it; a refusal says how short
+    the device is, and --no-memory-check starts the run all the same. (CUDA's memory calls replaced.)"""
+    gb = 1e9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(20 * gb), int(80 * gb)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(50 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: int(1 * gb))
+    assert costs.available_memory(torch.device("cuda", 0)) == 69 * gb  # 20 free + 49 cached unused
+    args = config.get_parser().parse_args(["--model", "llama3.2-1b", "--seq-len", "4096", "--micro-batch", "2"])
+    margs = config.model_args_from(args, 128_256)
+    need = costs.memory_estimate(margs, "bf16", 2, 4096, loss_chunk=1024)["total"]
+    assert 20 * gb < need < 69 * gb  # refused by the free memory alone; it fits in what the process can get
+    config.check_memory(margs, args, 1, torch.device("cuda", 0), "bf16", chunk=1024)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(1 * gb))
+    with pytest.raises(config.ResourceError, match=r"cuda has 20.0 GB available, [\d.]+ GB short; .* "
+                                                   r"--no-memory-check"):
+        config.check_memory(margs, args, 1, torch.device("cuda", 0), "bf16", chunk=1024)
+    args.memory_check = False  # --no-memory-check
+    config.check_memory(margs, args, 1, torch.device("cuda", 0), "bf16", chunk=1024)
