@@ -189,6 +189,9 @@ def train_args(a, **over) -> argparse.Namespace:
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
     argv += ["--attn-backend", over.get("attn", a.attn_backend)]
     argv += [] if a.memory_check else ["--no-memory-check"]
+    argv += [] if a.doc_mask is None else ["--doc-mask" if a.doc_mask else "--no-doc-mask"]
+    argv += [f for flag in (*config.SHAPE_FLAGS, "rope_scaling") if getattr(a, flag) is not None
+             for f in (f"--{flag.replace('_', '-')}", str(getattr(a, flag)))]
     return config.get_parser().parse_args(argv)
 
 
@@ -269,7 +272,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": config.loss_chunk(args),
-            "attn_backend": args.attn_backend, "attn_kernel": run.attention,
+            "attn_backend": args.attn_backend, "attn_kernel": run.attention, "params": M.count_params(margs),
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
@@ -316,7 +319,7 @@ class Table:
 
     def heading(self, r0: dict):
         a = self.a
-        print(f"{a.model} ({M.count_params(M.PRESETS[a.model]):,} params), {r0['precision']}, peak "
+        print(f"{a.model} ({r0['params']:,} params), {r0['precision']}, peak "
               f"{costs.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
               f"{a.steps} steps after {a.warmup_steps} warm-up")
         print(f"  {'tp cp pp dp':>11s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
@@ -485,10 +488,10 @@ def free_memory():
 
 
 def hf_tokens_per_s(a) -> float:
-    """transformers' LlamaForCausalLM + torch.optim.AdamW (same lr, betas, decay, clipping) on --model's shape
-    and one random batch: tokens/s, the median of --steps steps after --warmup-steps."""
+    """transformers' LlamaForCausalLM + torch.optim.AdamW (same lr, betas, decay, clipping) on the measured
+    model's shape and one random batch: tokens/s, the median of --steps steps after --warmup-steps."""
     import transformers
-    margs = M.PRESETS[a.model]
+    margs = model_args(a)
     cfg = transformers.LlamaConfig(hidden_size=margs.dim, intermediate_size=margs.hidden_dim,
                                    num_hidden_layers=margs.n_layers, num_attention_heads=margs.n_heads,
                                    num_key_value_heads=margs.n_kv_heads, vocab_size=margs.vocab_size,
@@ -681,7 +684,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 def add_train_args(p: argparse.ArgumentParser):
     """The settings of the run measured, as train.py's flags name them."""
-    p.add_argument("--model", default="mini", choices=sorted(M.PRESETS), help="a model.py preset")
+    config.add_model_flags(p)  # (the shape flags: measured runs; --plan plans the presets as they are)
     p.add_argument("--data", default="tinyshakespeare", help="train.py --data")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on a GPU, fp32 on a CPU (--dp-vs-ddp and --bubble run fp32)")
@@ -707,6 +710,8 @@ def add_train_args(p: argparse.ArgumentParser):
                    help="train.py --deterministic (sweep key: deterministic)")
     p.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
                    help="train.py --attn-backend: the causal attention's kernel (sweep key: attn)")
+    p.add_argument("--doc-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="train.py --doc-mask: attention within each document (default: on for the llama presets)")
     p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
                    help="train.py --memory-check: refuse a run whose estimate exceeds the memory available")
 
@@ -758,11 +763,16 @@ def validate(a):
     need(1 <= a.pue < math.inf, "pue", "a number >= 1 (the facility's power over the GPUs')")
     need(0 <= a.usd_per_gpu_hour < math.inf, "usd_per_gpu_hour", "a number >= 0")
     need(a.budget_flops is None or 0 < a.budget_flops < math.inf, "budget_flops", "a positive number")
-    max_seq_len = M.PRESETS[a.model].max_seq_len
+    max_seq_len = model_args(a).max_seq_len  # (an unknown preset is refused here)
     need(a.seq_len <= max_seq_len, "seq_len", f"at most model {a.model}'s max_seq_len {max_seq_len}")
     micro_batch_counts(a.micro_batches)
     if a.launch and not a.plan:
         refuse("--launch writes the launch of a --plan: add --plan and the layout")
+    shape = [f"--{f.replace('_', '-')}" for f in (*config.SHAPE_FLAGS, "rope_scaling")
+             if getattr(a, f) is not None]
+    if shape and (a.plan or a.dp_vs_ddp or a.bubble):
+        refuse(f"{', '.join(shape)}: override the preset of a measured run (train.py's loop, --compare-hf); "
+               "--plan, --dp-vs-ddp and --bubble take the presets as they are")
     if a.lora_rank is not None and not a.plan:  # (what bench.py measures is train.py's pretraining)
         refuse("--lora-rank plans LoRA fine-tuning: use it with --plan")
     if a.trace and Path(a.trace).exists() and not Path(a.trace).is_dir():
@@ -776,6 +786,15 @@ def validate(a):
     elif not a.plan:  # --plan's layout is over --gpus, not this run's processes: plan() checks it
         for row in parse_sweep(a.sweep) if a.sweep is not None else [{}]:
             check_measured_run(a, row, world)
+
+
+def model_args(a) -> M.ModelArgs:
+    """The measured model: --model with the shape flags over it, on the byte tokenizer's vocabulary (train.py's
+    default, which train_args keeps), as train.py makes it."""
+    try:
+        return config.model_args_from(a, data.get_tokenizer("byte").n_vocab)
+    except config.ConfigError as e:
+        refuse(str(e))
 
 
 def micro_batch_counts(text: str) -> list[int]:
@@ -800,7 +819,7 @@ def check_measured_run(a, row: dict, world: int):
     if world % (tp * cp * pp):
         refuse(f"{what} needs tp x cp x pp = {tp * cp * pp} processes (or a multiple), this run has {world}: "
                f"launch it with torchrun --standalone --nproc_per_node={tp * cp * pp} bench.py ...")
-    margs = M.PRESETS[a.model]
+    margs = model_args(a)
     if seq_len > margs.max_seq_len:
         refuse(f"{what}: seq_len must be at most model {a.model}'s max_seq_len {margs.max_seq_len}, "
                f"got {seq_len}")

@@ -55,13 +55,7 @@ def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a Llama 3 model: `python train.py` (or `torchrun "
                                             "--standalone --nproc_per_node=1 train.py`).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
-    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
-        g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
-    g.add_argument("--rope-scaling", default=None, metavar="FACTOR:LOW:HIGH:ORIGINAL",
-                   help="Llama 3.1's RoPE frequency scaling, e.g. 8:1:4:8192 (factor, low and high frequency "
-                        "factors, original context), or none; default: the preset's")
+    add_model_flags(p)
     g = p.add_argument_group("data")
     g.add_argument("--data", default="tinyshakespeare",
                    help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
@@ -93,6 +87,17 @@ def get_parser() -> argparse.ArgumentParser:
     add_parallel_flags(p)
     add_run_flags(p)
     return p
+
+
+def add_model_flags(p: argparse.ArgumentParser):
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
+    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
+        g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
+    g.add_argument("--rope-scaling", default=None, metavar="FACTOR:LOW:HIGH:ORIGINAL",
+                   help="Llama 3.1's RoPE frequency scaling, e.g. 8:1:4:8192 (factor, low and high frequency "
+                        "factors, original context), or none; default: the preset's (the context grows to "
+                        "factor x original)")
 
 
 def add_optimization_flags(p: argparse.ArgumentParser):
@@ -439,6 +444,7 @@ def check_config(args, recipe) -> Spec:
             raise ConfigError(f"{given}: {why}")
     world = launch_world()
     device, precision = pick_device_and_precision(args)
+    masked = check_attention(args, device, recipe.masked_attention())
     check_trackers(args)
     tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
@@ -451,7 +457,7 @@ def check_config(args, recipe) -> Spec:
         check_shape(args, world, margs, device, precision, recipe)
     if ramp:
         enter_stage(args, ramp[0], dp)
-    kernel = check_attention(args, margs, device, precision, recipe.masked_attention())
+    kernel = attention_kernel(args, margs, device, precision, masked)
     check_anneal(args, dp)
     C.check_out_dir(Path(args.out_dir))
     check_overwrite(args)
@@ -474,31 +480,36 @@ def check_shape(args, world: int, margs, device, precision: str, recipe):
                  loss_chunk(args) if recipe.head_in_loss else 0)
 
 
-def check_attention(args, margs: M.ModelArgs, device, precision: str, masked: str | None) -> str:
-    """The kernel that will compute the run's attention, asked of the model's own dispatch
-    (model.attention_kernel) with this rank's heads at up to 1,024 positions: flex wherever the attention is
-    masked on a GPU (masked: why, from the recipe; --cp's positions too). A --attn-backend that cannot
-    compute it (a kernel this device lacks, or not for this precision) or that the masked attention never
-    reaches is refused."""
-    backend, masked = args.attn_backend, masked or ("--cp gives each rank's queries their keys by a mask"
-                                                    if args.cp > 1 else None)
+def check_attention(args, device, masked: str | None) -> str | None:
+    """--attn-backend against the device and the mask: a kernel this device lacks, or one the run's attention
+    never reaches (masked in every batch: why, from the recipe, or --cp's positions) is refused. Returns why
+    the attention is masked (None: it is the plain causal one)."""
+    backend = args.attn_backend
+    masked = masked or ("--cp gives each rank's queries their keys by a mask" if args.cp > 1 else None)
     if backend in ("cudnn", "efficient") and device.type != "cuda":
         raise ConfigError(f"--attn-backend {backend} runs on CUDA GPUs only, and this run is on {device.type}: "
                           "use auto, flash or math")
     if masked and backend != "auto":
         raise ConfigError(f"--attn-backend {backend} computes an unmasked causal attention, and this run's is "
                           f"masked in every batch ({masked}): leave it at auto (FlexAttention on a GPU)")
+    return masked
+
+
+def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: str | None) -> str:
+    """The kernel that will compute the run's attention, asked of the model's own dispatch
+    (model.attention_kernel) with this rank's heads at up to 1,024 positions: flex wherever it is masked on
+    a GPU. A --attn-backend that cannot compute it (not in this precision, say) is refused."""
+    if masked and device.type in M.BLOCK_MASK_DEVICES:
+        return "flex"
     T, dtype = min(args.seq_len, 1024), M.DTYPES[precision]
     q = torch.empty(1, margs.n_heads // args.tp, T, margs.head_dim, device=device, dtype=dtype)
     kv = torch.empty(1, margs.n_kv_heads // args.tp, T, margs.head_dim, device=device, dtype=dtype)
-    if masked and device.type in M.BLOCK_MASK_DEVICES:
-        return "flex"
     mask = torch.ones(T, T, dtype=torch.bool, device=device).tril() if masked else None
     try:
-        return M.attention_kernel(q, kv, kv, mask, not masked, backend)
+        return M.attention_kernel(q, kv, kv, mask, not masked, args.attn_backend)
     except ValueError as e:
-        raise ConfigError(f"--attn-backend {backend} cannot compute this run's attention ({precision}, head_dim "
-                          f"{margs.head_dim}) on {device}: {e}") from None
+        raise ConfigError(f"--attn-backend {args.attn_backend} cannot compute this run's attention ({precision}, "
+                          f"head_dim {margs.head_dim}) on {device}: {e}") from None
 
 
 def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,

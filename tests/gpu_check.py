@@ -20,14 +20,28 @@
    tokens/s and MFU of each of LAYOUTS_8B, in one table beside torchtitan's published figure.
 Every check runs under a time limit (CHECK_TIMEOUT_S). Without CUDA it prints one SKIP line and exits 0
 (the test suite runs that path).
+
+    python tests/gpu_check.py --quick [--budget SECONDS] [--report DIR]   # a GPU day on one GPU, in minutes
+
+The quick day, for GPU time that is rare and short: its parts in order of importance, each under its own
+time limit and all within --budget (480 s), each result appended to DIR/report.md and DIR/report.jsonl as
+it finishes (a part the budget cannot fit is reported skipped): the default run (wall time, val loss);
+Llama 3.2 1B at 4,096 tokens a sequence, eager and compiled, micro-batches of 4 and 2, with each attention
+kernel that applies (tokens/s, MFU, peak memory beside the estimate, the kernel that ran); ours against
+transformers' LlamaForCausalLM at the same shape; one compiled 1B step's GPU time by kind, from torch's
+profiler; then the checks that fit one GPU. It uses the torch it finds, installs nothing, reaches no
+network (the data come from DATA_MIRROR, as the tests'); without CUDA it says so and exits 0.
 """
 
+import argparse
 import dataclasses
+import datetime
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +65,7 @@ LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "pp": 
            {"dp": 2, "zero": 1, "act_ckpt": "full"}, {"tp": 2, "sp": 1, "act_ckpt": "selective"},
            {"tp": 2, "sp": 1, "compile": 1}, {"dp": 2, "zero": 1, "compile": 1},
            {"attn": "flash"}, {"attn": "cudnn"}]
+BF16_ONLY = ({"attn": "flash"}, {"attn": "cudnn"})  # kernels of bf16 and fp16 only: fp32 runs refuse them
 FP16_LAYOUTS = [{"dp": 2}, {"dp": 2, "zero": 1}, {"tp": 2, "sp": 1}]
 # Llama 3.1 8B on 8 GPUs, 8,192 tokens a sequence, 4 per GPU a step: the README's plan, then its variants
 BENCH_8B = ["--model", "llama3.1-8b", "--seq-len", "8192", "--micro-batch", "1", "--grad-accum", "4",
@@ -107,7 +122,8 @@ def layout_flags(layout: dict, precision: str) -> list:
 
 def parity(gpus: int, work: Path) -> list[bool]:
     results = []
-    for precision, layouts in (("fp32", LAYOUTS), ("bf16", LAYOUTS), ("fp16", FP16_LAYOUTS)):
+    fp32 = [layout for layout in LAYOUTS if layout not in BF16_ONLY]
+    for precision, layouts in (("fp32", fp32), ("bf16", LAYOUTS), ("fp16", FP16_LAYOUTS)):
         ok, why = torchrun(1, layout_flags({}, precision), work / f"one-{precision}")
         if not report(f"single GPU, {precision}", ok, "trained" if ok else why):
             results.append(False)
@@ -294,11 +310,260 @@ def table_8b() -> bool:
     return report("Llama 3.1 8B layouts on 8 GPUs", True, "table above")
 
 
-def main() -> int:
+# ----------------------------------------------------------------------------------------------------
+# The quick GPU day (--quick)
+
+
+class Report:
+    """DIR/report.md (a table for people) and DIR/report.jsonl (a record per result, for programs), both
+    appended to and flushed as each result comes, so a day cut short keeps what it measured."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+        self.about = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
+                      "cuda": torch.version.cuda}
+        with open(folder / "report.md", "a") as f:
+            f.write(f"\n# GPU day {self.about['date']}: {gpu}, torch {torch.__version__}, CUDA "
+                    f"{torch.version.cuda}\n\n| part | result | status | seconds | details |\n"
+                    "| --- | --- | --- | --- | --- |\n")
+
+    def add(self, part: str, name: str, status: str, seconds: float, result: dict | None = None,
+            detail: str = ""):
+        """One result: status pass, fail, measured or skipped; result, the numbers; detail, a line of text."""
+        record = {"part": part, "name": name, "status": status, "seconds": round(seconds, 1),
+                  "result": result or {}, "detail": detail, **self.about}
+        with open(self.folder / "report.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with open(self.folder / "report.md", "a") as f:
+            f.write(f"| {part} | {name} | {status} | {seconds:.0f} | {detail.replace('|', '/')} |\n")
+        print(f"{status.upper():8s} {part}: {name} ({seconds:.0f} s) {detail}", flush=True)
+
+
+def quick_day(day: Report, budget: float, parts=None) -> int:
+    """Each part in order, given min(its own limit, what is left of the budget); a part with under 20 s left
+    is reported skipped. A part takes (report, work folder, seconds) and reports its own results; one that
+    raises is reported failed, and the day goes on. Exit code 1 if any result failed."""
+    parts = QUICK_PARTS if parts is None else parts
+    deadline, failed = time.monotonic() + budget, False
+    with tempfile.TemporaryDirectory(prefix="gpu-day-") as tmp:
+        for name, limit, part in parts:
+            left = deadline - time.monotonic()
+            if left < 20:
+                day.add(name, "(all)", "skipped", 0.0, detail=f"--budget {budget:g} s spent")
+                continue
+            t0 = time.monotonic()
+            try:
+                failed |= part(day, Path(tmp), min(limit, left)) is False
+            except Exception as e:  # a part's own failure is a result too
+                day.add(name, "(all)", "fail", time.monotonic() - t0, detail=f"{type(e).__name__}: {e}"[:300])
+                failed = True
+    return 1 if failed else 0
+
+
+def timed_run(cmd: list, seconds: float, **kw) -> tuple[bool, str, str, float]:
+    """(succeeded, its last line of errors, its output, seconds it took), within `seconds`."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=seconds, **kw)
+    except subprocess.TimeoutExpired:
+        return False, f"over its limit of {seconds:.0f} s", "", time.monotonic() - t0
+    why = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return p.returncode == 0, why, p.stdout + p.stderr, time.monotonic() - t0
+
+
+def default_run(day: Report, work: Path, seconds: float) -> bool:
+    """The README's first command as a GPU user runs it: its wall time and its last validation loss."""
+    out = work / "default"
+    ok, why, _, took = timed_run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc_per_node=1", str(REPO / "train.py"), "--out-dir", str(out)], seconds)
+    if not ok:
+        day.add("default run", "torchrun train.py", "fail", took, detail=why)
+        return False
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val_loss" in r][-1]
+    day.add("default run", "torchrun train.py", "measured", took,
+            {"wall_s": took, "val_loss": val["val_loss"], "train_s": val["time_s"], "step": val["step"]},
+            f"val loss {val['val_loss']:.4f} at step {val['step']}, {took:.0f} s wall, {val['time_s']:.0f} s "
+            "of training")
+    return True
+
+
+# Llama 3.2 1B at 4,096 tokens a sequence: each row a bench.py run (its own process), in order of importance
+LLAMA_1B = ["--model", "llama3.2-1b", "--precision", "bf16", "--seq-len", "4096", "--steps", "5",
+            "--warmup-steps", "3"]
+QUICK_ROWS = [["--micro-batch", "4", "--compile"],
+              ["--micro-batch", "4", "--compile", "--no-doc-mask", "--attn-backend", "cudnn"],
+              ["--micro-batch", "4", "--compile", "--no-doc-mask", "--attn-backend", "flash"],
+              ["--micro-batch", "4"], ["--micro-batch", "4", "--no-doc-mask", "--attn-backend", "cudnn"],
+              ["--micro-batch", "2", "--compile"], ["--micro-batch", "2"],
+              ["--micro-batch", "4", "--compile", "--no-doc-mask", "--attn-backend", "efficient"]]
+
+
+def llama_rows(day: Report, work: Path, seconds: float) -> bool:
+    """QUICK_ROWS, each within what is left of the part's time (at most 150 s a row: a compiled one compiles
+    for about a minute the first time, less once inductor's cache holds its kernels)."""
+    deadline, good = time.monotonic() + seconds, True
+    for flags in QUICK_ROWS:
+        left = deadline - time.monotonic()
+        name = " ".join(flags)
+        if left < 30:
+            day.add("1B rows", name, "skipped", 0.0, detail="the part's time is spent")
+            continue
+        ok, why, out, took = timed_run([sys.executable, str(REPO / "bench.py"), *LLAMA_1B, *flags, "--json"],
+                                       min(150, left))
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if not ok or not rows or "error" in rows[-1]:
+            day.add("1B rows", name, "fail", took, detail=rows[-1].get("error", why) if rows else why)
+            good = False
+            continue
+        r = rows[-1]
+        warned = [line for line in out.splitlines() if "compiled_flex_attention" in line]  # dynamo's warning
+        day.add("1B rows", name, "fail" if warned else "measured", took, r,
+                f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']['palm']:.1f}%, attention "
+                f"{r['attn_kernel']}, peak {r['peak_memory_gb']:.1f} GB (estimate "
+                f"{r['memory_estimate_gb']['total']:.1f}), step {1000 * r['step_s']:.0f} ms"
+                + (f"; dynamo warned: {warned[0][:100]}" if warned else ""))
+        good &= not warned
+    return good
+
+
+def versus_transformers(day: Report, work: Path, seconds: float) -> bool:
+    """bench.py --compare-hf on 1B at 4,096 tokens x 2, both bf16, the same AdamW settings."""
+    ok, why, out, took = timed_run([sys.executable, str(REPO / "bench.py"), *LLAMA_1B, "--micro-batch", "2",
+                                    "--compare-hf", "--json"], seconds)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if not ok or not lines:
+        day.add("ours vs transformers", "1B, 4096 x 2, bf16", "fail", took, detail=why)
+        return False
+    r = json.loads(lines[-1])["compare_hf"]
+    day.add("ours vs transformers", "1B, 4096 x 2, bf16", "measured", took, r,
+            f"ours {max(r['ours_tokens_per_s']):,.0f} tok/s, transformers {max(r['hf_tokens_per_s']):,.0f} "
+            f"({r['transformers']}): {r['ratio_ours_over_hf']:.2f}x; ours keeps {r['ours_keeps']}; "
+            f"transformers keeps {r['hf_keeps']}")
+    return True
+
+
+# One compiled training step under torch's profiler: the loss and the optimizer step run inside labelled
+# scopes, so their kernels are told apart from the blocks'; prints the GPU time by kind as JSON.
+PROFILE_STEP = """
+import json, sys
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+sys.path.insert(0, "tests")
+import gpu_check, optim, train
+
+def labelled(label, fn):
+    def run(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return run
+
+train.scaled_loss = labelled("llama3: head and loss", train.scaled_loss)
+optim.AdamW.step = labelled("llama3: optimizer", optim.AdamW.step)
+calls, step = [0], train.train_step
+
+def profiled(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] != int(sys.argv[1]):
+        return step(*args, **kwargs)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        out = step(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    print(json.dumps({"gpu_ms_by_kind": gpu_check.kinds_of(prof.events())}), flush=True)
+    return out
+
+train.train_step = profiled
+train.main(sys.argv[2:])
+"""
+PROFILED_STEP = 4  # after three: the compiled blocks are built and warm
+
+
+def kinds_of(events) -> dict[str, float]:
+    """GPU milliseconds of a profiled step by kind: the kernels launched inside the labelled scopes (head and
+    loss, optimizer) by their scope, the others by their names: matmul, attention, copies, element-wise."""
+    out = {k: 0.0 for k in ("matmul", "attention", "head and loss", "element-wise", "optimizer", "copies")}
+    for e in events:
+        for kernel in getattr(e, "kernels", ()):
+            scope, up = None, e
+            while up is not None and scope is None:
+                scope = next((k for k in ("head and loss", "optimizer") if up.name == f"llama3: {k}"), None)
+                up = up.cpu_parent
+            out[scope or kernel_kind(kernel.name)] += kernel.duration / 1e3  # (microseconds)
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(w in n for w in ("gemm", "xmma", "cutlass", "cublas", "nvjet", "matmul", "_mm_")):
+        return "matmul" if not any(w in n for w in ("fmha", "flash", "attention", "sdpa")) else "attention"
+    if any(w in n for w in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(w in n for w in ("memcpy", "memset", "copy", "cat_")):
+        return "copies"
+    return "element-wise"
+
+
+def profile_step(day: Report, work: Path, seconds: float) -> bool:
+    """PROFILE_STEP on 1B at 4,096 x 4, compiled: where one step's GPU time goes."""
+    script = work / "profile_step.py"
+    script.write_text(PROFILE_STEP)
+    flags = ["--model", "llama3.2-1b", "--seq-len", "4096", "--micro-batch", "4", "--compile", "--max-steps",
+             str(PROFILED_STEP), "--warmup", "1", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens",
+             "0", "--log-every", "1", "--out-dir", str(work / "profile")]
+    ok, why, out, took = timed_run([sys.executable, str(script), str(PROFILED_STEP), *flags], seconds,
+                                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    found = [json.loads(line) for line in out.splitlines() if line.startswith('{"gpu_ms_by_kind"')]
+    if not ok or not found:
+        day.add("profile", "one compiled 1B step", "fail", took, detail=why)
+        return False
+    kinds = found[-1]["gpu_ms_by_kind"]
+    day.add("profile", "one compiled 1B step", "measured", took, kinds,
+            ", ".join(f"{k} {v:.1f} ms" for k, v in kinds.items()))
+    return True
+
+
+def one_gpu_checks(day: Report, work: Path, seconds: float) -> bool:
+    """The correctness checks that fit one GPU: FlexAttention against the dense mask, one host-device sync a
+    step, and a kernel that cannot serve fp32 refused in one line."""
+    t0, good = time.monotonic(), True
+    for ok in packed_documents():
+        good &= ok
+    day.add("checks", "packed documents: FlexAttention = dense mask", "pass" if good else "fail",
+            time.monotonic() - t0, detail="fp32 and bf16, loss and gradients")
+    t0 = time.monotonic()
+    synced = syncs(work, 1)
+    day.add("checks", "one host-device sync a step", "pass" if synced else "fail", time.monotonic() - t0)
+    ok, why, _, took = timed_run([sys.executable, str(REPO / "train.py"), *MODEL, "--max-steps", "1",
+                                  "--precision", "fp32", "--attn-backend", "flash", "--out-dir",
+                                  str(work / "fp32-flash")], min(60, seconds))
+    refused = not ok and why.startswith("error: --attn-backend flash cannot compute this run's attention")
+    day.add("checks", "fp32 with --attn-backend flash is refused in one line", "pass" if refused else "fail",
+            took, detail=why)
+    return good and synced and refused
+
+
+QUICK_PARTS = [("default run", 120, default_run), ("1B rows", 420, llama_rows),
+               ("ours vs transformers", 150, versus_transformers), ("profile", 150, profile_step),
+               ("checks", 120, one_gpu_checks)]
+
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="The CUDA path checked end to end; --quick: a GPU day on one GPU.")
+    p.add_argument("--quick", action="store_true", help="the quick day on one GPU (see the docstring)")
+    p.add_argument("--budget", type=float, default=480.0, help="--quick: seconds in all")
+    p.add_argument("--report", default="gpu-report", help="--quick: the folder of report.md and report.jsonl")
+    a = p.parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         print("SKIP gpu_check: no CUDA device on this machine", flush=True)
         return 0
+    if a.quick:
+        return quick_day(Report(Path(a.report)), a.budget)
     print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
@@ -311,7 +576,6 @@ def main() -> int:
             print(f"SKIP Llama 3.1 8B on 8 GPUs: this machine has {gpus}", flush=True)
     print(f"{sum(results)} of {len(results)} checks passed", flush=True)
     return 0 if all(results) else 1
-
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -330,8 +330,72 @@ def test_gpu_check_skips_in_one_line_without_cuda(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPO / "tests"))
     import gpu_check
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert gpu_check.main() == 0
-    assert capsys.readouterr().out == "SKIP gpu_check: no CUDA device on this machine\n"
+    assert gpu_check.main([]) == 0
+    assert gpu_check.main(["--quick", "--budget", "60", "--report", "x"]) == 0  # the quick day likewise
+    assert capsys.readouterr().out == "SKIP gpu_check: no CUDA device on this machine\n" * 2
+
+
+def test_a_gpu_day_writes_each_result_as_it_finishes(tmp_path, monkeypatch):
+    """The quick GPU day's report on a CPU, with fake parts on a fake clock: each result appended to report.md
+    and report.jsonl as it comes, a part that raises reported failed while the day goes on, a part the budget
+    cannot fit reported skipped, exit code 1 when anything failed; a part's command over its time limit is a
+    failure that says so."""
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    import gpu_check
+    clock = [0.0]
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+
+    def measured(day, work, seconds):
+        clock[0] += 30
+        day.add("fake", "a row", "measured", 30, {"tokens_per_s": 123.0}, "123 tok/s")
+
+    def raises(day, work, seconds):
+        clock[0] += seconds  # uses all it was given
+        raise RuntimeError("the GPU fell off")
+    day = gpu_check.Report(tmp_path / "r")
+    parts = [("first", 100, measured), ("second", 50, raises), ("third", 100, measured)]
+    assert gpu_check.quick_day(day, 95, parts) == 1  # 95 s: 30 + 50 spent, 15 left for the third
+    records = [json.loads(line) for line in (tmp_path / "r" / "report.jsonl").read_text().splitlines()]
+    assert [(r["part"], r["status"]) for r in records] == [("fake", "measured"), ("second", "fail"),
+                                                          ("third", "skipped")]
+    assert records[0]["result"] == {"tokens_per_s": 123.0}
+    assert records[1]["detail"] == "RuntimeError: the GPU fell off"
+    assert all({"date", "gpu", "torch", "cuda", "seconds"} <= set(r) for r in records)
+    md = (tmp_path / "r" / "report.md").read_text().splitlines()
+    assert md[1].startswith("# GPU day ") and md[3] == "| part | result | status | seconds | details |"
+    assert md[5:] == ["| fake | a row | measured | 30 | 123 tok/s |", "| second | (all) | fail | 50 | "
+                      "RuntimeError: the GPU fell off |", "| third | (all) | skipped | 0 | --budget 95 s spent |"]
+    monkeypatch.undo()  # the real clock, for a real command past its limit
+    ok, why, _, took = gpu_check.timed_run([sys.executable, "-c", "import time; time.sleep(30)"], 1)
+    assert not ok and why == "over its limit of 1 s" and took < 10
+
+
+def test_the_profiled_steps_time_is_split_by_kind(tmp_path):
+    """gpu_check's profile of one step: kernels inside the labelled scopes (the loss, the optimizer step) by
+    scope, the others by name; and the script itself runs on a CPU (no kernels there: zeros)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import gpu_check
+    from types import SimpleNamespace as E
+    K = lambda name, us: E(name=name, duration=us)
+    loss = E(name="llama3: head and loss", cpu_parent=None, kernels=[])
+    opt = E(name="llama3: optimizer", cpu_parent=None, kernels=[])
+    events = [E(name="aten::mm", cpu_parent=loss, kernels=[K("sm90_xmma_gemm_bf16", 2000)]),
+              E(name="aten::mm", cpu_parent=None, kernels=[K("nvjet_tst_128x256", 5000)]),
+              E(name="flash", cpu_parent=None, kernels=[K("flash_fwd_kernel", 1500), K("cudnn_sdpa_fwd", 500)]),
+              E(name="copy", cpu_parent=None, kernels=[K("Memcpy DtoD", 100)]),
+              E(name="add", cpu_parent=E(name="x", cpu_parent=opt, kernels=[]), kernels=[K("vectorized", 300)]),
+              E(name="silu", cpu_parent=None, kernels=[K("triton_poi_fused_silu_mul_0", 700)])]
+    assert gpu_check.kinds_of(events) == {"matmul": 5.0, "attention": 2.0, "head and loss": 2.0,
+                                          "element-wise": 0.7, "optimizer": 0.3, "copies": 0.1}
+    script = tmp_path / "p.py"
+    script.write_text(gpu_check.PROFILE_STEP)
+    p = subprocess.run([sys.executable, str(script), "2", "--model", "tiny", "--seq-len", "32", "--max-steps", "2",
+                        "--warmup", "1", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens", "0",
+                        "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    found = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"gpu_ms_by_kind"')]
+    assert p.returncode == 0 and found == [{"gpu_ms_by_kind": dict.fromkeys(
+        ("matmul", "attention", "head and loss", "element-wise", "optimizer", "copies"), 0.0)}], p.stderr[-2000:]
 
 
 BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)

@@ -303,6 +303,9 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--resume", "--overwrite"], "--resume continues the run in --out-dir and --overwrite deletes it"),
     (["--act-ckpt", "selective", "--compile"], "--act-ckpt selective does not work with --compile"),
     (["--attn-backend", "cudnn"], "--attn-backend cudnn runs on CUDA GPUs only, and this run is on cpu"),
+    (["--attn-backend", "efficient"], "--attn-backend efficient runs on CUDA GPUs only, and this run is on cpu"),
+    (["--attn-backend", "flash", "--doc-mask"], "--attn-backend flash computes an unmasked causal attention, and "
+     "this run's is masked in every batch (--doc-mask, the llama presets' default, keeps it within each"),
     (["--out-dir", ""], "--out-dir '' names no folder"),
     (["--out-dir", "x" * 300], "--out-dir: the name xxxxxxxx"),
     (["--data", "/tmp/" + "y" * 256 + "/a.txt"], "is 256 bytes long; file systems allow 255"),
@@ -336,6 +339,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flag
     (dpo.main, ["--anneal-data", "c4_demo"], "--anneal-data c4_demo: fine-tuning reads one dataset, --data"),
     (sft.main, ["--ramp", "0:32x8"], "--ramp 0:32x8: --ramp stages pretraining's token stream"),
     (sft.main, ["--val-fraction", "0"], "--val-fraction 0 holds nothing out to validate on: add --eval-every -1"),
+    (sft.main, ["--attn-backend", "math"], "this run's is masked in every batch (fine-tuning keeps it within"),
     (evaluate.main, ["--diff", "a", "b", "--task", "piqa"], "--diff compares the weights of two models, --task"),
 ])
 def test_bad_flags_of_the_other_scripts_are_refused(tmp_path, capsys, main, flags, message):

@@ -147,6 +147,7 @@ def test_default_configuration_runs(tmp_path):
                                    str(tmp_path), "--sample-tokens", "20")
     assert code == 0, stderr[-2000:]
     assert "val loss" in stdout and "MFU" in stdout
+    assert "device cpu, fp32, attention flash;" in stdout  # the kernel that ran: SDPA's CPU flash kernel
     assert (tmp_path / "latest").exists()
 
 
