@@ -265,8 +265,10 @@ def measure(a, timing: str = "phases", **over) -> dict:
     shape = (margs, run.precision, args.micro_batch, args.seq_len)
     layout = dict(act_ckpt=args.act_ckpt, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, zero=args.zero, sp=mesh.sp,
                   grad_accum=args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
+    kept = costs.kept_by(run.device.type, run.precision, args.attn_backend, T.doc_mask_on(args) or mesh.cp > 1,
+                         args.compile)
     est = costs.memory_estimate(*shape, **layout, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=config.loss_chunk(args))
+                                loss_chunk=config.loss_chunk(args), kept=kept)
     comm_est = costs.comm_estimate(*shape, **layout)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,

@@ -454,7 +454,7 @@ def check_config(args, recipe) -> Spec:
     for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
         if stage:
             enter_stage(args, stage, dp)
-        check_shape(args, world, margs, device, precision, recipe)
+        check_shape(args, world, margs, device, precision, recipe, bool(masked))
     if ramp:
         enter_stage(args, ramp[0], dp)
     kernel = attention_kernel(args, margs, device, precision, masked)
@@ -464,8 +464,9 @@ def check_config(args, recipe) -> Spec:
     return Spec(device, precision, tok, margs, kernel, ramp)
 
 
-def check_shape(args, world: int, margs, device, precision: str, recipe):
-    """The sequence length against the model, the parallel layout and the memory, for these settings."""
+def check_shape(args, world: int, margs, device, precision: str, recipe, masked: bool = False):
+    """The sequence length against the model, the parallel layout and the memory, for these settings
+    (masked: whether the attention is, check_attention)."""
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
     split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
@@ -477,7 +478,7 @@ def check_shape(args, world: int, margs, device, precision: str, recipe):
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
-                 loss_chunk(args) if recipe.head_in_loss else 0)
+                 loss_chunk(args) if recipe.head_in_loss else 0, masked)
 
 
 def check_attention(args, device, masked: str | None) -> str | None:
@@ -557,12 +558,12 @@ def ramp_stage(args) -> str:
 
 
 def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
-                 frozen_copies: int = 0, chunk: int = 0):
+                 frozen_copies: int = 0, chunk: int = 0, masked: bool = False):
     """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
     (model states, activations and temporaries of its busiest pipeline stage, costs.memory_estimate, for
-    micro-batches of rows_per_example rows an example; plus frozen copies of its weights, DPO's reference),
-    or what it holds while the model is built (costs.build_bytes) if that is more, against what its
-    device has free."""
+    micro-batches of rows_per_example rows an example, as this device's kernels keep them: costs.kept_by;
+    plus frozen copies of its weights, DPO's reference), or what it holds while the model is built
+    (costs.build_bytes) if that is more, against what its device has free."""
     split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
     rows = args.micro_batch * rows_per_example
     dp = world // (args.tp * args.cp * args.pp)
@@ -570,9 +571,10 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
                   virtual=args.virtual_stages)
     lora = lora_of(args)
     est_lora = (lora[0], lora[2]) if lora else None  # (rank, targets)
+    kept = costs.kept_by(device.type, precision, args.attn_backend, masked, args.compile)
     est = costs.memory_estimate(margs, precision, rows, args.seq_len, act_ckpt=args.act_ckpt, sp=args.sp,
                                 grad_accum=args.grad_accum, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=chunk, lora=est_lora, **layout)
+                                loss_chunk=chunk, lora=est_lora, **layout, kept=kept)
     if frozen_copies:  # in the training precision, cut as the trained model is
         est["frozen"] = frozen_copies * costs.BYTES[precision] * max(costs.stage_params(
             margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))

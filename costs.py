@@ -82,17 +82,29 @@ def lora_params(args: M.ModelArgs, rank: int, targets, tp: int = 1) -> int:
                for t, (i, o) in lora_shapes(args).items() if t in targets)
 
 
+class Kept(NamedTuple):
+    """How a run's blocks keep their activations for backward, beyond the shapes: the kernels the run uses
+    (kept_by: the device, the attention kernel and --compile)."""
+    compiled: bool = False  # --compile: inductor's partition keeps a block's inputs, recomputes norms, SiLU
+    grouped_kv: bool = True  # attention keeps K and V at n_kv_heads (a GPU's kernels) or repeated to n_heads
+    fp32_attention: bool = False  # attention computed in fp32 (bf16 on a CPU: model.sdpa_inputs)
+
+
+def kept_by(device_type: str, precision: str, backend: str, masked: bool, compiled: bool) -> Kept:
+    """The Kept of a run on this device with this --attn-backend: a masked attention (packed documents) is
+    FlexAttention's on a GPU, which keeps K and V grouped, and SDPA's with a dense mask elsewhere, which
+    repeats them; an unmasked one groups them where model.groups_kv says SDPA gets them so."""
+    cuda = device_type == "cuda"
+    grouped = cuda if masked else M.groups_kv(backend, cuda)
+    return Kept(compiled, grouped, device_type == "cpu" and precision == "bf16")
+
+
 def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
-                     cp: int = 1, loss_chunk: int = 0) -> dict:
+                     cp: int = 1, loss_chunk: int = 0, kept: Kept = Kept()) -> dict:
     """Bytes of one micro-batch of `tokens` tokens (this rank's: under cp, 1/cp of each sequence), as
     model.py's forward and the loss keep them (b bytes per number in the compute precision; V the
     vocabulary rows of one TP rank):
-      layer: what backward keeps of one block. Each RMSNorm: its input in fp32 and the normalized values,
-        (4 + b) per number, split over tp under SP; the two normalized inputs of the linears after the
-        norms, b each (whole, or gathered under SP); attention: q and the output, and k and v repeated to
-        every query head (GQA) -- for every rank's tokens under cp, the gathered ones -- dim each, split
-        over tp, and SDPA's fp32 log-sum-exp per head; SwiGLU: w1 x, silu(w1 x), w3 x and their product,
-        4 * hidden split over tp.
+      layer: what backward keeps of one block (layer_bytes).
       layer_input: the block's input alone (what activation checkpointing keeps).
       layer_selective: what selective checkpointing keeps (model.KEPT_OPS): the input, and the outputs of
         the seven matmuls (q, k, v, w1 x, w3 x: split over tp; wo's and w2's: whole) and of attention
@@ -112,21 +124,39 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
     rows = tokens * V
     norm = tokens * d * (4 + b) / s
     copy = 4 if b < 4 or P.padded_vocab(args.vocab_size, tp) != args.vocab_size else 0
-    attention = (2 + 2 * cp) * d * b  # per token: q and the output; k and v of cp tokens (every rank's)
-    out = {"layer": 2 * norm + 2 * tokens * d * b + tokens * (attention + 4 * args.hidden_dim * b) / tp
-                    + tokens * args.n_heads // tp * 4,
+    out = {"layer": layer_bytes(args, tokens, b, tp, sp, cp, kept),
            "layer_input": tokens * d * b / s, "head": norm + tokens * d * b, "logits": rows * b,
            "loss_saved": rows * 4,
            "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
            "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
            "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
     kv = args.n_kv_heads * args.head_dim
-    kept = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d + 2 * args.hidden_dim / tp
+    kept_ = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d + 2 * args.hidden_dim / tp
     sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
-    out["layer_selective"] = out["layer_input"] + tokens * ((kept + sequence) * b + args.n_heads // tp * 4)
+    out["layer_selective"] = out["layer_input"] + tokens * ((kept_ + sequence) * b + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:
         out.update(chunked_loss_bytes(args, tokens, precision, tp, sp, cp, loss_chunk))
     return out
+
+
+def layer_bytes(args: M.ModelArgs, tokens: int, b: int, tp: int, sp: bool, cp: int, kept: Kept) -> float:
+    """What backward keeps of one block, per its `tokens` tokens. Attention: q and the output (dim each),
+    k and v (grouped: n_kv_heads wide; else repeated to dim) of every cp rank's tokens, in the attention's
+    precision (fp32 on a CPU in bf16, whose wo then keeps its own b-byte copy of the output), all split over
+    tp, and the fp32 log-sum-exp per head. Eager: each RMSNorm's input in fp32 and its normalized values,
+    (4 + b) per number (split over tp under SP), the linears' two normalized inputs (whole, or gathered
+    under SP), and SwiGLU's w1 x, silu(w1 x), w3 x and their product, 4 * hidden split over tp. Compiled
+    (inductor's min-cut partition, measured by bench.py --memory-census): the norms and the SiLU are
+    recomputed in backward from the block's input and the residual after attention, b each, and w1 x."""
+    d, s, heads = args.dim, tp if sp else 1, args.n_heads // tp
+    ab = 4 if kept.fp32_attention else b
+    kv = args.n_kv_heads * args.head_dim if kept.grouped_kv else d
+    attention = (2 * d + 2 * kv * cp) * ab + (d * b if ab != b else 0)
+    if kept.compiled:
+        per_token = 2 * d * b / s + 2 * d * b + (attention + 3 * args.hidden_dim * b) / tp
+    else:
+        per_token = 2 * d * (4 + b) / s + 2 * d * b + (attention + 4 * args.hidden_dim * b) / tp
+    return tokens * (per_token + heads * 4)
 
 
 def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, sp: bool, cp: int,
@@ -153,7 +183,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
                     act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
                     split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
-                    virtual: int = 1, loss_chunk: int = 0, lora: tuple | None = None) -> dict[str, float]:
+                    virtual: int = 1, loss_chunk: int = 0, lora: tuple | None = None,
+                    kept: Kept = Kept()) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
     busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
     of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
@@ -180,11 +211,11 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     if stage is None:
         layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
                       schedule=schedule, split=split, cp=cp, bucket_mb=bucket_mb, virtual=virtual,
-                      loss_chunk=loss_chunk, lora=lora)
+                      loss_chunk=loss_chunk, lora=lora, kept=kept)
         return max((memory_estimate(args, precision, micro_batch, seq_len, stage=s, **layout)
                     for s in range(pp)), key=lambda m: m["total"])
     out = model_state_bytes(args, precision, tp, pp, dp * cp, zero, stage, split, bucket_mb, virtual, lora)
-    a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk)
+    a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk, kept)
     a["weight_grad"] = 0.0 if lora else a["weight_grad"]
     act_ckpt = ckpt_mode(act_ckpt)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1

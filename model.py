@@ -448,13 +448,17 @@ def held_to(backend: str, mask):
     return sdpa_kernel([ATTN_BACKENDS[backend]]) if held else contextlib.nullcontext()
 
 
+def groups_kv(backend: str, cuda: bool) -> bool:
+    """Whether SDPA gets an unmasked attention's K and V grouped: for flash, and for its own choice on CUDA."""
+    return backend == "flash" or backend == "auto" and cuda
+
+
 def sdpa_inputs(q, k, v, mask, backend: str):
     """q, k, v as SDPA gets them: K and V grouped (enable_gqa, not copied) for the kernels that take them so
     (flash; auto on CUDA), else repeated to n_heads (the kernels that take a mask do not all group, and one
     that cannot serves the call in the slow math path); bf16 on a CPU as fp32, whose kernels are faster
     there (the flash kernel's backward above all)."""
-    grouped = mask is None and (backend == "flash" or backend == "auto" and q.is_cuda)
-    if k.shape[1] != q.shape[1] and not grouped:
+    if k.shape[1] != q.shape[1] and not (mask is None and groups_kv(backend, q.is_cuda)):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
