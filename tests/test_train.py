@@ -143,8 +143,8 @@ def test_activation_checkpointing_gives_the_same_training(tmp_path):
 def test_default_configuration_runs(tmp_path):
     """No model/data flags: the embedded default (TinyShakespeare, byte tokenizer) for a few steps, with the
     sample at the end."""
-    code, stdout, stderr = run_cli("--max-steps", "3", "--eval-batches", "1", "--out-dir", str(tmp_path),
-                                   "--sample-tokens", "20")
+    code, stdout, stderr = run_cli("--max-steps", "3", "--warmup", "1", "--eval-batches", "1", "--out-dir",
+                                   str(tmp_path), "--sample-tokens", "20")
     assert code == 0, stderr[-2000:]
     assert "val loss" in stdout and "MFU" in stdout
     assert (tmp_path / "latest").exists()
