@@ -256,9 +256,9 @@ def test_step_timing_synchronizes_where_its_mode_says(tmp_path, monkeypatch, tim
                                                                        events.append(phase)))
     monkeypatch.setattr(costs, "peak_flops", lambda device, precision: (1e12, "test"))
     args = config.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
-                                           "--max-steps",
-                                           "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens",
-                                           "0", "--out-dir", str(tmp_path / "o")])
+                                           "--max-steps", "2", "--warmup", "1", "--eval-every", "-1",
+                                           "--ckpt-every", "0", "--sample-tokens", "0", "--out-dir",
+                                           str(tmp_path / "o")])
     run = train.train(args, time_phases=timing)
     phases = ["1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer"]
     if timing == "phases":  # after each phase; the loop's own at the step's end, then the last mark's
@@ -390,7 +390,7 @@ def test_a_traced_step_on_every_rank_under_tp_and_pp(tmp_path):
     out = tmp_path / "run"
     subprocess.run(launch.command(4, REPO / "train.py", "--model", "tiny", "--seq-len", "64", "--micro-batch",
                                   "2", "--grad-accum", "4", "--tp", "2", "--pp", "2", "--max-steps", "2",
-                                  "--log-every", "1", "--eval-every", "-1", "--ckpt-every", "2",
+                                  "--warmup", "1", "--log-every", "1", "--eval-every", "-1", "--ckpt-every", "2",
                                   "--sample-tokens", "0", "--trace-step", "2", "--out-dir", out),
                    check=True, capture_output=True, text=True)
     trace = json.loads((out / "trace_step_000002.json").read_text())

@@ -277,8 +277,8 @@ def test_malformed_jsonl_names_its_line_in_every_training_script(tmp_path, scrip
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good) + "\n" + json.dumps(good)[:20] + "\n")
     p = subprocess.run([sys.executable, str(REPO / script), "--model", "tiny", "--data", str(bad),
-                        "--max-steps",
-                        "2", "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO)
+                        "--max-steps", "2", "--warmup", "1", "--out-dir", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=REPO)
     errors = [l for l in p.stderr.splitlines() if l.startswith("error")]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert len(errors) == 1 and f"{bad}:2: malformed JSON" in errors[0], p.stderr[-2000:]

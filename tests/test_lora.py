@@ -175,7 +175,7 @@ def test_the_adapters_alone_in_peft_layout(lora_sft, tmp_path):
 def test_adapters_of_a_checkpoint_load_on_its_export(tmp_path):
     """A base that is a checkpoint of ours, which PEFT cannot load, is named nowhere (null); the way the README
     gives, the base exported with --hf and the adapters put on it, computes the merged export's logits."""
-    train.main(["--model", "tiny", "--seq-len", "32", "--max-steps", "1", "--eval-every", "-1",
+    train.main(["--model", "tiny", "--seq-len", "32", "--max-steps", "1", "--warmup", "1", "--eval-every", "-1",
                 "--sample-tokens", "0", "--out-dir", str(tmp_path / "pre")])
     sft.main(TINY + LORA + ["--init", str(tmp_path / "pre"), "--max-steps", "3", "--lr", "1e-2",
                             "--out-dir", str(tmp_path / "o")])
