@@ -770,6 +770,7 @@ def validate(a):
     micro_batch_counts(a.micro_batches)
     if a.launch and not a.plan:
         refuse("--launch writes the launch of a --plan: add --plan and the layout")
+    check_launch_values(a)
     shape = [f"--{f.replace('_', '-')}" for f in (*config.SHAPE_FLAGS, "rope_scaling")
              if getattr(a, f) is not None]
     if shape and (a.plan or a.dp_vs_ddp or a.bubble):
@@ -797,6 +798,17 @@ def model_args(a) -> M.ModelArgs:
         return config.model_args_from(a, data.get_tokenizer("byte").n_vocab)
     except config.ConfigError as e:
         refuse(str(e))
+
+
+def check_launch_values(a):
+    """The free text that --launch writes into a script: an image reference never holds a space, and a --data
+    with a line break or another unprintable character, empty or starting with '-' is a mistake or would not
+    reach train.py as its value. What passes is quoted where it is written (shlex, yaml_string)."""
+    if not a.image or any(c.isspace() or not c.isprintable() for c in a.image):
+        refuse(f"--image {a.image!r} must name a container image: not empty, no spaces or line breaks")
+    if a.launch and (not a.data.isprintable() or a.data[:1] in ("", "-")):
+        refuse(f"--data {a.data!r} would not reach train.py as written: name the data in printable text "
+               "(a path that starts with '-' as ./-...)")
 
 
 def micro_batch_counts(text: str) -> list[int]:
@@ -1011,17 +1023,26 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed collective ends the job rat
 # export NCCL_SOCKET_IFNAME=...  # the interface between the nodes, if NCCL picks another
 OUT_DIR=${{OUT_DIR:-$PWD/out-{name}}}  # one folder every node sees
 srun torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d \\
-    --rdzv-endpoint=$head:29500 train.py {flags} --out-dir $OUT_DIR --resume"""
+    --rdzv-endpoint=$head:29500 train.py {flags} --out-dir "$OUT_DIR" --resume"""
+
+
+def yaml_string(text: str) -> str:
+    """`text` as a YAML double-quoted scalar that reads back as `text`: printable ASCII as JSON writes it
+    (with " and \\ escaped), any other character as \\uXXXX, or past U+FFFF as \\UXXXXXXXX (YAML reads JSON's
+    surrogate pair for it as two characters)."""
+    return '"' + "".join(json.dumps(c)[1:-1] if " " <= c <= "~" else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF
+                         else f"\\U{ord(c):08x}" for c in text) + '"'
 
 
 def k8s_job(a, r: dict, nodes: int, per_node: int, name: str, about: str) -> str:
+    q = yaml_string  # every value from a flag
     pod = f"""      template:
         spec:
           containers:
             - name: pytorch
-              image: {a.image}
-              command: ["torchrun", "train.py", {", ".join(json.dumps(f) for f in train_flags(a, r))},
-                        "--out-dir", "/shared/out-{name}", "--resume"]
+              image: {q(a.image)}
+              command: ["torchrun", "train.py", {", ".join(q(f) for f in train_flags(a, r))},
+                        "--out-dir", {q(f"/shared/out-{name}")}, "--resume"]
               env:
                 - {{name: NCCL_DEBUG, value: WARN}}
                 - {{name: TORCH_NCCL_ASYNC_ERROR_HANDLING, value: "1"}}
@@ -1031,7 +1052,7 @@ def k8s_job(a, r: dict, nodes: int, per_node: int, name: str, about: str) -> str
                 - {{name: shared, mountPath: /shared}}  # one folder every pod sees
           volumes:
             - name: shared
-              persistentVolumeClaim: {{claimName: {name}-shared}}"""
+              persistentVolumeClaim: {{claimName: {q(name + "-shared")}}}"""
     workers = f"""
     Worker:
       replicas: {nodes - 1}
@@ -1042,7 +1063,7 @@ def k8s_job(a, r: dict, nodes: int, per_node: int, name: str, about: str) -> str
 apiVersion: kubeflow.org/v1
 kind: PyTorchJob
 metadata:
-  name: {name}
+  name: {q(name)}
 spec:
   nprocPerNode: "{per_node}"
   pytorchReplicaSpecs:

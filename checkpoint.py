@@ -863,17 +863,27 @@ def fingerprint(folder: Path) -> str:
     return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def unchanged_base(lora: dict) -> Path | None:
+    """The folder a LoRA checkpoint adapts (None: the model drawn from its seed), refused in one line if it
+    is gone or its weight files have changed since training: the adapters belong to the model that was
+    there."""
+    if lora["base"] is None:
+        return None
+    base = Path(lora["base"])
+    if not base.exists():
+        raise CheckpointError(f"this LoRA checkpoint adapts {base}, which is gone: the adapters alone are "
+                              "no model")
+    if lora.get("base_fingerprint") not in (None, fingerprint(base)):
+        raise CheckpointError(f"this LoRA checkpoint adapts {base}, whose weight files have changed since "
+                              "it was trained: the adapters belong to the model that was there")
+    return base
+
+
 def lora_base(lora: dict, margs: M.ModelArgs, tok, verify: bool):
     """The weights a LoRA checkpoint adapts, lazily: the folder it records (unchanged since), read as any
     --init is, or the model drawn from its seed."""
-    if lora["base"] is not None:
-        base = Path(lora["base"])
-        if not base.exists():
-            raise CheckpointError(f"this LoRA checkpoint adapts {base}, which is gone: the adapters alone are "
-                                  "no model")
-        if lora.get("base_fingerprint") not in (None, fingerprint(base)):
-            raise CheckpointError(f"this LoRA checkpoint adapts {base}, whose weight files have changed since "
-                                  "it was trained: the adapters belong to the model that was there")
+    base = unchanged_base(lora)
+    if base is not None:
         return load_init(base, tok, verify)[1]
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in M.Transformer(margs).named_parameters()}
@@ -978,7 +988,9 @@ PEFT_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w
 def export_peft(folder: Path, out: Path):
     """A LoRA checkpoint's adapters alone, as PEFT saves them (adapter_model.safetensors: the Hugging Face
     module's name, then lora_A.weight (r, in) and lora_B.weight (out, r); adapter_config.json), for
-    PeftModel.from_pretrained(base, out) on the Hugging Face export of the model they adapt."""
+    PeftModel.from_pretrained(base, out) on the Hugging Face export of the model they adapt. Its
+    base_model_name_or_path names that model where PEFT can load it, a Hugging Face folder; a checkpoint of
+    ours, or a Meta folder, it cannot: then none (the README: export the base with --hf first)."""
     meta, (full, _) = read_meta(folder), read_full_state(folder, keys=("master",))
     lora = meta.get("lora")
     if not lora:
@@ -986,13 +998,15 @@ def export_peft(folder: Path, out: Path):
     if any(not M.is_lora(name) and not name.startswith(M.TRAINING_ONLY) for name in full):
         raise CheckpointError(f"{folder} trains a head whole beside its adapters (a reward model): export it "
                               "merged with --hf")
+    base = unchanged_base(lora)
+    loadable = base is not None and not is_checkpoint(base) and (base / "config.json").is_file()
     def theirs(name):  # layers.0.attention.wq.lora_A -> base_model.model.(its HF module).lora_A.weight
         linear, factor = name.rsplit(".", 1)
         return f"base_model.model.{M.hf_name(linear + '.weight').removesuffix('.weight')}.{factor}.weight"
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
               "target_modules": sorted(PEFT_NAMES[t] for t in lora["targets"]), "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-              "base_model_name_or_path": lora["base"]}
+              "base_model_name_or_path": str(base) if loadable else None}
     adapters = {theirs(name): full[name]["master"] for name in full if M.is_lora(name)}
     M.write_export(out, {"adapter_model.safetensors": adapters}, {"adapter_config.json": config},
                    PEFT_EXPORT_FILES)

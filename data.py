@@ -1360,7 +1360,8 @@ def check_messages(messages):
 
 # The same format as a Jinja template, for an export's tokenizer_config.json (apply_chat_template). Rendered
 # as one text and then encoded, it gives encode_chat's ids except for content that starts with a newline
-# (which joins the header's "\n\n" in one piece) or holds a special token's text (which becomes that token).
+# (which joins the header's "\n\n" in one piece) or holds a special token's text (which becomes that token:
+# an injected turn, unless the caller passes sanitize_control_tokens=True; no template can keep it text).
 LLAMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
     "{{ message['content'] }}<|eot_id|>{% endfor %}"

@@ -1695,10 +1695,15 @@ def process_group_options(device: torch.device | None, timeout_s: float) -> dict
 
 
 def set_timeout(mesh: Mesh, seconds: float):
-    """How long every group's collectives but the io group's may wait from now on."""
+    """How long every group's collectives but the io group's may wait from now on. ProcessGroup.set_timeout
+    sets it in each of the group's backends (torch 2.14's torch.distributed.set_timeout calls it, and
+    deprecates the private _set_pg_timeout, which torch 2.5 has alone)."""
     timeout = datetime.timedelta(seconds=seconds)
-    for group in [None] + [g for dim, g in mesh.groups.items() if dim != "io"]:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    for group in [dist.group.WORLD] + [g for dim, g in mesh.groups.items() if dim != "io"]:
+        if hasattr(group, "set_timeout"):
+            group.set_timeout(timeout)
+        else:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 @contextmanager

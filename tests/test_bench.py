@@ -295,9 +295,9 @@ def test_step_timing_synchronizes_where_its_mode_says(tmp_path, monkeypatch, tim
                                                                        events.append(phase)))
     monkeypatch.setattr(costs, "peak_flops", lambda device, precision: (1e12, "test"))
     args = config.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
-                                           "--max-steps",
-                                           "2", "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens",
-                                           "0", "--out-dir", str(tmp_path / "o")])
+                                           "--max-steps", "2", "--warmup", "1", "--eval-every", "-1",
+                                           "--ckpt-every", "0", "--sample-tokens", "0", "--out-dir",
+                                           str(tmp_path / "o")])
     run = train.train(args, time_phases=timing)
     phases = ["1 data", "2 forward", "3 loss", "4 backward", "5 grad sync", "6 optimizer"]
     if timing == "phases":  # after each phase; the loop's own at the step's end, then the last mark's
@@ -424,6 +424,10 @@ BAD_FLAGS = [  # (argv, WORLD_SIZE, what the error line must name)
       for text in ["0", "1,-2", "a", "", "1,,2"]],
     (["--bubble"], 1, "torchrun --standalone --nproc_per_node=2"),
     (["--launch", "slurm"], 1, "--launch"),
+    *[(["--plan", "--launch", "k8s", "--image", image], 1, "--image")
+      for image in ["", " ", "me/train:1\nkind: Pod", "me/train:1 # x", "me/train:1\t"]],
+    *[(["--plan", "--launch", launch, f"--data={data}"], 1, "--data")
+      for launch in ("slurm", "k8s") for data in ["", "a\nb", "-x", "--resume", "a\x7fb", "a\u2028b"]],
     (["--lora-rank", "8"], 1, "--lora-rank plans LoRA fine-tuning: use it with --plan"),
     (["--plan", "--lora-rank", "8", "--lora-targets", "q_proj"], 1, "q_proj matches no linear"),
     (["--plan", "--lora-rank", "8", "--zero", "3"], 1, "--zero 3 shards what the optimizer trains"),
@@ -489,7 +493,7 @@ def test_a_traced_step_on_every_rank_under_tp_and_pp(tmp_path):
     out = tmp_path / "run"
     subprocess.run(launch.command(4, REPO / "train.py", "--model", "tiny", "--seq-len", "64", "--micro-batch",
                                   "2", "--grad-accum", "4", "--tp", "2", "--pp", "2", "--max-steps", "2",
-                                  "--log-every", "1", "--eval-every", "-1", "--ckpt-every", "2",
+                                  "--warmup", "1", "--log-every", "1", "--eval-every", "-1", "--ckpt-every", "2",
                                   "--sample-tokens", "0", "--trace-step", "2", "--out-dir", out),
                    check=True, capture_output=True, text=True)
     trace = json.loads((out / "trace_step_000002.json").read_text())
@@ -554,3 +558,51 @@ def test_launch_writes_the_planned_run_for_slurm_and_kubernetes():
         r = subprocess.run([sys.executable, str(REPO / "bench.py"), *plan, "--launch", "slurm", *more],
                            capture_output=True, text=True)
         assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and said in r.stderr, r.stderr
+
+
+HOSTILE = ["/data/my shards", "x; touch ran", "$(touch ran)", "`touch ran`", "it's \"q\" \\ $HOME ${X:-y}",
+           "a: b", "[x]", "{a: 1}", "#c", "& *x !y | > % @", "日本語🙂", "x'$'\\n'y", "*", "~/data"]
+
+
+def slurm_arguments(script: str, folder: Path, env: dict) -> list[str]:
+    """What bash, running the batch script in `folder`, hands srun: scontrol and srun are stand-ins, and
+    srun writes its arguments NUL-separated."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-1\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s\\0' \"$@\" > {folder / 'srun.args'}\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    (folder / "job.sh").write_text(script)
+    subprocess.run(["bash", "-n", folder / "job.sh"], check=True)
+    subprocess.run(["bash", folder / "job.sh"], cwd=folder, check=True, env={
+        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[1-4]",
+        "SLURM_CPUS_ON_NODE": "64", "SLURM_JOB_ID": "7", **env})
+    return (folder / "srun.args").read_text().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("data", HOSTILE)
+def test_launch_quotes_every_value_it_writes(data, capsys, tmp_path):
+    """A --data or --image with shell or YAML syntax in it reaches train.py as exactly that text: bash runs the
+    Slurm script (srun a stand-in) without running a word of it, and the PyTorchJob loads as YAML to the same
+    strings; an OUT_DIR with a space stays one argument. (Values that cannot be written are refused: BAD_FLAGS.)"""
+    plan = ["--plan", "--model", "llama3.1-8b", "--gpus", "16", "--tp", "8", "--data", data]
+    def launch(*more):
+        a = bench.get_parser().parse_args([*plan, *more])
+        bench.validate(a)
+        bench.run_plan(a)
+        return capsys.readouterr().out
+    for env, out_dir in (({}, tmp_path / "out-llama3-1-8b"), ({"OUT_DIR": "/runs/a b"}, "/runs/a b")):
+        argv = slurm_arguments(launch("--launch", "slurm"), tmp_path, env)
+        flags = config.get_parser().parse_args(argv[argv.index("train.py") + 1:])
+        assert (flags.data, flags.out_dir, flags.tp, flags.resume) == (data, str(out_dir), 8, True)
+    assert not (tmp_path / "ran").exists()
+    image = data.replace(" ", "")
+    job = yaml.safe_load(launch("--launch", "k8s", "--image", image))
+    assert job["metadata"]["name"] == "llama3-1-8b"
+    for role in ("Master", "Worker"):
+        pod = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]
+        assert pod["containers"][0]["image"] == image
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "llama3-1-8b-shared"
+        flags = config.get_parser().parse_args(pod["containers"][0]["command"][2:])
+        assert (flags.data, flags.out_dir, flags.tp) == (data, "/shared/out-llama3-1-8b", 8)

@@ -241,7 +241,7 @@ def test_hellaswag_context_as_lm_evaluation_harness_builds_it(tmp_path):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
-    train.main(["--model", "tiny", "--seq-len", "64", "--max-steps", "5", "--eval-batches", "1",
+    train.main(["--model", "tiny", "--seq-len", "64", "--max-steps", "5", "--warmup", "1", "--eval-batches", "1",
                 "--sample-tokens", "0", "--out-dir", str(out)])
     return out
 

@@ -277,8 +277,8 @@ def test_malformed_jsonl_names_its_line_in_every_training_script(tmp_path, scrip
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good) + "\n" + json.dumps(good)[:20] + "\n")
     p = subprocess.run([sys.executable, str(REPO / script), "--model", "tiny", "--data", str(bad),
-                        "--max-steps",
-                        "2", "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO)
+                        "--max-steps", "2", "--warmup", "1", "--out-dir", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=REPO)
     errors = [l for l in p.stderr.splitlines() if l.startswith("error")]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert len(errors) == 1 and f"{bad}:2: malformed JSON" in errors[0], p.stderr[-2000:]
@@ -407,3 +407,43 @@ def test_the_ranks_share_the_checks_of_an_init_checkpoint(tmp_path):
     losses = lambda out: [(r["step"], r.get("loss"), r.get("val_loss"), r.get("grad_norm"))
                           for r in records(out)]
     assert losses(tmp_path / "s2") == losses(tmp_path / "s3")  # every rank trained from step 2's weights
+
+
+def test_changing_a_timeout_is_silent_on_every_rank_and_takes_effect(tmp_path):
+    """parallel.set_timeout on 2 gloo processes, with _set_pg_timeout deprecated as torch 2.14 does it where
+    its replacement (ProcessGroup.set_timeout) exists: no warning on either rank, and a peer 2.5 s late
+    fails the all-reduce after the 1 s set, not the 60 s the groups were made with."""
+    script = tmp_path / "timeout.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys, time, warnings
+        sys.path.insert(0, {str(REPO)!r})
+        import torch, torch.distributed as dist
+        import parallel as P
+        real = dist.distributed_c10d._set_pg_timeout
+        def deprecated(*args, **kwargs):
+            warnings.warn("`torch.distributed.distributed_c10d._set_pg_timeout` is deprecated, please use "
+                          "`torch.distributed.set_timeout` instead", FutureWarning, stacklevel=2)
+            return real(*args, **kwargs)
+        if hasattr(dist.ProcessGroup, "set_timeout"):
+            dist.distributed_c10d._set_pg_timeout = deprecated
+        mesh = P.init_mesh(timeout_s=60.0, io_timeout_s=60.0)
+        mesh.timeout_s = 1.0
+        P.set_timeout(mesh, mesh.timeout_s)
+        if mesh.rank == 1:
+            time.sleep(2.5)
+        t0 = time.time()
+        try:
+            P.all_reduce(torch.ones(4), mesh, "dp")
+            failed = None
+        except P.CommError as e:
+            failed = str(e)
+        with open({str(tmp_path)!r} + f"/rank{{mesh.rank}}.json", "w") as f:
+            json.dump({{"seconds": time.time() - t0, "failed": failed}}, f)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+    """))
+    p = subprocess.run(launch.command(2, script), capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "always"})
+    assert p.returncode == 0 and "Warning" not in p.stderr and "_set_pg_timeout" not in p.stderr, p.stderr
+    waited = json.loads((tmp_path / "rank0.json").read_text())
+    assert waited["failed"] and "--dist-timeout 1 s" in waited["failed"] and waited["seconds"] < 2.4, waited

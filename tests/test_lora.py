@@ -136,9 +136,24 @@ def test_a_lora_checkpoint_is_a_model_again_merged(lora_sft, tmp_path, capsys):
         torch.testing.assert_close(hf(tokens).logits, ours, rtol=1e-5, atol=1e-5)
 
 
+def with_adapters(model, folder):
+    """What PEFT makes of a transformers model and `folder`'s adapters, merged: each targeted module's weight
+    plus (lora_alpha / r) lora_B @ lora_A."""
+    config_ = json.loads((folder / "adapter_config.json").read_text())
+    adapters = M.read_safetensors(folder / "adapter_model.safetensors")
+    with torch.no_grad():
+        for key, A in adapters.items():
+            if key.endswith("lora_A.weight"):
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                B = adapters[key.replace("lora_A", "lora_B")]
+                model.get_submodule(name).weight += config_["lora_alpha"] / config_["r"] * B @ A
+    return model.eval()
+
+
 def test_the_adapters_alone_in_peft_layout(lora_sft, tmp_path):
     """consolidate --peft: PEFT's file names, keys and shapes, and its meaning: the base export's weights
-    plus (lora_alpha / r) lora_B @ lora_A, module by module, give the merged export's logits."""
+    plus (lora_alpha / r) lora_B @ lora_A, module by module, give the merged export's logits. The base, a
+    Hugging Face folder, is named where transformers loads it."""
     base, run, out = lora_sft
     assert C.main(["consolidate", str(out), "--peft", str(tmp_path / "peft")]) == 0
     assert C.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 0
@@ -149,17 +164,30 @@ def test_the_adapters_alone_in_peft_layout(lora_sft, tmp_path):
     adapters = M.read_safetensors(tmp_path / "peft" / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapters
     assert adapters["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
-    model = transformers.LlamaForCausalLM.from_pretrained(base).eval()
-    scale = config_["lora_alpha"] / config_["r"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(config_["base_model_name_or_path"])
+    tokens = torch.randint(0, 260, (2, 24))
     with torch.no_grad():
-        for key, A in adapters.items():
-            if key.endswith("lora_A.weight"):
-                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                module = model.get_submodule(name)
-                module.weight += scale * adapters[key.replace("lora_A", "lora_B")] @ A
-        tokens = torch.randint(0, 260, (2, 24))
         merged_logits = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(tokens).logits
-        torch.testing.assert_close(model(tokens).logits, merged_logits, rtol=1e-5, atol=1e-5)
+        logits = with_adapters(model, tmp_path / "peft")(tokens).logits
+    torch.testing.assert_close(logits, merged_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_of_a_checkpoint_load_on_its_export(tmp_path):
+    """A base that is a checkpoint of ours, which PEFT cannot load, is named nowhere (null); the way the README
+    gives, the base exported with --hf and the adapters put on it, computes the merged export's logits."""
+    train.main(["--model", "tiny", "--seq-len", "32", "--max-steps", "1", "--warmup", "1", "--eval-every", "-1",
+                "--sample-tokens", "0", "--out-dir", str(tmp_path / "pre")])
+    sft.main(TINY + LORA + ["--init", str(tmp_path / "pre"), "--max-steps", "3", "--lr", "1e-2",
+                            "--out-dir", str(tmp_path / "o")])
+    for command in (["pre", "--hf", "base-hf"], ["o", "--peft", "peft"], ["o", "--hf", "hf"]):
+        assert C.main(["consolidate", str(tmp_path / command[0]), command[1], str(tmp_path / command[2])]) == 0
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    tokens = torch.randint(0, 260, (2, 24))
+    with torch.no_grad():
+        merged_logits = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(tokens).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf")
+        torch.testing.assert_close(with_adapters(base, tmp_path / "peft")(tokens).logits, merged_logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_dpo_with_lora_has_no_second_model(lora_sft, tmp_path):
@@ -257,8 +285,11 @@ def test_the_model_a_checkpoint_adapts_must_be_the_one_it_was_trained_on(tmp_pat
     sft.main(TINY + LORA + ["--init", str(tmp_path / "base"), "--max-steps", "1", "--warmup", "1",
                             "--out-dir", str(tmp_path / "o")])
     M.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)  # another model under the same name
-    assert C.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 1
-    assert "whose weight files have changed since it was trained" in capsys.readouterr().err
+    for export in ("--hf", "--peft"):  # (the adapters alone too: they would be applied to that other model)
+        assert C.main(["consolidate", str(tmp_path / "o"), export, str(tmp_path / "export")]) == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "whose weight files have changed since it was trained" in err
+        assert not (tmp_path / "export").exists()
 
 
 def test_lora_is_refused_where_it_cannot_work(tmp_path, capsys):

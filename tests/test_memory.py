@@ -29,8 +29,8 @@ import parallel as P
 import train
 
 REPO = Path(__file__).resolve().parents[1]
-RUN = ["--model", "mini", "--seq-len", "64", "--micro-batch", "4", "--max-steps", "2", "--eval-every", "-1",
-       "--ckpt-every", "0", "--sample-tokens", "0", "--log-every", "1"]
+RUN = ["--model", "mini", "--seq-len", "64", "--micro-batch", "4", "--max-steps", "2", "--warmup", "1",
+       "--eval-every", "-1", "--ckpt-every", "0", "--sample-tokens", "0", "--log-every", "1"]
 CENSUS = textwrap.dedent(f"""
     import json, os, sys
     sys.path.insert(0, {str(REPO)!r})

@@ -339,7 +339,7 @@ def test_dpo_interleaved_pipeline_matches_single_process(tmp_path):
 def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
     """The README's pipeline in miniature: each stage's checkpoint loads into the next."""
     pre, sft_out, dpo_out = tmp_path / "pre", tmp_path / "sft", tmp_path / "dpo"
-    train.main(["--model", "tiny", "--seq-len", "64", "--max-steps", "20", "--eval-batches", "2",
+    train.main(["--model", "tiny", "--seq-len", "64", "--max-steps", "20", "--warmup", "2", "--eval-batches", "2",
                 "--sample-tokens", "0", "--out-dir", str(pre)])
     convs = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 2)
     sft_flags = ["--init", str(pre), "--data", str(convs), "--seq-len", "64", "--max-steps", "20",
@@ -351,7 +351,7 @@ def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
     sft.main(sft_flags)  # the tokenizer: the one --init records
     assert C.recorded(sft_out)["tokenizer"] == "byte" and C.recorded(sft_out)["chat"]
     pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
-    dpo.main(["--init", str(sft_out), "--data", str(pairs), "--seq-len", "64", "--max-steps", "5",
+    dpo.main(["--init", str(sft_out), "--data", str(pairs), "--seq-len", "64", "--max-steps", "5", "--warmup", "1",
               "--micro-batch", "2", "--eval-batches", "1", "--val-fraction", "0.1", "--out-dir",
               str(dpo_out)])
     tok = data.get_tokenizer("byte")
