@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -384,9 +385,13 @@ def measure_here(a, over: dict) -> dict:
     alone = P.launch_env()[1] == 1
     try:
         return {"setting": over, **measure(a, **over)}
-    except (config.ConfigError, *((Exception,) if alone else ())) as e:
-        kind = "" if isinstance(e, config.ConfigError) else f"{type(e).__name__}: "  # (a refusal says itself)
-        return {"setting": over, "error": f"{kind}{data.one_line(e)}"[:400]}
+    except config.ConfigError as e:  # a refusal: its line says it all
+        return {"setting": over, "error": data.one_line(e)}
+    except Exception as e:
+        if not alone:
+            raise
+        traceback.print_exc()  # (the row says what failed; the traceback, where)
+        return {"setting": over, "error": f"{type(e).__name__}: {data.one_line(e)}"[:400]}
 
 
 def measure_apart(argv: list[str], over: dict) -> dict:
@@ -401,9 +406,10 @@ def measure_apart(argv: list[str], over: dict) -> dict:
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags, "--sweep", setting_text(over),
                         "--json"], capture_output=True, text=True)
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode:
+        sys.stderr.write(p.stderr)  # (a refusal's row says why; a failure's traceback is here)
     if rows:
         return {k: v for k, v in rows[-1].items() if k not in ("torch", "python", "device", "model")}
-    sys.stderr.write(p.stderr)
     why = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
     return {"setting": over, "error": why.removeprefix("error: ")}
 
