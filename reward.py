@@ -300,11 +300,14 @@ def sample_replies(policy, tok, prompt, k: int, max_new_tokens: int, seq_len: in
 
 @torch.no_grad()
 def score_replies(reward_model, tok, prompt, replies: list[str], seq_len: int) -> torch.Tensor:
-    """(K,) scores r(prompt, reply), each read as training reads it (dpo.reply_example's rows, the score
-    at the reply's <|eot_id|>), all K in one batch padded to the longest."""
+    """(K,) scores r(prompt, reply), each read as training and reward.py score read it (dpo.reply_example's
+    rows, the score at the reply's <|eot_id|>), all K in one batch padded to the longest. A row holds as many
+    input positions as the longest example has tokens, so that its <|eot_id|> is an input, not only a
+    target; at most seq_len: an example of seq_len + 1 tokens (or one cut there) is read at its last input
+    token, as a PreferenceLoader's rows of seq_len read it."""
     examples = [dpo.reply_example(tok, prompt, reply, seq_len)[0] for reply in replies]
-    longest = max(len(ids) for ids, _ in examples) - 1
-    x, y, _ = sft.pack_rows(examples, longest, data.pad_id(tok), pack=False)
+    width = min(max(len(ids) for ids, _ in examples), seq_len)
+    x, y, _ = sft.pack_rows(examples, width, data.pad_id(tok), pack=False)
     device = reward_model.tok_embeddings.weight.device
     x, y = sft.as_int64(x).to(device), sft.as_int64(y).to(device)
     return scores(reward_model(x), y, P.Mesh())

@@ -50,6 +50,29 @@ def test_the_score_is_read_at_the_replys_last_token():
     assert reward.score_positions(y).tolist() == [5, 7, 7]
 
 
+def test_a_replys_score_is_the_same_alone_batched_and_as_reward_py_score_gives_it():
+    """score_replies (reward.py sample, rl.py --reward) reads a reply at its <|eot_id|> alone as beside a
+    longer reply, and gives the score reward.py score (score_pairs) gives the same conversation. An example
+    of exactly seq_len + 1 tokens has its <|eot_id|> as a target only: all three read it at its last input
+    token."""
+    tok = data.get_tokenizer("byte")
+    model = M.Transformer(reward.as_reward_model(M.PRESETS["tiny"]))
+    model.init_weights(0)
+    model.eval()
+    prompt = [{"role": "user", "content": "Say something."}]
+    short, longer = "good 1", "a longer reply than the first one"
+    n = len(dpo.reply_example(tok, prompt, short, 128)[0][0])  # the short conversation's tokens
+    for seq_len in (128, n - 1):
+        alone = reward.score_replies(model, tok, prompt, [short], seq_len)
+        batched = reward.score_replies(model, tok, prompt, [short, longer], seq_len)
+        pairs = [{"prompt": prompt, "chosen": short, "rejected": longer}]
+        loader = dpo.PreferenceLoader(dpo.preference_examples(tok, pairs, seq_len)[0], 1, seq_len,
+                                      pad_id=data.pad_id(tok))
+        scored = reward.score_pairs(model, loader, 1)["rewards/chosen"]
+        assert alone[0].item() == pytest.approx(batched[0].item(), abs=1e-6), seq_len
+        assert alone[0].item() == pytest.approx(scored, abs=1e-6), seq_len
+
+
 def test_the_loss_and_metrics_are_bradley_terrys():
     """The same numbers TRL's RewardTrainer computes from the two scores: loss -log sigmoid(r_c - r_r - m)
     averaged over pairs, accuracy the share with r_c > r_r (TRL leaves ties out; equal scores count as wrong
