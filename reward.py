@@ -144,6 +144,7 @@ class RewardModel(sft.SFT):
     reward model already), preference pairs as the data, RewardTask as the loss."""
 
     kind = "reward"
+    scoring_init = True  # an SFT model (its head replaced) or a reward model (its head kept)
     rows_per_example = RewardTask.rows_per_example
     head_in_loss = False  # RewardTask's loss is given the head's outputs
     trained_whole = ("output.",)  # under LoRA the head, new, is trained whole beside the adapters
@@ -177,12 +178,9 @@ class RewardModel(sft.SFT):
 def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None):
     """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode, its tokenizer).
     Under a job (mesh), its ranks check a checkpoint's shards together."""
+    C.check_head(path, "--reward", reward=True)
     tok = C.tokenizer_for(path, None, mirror)
-    model = evaluate.load_model(path, tok, device, dtype, mesh or P.Mesh())
-    if model.args.num_labels != 1:
-        raise config.ConfigError(f"--reward {path} is not a reward model (a head of one output): train one "
-                                 "with reward.py")
-    return model, tok
+    return evaluate.load_model(path, tok, device, dtype, mesh or P.Mesh()), tok
 
 
 @torch.no_grad()
@@ -399,6 +397,8 @@ def check_sample_flags(a):
 def load_policy_and_reward(a, device, dtype, mesh):
     """The policy and the reward model, which must read the same ids: a reward model of another tokenizer
     would score text it reads as something else."""
+    C.check_head(a.policy, "--policy")
+    C.check_head(a.reward, "--reward", reward=True)
     tok = C.tokenizer_for(a.policy, None, a.mirror)
     reward_tok = C.tokenizer_for(a.reward, None, a.mirror)
     if reward_tok.name != tok.name:
@@ -406,9 +406,6 @@ def load_policy_and_reward(a, device, dtype, mesh):
                                  f"{a.policy} writes {tok.name}: train the reward model from the policy's SFT "
                                  "model")
     policy = evaluate.load_model(a.policy, tok, device, dtype, mesh)
-    if policy.args.num_labels is not None:
-        raise config.ConfigError(f"--policy {a.policy} is a reward model (a head of {policy.args.num_labels} "
-                                 "output); the policy is a language model")
     reward_model, _ = load_reward_model(a.reward, device, a.mirror, dtype, mesh)
     return policy, reward_model, tok
 

@@ -510,6 +510,7 @@ class RL(sft.SFT):
         """The policy's (as SFT's); a reward model must read the same ids."""
         self.tok = super().tokenizer()
         if self.args.reward:
+            C.check_head(self.args.reward, "--reward", reward=True)
             theirs = C.tokenizer_for(self.args.reward, None, self.args.mirror)
             if theirs.name != self.tok.name:
                 raise config.ConfigError(f"--reward {self.args.reward} reads the tokenizer {theirs.name}, the "
@@ -618,6 +619,9 @@ def eval_main(argv) -> int:
     if bool(a.reward) == bool(a.reward_fn) or a.max_new_tokens < 1 or a.seq_len < 2:
         raise config.ConfigError("rl.py eval needs one of --reward or --reward-fn, --max-new-tokens >= 1 and "
                                  "--seq-len >= 2")
+    C.check_head(a.init, "--init")
+    if a.reward:
+        C.check_head(a.reward, "--reward", reward=True)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = C.tokenizer_for(a.init, None, a.mirror)
     policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())

@@ -290,7 +290,7 @@ def test_bad_rejection_sampling_input_is_one_line_and_writes_nothing(policy_and_
                                         "first, "),
              (["--reward", str(gpt2_rm)], out, f"reads the tokenizer gpt2, --policy {policy} writes byte"),
              (["--reward", str(policy)], out, "is not a reward model"),
-             (["--policy", str(rm)], out, "is a reward model (a head of 1 output)"),
+             (["--policy", str(rm)], out, "is a reward model (a head of 1 output, no vocabulary)"),
              (["--prompts", str(no_user)], out, "system.jsonl:2: a prompt needs a user message"),
              ([], taken, f"--out {taken} exists: give another file, or --overwrite"),
              (["--prompts", str(taken), "--overwrite"], taken, "is the --prompts file"),

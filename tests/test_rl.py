@@ -15,10 +15,14 @@ import torch
 
 import checkpoint as C
 import config
+import dpo
+import evaluate
 import launch
 import parallel as P
 import reward
 import rl
+import sft
+import train
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--seq-len", "48", "--max-new-tokens", "8", "--micro-batch", "2", "--group", "4",
@@ -280,3 +284,75 @@ def test_a_reward_model_scores_rollouts_and_one_of_another_tokenizer_is_refused(
     assert len(got) == 2 and all(math.isfinite(r["reward"]) and r["reward"] != 0 for r in got)
     err = bad_run(capsys, tmp_path, argv + ["--reward", str(rms["gpt2"]), "--out-dir", str(tmp_path / "o")])
     assert f"--reward {rms['gpt2']} reads the tokenizer gpt2, the policy writes byte" in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# A reward model where a language model belongs, and the reverse
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny language model (a train.py checkpoint) and a tiny reward model (a checkpoint and its Hugging
+    Face export, a LlamaForSequenceClassification), both of the byte tokenizer; and preference pairs."""
+    root = tmp_path_factory.mktemp("models")
+    pairs = write_jsonl(root / "pairs.jsonl", [{"prompt": f"Q{i}", "chosen": "yes", "rejected": "no"}
+                                               for i in range(8)])
+    lm, rm = root / "lm", root / "rm"
+    train.main(["--model", "tiny", "--tokenizer", "byte", "--seq-len", "48", "--max-steps", "1", "--eval-every",
+                "-1", "--sample-tokens", "0", "--out-dir", str(lm)])
+    reward.main(["--model", "tiny", "--tokenizer", "byte", "--seq-len", "48", "--data", str(pairs),
+                 "--max-steps", "1", "--micro-batch", "2", "--eval-every", "0", "--val-fraction", "0.25",
+                 "--out-dir", str(rm)])
+    assert C.main(["consolidate", str(rm), "--hf", str(root / "rm-hf")]) == 0
+    return SimpleNamespace(lm=lm, rm=rm, rm_hf=root / "rm-hf", pairs=pairs)
+
+
+def refused(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        config.run(main, argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert stop.value.code == 1 and "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_reward_model_is_refused_where_a_language_model_belongs_and_the_reverse(tmp_path, prompts, models,
+                                                                                   capsys, monkeypatch):
+    """A reward model's head has one output: sampled as a policy every token would be id 0, and the run would
+    train on empty replies. Wherever a language model is expected (rl.py and rl.py eval --init, sft.py and
+    dpo.py --init, evaluate.py's perplexity, benchmarks and --prompt) and wherever a reward model is (rl.py
+    and rl.py eval --reward), the other kind is one line from what the folder records, before any model is
+    built, and nothing is written. evaluate.py --diff, which compares weights, takes a reward model."""
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: built.append(a))
+    out = tmp_path / "o"
+    rules = ["--reward-fn", "arithmetic", "--prompts", str(prompts)]
+    eval_rl = ["eval", "--prompts", str(prompts), "--seq-len", "48"]
+    fine_tune = ["--model", "tiny", "--seq-len", "48", "--max-steps", "1", "--out-dir", str(out)]
+    lm_for_rm = [(rl.main, BASE + ["--prompts", str(prompts), "--out-dir", str(out), "--init", str(models.rm)]),
+                 (rl.main, eval_rl + ["--init", str(models.rm), "--reward-fn", "arithmetic"]),
+                 (sft.main, fine_tune + ["--init", str(models.rm), "--data", str(out.with_suffix(".jsonl"))]),
+                 (dpo.main, fine_tune + ["--init", str(models.rm), "--data", str(models.pairs)]),
+                 (evaluate.main, ["--init", str(models.rm), "--task", "tinyshakespeare"]),
+                 (evaluate.main, ["--init", str(models.rm), "--prompt", "Hello"]),
+                 (evaluate.main, ["--init", str(models.rm), "--task", "needle"])]
+    for main, argv in lm_for_rm:
+        assert f"--init {models.rm} is a reward model (a head of 1 output, no vocabulary)" in \
+            refused(capsys, main, argv), argv
+    assert f"--init {models.rm_hf} is a reward model" in refused(capsys, rl.main, BASE[:-2] + rules + [
+        "--out-dir", str(out), "--init", str(models.rm_hf)])
+    no_rule = [a for a in BASE if a not in ("--reward-fn", "arithmetic-length")]
+    for main, argv in [(rl.main, no_rule + ["--prompts", str(prompts), "--out-dir", str(out), "--init",
+                                            str(models.lm), "--reward", str(models.lm)]),
+                       (rl.main, eval_rl + ["--init", str(models.lm), "--reward", str(models.lm)])]:
+        assert f"--reward {models.lm} is not a reward model (a language model)" in refused(capsys, main, argv)
+    assert not out.exists() and not built
+    monkeypatch.undo()
+    assert evaluate.main(["--diff", str(models.rm), str(models.rm), "--json"]) is None
+    assert json.loads(capsys.readouterr().out)["a"] == str(models.rm)
