@@ -49,10 +49,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import math
 import re
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -107,17 +109,25 @@ def get_parser() -> argparse.ArgumentParser:
 # Rewards: rules a reply can be checked by
 
 
-_NUMBER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # 12, -3, 2.50 (thousands separators are dropped first: 1,000)
 
 
-def last_number(text: str) -> str | None:
+def last_number(text: str) -> Decimal | None:
+    """The last number written in text, exactly (a Decimal: 2.0 == 2, and no binary rounding)."""
     found = _NUMBER.findall(text.replace(",", ""))
-    return found[-1] if found else None
+    return Decimal(found[-1]) if found else None
+
+
+def as_number(answer) -> Decimal | None:
+    """A record's "answer" as a number, if it is one and nothing else ("1,000", "3.5", 2.0), else None."""
+    text = str(answer).strip().replace(",", "")
+    return Decimal(text) if _NUMBER.fullmatch(text) else None
 
 
 def is_correct(record: dict, reply: str) -> bool:
-    """Whether the reply's last number is the record's "answer"."""
-    return last_number(reply) == str(record.get("answer")).strip()
+    """Whether the reply's last number equals the record's "answer", compared as numbers."""
+    got = last_number(reply)
+    return got is not None and got == as_number(record.get("answer"))
 
 
 def arithmetic(record: dict, reply: str) -> float:
@@ -132,10 +142,13 @@ def arithmetic_length(record: dict, reply: str) -> float:
 
 
 REWARD_FNS = {"arithmetic": arithmetic, "arithmetic-length": arithmetic_length}
+ANSWER_RULES = ("arithmetic", "arithmetic-length")  # the rules that check a prompt's "answer"
 
 
 def load_reward_fn(name: str):
-    """--reward-fn: a built-in rule, or FILE.py:FUNCTION."""
+    """--reward-fn: a built-in rule, or FILE.py:FUNCTION, which must take (prompt record, reply text). A file
+    that fails on import, even by sys.exit, is one line: a SystemExit there would end the run with its code
+    (0 for sys.exit()) and nothing written."""
     if name in REWARD_FNS:
         return REWARD_FNS[name]
     path, _, fn = name.rpartition(":")
@@ -146,24 +159,56 @@ def load_reward_fn(name: str):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-        return getattr(module, fn)
-    except Exception as e:
-        raise config.ConfigError(f"--reward-fn {name}: {type(e).__name__}: {data.one_line(e)}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # (SystemExit included)
+        what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {data.one_line(e)}"
+        raise config.ConfigError(f"--reward-fn {name}: importing {path} raised {what}") from None
+    rule = getattr(module, fn, None)
+    if rule is None:
+        raise config.ConfigError(f"--reward-fn {name}: {path} defines no {fn}")
+    if not callable(rule):
+        raise config.ConfigError(f"--reward-fn {name}: {fn} is a {type(rule).__name__}, not a function")
+    try:
+        inspect.signature(rule).bind({}, "")
+    except TypeError as e:
+        raise config.ConfigError(f"--reward-fn {name}: {fn} must take (prompt record, reply text): "
+                                 f"{data.one_line(e)}") from None
+    except ValueError:  # no signature to read (some builtins): it is tried at the first rollout
+        pass
+    return rule
+
+
+def check_answers(prompts: list[dict], rule: str | None):
+    """A rule that checks the prompt's "answer" needs every prompt to carry one, a number: without, its reward
+    could never be right (every reward 0, and GRPO's advantages 0: a run that learns nothing)."""
+    if rule not in ANSWER_RULES:
+        return
+    wrong = [p for p in prompts if as_number(p.get("answer")) is None]
+    if wrong:
+        why = f"its answer {wrong[0]['answer']!r} is not a number" if "answer" in wrong[0] else 'it has no "answer"'
+        raise data.DataError(f"--reward-fn {rule} compares a reply's last number with the prompt's \"answer\", "
+                             f"and {len(wrong):,} of {len(prompts):,} prompt(s) have none that is a number (the "
+                             f"first, {wrong[0]['where']}: {why})")
 
 
 def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[float]:
     """fn on each reply; a rule that raises or gives no finite number stops the run with one line (the
-    last checkpoint stays the good one)."""
+    last checkpoint stays the good one). Finite in fp32, where the rewards are held: 1e39 is a finite
+    Python float, and inf as a tensor."""
     out = []
     for reply in replies:
         try:
             value = float(fn(record, reply))
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # (a SystemExit too: the run stops with one line and exit 1)
             raise T.TrainingError(f"--reward-fn {name} raised {type(e).__name__}: {data.one_line(e)} (on the "
                                   f"prompt {record['where']})") from None
-        if not math.isfinite(value):
+        if not math.isfinite(torch.tensor(value, dtype=torch.float32).item()):
             raise T.TrainingError(f"--reward-fn {name} returned {value} for a reply to {record['where']}: a "
-                                  "reward must be a finite number")
+                                  f"reward must be a finite number that fits in fp32 (at most "
+                                  f"{torch.finfo(torch.float32).max:.4g} in size)")
         out.append(value)
     return out
 
@@ -480,12 +525,11 @@ class RLTask:
 # The recipe: train.py's loop with the policy from --init, prompts as the data, and RLTask
 
 
-def make_scorer(a, tok, device, dtype, mesh, seq_len: int):
-    """score(prompt, reply texts) -> [rewards]: --reward-fn's rule, or --reward's model (whole on every
-    rank, read at each reply's <|eot_id|>)."""
-    if a.reward_fn:
-        fn = load_reward_fn(a.reward_fn)
-        return lambda prompt, texts: apply_reward_fn(fn, a.reward_fn, prompt, texts)
+def make_scorer(a, rule, tok, device, dtype, mesh, seq_len: int):
+    """score(prompt, reply texts) -> [rewards]: --reward-fn's rule (loaded: load_reward_fn), or --reward's
+    model (whole on every rank, read at each reply's <|eot_id|>)."""
+    if rule is not None:
+        return lambda prompt, texts: apply_reward_fn(rule, a.reward_fn, prompt, texts)
     model, _ = reward.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
     seq_len = min(seq_len, model.args.max_seq_len)
     return lambda prompt, texts: reward.score_replies(model, tok, prompt["messages"], texts,
@@ -505,6 +549,7 @@ class RL(sft.SFT):
         self.rows_per_example = args.group  # replies per prompt: rows per example (memory, tokens, FLOPs)
         # the reference, none under LoRA: the policy's frozen model, its adapters off (reference_logps)
         self.frozen_copies = int(args.kl_coef > 0 and not config.lora_of(args))
+        self.rule = load_reward_fn(args.reward_fn) if args.reward_fn else None  # before any model is built
 
     def tokenizer(self):
         """The policy's (as SFT's); a reward model must read the same ids."""
@@ -526,6 +571,7 @@ class RL(sft.SFT):
         a = self.args
         say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
         prompts = P.on_rank0_first(lambda: read_rl_prompts(a.prompts, tok, a.seq_len, say), mesh)
+        check_answers(prompts, a.reward_fn)
         train, val = sft.split_examples(prompts, a.val_fraction, a.seed)
         self.prompts = train + val  # the loaders' indices point here, validation's after training's
         make = lambda part, seed, offset: PromptLoader(part, a.micro_batch, a.seq_len, mesh.dp_rank, mesh.dp,
@@ -544,7 +590,7 @@ class RL(sft.SFT):
         if a.kl_coef > 0:
             reference = model if config.lora_of(a) else \
                 T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)
-        score = make_scorer(a, self.tok, device, dtype, mesh, a.seq_len)
+        score = make_scorer(a, self.rule, self.tok, device, dtype, mesh, a.seq_len)
         return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, self.value_head)
 
 
@@ -581,8 +627,6 @@ def check_flags(a):
         if on:
             raise config.ConfigError(f"--{flag} {getattr(a, flag)}: rl.py does not support it "
                                      f"({refused[flag]})")
-    if a.reward_fn:
-        load_reward_fn(a.reward_fn)
 
 
 def main(argv=None):
@@ -603,7 +647,7 @@ def main(argv=None):
 # rl.py eval: a model's greedy replies to prompts, scored
 
 
-def eval_main(argv) -> int:
+def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl.py eval", description="Greedy replies to prompts: mean reward and "
                                                                "accuracy (the share with the answer).")
     p.add_argument("--init", required=True, help="the policy: a checkpoint, HF or Meta folder")
@@ -615,18 +659,24 @@ def eval_main(argv) -> int:
     p.add_argument("--seq-len", type=int, default=256, help="prompt and reply together")
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
-    a = p.parse_args(argv)
+    return p
+
+
+def eval_main(argv) -> int:
+    a = eval_parser().parse_args(argv)
     if bool(a.reward) == bool(a.reward_fn) or a.max_new_tokens < 1 or a.seq_len < 2:
         raise config.ConfigError("rl.py eval needs one of --reward or --reward-fn, --max-new-tokens >= 1 and "
                                  "--seq-len >= 2")
-    C.check_head(a.init, "--init")
+    C.check_head(a.init, "--init")  # (everything a flag can get wrong is refused before a model is loaded)
     if a.reward:
         C.check_head(a.reward, "--reward", reward=True)
+    rule = load_reward_fn(a.reward_fn) if a.reward_fn else None
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = C.tokenizer_for(a.init, None, a.mirror)
-    policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())
     prompts = read_rl_prompts(a.prompts, tok, a.seq_len, say=lambda msg: print(msg, file=sys.stderr))
-    score = make_scorer(a, tok, device, torch.float32, P.Mesh(), a.seq_len)
+    check_answers(prompts, a.reward_fn)
+    policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())
+    score = make_scorer(a, rule, tok, device, torch.float32, P.Mesh(), a.seq_len)
     rewards, correct, eot = [], [], data.eot_id(tok)
     for prompt in prompts:
         room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))

@@ -143,6 +143,18 @@ def test_the_arithmetic_reward_reads_the_last_number():
     assert rl.arithmetic_length(record, "7 + 5 = 12") == pytest.approx(1.0 + 0.1 * 10)
 
 
+@pytest.mark.parametrize("answer,reply,right", [
+    ("2.0", "1 + 1 = 2", True), ("3.5", "7 / 2 = 3.50", True), ("1,000", "10 x 100 = 1000", True),
+    (1000, "that is 1,000.", True), (2.5, "5 / 2 = 2.5", True), ("-4", "1 - 5 = -4", True),
+    ("2", "1 + 1 = 2.5", False), ("0.3", "0.1 + 0.2 = 0.30000000000000004", False), ("12", "1.2", False),
+])
+def test_the_arithmetic_rule_compares_numbers_as_numbers(answer, reply, right):
+    """An answer that is not a plain integer ("2.0", "3.5", "1,000", a JSON number) is compared with the
+    reply's last number as a number, exactly (no float rounding)."""
+    assert rl.is_correct({"answer": str(answer)}, reply) is right
+    assert rl.arithmetic({"answer": str(answer)}, reply) == float(right)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Runs
 
@@ -248,6 +260,7 @@ def test_bad_rl_input_is_one_line(tmp_path, prompts, capsys, flags, message):
 @pytest.mark.parametrize("body,message", [
     ("def f(record, reply):\n    raise ValueError('no')\n", "raised ValueError: no (on the prompt "),
     ("def f(record, reply):\n    return float('nan')\n", "returned nan for a reply to "),
+    ("def f(record, reply):\n    return 1e39\n", "returned 1e+39 for a reply to "),  # inf in fp32
 ])
 def test_a_failing_reward_stops_the_run_in_one_line_and_keeps_its_checkpoint(tmp_path, prompts, capsys, body,
                                                                             message):
@@ -356,3 +369,38 @@ def test_a_reward_model_is_refused_where_a_language_model_belongs_and_the_revers
     monkeypatch.undo()
     assert evaluate.main(["--diff", str(models.rm), str(models.rm), "--json"]) is None
     assert json.loads(capsys.readouterr().out)["a"] == str(models.rm)
+
+
+def test_rules_that_can_never_hold_are_refused_before_the_model_is_built(tmp_path, prompts, models, capsys,
+                                                                         monkeypatch):
+    """rl.py and rl.py eval: a rule that checks the "answer" on prompts without one (or with one that is no
+    number: every reward 0, a run that learns nothing), a FILE.py:FUNCTION that is missing, not callable or
+    does not take (record, reply), and a rule file that calls sys.exit on import (which ended the run with
+    exit 0 and nothing written): one line, exit 1, before any model is built, nothing written."""
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: built.append(a))
+    questions = [{"prompt": f"What is {i} + 1?"} for i in range(10)]
+    no_answer = write_jsonl(tmp_path / "q.jsonl", questions)
+    words = write_jsonl(tmp_path / "w.jsonl", [{**q, "answer": "three"} for q in questions])
+
+    def rule(name, body):
+        (tmp_path / f"{name}.py").write_text(body)
+        return f"{tmp_path / name}.py:f"
+
+    cases = [([no_answer, "arithmetic"], f'10 of 10 prompt(s) have none that is a number (the first, '
+                                         f'{no_answer}:1: it has no "answer")'),
+             ([words, "arithmetic-length"], "(the first, " + f"{words}:1: its answer 'three' is not a number)"),
+             ([prompts, rule("none", "def g(record, reply):\n    return 1.0\n")], "none.py defines no f"),
+             ([prompts, rule("value", "f = 3\n")], "f is a int, not a function"),
+             ([prompts, rule("one", "def f(reply):\n    return 1.0\n")], "f must take (prompt record, reply "
+                                                                           "text): too many positional"),
+             ([prompts, rule("leaves", "import sys\nsys.exit()\n")], "leaves.py raised sys.exit(None)"),
+             ([prompts, rule("quits", "raise SystemExit(0)\n")], "quits.py raised sys.exit(0)")]
+    out = tmp_path / "o"
+    for (where, fn), message in cases:
+        flags = ["--prompts", str(where), "--reward-fn", fn]
+        for argv in (BASE[:-2] + flags + ["--out-dir", str(out)],
+                     ["eval", "--init", str(models.lm), "--seq-len", "48"] + flags):
+            assert message in refused(capsys, rl.main, argv), argv
+    assert not out.exists() and not built
