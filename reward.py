@@ -130,6 +130,26 @@ class RewardTask:
         return out
 
 
+def check_reply_ends(tok, pairs, examples, seq_len: int, context: int, say):
+    """The score is learned and read at a reply's <|eot_id|> (score_positions). A pair with a side of more
+    than seq_len tokens has it as a target at best, and its score is read before the reply ends: when that
+    is most pairs (more than half) the model would learn to score unfinished replies, and be used on
+    finished ones (reward.py score and sample, rl.py read each at its <|eot_id|>): refused; when some, said."""
+    lost = sum(any(len(ids) > seq_len for ids, _ in e.values()) for e in examples)
+    if not lost:
+        return
+    need = max(len(data.encode_chat(tok, p["prompt"] + [{"role": "assistant", "content": p[side]}])[0])
+               for p in pairs for side in ("chosen", "rejected"))
+    fix = f"--seq-len {need:,} keeps every pair's end" + (
+        f", beyond the model's context ({context:,}): leave the long pairs out" if need > context else "")
+    what = (f"{lost:,} of {len(examples):,} preference pairs have a side longer than --seq-len {seq_len:,} "
+            "tokens: the <|eot_id|> where the reward model reads its score is cut off, and the score is read "
+            "before the reply's end")
+    if 2 * lost > len(examples):
+        raise data.DataError(f"{what}; {fix}")
+    say(f"warning: {what}; {fix}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The recipe: train.py's loop with this model, preference pairs and this loss
 
@@ -165,7 +185,10 @@ class RewardModel(sft.SFT):
         return collections.ChainMap({"output.weight": head}, state)
 
     def data(self, tok, mesh):
-        return dpo.preference_data(self.args, tok, mesh)
+        say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
+        ends = lambda pairs, examples: check_reply_ends(tok, pairs, examples, self.args.seq_len,
+                                                        self.base.max_seq_len, say)
+        return dpo.preference_data(self.args, tok, mesh, check=ends)
 
     def task(self, margs, mesh, device, dtype, model):
         return RewardTask(margs, mesh, self.args)
@@ -209,9 +232,12 @@ def score_main(argv) -> int:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok = load_reward_model(a.reward, device, a.mirror)
     seq_len = min(a.seq_len or model.args.max_seq_len, model.args.max_seq_len)
-    examples, _ = dpo.preference_examples(tok, dpo.read_preferences(a.data, mirror=a.mirror), seq_len)
+    pairs = dpo.read_preferences(a.data, mirror=a.mirror)
+    examples, _ = dpo.preference_examples(tok, pairs, seq_len)
     if not examples:
         raise data.DataError(f"{a.data}: no preference pair fits --seq-len {seq_len}")
+    check_reply_ends(tok, pairs, examples, seq_len, model.args.max_seq_len,
+                     say=lambda msg: print(msg, file=sys.stderr))
     loader = dpo.PreferenceLoader(examples, a.micro_batch, seq_len, pad_id=data.pad_id(tok))
     print(json.dumps({"reward": str(a.reward), "data": str(a.data), **score_pairs(model, loader,
                                                                                   a.micro_batch)}))

@@ -319,3 +319,34 @@ def test_prompts_without_room_for_a_reply_are_left_out_and_counted(policy_and_re
     assert summary["prompts"] == 4 and "left out: 1 of 5 prompt(s)" in err and "mixed.jsonl:2" in err
     asked = [f"Question {i}: is {i} a number?" for i in (1, 2, 3, 4)]
     assert len(recs) >= 3 and [r["messages"][0]["content"] for r in recs] == asked[:len(recs)]
+
+
+def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path, capsys):
+    """A pair with a side longer than --seq-len has no <|eot_id|> input, where the score is learned and read
+    (exactly seq_len + 1 tokens: it is a target only). Most pairs so: reward.py and reward.py score refuse in
+    one line with the count and a --seq-len that keeps them, and write nothing; some: one warning line, and
+    the run goes on."""
+    tok = data.get_tokenizer("byte")
+    sides = lambda p: [len(dpo.reply_example(tok, [{"role": "user", "content": p["prompt"]}], p[k], 512)[0][0])
+                       for k in ("chosen", "rejected")]
+    longest = [max(sides(p)) for p in PAIRS]
+    top = max(longest)
+    assert 0 < longest.count(top) < len(PAIRS) / 2  # (the pairs of two-digit numbers are the longest)
+    pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    flags = ["--data", str(pairs), "--max-steps", "1", "--micro-batch", "2", "--val-fraction", "0.25"]
+    reward.main(BASE + flags + ["--seq-len", str(top - 1), "--out-dir", str(tmp_path / "some")])
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert len(warned) == 1 and f"{longest.count(top)} of 16 preference pairs have a side longer than --seq-len " \
+        f"{top - 1} tokens" in warned[0] and f"--seq-len {top} keeps every pair's end" in warned[0]
+    assert records(tmp_path / "some")[-1]["step"] == 1
+    short = str(min(longest) - 1)
+    for main, argv in ((reward.main, BASE + flags + ["--seq-len", short, "--out-dir", str(tmp_path / "o")]),
+                       (reward.main, ["score", "--reward", str(tmp_path / "some"), "--data", str(pairs),
+                                      "--seq-len", short])):
+        with pytest.raises(SystemExit) as stop:
+            config.run(main, argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and "Traceback" not in err, err
+        assert f"16 of 16 preference pairs have a side longer than --seq-len {short} tokens" in err
+        assert f"--seq-len {top} keeps every pair's end" in err
+    assert not (tmp_path / "o").exists()
