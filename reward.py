@@ -401,13 +401,16 @@ def sample_parser() -> argparse.ArgumentParser:
 
 
 def check_sample_flags(a):
-    """Everything wrong with the flags, before a model is loaded."""
+    """Everything wrong with the flags, before a model is loaded: sampling takes long, and a flag found
+    wrong after it would throw the replies away."""
     if a.k < 2:
         raise config.ConfigError(f"--k {a.k}: rejection sampling keeps the best of at least 2 replies (--k 1 "
                                  "would keep whatever the policy says)")
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--seq-len", a.seq_len), ("--limit", a.limit)):
         if value is not None and value < 1:
             raise config.ConfigError(f"{flag} must be at least 1, got {value}")
+    if a.seed < 0:  # (a prompt's stream is drawn from (seed, index): numpy's SeedSequence takes no negatives)
+        raise config.ConfigError(f"--seed must be 0 or more, got {a.seed}")
     try:
         M.check_sampling(a.temperature, None, a.top_p)
     except ValueError as e:
@@ -418,6 +421,18 @@ def check_sample_flags(a):
                                  if not os.path.isdir(out) else f"--out {out} is a folder: name a file")
     if os.path.exists(a.prompts) and out.resolve() == Path(a.prompts).resolve():
         raise config.ConfigError(f"--out {out} is the --prompts file: writing it would lose the prompts")
+    check_writable(out, "--out")
+
+
+def check_writable(path: Path, flag: str):
+    """That `path` can be written (write_records), before the work that makes it: its folder exists, and a
+    file can be made there (tried with write_records' own temporary name, removed at once)."""
+    if not os.path.isdir(path.parent):
+        raise config.ConfigError(f"{flag} {path}: the folder {path.parent} does not exist; make it first")
+    probe = path.with_name(f".{path.name}.tmp")
+    with data.writing(path.parent, path):
+        probe.touch()
+    probe.unlink()
 
 
 def load_policy_and_reward(a, device, dtype, mesh):

@@ -52,6 +52,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import re
 import sys
 from decimal import Decimal
@@ -238,7 +239,10 @@ def sums_main(argv) -> int:
         raise config.ConfigError("--sft, --rl and --test must be >= 1 and add up to at most --high^2 = "
                                  f"{a.high ** 2}")
     problems, out = sums(total, a.seed, a.high), Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise config.ConfigError(f"--out-dir {out} exists and is not a folder")
+    with data.writing(out, out):
+        out.mkdir(parents=True, exist_ok=True)
     worked = [{"messages": [{"role": "user", "content": s["prompt"]},
                             {"role": "assistant", "content": f"{s['a']} + {s['b']} = {s['answer']}"}]}
               for s in problems[:a.sft]]

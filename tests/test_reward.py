@@ -350,3 +350,24 @@ def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path,
         assert f"16 of 16 preference pairs have a side longer than --seq-len {short} tokens" in err
         assert f"--seq-len {top} keeps every pair's end" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_rejection_samplings_seed_and_out_are_checked_before_any_model_is_loaded(tmp_path, capsys, monkeypatch):
+    """A negative --seed, an --out in a folder that does not exist or cannot be written: one line before the
+    models are loaded (sampling takes long, and was thrown away when these were found after it)."""
+    from test_hostile import readonly_folder
+    loaded = []
+    monkeypatch.setattr(reward.evaluate, "load_model", lambda *a, **k: loaded.append(a))
+    prompts = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[:2])
+    with readonly_folder(tmp_path / "ro") as ro:
+        cases = [(["--seed", "-1", "--out", str(tmp_path / "a.jsonl")], "--seed must be 0 or more, got -1"),
+                 (["--out", str(tmp_path / "no" / "a.jsonl")], f"the folder {tmp_path / 'no'} does not exist"),
+                 (["--out", str(ro / "a.jsonl")], f"cannot write into {ro}")]
+        for flags, message in cases:
+            with pytest.raises(SystemExit) as stop:
+                config.run(reward.main, ["sample", "--policy", "p", "--reward", "r", "--prompts", str(prompts),
+                                         *flags])
+            err = capsys.readouterr().err
+            assert stop.value.code == 1 and message in err and "Traceback" not in err, (flags, err)
+        assert not loaded and not list(ro.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl",
+                                                                                                       "ro"]

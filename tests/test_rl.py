@@ -257,6 +257,16 @@ def test_bad_rl_input_is_one_line(tmp_path, prompts, capsys, flags, message):
     assert not (tmp_path / "o").exists()
 
 
+def test_sums_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("keep me\n")
+    assert f"--out-dir {taken} exists and is not a folder" in refused(capsys, rl.main, ["sums", "--out-dir",
+                                                                                     str(taken)])
+    assert f"cannot write into {taken / 'sub'}" in refused(capsys, rl.main, ["sums", "--out-dir",
+                                                                            str(taken / "sub")])
+    assert taken.read_text() == "keep me\n"
+
+
 @pytest.mark.parametrize("body,message", [
     ("def f(record, reply):\n    raise ValueError('no')\n", "raised ValueError: no (on the prompt "),
     ("def f(record, reply):\n    return float('nan')\n", "returned nan for a reply to "),
