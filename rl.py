@@ -19,8 +19,10 @@ default num_iterations=1); the clipped objective is written out in full all the 
       k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, unbiased and >= 0)
   the token loss is  -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) + beta k3_t  (beta: --kl-coef),
   averaged over each reply's tokens, then over the global batch's replies: the paper's 1/G sum_i 1/|o_i|
-  sum_t, TRL's loss_type="grpo" (TRL's default, "dapo", averages over all tokens instead).
-  Logged as TRL's GRPOTrainer does: reward, reward_std (within groups), kl, completion_length, clip_ratio.
+  sum_t, TRL's loss_type="grpo" with use_bias_correction_kl=False (TRL 1.16's default, True, weights
+  each k3_t by rho_t; its default loss_type, "dapo", averages over all tokens instead).
+  Logged as TRL's GRPOTrainer does: reward, reward_std (within groups), kl, completion_length, clip_ratio
+  (kl and clip_ratio: means over every reply token of the global batch).
 
   PPO (Ouyang et al. 2022's InstructGPT, --algo ppo): a value head V (a linear map of the policy's last
   hidden state; its gradient stops there, so the critic's loss never moves the policy, where InstructGPT
@@ -29,12 +31,16 @@ default num_iterations=1); the clipped objective is written out in full all the 
   advantages by GAE (--gamma, --lam) from V, whitened over the global batch, returns R_t = A_t + V_t;
   token loss  max(-A rho_t, -A clip(rho_t)) + vf_coef * 0.5 max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2),
   averaged per reply, then over replies. Logged as TRL's PPOTrainer: reward, objective/kl (per reply,
-  summed over its tokens), objective/entropy (likewise, the sampled -logp), policy/clipfrac_avg,
-  loss/value_avg, completion_length.
+  summed over its tokens), objective/entropy (likewise, the sampled -logp), policy/clipfrac_avg and
+  loss/value_avg (means over every reply token), completion_length.
+
+Every log-prob (the policy's, the reference's, PPO's rollout's) is that of the distribution that sampled:
+log softmax(logits / --temperature), as TRL computes them (RLTask).
 
 With prompts that carry an "answer", `accuracy` is logged too: the share of replies whose last number is
-the answer, whatever the reward says (a flawed reward can rise while it falls: reward hacking). Validation
-replies greedily (temperature 0) to the held-out prompts: val_reward, val_accuracy.
+the answer (compared as numbers: 2.0 is 2), whatever the reward says (a flawed reward can rise while it
+falls: reward hacking). Validation replies greedily (temperature 0) to the held-out prompts: val_reward,
+val_accuracy.
 
 It is train.py's loop with another recipe: the model from --init (an SFT checkpoint), a frozen reference
 from the same weights (none at --kl-coef 0), the prompts as the data, and the rollout in the task's
@@ -399,11 +405,19 @@ class ValueHead(nn.Module):
 # The task: phase 1's rollouts in prepare(), phase 3's loss
 
 
+TOKEN_MEANS = ("kl", "clip_ratio", "policy/clipfrac_avg", "loss/value_avg")  # TRL's: over all reply tokens
+
+
 class RLTask:
     """The loss of train.py's loop for RL. prepare() turns each micro-batch of prompts into --group replies
     per prompt (sampled; greedy when the model is in eval mode: validation) laid out as rows, with what the
     loss needs beside the targets: rewards, advantages, the reference's log-probs, and for PPO the
-    rollout's log-probs and values. The normalizer is the global batch's reply count."""
+    rollout's log-probs and values. The normalizer is the global batch's reply count.
+
+    Every log-prob (the policy's, PPO's rollout's, the reference's) is of the distribution that samples,
+    the logits over --temperature, as TRL's trainers compute them; validation's greedy replies are read at
+    the same temperature, so that val_kl is the quantity kl is. --temperature 0 (PPO's greedy rollouts)
+    samples from no distribution: the model's own (temperature 1) is read then."""
 
     takes_hidden = False  # the loss is given the logits
 
@@ -411,6 +425,7 @@ class RLTask:
         self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
         self.score, self.reference, self.value_head = score, reference, value_head
         self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
+        self.temperature = args.temperature or 1.0
         self.rows_per_example = args.group
         # forwards besides the trained one's: the reference's, and PPO's rollout forward (values, old logp)
         self.reference_forwards = (reference is not None) + (args.algo == "ppo")
@@ -419,7 +434,9 @@ class RLTask:
                   "completion_length"))
         self.with_answers = all("answer" in p for p in prompts)
         self.metric_names = names + (("accuracy",) if self.with_answers else ())
-        self._sums = torch.zeros(len(self.metric_names))
+        self.per_token = torch.tensor([n in TOKEN_MEANS for n in self.metric_names], device=mesh.device)
+        self._sums = torch.zeros(len(self.metric_names), device=mesh.device)  # (tally)
+        self._tokens = torch.zeros((), device=mesh.device)
 
     def count(self, batch) -> torch.Tensor:
         """Replies: G per prompt of a loader's batch, or the rows of a rolled-out one."""
@@ -466,10 +483,16 @@ class RLTask:
             extras["adv"] = group_advantages(r, G)
         return x, (y, extras)
 
-    def token_logps(self, model, x, y) -> torch.Tensor:
-        """log p(target) per token under `model` (rows, T), 0 where the target is IGNORE_INDEX."""
-        logits = P.local_forward(model, x, self.mesh, self.args.seq_len)
+    def logps(self, logits, y) -> torch.Tensor:
+        """log p(target) per token (rows, T) of the sampling distribution, softmax(logits / temperature); 0
+        where the target is IGNORE_INDEX."""
+        if self.temperature != 1:
+            logits = logits / self.temperature
         return -P.token_losses(logits, y, self.vocab_size, self.mesh)
+
+    def token_logps(self, model, x, y) -> torch.Tensor:
+        """logps under `model`."""
+        return self.logps(P.local_forward(model, x, self.mesh, self.args.seq_len), y)
 
     def reference_logps(self, x, y) -> torch.Tensor:
         """token_logps under the reference: under LoRA, the policy's own frozen model, its adapters off."""
@@ -499,29 +522,40 @@ class RLTask:
     def loss(self, logits, targets, total):
         y, e = targets
         mask = (y != IGNORE_INDEX).float()
-        logp = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (rows, T), 0 outside the replies
+        logp = self.logps(logits, y)  # (rows, T), 0 outside the replies
         if self.args.algo == "grpo":
             # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
             losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], self.args.clip_eps,
                                                     self.beta)
-            stats = [e["reward"], e["reward_std"], reply_mean(kl, mask), e["length"], reply_mean(clipped, mask)]
+            stats = {"reward_std": e["reward_std"], "kl": kl, "clip_ratio": clipped}
         else:
             values = self.value_head()
             losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], values, e["values"],
                                                            e["returns"], self.args)
-            stats = [e["reward"], e["kl_sum"], e["entropy"], reply_mean(clipped, mask),
-                     reply_mean(value_loss, mask), e["length"]]
-        self.tally(stats + ([e["correct"]] if self.with_answers else []), total)
+            stats = {"objective/kl": e["kl_sum"], "objective/entropy": e["entropy"],
+                     "policy/clipfrac_avg": clipped, "loss/value_avg": value_loss}
+        self.tally({**stats, "reward": e["reward"], "completion_length": e["length"], "accuracy": e["correct"]},
+                   mask, total)
         return reply_mean(losses, mask).sum() / total
 
     @torch.no_grad()
-    def tally(self, stats: list, total):
-        """Add this micro-batch's replies to the metric sums (each over the global reply count)."""
-        sums = torch.stack([s.float().sum() for s in stats])
-        self._sums = self._sums.to(sums.device) + sums / total
+    def tally(self, stats: dict, mask, total):
+        """Add a micro-batch to the metric sums: a reply's metric (rows,) over the global reply count; a token
+        metric (TOKEN_MEANS, (rows, T)) summed over the reply tokens, whose count is kept beside."""
+        sums = [(stats[n].float() * mask).sum() if n in TOKEN_MEANS else stats[n].float().sum() / total
+                for n in self.metric_names]
+        self._sums += torch.stack(sums).to(self._sums.device)
+        self._tokens += mask.sum().to(self._tokens.device)
 
     def metrics(self) -> torch.Tensor:
-        out, self._sums = self._sums, torch.zeros_like(self._sums)
+        """Each metric's share of its global mean since the last call, which the loop's sum over the replicas
+        completes: a reply metric's sum over the global reply count, a token metric's over the global count
+        of reply tokens, summed over dp here (one small all-reduce: TRL's kl and clip_ratio are means over
+        all reply tokens of the batch, not of each reply's mean)."""
+        tokens = self._tokens.clone()
+        P.all_reduce(tokens, self.mesh, "dp")
+        out = torch.where(self.per_token, self._sums / tokens.clamp(min=1), self._sums)
+        self._sums, self._tokens = torch.zeros_like(self._sums), torch.zeros_like(self._tokens)
         return out
 
 

@@ -1,6 +1,8 @@
-"""rl.py: GRPO's loss and group advantages against TRL's GRPOTrainer's formulas written out here, PPO's GAE
-and clipped losses against hand-computed values, rollouts deterministic under a seed, --resume
-bit-identical, the same run under tp 2 and dp 2 as on one process, and bad input refused in one line."""
+"""rl.py: GRPO's loss and group advantages against TRL's GRPOTrainer's formulas written out here (from the
+logits: the log-probs at the sampling temperature, the loss, its gradient and the logged token means; PPO's
+token means likewise), PPO's GAE and clipped losses against hand-computed values, rollouts deterministic
+under a seed, --resume bit-identical, the same run under tp 2 and dp 2 as on one process, and bad input
+refused in one line."""
 
 import json
 import math
@@ -50,7 +52,8 @@ def prompts(tmp_path_factory):
 
 
 def trl_grpo_loss(logp, old_logp, ref_logp, rewards, mask, group, eps, beta):
-    """GRPOTrainer's loss as TRL writes it (loss_type="grpo", one iteration's tensors given)."""
+    """GRPOTrainer's loss as TRL writes it (loss_type="grpo", use_bias_correction_kl=False, one iteration's
+    tensors given)."""
     grouped = rewards.view(-1, group)
     mean = grouped.mean(dim=1).repeat_interleave(group)
     std = grouped.std(dim=1).repeat_interleave(group)
@@ -90,6 +93,92 @@ def test_grpo_loss_is_trls_and_its_gradient_the_closed_form():
     adv = rl.group_advantages(rewards, group)[:, None]
     expected = (-adv + 0.04 * (1 - torch.exp(ref - logp))) * mask / mask.sum(dim=1, keepdim=True) / rows
     assert torch.allclose(x.grad, expected, atol=1e-12)
+
+
+def trl_logps(logits, ids, temperature):
+    """TRL's per-token log-probs (GRPOTrainer and PPOTrainer alike): the logits divided by the sampling
+    temperature, then the log-softmax at the completion's ids."""
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def rl_task(algo, temperature, vocab_size, value_head=None):
+    args = SimpleNamespace(algo=algo, group=4, kl_coef=0.04, temperature=temperature, clip_eps=0.2, seq_len=6,
+                           vf_coef=0.1, clip_value=0.2)
+    return rl.RLTask(P.Mesh(), args, SimpleNamespace(args=SimpleNamespace(vocab_size=vocab_size)), None,
+                     [{"where": "p:1"}], None, value_head=value_head)
+
+
+def micro_batches(logits, y, extras, cuts=(slice(0, 4), slice(4, 8))):
+    """One global batch of 8 replies as two micro-batches (whole groups of 4, of unequal token counts)."""
+    return [(logits[c], (y[c], {k: None if v is None else v[c] for k, v in extras.items()})) for c in cuts]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_grpo_tasks_log_probs_loss_gradient_and_metrics_are_trls(temperature):
+    """RLTask from logits against GRPOTrainer's formulas: the policy's and the reference's log-probs are of
+    logits / temperature; the loss over a global batch of two micro-batches and its gradient in the logits
+    are TRL's; the logged kl is its mean over all reply tokens of the batch (TRL's global_masked_mean), not
+    the mean of each reply's mean."""
+    g = torch.Generator().manual_seed(0)
+    rows, T, V, group = 8, 6, 11, 4
+    logits, ref_logits = (torch.randn(rows, T, V, generator=g) for _ in range(2))
+    ids = torch.randint(0, V, (rows, T), generator=g)
+    mask = (torch.arange(T) < torch.tensor([6, 5, 4, 6, 1, 2, 1, 3])[:, None]).float()
+    y = torch.where(mask.bool(), ids, rl.IGNORE_INDEX)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.9, 0.4, 0.4])
+    task = rl_task("grpo", temperature, V)
+    ref = task.logps(ref_logits, y)
+    torch.testing.assert_close(ref, trl_logps(ref_logits, ids, temperature) * mask)
+    extras = {"reward": rewards, "reward_std": torch.zeros(rows), "length": mask.sum(-1), "correct": None,
+              "adv": rl.group_advantages(rewards, group), "ref": ref}
+    ours = logits.clone().requires_grad_(True)
+    loss = sum(task.loss(x, target, torch.tensor(float(rows))) for x, target in micro_batches(ours, y, extras))
+    loss.backward()
+    theirs = logits.clone().requires_grad_(True)
+    logp, ref_theirs = trl_logps(theirs, ids, temperature), trl_logps(ref_logits, ids, temperature)
+    want = trl_grpo_loss(logp, logp.detach(), ref_theirs, rewards, mask, group, 0.2, 0.04)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-7)
+    logged = dict(zip(task.metric_names, task.metrics().tolist()))
+    per_token_kl = (torch.exp(ref_theirs - logp) - (ref_theirs - logp) - 1).detach() * mask
+    assert logged["kl"] == pytest.approx((per_token_kl.sum() / mask.sum()).item(), rel=1e-5)
+    assert logged["kl"] != pytest.approx(rl.reply_mean(per_token_kl, mask).mean().item(), rel=1e-2)
+    assert logged["clip_ratio"] == 0.0  # one update per rollout: every ratio is 1 (TRL's num_iterations=1)
+    assert logged["reward"] == pytest.approx(rewards.mean().item())
+    assert logged["completion_length"] == pytest.approx(mask.sum(-1).mean().item())
+
+
+def test_the_ppo_tasks_log_probs_and_token_metrics_are_trls():
+    """PPOTrainer's policy/clipfrac_avg and loss/value_avg are means over the reply tokens (masked_mean), its
+    log-probs those of logits / temperature: RLTask's over a global batch of two micro-batches."""
+    g = torch.Generator().manual_seed(1)
+    rows, T, V, temperature = 8, 6, 11, 0.7
+    logits = torch.randn(rows, T, V, generator=g)
+    ids = torch.randint(0, V, (rows, T), generator=g)
+    mask = (torch.arange(T) < torch.tensor([6, 5, 4, 6, 1, 2, 1, 3])[:, None]).float()
+    y = torch.where(mask.bool(), ids, rl.IGNORE_INDEX)
+    logp = trl_logps(logits, ids, temperature) * mask
+    old = (logp + 0.3 * torch.randn(rows, T, generator=g)) * mask  # ratios far from 1: some clipped
+    adv, values, old_values, returns = (torch.randn(rows, T, generator=g) * mask for _ in range(4))
+    extras = {"reward": torch.zeros(rows), "kl_sum": torch.zeros(rows), "entropy": torch.zeros(rows),
+              "length": mask.sum(-1), "correct": None, "old": old, "adv": adv, "values": old_values,
+              "returns": returns}
+    now = {}
+    task = rl_task("ppo", temperature, V, value_head=lambda: now["values"])
+    torch.testing.assert_close(task.logps(logits, y), logp)
+    for c, (x, target) in zip((slice(0, 4), slice(4, 8)), micro_batches(logits, y, extras)):
+        now["values"] = values[c]
+        task.loss(x, target, torch.tensor(float(rows)))
+    logged = dict(zip(task.metric_names, task.metrics().tolist()))
+    ratio = torch.exp(logp - old)
+    pg_losses, pg_losses2 = -adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2)
+    masked_mean = lambda v: ((v * mask).sum() / mask.sum()).item()
+    clipfrac = masked_mean((pg_losses2 > pg_losses).float())
+    assert 0 < clipfrac < 1 and logged["policy/clipfrac_avg"] == pytest.approx(clipfrac, rel=1e-6)
+    v_clipped = torch.clamp(values, old_values - 0.2, old_values + 0.2)
+    vf_loss = 0.5 * masked_mean(torch.max((values - returns) ** 2, (v_clipped - returns) ** 2))
+    assert logged["loss/value_avg"] == pytest.approx(vf_loss, rel=1e-5)
 
 
 def test_group_advantages_by_hand():
@@ -212,8 +301,9 @@ def _job(n, out, prompts, *flags):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
     """tp 2 (each tp pair samples from the gathered vocabulary) and dp 2 (each replica its own prompts, PPO's
-    whitening over both) against one process: the same replies (rewards and lengths), losses within
-    1e-5, the final weights within 1e-4 of each tensor's norm."""
+    whitening over both) against one process: the same replies (rewards and lengths), losses and token
+    means (kl, loss/value_avg: over the reply tokens of both replicas) within 1e-5, the final weights within
+    1e-4 of each tensor's norm."""
     common = ["--algo", algo, "--max-steps", "3", "--grad-accum", "2"]
     one = _job(1, tmp_path / "one", prompts, *common)
     for name, flags in (("tp", ["--tp", "2"]), ("dp", ["--micro-batch", "1"])):
@@ -224,6 +314,8 @@ def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
             assert (a["reward"], a["completion_length"]) == pytest.approx((b["reward"], b["completion_length"]),
                                                                           rel=1e-6), (name, a, b)
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (name, a, b)
+            token_mean = "kl" if algo == "grpo" else "loss/value_avg"
+            assert a[token_mean] == pytest.approx(b[token_mean], rel=1e-5, abs=1e-7), (name, a, b)
         w, w1 = state_of(tmp_path / name), state_of(tmp_path / "one")
         for k, v in w1.items():
             diff = (w[k]["master"] - v["master"]).norm() / v["master"].norm().clamp(min=1e-12)
