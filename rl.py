@@ -565,11 +565,13 @@ class RLTask:
 
 def make_scorer(a, rule, tok, device, dtype, mesh, seq_len: int):
     """score(prompt, reply texts) -> [rewards]: --reward-fn's rule (loaded: load_reward_fn), or --reward's
-    model (whole on every rank, read at each reply's <|eot_id|>)."""
+    model (whole on every rank, read at each reply's <|eot_id|>). A rollout is up to seq_len + 1 tokens (its
+    last a target only, in the policy's rows): the reward model reads all of them where its context allows,
+    so that a reply filling the room is read at its <|eot_id|> too."""
     if rule is not None:
         return lambda prompt, texts: apply_reward_fn(rule, a.reward_fn, prompt, texts)
     model, _ = reward.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
-    seq_len = min(seq_len, model.args.max_seq_len)
+    seq_len = min(seq_len + 1, model.args.max_seq_len)
     return lambda prompt, texts: reward.score_replies(model, tok, prompt["messages"], texts,
                                                       seq_len).float().cpu().tolist()
 
