@@ -425,7 +425,7 @@ class RLTask:
         self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
         self.score, self.reference, self.value_head = score, reference, value_head
         self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
-        self.temperature = args.temperature or 1.0
+        self.temperature = args.temperature or 1.0  # (0: greedy, no distribution to divide by)
         self.rows_per_example = args.group
         # forwards besides the trained one's: the reference's, and PPO's rollout forward (values, old logp)
         self.reference_forwards = (reference is not None) + (args.algo == "ppo")
