@@ -138,10 +138,12 @@ def check_reply_ends(tok, pairs, examples, seq_len: int, context: int, say):
     lost = sum(any(len(ids) > seq_len for ids, _ in e.values()) for e in examples)
     if not lost:
         return
-    need = max(len(data.encode_chat(tok, p["prompt"] + [{"role": "assistant", "content": p[side]}])[0])
-               for p in pairs for side in ("chosen", "rejected"))
-    fix = f"--seq-len {need:,} keeps every pair's end" + (
-        f", beyond the model's context ({context:,}): leave the long pairs out" if need > context else "")
+    lengths = [max(len(data.encode_chat(tok, p["prompt"] + [{"role": "assistant", "content": p[side]}])[0])
+                   for side in ("chosen", "rejected")) for p in pairs]  # each pair's longer side, whole
+    fix = f"--seq-len {max(lengths):,} keeps every pair's end"
+    if max(lengths) > context:
+        fix += (f", beyond the model's context ({context:,}), which keeps {sum(n <= context for n in lengths):,} "
+                f"of {len(pairs):,}: leave the long pairs out")
     what = (f"{lost:,} of {len(examples):,} preference pairs have a side longer than --seq-len {seq_len:,} "
             "tokens: the <|eot_id|> where the reward model reads its score is cut off, and the score is read "
             "before the reply's end")
