@@ -350,6 +350,10 @@ def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path,
         assert f"16 of 16 preference pairs have a side longer than --seq-len {short} tokens" in err
         assert f"--seq-len {top} keeps every pair's end" in err
     assert not (tmp_path / "o").exists()
+    examples, _ = dpo.preference_examples(tok, dpo.read_preferences(pairs), int(short))
+    with pytest.raises(data.DataError, match=f"beyond the model's context \\({top - 1}\\), which keeps "
+                                             f"{16 - longest.count(top)} of 16: leave the long pairs out"):
+        reward.check_reply_ends(tok, dpo.read_preferences(pairs), examples, int(short), top - 1, print)
 
 
 def test_rejection_samplings_seed_and_out_are_checked_before_any_model_is_loaded(tmp_path, capsys, monkeypatch):
