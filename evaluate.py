@@ -919,6 +919,8 @@ def run_diff(args):
 def main(argv=None):
     args = get_parser().parse_args(argv)
     prompts = check_flags(args)
+    if args.task or prompts:  # perplexity, benchmarks, needle, generation: a language model's
+        C.check_head(args.init, "--init")
     if args.plot:
         print(f"wrote {plot_run(args.plot)}", flush=True)
     if args.diff:
