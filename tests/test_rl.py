@@ -259,7 +259,7 @@ def state_of(out):
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path, prompts, algo):
+def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path, prompts, algo, capsys):
     """Two runs of one seed give the same rollouts and updates; the second, cut back to its step-2
     checkpoint and resumed, ends bit for bit where the first did (weights, Adam moments, PPO's critic);
     `rl.py eval` and an export read the policy without the critic."""
@@ -274,6 +274,10 @@ def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path
     (cut / "latest").write_text(C.step_name(2) + "\n")
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     (cut / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+    other = "grpo" if algo == "ppo" else "ppo"  # (its checkpoints hold another set of parameters)
+    err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), *flags, "--algo", other, "--out-dir",
+                                            str(cut), "--resume"])
+    assert f"was trained with --algo {algo}, this run has --algo {other}: resume it with --algo {algo}" in err
     run_rl(cut, prompts, *flags, "--ckpt-every", "2", "--resume")
     assert [[r[k] for k in keys] for r in steps(cut)] == [[r[k] for k in keys] for r in one]
     s1, s2 = state_of(tmp_path / "one"), state_of(cut)
@@ -341,6 +345,8 @@ def bad_run(capsys, tmp_path, argv):
     (["--zero", "3"], "--zero 3: rl.py does not support it"),
     (["--reward-fn", "nope"], "--reward-fn nope: not one of arithmetic, arithmetic-length"),
     (["--temperature", "0"], "--temperature 0: every reply of a group would be the same"),
+    (["--data", "x.jsonl"], "--data x.jsonl: rl.py reads its prompts from --prompts"),
+    (["--doc-mask"], "--doc-mask: fine-tuning gives each example of a row its own document always"),
 ])
 def test_bad_rl_input_is_one_line(tmp_path, prompts, capsys, flags, message):
     err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), "--out-dir", str(tmp_path / "o"),
