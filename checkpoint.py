@@ -726,8 +726,9 @@ def meta_for(ckpt: Path, margs: M.ModelArgs) -> dict:
 
 
 def recorded(path) -> dict:
-    """{"tokenizer", "seq_len", "vocab_size", "chat"}, each where the folder says it (a checkpoint's own
-    tokenizer record, else its --tokenizer flag; an export's "tokenizer"). Reads no weights."""
+    """{"tokenizer", "seq_len", "vocab_size", "chat", "num_labels"}, each where the folder says it (a
+    checkpoint's own tokenizer record, else its --tokenizer flag; an export's "tokenizer"; num_labels: a
+    scoring head's outputs, absent for a language model). Reads no weights."""
     path = Path(path)
     if is_checkpoint(path):  # an out-dir: its newest checkpoint (the one loaded is verified when it is read)
         path = resolve(path, say=lambda msg: None, verify=False)
@@ -744,13 +745,30 @@ def recorded(path) -> dict:
             args, margs = (found.get(k) if isinstance(found.get(k), dict) else {}
                            for k in ("args", "model_args"))
             out = {"tokenizer": found.get("tokenizer", args.get("tokenizer")), "seq_len": args.get("seq_len"),
-                   "vocab_size": margs.get("vocab_size"), "chat": found.get("chat", "init" in args)}
-        else:
-            out = {"tokenizer": found.get("tokenizer"), "vocab_size": found.get("vocab_size")}
-        kinds = {"tokenizer": str, "seq_len": int, "vocab_size": int, "chat": bool}
+                   "vocab_size": margs.get("vocab_size"), "chat": found.get("chat", "init" in args),
+                   "num_labels": margs.get("num_labels")}
+        else:  # (a Meta folder's params.json names no architecture: a language model)
+            out = {"tokenizer": found.get("tokenizer"), "vocab_size": found.get("vocab_size"),
+                   "num_labels": M.classifier_labels(found)}
+        kinds = {"tokenizer": str, "seq_len": int, "vocab_size": int, "chat": bool, "num_labels": int}
         return {k: v for k, v in out.items() if isinstance(v, kinds[k])}
     raise CheckpointError(f"--init {path}: not a checkpoint folder, a Hugging Face folder (config.json) or "
                           "a Meta folder (params.json)")
+
+
+def check_head(path, flag: str, reward: bool = False):
+    """The kind of model the caller needs, from what `path` (given as `flag`) records, before any weight is
+    read: a language model (reward False: it writes replies, or its tokens are scored), or a reward model
+    (a head of one output, ModelArgs.num_labels 1). The other kind would run and give nonsense: a scoring
+    head's one column sampled as token 0, a vocabulary's logits read as a score."""
+    labels = recorded(path).get("num_labels")
+    if reward and labels != 1:
+        what = "a language model" if labels is None else f"a head of {labels} outputs"
+        raise CheckpointError(f"{flag} {path} is not a reward model ({what}): train one with reward.py")
+    if not reward and labels is not None:
+        raise CheckpointError(f"{flag} {path} is a reward model (a head of {labels} output{'s' * (labels > 1)}, "
+                              f"no vocabulary): {flag} takes a language model (a train.py, sft.py, dpo.py or "
+                              "rl.py checkpoint, or a Hugging Face causal LM)")
 
 
 def tokenizer_for(path, requested: str | None, mirror=None, grows: bool = False):

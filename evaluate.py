@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import bz2
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -707,11 +706,13 @@ def weight_diff(a_path, b_path, mirror=None) -> dict:
                                  f"{tok_b.name}: their rows mean different tokens")
     with contextlib.redirect_stdout(sys.stderr):
         (margs_a, a), (margs_b, b) = C.load_init(a_path, tok_b), C.load_init(b_path, tok_b)
-    shapes_a, shapes_b = M.param_shapes(margs_a), M.param_shapes(margs_b)
-    if shapes_a != shapes_b:  # compared as shapes: a preset's FFN rule and an export's explicit size agree
-        differ = ", ".join(f"{k} {shapes_a.get(k)} vs {shapes_b.get(k)}" for k in {**shapes_a, **shapes_b}
-                           if shapes_a.get(k) != shapes_b.get(k))
-        raise config.ConfigError(f"--diff: {a_path} and {b_path} are different models ({differ[:300]})")
+    # compared by what shapes the weights: a preset's FFN rule and an export's explicit size are one model
+    shaping = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "tie_embeddings",
+               "num_labels")
+    differ = ", ".join(f"{k} {getattr(margs_a, k)} vs {getattr(margs_b, k)}" for k in shaping
+                       if getattr(margs_a, k) != getattr(margs_b, k))
+    if differ:
+        raise config.ConfigError(f"--diff: {a_path} and {b_path} are different models ({differ})")
     tied = {"output.weight"} if margs_b.tie_embeddings else set()  # the embedding's own numbers
     rows = {name: matrix_change(a[name], b[name]) for name in b
             if not name.startswith(M.TRAINING_ONLY) and name not in tied}
@@ -918,6 +919,8 @@ def run_diff(args):
 def main(argv=None):
     args = get_parser().parse_args(argv)
     prompts = check_flags(args)
+    if args.task or prompts:  # perplexity, benchmarks, needle, generation: a language model's
+        C.check_head(args.init, "--init")
     if args.plot:
         print(f"wrote {plot_run(args.plot)}", flush=True)
     if args.diff:

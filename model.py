@@ -657,12 +657,6 @@ def with_storage(model: Transformer, device) -> Transformer:
     return model
 
 
-def param_shapes(args: ModelArgs) -> dict[str, tuple]:
-    """{parameter name: shape} of Transformer(args), from a model built on the meta device (no storage)."""
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-
-
 def empty_model(args: ModelArgs, dtype=torch.float32, device="cpu") -> Transformer:
     """A model whose every weight is about to be written (loaded, consolidated): built on the meta device, so
     no random initialization runs, cast there, then given storage."""
@@ -1082,7 +1076,8 @@ def hf_state(path) -> tuple[ModelArgs, LazyState]:
         where.update({name: (f, info["shape"]) for name, info in _safetensors_header(f)[1].items()})
     if not where:
         raise FileNotFoundError(f"no *.safetensors files holding a tensor in {path}")
-    expected = param_shapes(args)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     if args.tie_embeddings:
         expected.pop("output.weight")  # the head is the embedding
     theirs = lambda ours: hf_name(ours, classifier=args.num_labels is not None)

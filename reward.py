@@ -130,6 +130,28 @@ class RewardTask:
         return out
 
 
+def check_reply_ends(tok, pairs, examples, seq_len: int, context: int, say):
+    """The score is learned and read at a reply's <|eot_id|> (score_positions). A pair with a side of more
+    than seq_len tokens has it as a target at best, and its score is read before the reply ends: when that
+    is most pairs (more than half) the model would learn to score unfinished replies, and be used on
+    finished ones (reward.py score and sample, rl.py read each at its <|eot_id|>): refused; when some, said."""
+    lost = sum(any(len(ids) > seq_len for ids, _ in e.values()) for e in examples)
+    if not lost:
+        return
+    lengths = [max(len(data.encode_chat(tok, p["prompt"] + [{"role": "assistant", "content": p[side]}])[0])
+                   for side in ("chosen", "rejected")) for p in pairs]  # each pair's longer side, whole
+    fix = f"--seq-len {max(lengths):,} keeps every pair's end"
+    if max(lengths) > context:
+        fix += (f", beyond the model's context ({context:,}), which keeps {sum(n <= context for n in lengths):,} "
+                f"of {len(pairs):,}: leave the long pairs out")
+    what = (f"{lost:,} of {len(examples):,} preference pairs have a side longer than --seq-len {seq_len:,} "
+            "tokens: the <|eot_id|> where the reward model reads its score is cut off, and the score is read "
+            "before the reply's end")
+    if 2 * lost > len(examples):
+        raise data.DataError(f"{what}; {fix}")
+    say(f"warning: {what}; {fix}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The recipe: train.py's loop with this model, preference pairs and this loss
 
@@ -144,6 +166,7 @@ class RewardModel(sft.SFT):
     reward model already), preference pairs as the data, RewardTask as the loss."""
 
     kind = "reward"
+    scoring_init = True  # an SFT model (its head replaced) or a reward model (its head kept)
     rows_per_example = RewardTask.rows_per_example
     head_in_loss = False  # RewardTask's loss is given the head's outputs
     trained_whole = ("output.",)  # under LoRA the head, new, is trained whole beside the adapters
@@ -167,7 +190,10 @@ class RewardModel(sft.SFT):
         return collections.ChainMap({"output.weight": head}, state)
 
     def data(self, tok, mesh):
-        return dpo.preference_data(self.args, tok, mesh)
+        say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
+        ends = lambda pairs, examples: check_reply_ends(tok, pairs, examples, self.args.seq_len,
+                                                        self.base.max_seq_len, say)
+        return dpo.preference_data(self.args, tok, mesh, check=ends)
 
     def task(self, margs, mesh, device, dtype, model):
         return RewardTask(margs, mesh, self.args)
@@ -180,12 +206,9 @@ class RewardModel(sft.SFT):
 def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None):
     """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode, its tokenizer).
     Under a job (mesh), its ranks check a checkpoint's shards together."""
+    C.check_head(path, "--reward", reward=True)
     tok = C.tokenizer_for(path, None, mirror)
-    model = evaluate.load_model(path, tok, device, dtype, mesh or P.Mesh())
-    if model.args.num_labels != 1:
-        raise config.ConfigError(f"--reward {path} is not a reward model (a head of one output): train one "
-                                 "with reward.py")
-    return model, tok
+    return evaluate.load_model(path, tok, device, dtype, mesh or P.Mesh()), tok
 
 
 @torch.no_grad()
@@ -214,9 +237,12 @@ def score_main(argv) -> int:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok = load_reward_model(a.reward, device, a.mirror)
     seq_len = min(a.seq_len or model.args.max_seq_len, model.args.max_seq_len)
-    examples, _ = dpo.preference_examples(tok, dpo.read_preferences(a.data, mirror=a.mirror), seq_len)
+    pairs = dpo.read_preferences(a.data, mirror=a.mirror)
+    examples, _ = dpo.preference_examples(tok, pairs, seq_len)
     if not examples:
         raise data.DataError(f"{a.data}: no preference pair fits --seq-len {seq_len}")
+    check_reply_ends(tok, pairs, examples, seq_len, model.args.max_seq_len,
+                     say=lambda msg: print(msg, file=sys.stderr))
     loader = dpo.PreferenceLoader(examples, a.micro_batch, seq_len, pad_id=data.pad_id(tok))
     print(json.dumps({"reward": str(a.reward), "data": str(a.data), **score_pairs(model, loader,
                                                                                   a.micro_batch)}))
@@ -303,11 +329,14 @@ def sample_replies(policy, tok, prompt, k: int, max_new_tokens: int, seq_len: in
 
 @torch.no_grad()
 def score_replies(reward_model, tok, prompt, replies: list[str], seq_len: int) -> torch.Tensor:
-    """(K,) scores r(prompt, reply), each read as training reads it (dpo.reply_example's rows, the score
-    at the reply's <|eot_id|>), all K in one batch padded to the longest."""
+    """(K,) scores r(prompt, reply), each read as training and reward.py score read it (dpo.reply_example's
+    rows, the score at the reply's <|eot_id|>), all K in one batch padded to the longest. A row holds as many
+    input positions as the longest example has tokens, so that its <|eot_id|> is an input, not only a
+    target; at most seq_len: an example of seq_len + 1 tokens (or one cut there) is read at its last input
+    token, as a PreferenceLoader's rows of seq_len read it."""
     examples = [dpo.reply_example(tok, prompt, reply, seq_len)[0] for reply in replies]
-    longest = max(len(ids) for ids, _ in examples) - 1
-    x, y, _ = sft.pack_rows(examples, longest, data.pad_id(tok), pack=False)
+    width = min(max(len(ids) for ids, _ in examples), seq_len)
+    x, y, _ = sft.pack_rows(examples, width, data.pad_id(tok), pack=False)
     device = reward_model.tok_embeddings.weight.device
     x, y = sft.as_int64(x).to(device), sft.as_int64(y).to(device)
     return scores(reward_model(x), y, P.Mesh())
@@ -377,13 +406,16 @@ def sample_parser() -> argparse.ArgumentParser:
 
 
 def check_sample_flags(a):
-    """Everything wrong with the flags, before a model is loaded."""
+    """Everything wrong with the flags, before a model is loaded: sampling takes long, and a flag found
+    wrong after it would throw the replies away."""
     if a.k < 2:
         raise config.ConfigError(f"--k {a.k}: rejection sampling keeps the best of at least 2 replies (--k 1 "
                                  "would keep whatever the policy says)")
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--seq-len", a.seq_len), ("--limit", a.limit)):
         if value is not None and value < 1:
             raise config.ConfigError(f"{flag} must be at least 1, got {value}")
+    if a.seed < 0:  # (a prompt's stream is drawn from (seed, index): numpy's SeedSequence takes no negatives)
+        raise config.ConfigError(f"--seed must be 0 or more, got {a.seed}")
     try:
         M.check_sampling(a.temperature, None, a.top_p)
     except ValueError as e:
@@ -394,11 +426,25 @@ def check_sample_flags(a):
                                  if not os.path.isdir(out) else f"--out {out} is a folder: name a file")
     if os.path.exists(a.prompts) and out.resolve() == Path(a.prompts).resolve():
         raise config.ConfigError(f"--out {out} is the --prompts file: writing it would lose the prompts")
+    check_writable(out, "--out")
+
+
+def check_writable(path: Path, flag: str):
+    """That `path` can be written (write_records), before the work that makes it: its folder exists, and a
+    file can be made there (tried with write_records' own temporary name, removed at once)."""
+    if not os.path.isdir(path.parent):
+        raise config.ConfigError(f"{flag} {path}: the folder {path.parent} does not exist; make it first")
+    probe = path.with_name(f".{path.name}.tmp")
+    with data.writing(path.parent, path):
+        probe.touch()
+    probe.unlink()
 
 
 def load_policy_and_reward(a, device, dtype, mesh):
     """The policy and the reward model, which must read the same ids: a reward model of another tokenizer
     would score text it reads as something else."""
+    C.check_head(a.policy, "--policy")
+    C.check_head(a.reward, "--reward", reward=True)
     tok = C.tokenizer_for(a.policy, None, a.mirror)
     reward_tok = C.tokenizer_for(a.reward, None, a.mirror)
     if reward_tok.name != tok.name:
@@ -406,9 +452,6 @@ def load_policy_and_reward(a, device, dtype, mesh):
                                  f"{a.policy} writes {tok.name}: train the reward model from the policy's SFT "
                                  "model")
     policy = evaluate.load_model(a.policy, tok, device, dtype, mesh)
-    if policy.args.num_labels is not None:
-        raise config.ConfigError(f"--policy {a.policy} is a reward model (a head of {policy.args.num_labels} "
-                                 "output); the policy is a language model")
     reward_model, _ = load_reward_model(a.reward, device, a.mirror, dtype, mesh)
     return policy, reward_model, tok
 

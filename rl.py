@@ -19,8 +19,10 @@ default num_iterations=1); the clipped objective is written out in full all the 
       k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, unbiased and >= 0)
   the token loss is  -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) + beta k3_t  (beta: --kl-coef),
   averaged over each reply's tokens, then over the global batch's replies: the paper's 1/G sum_i 1/|o_i|
-  sum_t, TRL's loss_type="grpo" (TRL's default, "dapo", averages over all tokens instead).
-  Logged as TRL's GRPOTrainer does: reward, reward_std (within groups), kl, completion_length, clip_ratio.
+  sum_t, TRL's loss_type="grpo" with use_bias_correction_kl=False (TRL 1.16's default, True, weights
+  each k3_t by rho_t; its default loss_type, "dapo", averages over all tokens instead).
+  Logged as TRL's GRPOTrainer does: reward, reward_std (within groups), kl, completion_length, clip_ratio
+  (kl and clip_ratio: means over every reply token of the global batch).
 
   PPO (Ouyang et al. 2022's InstructGPT, --algo ppo): a value head V (a linear map of the policy's last
   hidden state; its gradient stops there, so the critic's loss never moves the policy, where InstructGPT
@@ -29,12 +31,16 @@ default num_iterations=1); the clipped objective is written out in full all the 
   advantages by GAE (--gamma, --lam) from V, whitened over the global batch, returns R_t = A_t + V_t;
   token loss  max(-A rho_t, -A clip(rho_t)) + vf_coef * 0.5 max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2),
   averaged per reply, then over replies. Logged as TRL's PPOTrainer: reward, objective/kl (per reply,
-  summed over its tokens), objective/entropy (likewise, the sampled -logp), policy/clipfrac_avg,
-  loss/value_avg, completion_length.
+  summed over its tokens), objective/entropy (likewise, the sampled -logp), policy/clipfrac_avg and
+  loss/value_avg (means over every reply token), completion_length.
+
+Every log-prob (the policy's, the reference's, PPO's rollout's) is that of the distribution that sampled:
+log softmax(logits / --temperature), as TRL computes them (RLTask).
 
 With prompts that carry an "answer", `accuracy` is logged too: the share of replies whose last number is
-the answer, whatever the reward says (a flawed reward can rise while it falls: reward hacking). Validation
-replies greedily (temperature 0) to the held-out prompts: val_reward, val_accuracy.
+the answer (compared as numbers: 2.0 is 2), whatever the reward says (a flawed reward can rise while it
+falls: reward hacking). Validation replies greedily (temperature 0) to the held-out prompts: val_reward,
+val_accuracy.
 
 It is train.py's loop with another recipe: the model from --init (an SFT checkpoint), a frozen reference
 from the same weights (none at --kl-coef 0), the prompts as the data, and the rollout in the task's
@@ -49,10 +55,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import math
+import os
 import re
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -107,17 +116,25 @@ def get_parser() -> argparse.ArgumentParser:
 # Rewards: rules a reply can be checked by
 
 
-_NUMBER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # 12, -3, 2.50 (thousands separators are dropped first: 1,000)
 
 
-def last_number(text: str) -> str | None:
+def last_number(text: str) -> Decimal | None:
+    """The last number written in text, exactly (a Decimal: 2.0 == 2, and no binary rounding)."""
     found = _NUMBER.findall(text.replace(",", ""))
-    return found[-1] if found else None
+    return Decimal(found[-1]) if found else None
+
+
+def as_number(answer) -> Decimal | None:
+    """A record's "answer" as a number, if it is one and nothing else ("1,000", "3.5", 2.0), else None."""
+    text = str(answer).strip().replace(",", "")
+    return Decimal(text) if _NUMBER.fullmatch(text) else None
 
 
 def is_correct(record: dict, reply: str) -> bool:
-    """Whether the reply's last number is the record's "answer"."""
-    return last_number(reply) == str(record.get("answer")).strip()
+    """Whether the reply's last number equals the record's "answer", compared as numbers."""
+    got = last_number(reply)
+    return got is not None and got == as_number(record.get("answer"))
 
 
 def arithmetic(record: dict, reply: str) -> float:
@@ -132,10 +149,13 @@ def arithmetic_length(record: dict, reply: str) -> float:
 
 
 REWARD_FNS = {"arithmetic": arithmetic, "arithmetic-length": arithmetic_length}
+ANSWER_RULES = ("arithmetic", "arithmetic-length")  # the rules that check a prompt's "answer"
 
 
 def load_reward_fn(name: str):
-    """--reward-fn: a built-in rule, or FILE.py:FUNCTION."""
+    """--reward-fn: a built-in rule, or FILE.py:FUNCTION, which must take (prompt record, reply text). A file
+    that fails on import, even by sys.exit, is one line: a SystemExit there would end the run with its code
+    (0 for sys.exit()) and nothing written."""
     if name in REWARD_FNS:
         return REWARD_FNS[name]
     path, _, fn = name.rpartition(":")
@@ -146,24 +166,56 @@ def load_reward_fn(name: str):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-        return getattr(module, fn)
-    except Exception as e:
-        raise config.ConfigError(f"--reward-fn {name}: {type(e).__name__}: {data.one_line(e)}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # (SystemExit included)
+        what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {data.one_line(e)}"
+        raise config.ConfigError(f"--reward-fn {name}: importing {path} raised {what}") from None
+    rule = getattr(module, fn, None)
+    if rule is None:
+        raise config.ConfigError(f"--reward-fn {name}: {path} defines no {fn}")
+    if not callable(rule):
+        raise config.ConfigError(f"--reward-fn {name}: {fn} is a {type(rule).__name__}, not a function")
+    try:
+        inspect.signature(rule).bind({}, "")
+    except TypeError as e:
+        raise config.ConfigError(f"--reward-fn {name}: {fn} must take (prompt record, reply text): "
+                                 f"{data.one_line(e)}") from None
+    except ValueError:  # no signature to read (some builtins): it is tried at the first rollout
+        pass
+    return rule
+
+
+def check_answers(prompts: list[dict], rule: str | None):
+    """A rule that checks the prompt's "answer" needs every prompt to carry one, a number: without, its reward
+    could never be right (every reward 0, and GRPO's advantages 0: a run that learns nothing)."""
+    if rule not in ANSWER_RULES:
+        return
+    wrong = [p for p in prompts if as_number(p.get("answer")) is None]
+    if wrong:
+        why = f"its answer {wrong[0]['answer']!r} is not a number" if "answer" in wrong[0] else 'it has no "answer"'
+        raise data.DataError(f"--reward-fn {rule} compares a reply's last number with the prompt's \"answer\", "
+                             f"and {len(wrong):,} of {len(prompts):,} prompt(s) have none that is a number (the "
+                             f"first, {wrong[0]['where']}: {why})")
 
 
 def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[float]:
     """fn on each reply; a rule that raises or gives no finite number stops the run with one line (the
-    last checkpoint stays the good one)."""
+    last checkpoint stays the good one). Finite in fp32, where the rewards are held: 1e39 is a finite
+    Python float, and inf as a tensor."""
     out = []
     for reply in replies:
         try:
             value = float(fn(record, reply))
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # (a SystemExit too: the run stops with one line and exit 1)
             raise T.TrainingError(f"--reward-fn {name} raised {type(e).__name__}: {data.one_line(e)} (on the "
                                   f"prompt {record['where']})") from None
-        if not math.isfinite(value):
+        if not math.isfinite(torch.tensor(value, dtype=torch.float32).item()):
             raise T.TrainingError(f"--reward-fn {name} returned {value} for a reply to {record['where']}: a "
-                                  "reward must be a finite number")
+                                  f"reward must be a finite number that fits in fp32 (at most "
+                                  f"{torch.finfo(torch.float32).max:.4g} in size)")
         out.append(value)
     return out
 
@@ -193,7 +245,10 @@ def sums_main(argv) -> int:
         raise config.ConfigError("--sft, --rl and --test must be >= 1 and add up to at most --high^2 = "
                                  f"{a.high ** 2}")
     problems, out = sums(total, a.seed, a.high), Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise config.ConfigError(f"--out-dir {out} exists and is not a folder")
+    with data.writing(out, out):
+        out.mkdir(parents=True, exist_ok=True)
     worked = [{"messages": [{"role": "user", "content": s["prompt"]},
                             {"role": "assistant", "content": f"{s['a']} + {s['b']} = {s['answer']}"}]}
               for s in problems[:a.sft]]
@@ -350,11 +405,19 @@ class ValueHead(nn.Module):
 # The task: phase 1's rollouts in prepare(), phase 3's loss
 
 
+TOKEN_MEANS = ("kl", "clip_ratio", "policy/clipfrac_avg", "loss/value_avg")  # TRL's: over all reply tokens
+
+
 class RLTask:
     """The loss of train.py's loop for RL. prepare() turns each micro-batch of prompts into --group replies
     per prompt (sampled; greedy when the model is in eval mode: validation) laid out as rows, with what the
     loss needs beside the targets: rewards, advantages, the reference's log-probs, and for PPO the
-    rollout's log-probs and values. The normalizer is the global batch's reply count."""
+    rollout's log-probs and values. The normalizer is the global batch's reply count.
+
+    Every log-prob (the policy's, PPO's rollout's, the reference's) is of the distribution that samples,
+    the logits over --temperature, as TRL's trainers compute them; validation's greedy replies are read at
+    the same temperature, so that val_kl is the quantity kl is. --temperature 0 (PPO's greedy rollouts)
+    samples from no distribution: the model's own (temperature 1) is read then."""
 
     takes_hidden = False  # the loss is given the logits
 
@@ -362,6 +425,7 @@ class RLTask:
         self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
         self.score, self.reference, self.value_head = score, reference, value_head
         self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
+        self.temperature = args.temperature or 1.0  # (0: greedy, no distribution to divide by)
         self.rows_per_example = args.group
         # forwards besides the trained one's: the reference's, and PPO's rollout forward (values, old logp)
         self.reference_forwards = (reference is not None) + (args.algo == "ppo")
@@ -370,7 +434,9 @@ class RLTask:
                   "completion_length"))
         self.with_answers = all("answer" in p for p in prompts)
         self.metric_names = names + (("accuracy",) if self.with_answers else ())
-        self._sums = torch.zeros(len(self.metric_names))
+        self.per_token = torch.tensor([n in TOKEN_MEANS for n in self.metric_names], device=mesh.device)
+        self._sums = torch.zeros(len(self.metric_names), device=mesh.device)  # (tally)
+        self._tokens = torch.zeros((), device=mesh.device)
 
     def count(self, batch) -> torch.Tensor:
         """Replies: G per prompt of a loader's batch, or the rows of a rolled-out one."""
@@ -417,10 +483,16 @@ class RLTask:
             extras["adv"] = group_advantages(r, G)
         return x, (y, extras)
 
-    def token_logps(self, model, x, y) -> torch.Tensor:
-        """log p(target) per token under `model` (rows, T), 0 where the target is IGNORE_INDEX."""
-        logits = P.local_forward(model, x, self.mesh, self.args.seq_len)
+    def logps(self, logits, y) -> torch.Tensor:
+        """log p(target) per token (rows, T) of the sampling distribution, softmax(logits / temperature); 0
+        where the target is IGNORE_INDEX."""
+        if self.temperature != 1:
+            logits = logits / self.temperature
         return -P.token_losses(logits, y, self.vocab_size, self.mesh)
+
+    def token_logps(self, model, x, y) -> torch.Tensor:
+        """logps under `model`."""
+        return self.logps(P.local_forward(model, x, self.mesh, self.args.seq_len), y)
 
     def reference_logps(self, x, y) -> torch.Tensor:
         """token_logps under the reference: under LoRA, the policy's own frozen model, its adapters off."""
@@ -450,29 +522,40 @@ class RLTask:
     def loss(self, logits, targets, total):
         y, e = targets
         mask = (y != IGNORE_INDEX).float()
-        logp = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (rows, T), 0 outside the replies
+        logp = self.logps(logits, y)  # (rows, T), 0 outside the replies
         if self.args.algo == "grpo":
             # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
             losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], self.args.clip_eps,
                                                     self.beta)
-            stats = [e["reward"], e["reward_std"], reply_mean(kl, mask), e["length"], reply_mean(clipped, mask)]
+            stats = {"reward_std": e["reward_std"], "kl": kl, "clip_ratio": clipped}
         else:
             values = self.value_head()
             losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], values, e["values"],
                                                            e["returns"], self.args)
-            stats = [e["reward"], e["kl_sum"], e["entropy"], reply_mean(clipped, mask),
-                     reply_mean(value_loss, mask), e["length"]]
-        self.tally(stats + ([e["correct"]] if self.with_answers else []), total)
+            stats = {"objective/kl": e["kl_sum"], "objective/entropy": e["entropy"],
+                     "policy/clipfrac_avg": clipped, "loss/value_avg": value_loss}
+        self.tally({**stats, "reward": e["reward"], "completion_length": e["length"], "accuracy": e["correct"]},
+                   mask, total)
         return reply_mean(losses, mask).sum() / total
 
     @torch.no_grad()
-    def tally(self, stats: list, total):
-        """Add this micro-batch's replies to the metric sums (each over the global reply count)."""
-        sums = torch.stack([s.float().sum() for s in stats])
-        self._sums = self._sums.to(sums.device) + sums / total
+    def tally(self, stats: dict, mask, total):
+        """Add a micro-batch to the metric sums: a reply's metric (rows,) over the global reply count; a token
+        metric (TOKEN_MEANS, (rows, T)) summed over the reply tokens, whose count is kept beside."""
+        sums = [(stats[n].float() * mask).sum() if n in TOKEN_MEANS else stats[n].float().sum() / total
+                for n in self.metric_names]
+        self._sums += torch.stack(sums).to(self._sums.device)
+        self._tokens += mask.sum().to(self._tokens.device)
 
     def metrics(self) -> torch.Tensor:
-        out, self._sums = self._sums, torch.zeros_like(self._sums)
+        """Each metric's share of its global mean since the last call, which the loop's sum over the replicas
+        completes: a reply metric's sum over the global reply count, a token metric's over the global count
+        of reply tokens, summed over dp here (one small all-reduce: TRL's kl and clip_ratio are means over
+        all reply tokens of the batch, not of each reply's mean)."""
+        tokens = self._tokens.clone()
+        P.all_reduce(tokens, self.mesh, "dp")
+        out = torch.where(self.per_token, self._sums / tokens.clamp(min=1), self._sums)
+        self._sums, self._tokens = torch.zeros_like(self._sums), torch.zeros_like(self._tokens)
         return out
 
 
@@ -480,14 +563,15 @@ class RLTask:
 # The recipe: train.py's loop with the policy from --init, prompts as the data, and RLTask
 
 
-def make_scorer(a, tok, device, dtype, mesh, seq_len: int):
-    """score(prompt, reply texts) -> [rewards]: --reward-fn's rule, or --reward's model (whole on every
-    rank, read at each reply's <|eot_id|>)."""
-    if a.reward_fn:
-        fn = load_reward_fn(a.reward_fn)
-        return lambda prompt, texts: apply_reward_fn(fn, a.reward_fn, prompt, texts)
+def make_scorer(a, rule, tok, device, dtype, mesh, seq_len: int):
+    """score(prompt, reply texts) -> [rewards]: --reward-fn's rule (loaded: load_reward_fn), or --reward's
+    model (whole on every rank, read at each reply's <|eot_id|>). A rollout is up to seq_len + 1 tokens (its
+    last a target only, in the policy's rows): the reward model reads all of them where its context allows,
+    so that a reply filling the room is read at its <|eot_id|> too."""
+    if rule is not None:
+        return lambda prompt, texts: apply_reward_fn(rule, a.reward_fn, prompt, texts)
     model, _ = reward.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
-    seq_len = min(seq_len, model.args.max_seq_len)
+    seq_len = min(seq_len + 1, model.args.max_seq_len)
     return lambda prompt, texts: reward.score_replies(model, tok, prompt["messages"], texts,
                                                       seq_len).float().cpu().tolist()
 
@@ -499,6 +583,8 @@ class RL(sft.SFT):
     kind = "rl"
     head_in_loss = False  # RLTask's loss is given the logits
     value_head = None  # PPO's critic (extend)
+    resume_flags = ("algo",)  # PPO's checkpoints hold a value head, GRPO's none
+    unused_flags = {**sft.SFT.unused_flags, "data": "rl.py reads its prompts from --prompts"}
 
     def masked_attention(self) -> str | None:
         return None  # one example a row, unpacked: the plain causal attention
@@ -508,11 +594,13 @@ class RL(sft.SFT):
         self.rows_per_example = args.group  # replies per prompt: rows per example (memory, tokens, FLOPs)
         # the reference, none under LoRA: the policy's frozen model, its adapters off (reference_logps)
         self.frozen_copies = int(args.kl_coef > 0 and not config.lora_of(args))
+        self.rule = load_reward_fn(args.reward_fn) if args.reward_fn else None  # before any model is built
 
     def tokenizer(self):
         """The policy's (as SFT's); a reward model must read the same ids."""
         self.tok = super().tokenizer()
         if self.args.reward:
+            C.check_head(self.args.reward, "--reward", reward=True)
             theirs = C.tokenizer_for(self.args.reward, None, self.args.mirror)
             if theirs.name != self.tok.name:
                 raise config.ConfigError(f"--reward {self.args.reward} reads the tokenizer {theirs.name}, the "
@@ -528,6 +616,7 @@ class RL(sft.SFT):
         a = self.args
         say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
         prompts = P.on_rank0_first(lambda: read_rl_prompts(a.prompts, tok, a.seq_len, say), mesh)
+        check_answers(prompts, a.reward_fn)
         train, val = sft.split_examples(prompts, a.val_fraction, a.seed)
         self.prompts = train + val  # the loaders' indices point here, validation's after training's
         make = lambda part, seed, offset: PromptLoader(part, a.micro_batch, a.seq_len, mesh.dp_rank, mesh.dp,
@@ -546,7 +635,7 @@ class RL(sft.SFT):
         if a.kl_coef > 0:
             reference = model if config.lora_of(a) else \
                 T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)
-        score = make_scorer(a, self.tok, device, dtype, mesh, a.seq_len)
+        score = make_scorer(a, self.rule, self.tok, device, dtype, mesh, a.seq_len)
         return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, self.value_head)
 
 
@@ -583,8 +672,6 @@ def check_flags(a):
         if on:
             raise config.ConfigError(f"--{flag} {getattr(a, flag)}: rl.py does not support it "
                                      f"({refused[flag]})")
-    if a.reward_fn:
-        load_reward_fn(a.reward_fn)
 
 
 def main(argv=None):
@@ -605,7 +692,7 @@ def main(argv=None):
 # rl.py eval: a model's greedy replies to prompts, scored
 
 
-def eval_main(argv) -> int:
+def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl.py eval", description="Greedy replies to prompts: mean reward and "
                                                                "accuracy (the share with the answer).")
     p.add_argument("--init", required=True, help="the policy: a checkpoint, HF or Meta folder")
@@ -617,15 +704,24 @@ def eval_main(argv) -> int:
     p.add_argument("--seq-len", type=int, default=256, help="prompt and reply together")
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
-    a = p.parse_args(argv)
+    return p
+
+
+def eval_main(argv) -> int:
+    a = eval_parser().parse_args(argv)
     if bool(a.reward) == bool(a.reward_fn) or a.max_new_tokens < 1 or a.seq_len < 2:
         raise config.ConfigError("rl.py eval needs one of --reward or --reward-fn, --max-new-tokens >= 1 and "
                                  "--seq-len >= 2")
+    C.check_head(a.init, "--init")  # (everything a flag can get wrong is refused before a model is loaded)
+    if a.reward:
+        C.check_head(a.reward, "--reward", reward=True)
+    rule = load_reward_fn(a.reward_fn) if a.reward_fn else None
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = C.tokenizer_for(a.init, None, a.mirror)
-    policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())
     prompts = read_rl_prompts(a.prompts, tok, a.seq_len, say=lambda msg: print(msg, file=sys.stderr))
-    score = make_scorer(a, tok, device, torch.float32, P.Mesh(), a.seq_len)
+    check_answers(prompts, a.reward_fn)
+    policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())
+    score = make_scorer(a, rule, tok, device, torch.float32, P.Mesh(), a.seq_len)
     rewards, correct, eot = [], [], data.eot_id(tok)
     for prompt in prompts:
         room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))

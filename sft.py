@@ -264,6 +264,7 @@ class SFT(T.Pretraining):
                     "doc_mask": "fine-tuning gives each example of a row its own document always",
                     "anneal_data": "fine-tuning reads one dataset, --data (--anneal-tokens alone anneals the "
                                    "learning rate)"}
+    scoring_init = False  # whether --init may be a reward model (reward.py's recipe: it starts from either)
 
     def masked_attention(self) -> str | None:
         return "fine-tuning keeps it within each example of a row"
@@ -288,6 +289,8 @@ class SFT(T.Pretraining):
         if args.init is None:
             print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
             return super().model_args(tok)
+        if not self.scoring_init:
+            C.check_head(args.init, "--init")
         rows = C.recorded(args.init).get("vocab_size")
         if config.lora_of(args) and rows and tok.n_vocab > rows:
             raise config.ConfigError(f"--lora-rank: the tokenizer {tok.name} has {tok.n_vocab:,} ids, --init "

@@ -50,6 +50,29 @@ def test_the_score_is_read_at_the_replys_last_token():
     assert reward.score_positions(y).tolist() == [5, 7, 7]
 
 
+def test_a_replys_score_is_the_same_alone_batched_and_as_reward_py_score_gives_it():
+    """score_replies (reward.py sample, rl.py --reward) reads a reply at its <|eot_id|> alone as beside a
+    longer reply, and gives the score reward.py score (score_pairs) gives the same conversation. An example
+    of exactly seq_len + 1 tokens has its <|eot_id|> as a target only: all three read it at its last input
+    token."""
+    tok = data.get_tokenizer("byte")
+    model = M.Transformer(reward.as_reward_model(M.PRESETS["tiny"]))
+    model.init_weights(0)
+    model.eval()
+    prompt = [{"role": "user", "content": "Say something."}]
+    short, longer = "good 1", "a longer reply than the first one"
+    n = len(dpo.reply_example(tok, prompt, short, 128)[0][0])  # the short conversation's tokens
+    for seq_len in (128, n - 1):
+        alone = reward.score_replies(model, tok, prompt, [short], seq_len)
+        batched = reward.score_replies(model, tok, prompt, [short, longer], seq_len)
+        pairs = [{"prompt": prompt, "chosen": short, "rejected": longer}]
+        loader = dpo.PreferenceLoader(dpo.preference_examples(tok, pairs, seq_len)[0], 1, seq_len,
+                                      pad_id=data.pad_id(tok))
+        scored = reward.score_pairs(model, loader, 1)["rewards/chosen"]
+        assert alone[0].item() == pytest.approx(batched[0].item(), abs=1e-6), seq_len
+        assert alone[0].item() == pytest.approx(scored, abs=1e-6), seq_len
+
+
 def test_the_loss_and_metrics_are_bradley_terrys():
     """The same numbers TRL's RewardTrainer computes from the two scores: loss -log sigmoid(r_c - r_r - m)
     averaged over pairs, accuracy the share with r_c > r_r (TRL leaves ties out; equal scores count as wrong
@@ -268,7 +291,7 @@ def test_bad_rejection_sampling_input_is_one_line_and_writes_nothing(policy_and_
                                         "first, "),
              (["--reward", str(gpt2_rm)], out, f"reads the tokenizer gpt2, --policy {policy} writes byte"),
              (["--reward", str(policy)], out, "is not a reward model"),
-             (["--policy", str(rm)], out, "is a reward model (a head of 1 output)"),
+             (["--policy", str(rm)], out, "is a reward model (a head of 1 output, no vocabulary)"),
              (["--prompts", str(no_user)], out, "system.jsonl:2: a prompt needs a user message"),
              ([], taken, f"--out {taken} exists: give another file, or --overwrite"),
              (["--prompts", str(taken), "--overwrite"], taken, "is the --prompts file"),
@@ -297,3 +320,59 @@ def test_prompts_without_room_for_a_reply_are_left_out_and_counted(policy_and_re
     assert summary["prompts"] == 4 and "left out: 1 of 5 prompt(s)" in err and "mixed.jsonl:2" in err
     asked = [f"Question {i}: is {i} a number?" for i in (1, 2, 3, 4)]
     assert len(recs) >= 3 and [r["messages"][0]["content"] for r in recs] == asked[:len(recs)]
+
+
+def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path, capsys):
+    """A pair with a side longer than --seq-len has no <|eot_id|> input, where the score is learned and read
+    (exactly seq_len + 1 tokens: it is a target only). Most pairs so: reward.py and reward.py score refuse in
+    one line with the count and a --seq-len that keeps them, and write nothing; some: one warning line, and
+    the run goes on."""
+    tok = data.get_tokenizer("byte")
+    sides = lambda p: [len(dpo.reply_example(tok, [{"role": "user", "content": p["prompt"]}], p[k], 512)[0][0])
+                       for k in ("chosen", "rejected")]
+    longest = [max(sides(p)) for p in PAIRS]
+    top = max(longest)
+    assert 0 < longest.count(top) < len(PAIRS) / 2  # (the pairs of two-digit numbers are the longest)
+    pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    flags = ["--data", str(pairs), "--max-steps", "1", "--micro-batch", "2", "--val-fraction", "0.25"]
+    reward.main(BASE + flags + ["--seq-len", str(top - 1), "--out-dir", str(tmp_path / "some")])
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert len(warned) == 1 and f"{longest.count(top)} of 16 preference pairs have a side longer than --seq-len " \
+        f"{top - 1} tokens" in warned[0] and f"--seq-len {top} keeps every pair's end" in warned[0]
+    assert records(tmp_path / "some")[-1]["step"] == 1
+    short = str(min(longest) - 1)
+    for main, argv in ((reward.main, BASE + flags + ["--seq-len", short, "--out-dir", str(tmp_path / "o")]),
+                       (reward.main, ["score", "--reward", str(tmp_path / "some"), "--data", str(pairs),
+                                      "--seq-len", short])):
+        with pytest.raises(SystemExit) as stop:
+            config.run(main, argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and "Traceback" not in err, err
+        assert f"16 of 16 preference pairs have a side longer than --seq-len {short} tokens" in err
+        assert f"--seq-len {top} keeps every pair's end" in err
+    assert not (tmp_path / "o").exists()
+    examples, _ = dpo.preference_examples(tok, dpo.read_preferences(pairs), int(short))
+    with pytest.raises(data.DataError, match=f"beyond the model's context \\({top - 1}\\), which keeps "
+                                             f"{16 - longest.count(top)} of 16: leave the long pairs out"):
+        reward.check_reply_ends(tok, dpo.read_preferences(pairs), examples, int(short), top - 1, print)
+
+
+def test_rejection_samplings_seed_and_out_are_checked_before_any_model_is_loaded(tmp_path, capsys, monkeypatch):
+    """A negative --seed, an --out in a folder that does not exist or cannot be written: one line before the
+    models are loaded (sampling takes long, and was thrown away when these were found after it)."""
+    from test_hostile import readonly_folder
+    loaded = []
+    monkeypatch.setattr(reward.evaluate, "load_model", lambda *a, **k: loaded.append(a))
+    prompts = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[:2])
+    with readonly_folder(tmp_path / "ro") as ro:
+        cases = [(["--seed", "-1", "--out", str(tmp_path / "a.jsonl")], "--seed must be 0 or more, got -1"),
+                 (["--out", str(tmp_path / "no" / "a.jsonl")], f"the folder {tmp_path / 'no'} does not exist"),
+                 (["--out", str(ro / "a.jsonl")], f"cannot write into {ro}")]
+        for flags, message in cases:
+            with pytest.raises(SystemExit) as stop:
+                config.run(reward.main, ["sample", "--policy", "p", "--reward", "r", "--prompts", str(prompts),
+                                         *flags])
+            err = capsys.readouterr().err
+            assert stop.value.code == 1 and message in err and "Traceback" not in err, (flags, err)
+        assert not loaded and not list(ro.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl",
+                                                                                                       "ro"]

@@ -1,6 +1,8 @@
-"""rl.py: GRPO's loss and group advantages against TRL's GRPOTrainer's formulas written out here, PPO's GAE
-and clipped losses against hand-computed values, rollouts deterministic under a seed, --resume
-bit-identical, the same run under tp 2 and dp 2 as on one process, and bad input refused in one line."""
+"""rl.py: GRPO's loss and group advantages against TRL's GRPOTrainer's formulas written out here (from the
+logits: the log-probs at the sampling temperature, the loss, its gradient and the logged token means; PPO's
+token means likewise), PPO's GAE and clipped losses against hand-computed values, rollouts deterministic
+under a seed, --resume bit-identical, the same run under tp 2 and dp 2 as on one process, and bad input
+refused in one line."""
 
 import json
 import math
@@ -15,10 +17,14 @@ import torch
 
 import checkpoint as C
 import config
+import dpo
+import evaluate
 import launch
 import parallel as P
 import reward
 import rl
+import sft
+import train
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--seq-len", "48", "--max-new-tokens", "8", "--micro-batch", "2", "--group", "4",
@@ -46,7 +52,8 @@ def prompts(tmp_path_factory):
 
 
 def trl_grpo_loss(logp, old_logp, ref_logp, rewards, mask, group, eps, beta):
-    """GRPOTrainer's loss as TRL writes it (loss_type="grpo", one iteration's tensors given)."""
+    """GRPOTrainer's loss as TRL writes it (loss_type="grpo", use_bias_correction_kl=False, one iteration's
+    tensors given)."""
     grouped = rewards.view(-1, group)
     mean = grouped.mean(dim=1).repeat_interleave(group)
     std = grouped.std(dim=1).repeat_interleave(group)
@@ -86,6 +93,92 @@ def test_grpo_loss_is_trls_and_its_gradient_the_closed_form():
     adv = rl.group_advantages(rewards, group)[:, None]
     expected = (-adv + 0.04 * (1 - torch.exp(ref - logp))) * mask / mask.sum(dim=1, keepdim=True) / rows
     assert torch.allclose(x.grad, expected, atol=1e-12)
+
+
+def trl_logps(logits, ids, temperature):
+    """TRL's per-token log-probs (GRPOTrainer and PPOTrainer alike): the logits divided by the sampling
+    temperature, then the log-softmax at the completion's ids."""
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def rl_task(algo, temperature, vocab_size, value_head=None):
+    args = SimpleNamespace(algo=algo, group=4, kl_coef=0.04, temperature=temperature, clip_eps=0.2, seq_len=6,
+                           vf_coef=0.1, clip_value=0.2)
+    return rl.RLTask(P.Mesh(), args, SimpleNamespace(args=SimpleNamespace(vocab_size=vocab_size)), None,
+                     [{"where": "p:1"}], None, value_head=value_head)
+
+
+def micro_batches(logits, y, extras, cuts=(slice(0, 4), slice(4, 8))):
+    """One global batch of 8 replies as two micro-batches (whole groups of 4, of unequal token counts)."""
+    return [(logits[c], (y[c], {k: None if v is None else v[c] for k, v in extras.items()})) for c in cuts]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_grpo_tasks_log_probs_loss_gradient_and_metrics_are_trls(temperature):
+    """RLTask from logits against GRPOTrainer's formulas: the policy's and the reference's log-probs are of
+    logits / temperature; the loss over a global batch of two micro-batches and its gradient in the logits
+    are TRL's; the logged kl is its mean over all reply tokens of the batch (TRL's global_masked_mean), not
+    the mean of each reply's mean."""
+    g = torch.Generator().manual_seed(0)
+    rows, T, V, group = 8, 6, 11, 4
+    logits, ref_logits = (torch.randn(rows, T, V, generator=g) for _ in range(2))
+    ids = torch.randint(0, V, (rows, T), generator=g)
+    mask = (torch.arange(T) < torch.tensor([6, 5, 4, 6, 1, 2, 1, 3])[:, None]).float()
+    y = torch.where(mask.bool(), ids, rl.IGNORE_INDEX)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.9, 0.4, 0.4])
+    task = rl_task("grpo", temperature, V)
+    ref = task.logps(ref_logits, y)
+    torch.testing.assert_close(ref, trl_logps(ref_logits, ids, temperature) * mask)
+    extras = {"reward": rewards, "reward_std": torch.zeros(rows), "length": mask.sum(-1), "correct": None,
+              "adv": rl.group_advantages(rewards, group), "ref": ref}
+    ours = logits.clone().requires_grad_(True)
+    loss = sum(task.loss(x, target, torch.tensor(float(rows))) for x, target in micro_batches(ours, y, extras))
+    loss.backward()
+    theirs = logits.clone().requires_grad_(True)
+    logp, ref_theirs = trl_logps(theirs, ids, temperature), trl_logps(ref_logits, ids, temperature)
+    want = trl_grpo_loss(logp, logp.detach(), ref_theirs, rewards, mask, group, 0.2, 0.04)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-7)
+    logged = dict(zip(task.metric_names, task.metrics().tolist()))
+    per_token_kl = (torch.exp(ref_theirs - logp) - (ref_theirs - logp) - 1).detach() * mask
+    assert logged["kl"] == pytest.approx((per_token_kl.sum() / mask.sum()).item(), rel=1e-5)
+    assert logged["kl"] != pytest.approx(rl.reply_mean(per_token_kl, mask).mean().item(), rel=1e-2)
+    assert logged["clip_ratio"] == 0.0  # one update per rollout: every ratio is 1 (TRL's num_iterations=1)
+    assert logged["reward"] == pytest.approx(rewards.mean().item())
+    assert logged["completion_length"] == pytest.approx(mask.sum(-1).mean().item())
+
+
+def test_the_ppo_tasks_log_probs_and_token_metrics_are_trls():
+    """PPOTrainer's policy/clipfrac_avg and loss/value_avg are means over the reply tokens (masked_mean), its
+    log-probs those of logits / temperature: RLTask's over a global batch of two micro-batches."""
+    g = torch.Generator().manual_seed(1)
+    rows, T, V, temperature = 8, 6, 11, 0.7
+    logits = torch.randn(rows, T, V, generator=g)
+    ids = torch.randint(0, V, (rows, T), generator=g)
+    mask = (torch.arange(T) < torch.tensor([6, 5, 4, 6, 1, 2, 1, 3])[:, None]).float()
+    y = torch.where(mask.bool(), ids, rl.IGNORE_INDEX)
+    logp = trl_logps(logits, ids, temperature) * mask
+    old = (logp + 0.3 * torch.randn(rows, T, generator=g)) * mask  # ratios far from 1: some clipped
+    adv, values, old_values, returns = (torch.randn(rows, T, generator=g) * mask for _ in range(4))
+    extras = {"reward": torch.zeros(rows), "kl_sum": torch.zeros(rows), "entropy": torch.zeros(rows),
+              "length": mask.sum(-1), "correct": None, "old": old, "adv": adv, "values": old_values,
+              "returns": returns}
+    now = {}
+    task = rl_task("ppo", temperature, V, value_head=lambda: now["values"])
+    torch.testing.assert_close(task.logps(logits, y), logp)
+    for c, (x, target) in zip((slice(0, 4), slice(4, 8)), micro_batches(logits, y, extras)):
+        now["values"] = values[c]
+        task.loss(x, target, torch.tensor(float(rows)))
+    logged = dict(zip(task.metric_names, task.metrics().tolist()))
+    ratio = torch.exp(logp - old)
+    pg_losses, pg_losses2 = -adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2)
+    masked_mean = lambda v: ((v * mask).sum() / mask.sum()).item()
+    clipfrac = masked_mean((pg_losses2 > pg_losses).float())
+    assert 0 < clipfrac < 1 and logged["policy/clipfrac_avg"] == pytest.approx(clipfrac, rel=1e-6)
+    v_clipped = torch.clamp(values, old_values - 0.2, old_values + 0.2)
+    vf_loss = 0.5 * masked_mean(torch.max((values - returns) ** 2, (v_clipped - returns) ** 2))
+    assert logged["loss/value_avg"] == pytest.approx(vf_loss, rel=1e-5)
 
 
 def test_group_advantages_by_hand():
@@ -139,6 +232,18 @@ def test_the_arithmetic_reward_reads_the_last_number():
     assert rl.arithmetic_length(record, "7 + 5 = 12") == pytest.approx(1.0 + 0.1 * 10)
 
 
+@pytest.mark.parametrize("answer,reply,right", [
+    ("2.0", "1 + 1 = 2", True), ("3.5", "7 / 2 = 3.50", True), ("1,000", "10 x 100 = 1000", True),
+    (1000, "that is 1,000.", True), (2.5, "5 / 2 = 2.5", True), ("-4", "1 - 5 = -4", True),
+    ("2", "1 + 1 = 2.5", False), ("0.3", "0.1 + 0.2 = 0.30000000000000004", False), ("12", "1.2", False),
+])
+def test_the_arithmetic_rule_compares_numbers_as_numbers(answer, reply, right):
+    """An answer that is not a plain integer ("2.0", "3.5", "1,000", a JSON number) is compared with the
+    reply's last number as a number, exactly (no float rounding)."""
+    assert rl.is_correct({"answer": str(answer)}, reply) is right
+    assert rl.arithmetic({"answer": str(answer)}, reply) == float(right)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Runs
 
@@ -154,7 +259,7 @@ def state_of(out):
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path, prompts, algo):
+def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path, prompts, algo, capsys):
     """Two runs of one seed give the same rollouts and updates; the second, cut back to its step-2
     checkpoint and resumed, ends bit for bit where the first did (weights, Adam moments, PPO's critic);
     `rl.py eval` and an export read the policy without the critic."""
@@ -169,6 +274,10 @@ def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path
     (cut / "latest").write_text(C.step_name(2) + "\n")
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     (cut / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+    other = "grpo" if algo == "ppo" else "ppo"  # (its checkpoints hold another set of parameters)
+    err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), *flags, "--algo", other, "--out-dir",
+                                            str(cut), "--resume"])
+    assert f"was trained with --algo {algo}, this run has --algo {other}: resume it with --algo {algo}" in err
     run_rl(cut, prompts, *flags, "--ckpt-every", "2", "--resume")
     assert [[r[k] for k in keys] for r in steps(cut)] == [[r[k] for k in keys] for r in one]
     s1, s2 = state_of(tmp_path / "one"), state_of(cut)
@@ -196,8 +305,9 @@ def _job(n, out, prompts, *flags):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
     """tp 2 (each tp pair samples from the gathered vocabulary) and dp 2 (each replica its own prompts, PPO's
-    whitening over both) against one process: the same replies (rewards and lengths), losses within
-    1e-5, the final weights within 1e-4 of each tensor's norm."""
+    whitening over both) against one process: the same replies (rewards and lengths), losses and token
+    means (kl, loss/value_avg: over the reply tokens of both replicas) within 1e-5, the final weights within
+    1e-4 of each tensor's norm."""
     common = ["--algo", algo, "--max-steps", "3", "--grad-accum", "2"]
     one = _job(1, tmp_path / "one", prompts, *common)
     for name, flags in (("tp", ["--tp", "2"]), ("dp", ["--micro-batch", "1"])):
@@ -208,6 +318,8 @@ def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
             assert (a["reward"], a["completion_length"]) == pytest.approx((b["reward"], b["completion_length"]),
                                                                           rel=1e-6), (name, a, b)
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (name, a, b)
+            token_mean = "kl" if algo == "grpo" else "loss/value_avg"
+            assert a[token_mean] == pytest.approx(b[token_mean], rel=1e-5, abs=1e-7), (name, a, b)
         w, w1 = state_of(tmp_path / name), state_of(tmp_path / "one")
         for k, v in w1.items():
             diff = (w[k]["master"] - v["master"]).norm() / v["master"].norm().clamp(min=1e-12)
@@ -233,6 +345,8 @@ def bad_run(capsys, tmp_path, argv):
     (["--zero", "3"], "--zero 3: rl.py does not support it"),
     (["--reward-fn", "nope"], "--reward-fn nope: not one of arithmetic, arithmetic-length"),
     (["--temperature", "0"], "--temperature 0: every reply of a group would be the same"),
+    (["--data", "x.jsonl"], "--data x.jsonl: rl.py reads its prompts from --prompts"),
+    (["--doc-mask"], "--doc-mask: fine-tuning gives each example of a row its own document always"),
 ])
 def test_bad_rl_input_is_one_line(tmp_path, prompts, capsys, flags, message):
     err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), "--out-dir", str(tmp_path / "o"),
@@ -241,9 +355,20 @@ def test_bad_rl_input_is_one_line(tmp_path, prompts, capsys, flags, message):
     assert not (tmp_path / "o").exists()
 
 
+def test_sums_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("keep me\n")
+    assert f"--out-dir {taken} exists and is not a folder" in refused(capsys, rl.main, ["sums", "--out-dir",
+                                                                                     str(taken)])
+    assert f"cannot write into {taken / 'sub'}" in refused(capsys, rl.main, ["sums", "--out-dir",
+                                                                            str(taken / "sub")])
+    assert taken.read_text() == "keep me\n"
+
+
 @pytest.mark.parametrize("body,message", [
     ("def f(record, reply):\n    raise ValueError('no')\n", "raised ValueError: no (on the prompt "),
     ("def f(record, reply):\n    return float('nan')\n", "returned nan for a reply to "),
+    ("def f(record, reply):\n    return 1e39\n", "returned 1e+39 for a reply to "),  # inf in fp32
 ])
 def test_a_failing_reward_stops_the_run_in_one_line_and_keeps_its_checkpoint(tmp_path, prompts, capsys, body,
                                                                             message):
@@ -281,3 +406,124 @@ def test_a_reward_model_scores_rollouts_and_one_of_another_tokenizer_is_refused(
     assert len(got) == 2 and all(math.isfinite(r["reward"]) and r["reward"] != 0 for r in got)
     err = bad_run(capsys, tmp_path, argv + ["--reward", str(rms["gpt2"]), "--out-dir", str(tmp_path / "o")])
     assert f"--reward {rms['gpt2']} reads the tokenizer gpt2, the policy writes byte" in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# A reward model where a language model belongs, and the reverse
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny language model (a train.py checkpoint) and a tiny reward model (a checkpoint and its Hugging
+    Face export, a LlamaForSequenceClassification), both of the byte tokenizer; and preference pairs."""
+    root = tmp_path_factory.mktemp("models")
+    pairs = write_jsonl(root / "pairs.jsonl", [{"prompt": f"Q{i}", "chosen": "yes", "rejected": "no"}
+                                               for i in range(8)])
+    lm, rm = root / "lm", root / "rm"
+    train.main(["--model", "tiny", "--tokenizer", "byte", "--seq-len", "48", "--max-steps", "1", "--eval-every",
+                "-1", "--sample-tokens", "0", "--out-dir", str(lm)])
+    reward.main(["--model", "tiny", "--tokenizer", "byte", "--seq-len", "48", "--data", str(pairs),
+                 "--max-steps", "1", "--micro-batch", "2", "--eval-every", "0", "--val-fraction", "0.25",
+                 "--out-dir", str(rm)])
+    assert C.main(["consolidate", str(rm), "--hf", str(root / "rm-hf")]) == 0
+    return SimpleNamespace(lm=lm, rm=rm, rm_hf=root / "rm-hf", pairs=pairs)
+
+
+def refused(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        config.run(main, argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert stop.value.code == 1 and "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_reward_model_is_refused_where_a_language_model_belongs_and_the_reverse(tmp_path, prompts, models,
+                                                                                   capsys, monkeypatch):
+    """A reward model's head has one output: sampled as a policy every token would be id 0, and the run would
+    train on empty replies. Wherever a language model is expected (rl.py and rl.py eval --init, sft.py and
+    dpo.py --init, evaluate.py's perplexity, benchmarks and --prompt) and wherever a reward model is (rl.py
+    and rl.py eval --reward), the other kind is one line from what the folder records, before any model is
+    built, and nothing is written. evaluate.py --diff, which compares weights, takes a reward model."""
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: built.append(a))
+    out = tmp_path / "o"
+    rules = ["--reward-fn", "arithmetic", "--prompts", str(prompts)]
+    eval_rl = ["eval", "--prompts", str(prompts), "--seq-len", "48"]
+    fine_tune = ["--model", "tiny", "--seq-len", "48", "--max-steps", "1", "--out-dir", str(out)]
+    lm_for_rm = [(rl.main, BASE + ["--prompts", str(prompts), "--out-dir", str(out), "--init", str(models.rm)]),
+                 (rl.main, eval_rl + ["--init", str(models.rm), "--reward-fn", "arithmetic"]),
+                 (sft.main, fine_tune + ["--init", str(models.rm), "--data", str(out.with_suffix(".jsonl"))]),
+                 (dpo.main, fine_tune + ["--init", str(models.rm), "--data", str(models.pairs)]),
+                 (evaluate.main, ["--init", str(models.rm), "--task", "tinyshakespeare"]),
+                 (evaluate.main, ["--init", str(models.rm), "--prompt", "Hello"]),
+                 (evaluate.main, ["--init", str(models.rm), "--task", "needle"])]
+    for main, argv in lm_for_rm:
+        assert f"--init {models.rm} is a reward model (a head of 1 output, no vocabulary)" in \
+            refused(capsys, main, argv), argv
+    assert f"--init {models.rm_hf} is a reward model" in refused(capsys, rl.main, BASE[:-2] + rules + [
+        "--out-dir", str(out), "--init", str(models.rm_hf)])
+    no_rule = [a for a in BASE if a not in ("--reward-fn", "arithmetic-length")]
+    for main, argv in [(rl.main, no_rule + ["--prompts", str(prompts), "--out-dir", str(out), "--init",
+                                            str(models.lm), "--reward", str(models.lm)]),
+                       (rl.main, eval_rl + ["--init", str(models.lm), "--reward", str(models.lm)])]:
+        assert f"--reward {models.lm} is not a reward model (a language model)" in refused(capsys, main, argv)
+    assert not out.exists() and not built
+    monkeypatch.undo()
+    assert evaluate.main(["--diff", str(models.rm), str(models.rm), "--json"]) is None
+    assert json.loads(capsys.readouterr().out)["a"] == str(models.rm)
+
+
+def test_rules_that_can_never_hold_are_refused_before_the_model_is_built(tmp_path, prompts, models, capsys,
+                                                                         monkeypatch):
+    """rl.py and rl.py eval: a rule that checks the "answer" on prompts without one (or with one that is no
+    number: every reward 0, a run that learns nothing), a FILE.py:FUNCTION that is missing, not callable or
+    does not take (record, reply), and a rule file that calls sys.exit on import (which ended the run with
+    exit 0 and nothing written): one line, exit 1, before any model is built, nothing written."""
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: built.append(a))
+    questions = [{"prompt": f"What is {i} + 1?"} for i in range(10)]
+    no_answer = write_jsonl(tmp_path / "q.jsonl", questions)
+    words = write_jsonl(tmp_path / "w.jsonl", [{**q, "answer": "three"} for q in questions])
+
+    def rule(name, body):
+        (tmp_path / f"{name}.py").write_text(body)
+        return f"{tmp_path / name}.py:f"
+
+    cases = [([no_answer, "arithmetic"], f'10 of 10 prompt(s) have none that is a number (the first, '
+                                         f'{no_answer}:1: it has no "answer")'),
+             ([words, "arithmetic-length"], "(the first, " + f"{words}:1: its answer 'three' is not a number)"),
+             ([prompts, rule("none", "def g(record, reply):\n    return 1.0\n")], "none.py defines no f"),
+             ([prompts, rule("value", "f = 3\n")], "f is a int, not a function"),
+             ([prompts, rule("one", "def f(reply):\n    return 1.0\n")], "f must take (prompt record, reply "
+                                                                           "text): too many positional"),
+             ([prompts, rule("leaves", "import sys\nsys.exit()\n")], "leaves.py raised sys.exit(None)"),
+             ([prompts, rule("quits", "raise SystemExit(0)\n")], "quits.py raised sys.exit(0)")]
+    out = tmp_path / "o"
+    for (where, fn), message in cases:
+        flags = ["--prompts", str(where), "--reward-fn", fn]
+        for argv in (BASE[:-2] + flags + ["--out-dir", str(out)],
+                     ["eval", "--init", str(models.lm), "--seq-len", "48"] + flags):
+            assert message in refused(capsys, rl.main, argv), argv
+    assert not out.exists() and not built
+
+
+def test_a_rollout_that_fills_the_room_is_scored_at_its_end(models):
+    """A rollout is up to seq_len + 1 tokens (prompt + reply, the room rl.py leaves): the reward model reads
+    such a reply at its <|eot_id|>, as it reads a shorter one, not at the token before."""
+    model, tok = reward.load_reward_model(models.rm, torch.device("cpu"))
+    prompt, reply = [{"role": "user", "content": "What is 1 + 2?"}], "1 + 2 = 3"
+    n = len(reward.dpo.reply_example(tok, prompt, reply, 100)[0][0])  # prompt + reply, with its <|eot_id|>
+    a = SimpleNamespace(reward=str(models.rm), mirror=None)
+    score = rl.make_scorer(a, None, tok, torch.device("cpu"), torch.float32, P.Mesh(), n - 1)
+    at_eot = reward.score_replies(model, tok, prompt, [reply], n)
+    assert score({"messages": prompt}, [reply]) == pytest.approx(at_eot.tolist(), abs=1e-6)
+    assert at_eot.item() != pytest.approx(reward.score_replies(model, tok, prompt, [reply], n - 1).item(),
+                                          abs=1e-6)
