@@ -173,8 +173,9 @@ def add_memory_and_speed_flags(p: argparse.ArgumentParser):
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     g.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
                    help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
-                        "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), math (reference); "
-                        "a masked attention (packed documents, --cp) takes whichever kernel takes masks")
+                        "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), efficient (CUDA "
+                        "only), math (reference); a masked attention (packed documents, --cp) is "
+                        "FlexAttention's on a GPU, and refuses another kernel")
     g.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
                    help="refuse a run whose estimated memory exceeds what the device has available "
                         "(--no-memory-check: start it all the same)")

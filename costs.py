@@ -131,9 +131,9 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
            "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
            "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
     kv = args.n_kv_heads * args.head_dim
-    kept_ = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d + 2 * args.hidden_dim / tp
+    matmuls = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d + 2 * args.hidden_dim / tp
     sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
-    out["layer_selective"] = out["layer_input"] + tokens * ((kept_ + sequence) * b + args.n_heads // tp * 4)
+    out["layer_selective"] = out["layer_input"] + tokens * ((matmuls + sequence) * b + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:
         out.update(chunked_loss_bytes(args, tokens, precision, tp, sp, cp, loss_chunk))
     return out
