@@ -52,10 +52,12 @@ import torch.nn.functional as F
 import config
 import costs
 import data
+import launch
 import model as M
 import optim as O
 import parallel as P
 import train as T
+import zero as Z
 
 # ----------------------------------------------------------------------------------------------------
 # The plan: arithmetic only (costs.memory_estimate and comm_estimate, model.flops_per_token)
@@ -369,7 +371,7 @@ def run_measured(a, versions: dict, argv: list[str]) -> int:
     its compiled code or its failure, reaches the next. Under torchrun they run here, and a refusal (every
     rank makes it alike, before anything runs) is a row. Returns 1 if a row failed, else 0."""
     settings = parse_sweep(a.sweep) if a.sweep is not None else [{}]
-    apart = len(settings) > 1 and P.launch_env()[1] == 1
+    apart = len(settings) > 1 and launch.launch_env()[1] == 1
     table = Table(a, versions)
     for over in settings:
         table.add(measure_apart(argv, over) if apart else measure_here(a, over))
@@ -382,7 +384,7 @@ def run_measured(a, versions: dict, argv: list[str]) -> int:
 def measure_here(a, over: dict) -> dict:
     """One setting measured in this process: its row, or {"setting", "error"} for a refusal (or, in a process
     of its own, any failure: there is nothing left to lose)."""
-    alone = P.launch_env()[1] == 1
+    alone = launch.launch_env()[1] == 1
     try:
         return {"setting": over, **measure(a, **over)}
     except config.ConfigError as e:  # a refusal: its line says it all
@@ -559,7 +561,7 @@ def dp_vs_ddp(args, mesh, margs, device):
     torch.manual_seed(0)
     ours = M.Transformer(margs).to(device)
     opt = O.AdamW(ours.named_parameters(), lr=1e-4, pad_to=mesh.dp)
-    sync = P.GradSync(opt, mesh, args.bucket_mb)
+    sync = Z.GradSync(opt, mesh, args.bucket_mb)
 
     def our_step():
         logits = ours(x)
@@ -567,7 +569,7 @@ def dp_vs_ddp(args, mesh, margs, device):
         sync.start()  # one micro-batch per step: reduce while backward runs
         loss.backward()
         sync.finish()
-        opt.clip_grad_norm(1.0, P.grad_norm(sync, ours))
+        opt.clip_grad_norm(1.0, Z.grad_norm(sync, ours))
         opt.step()
         opt.zero_grad()
 
@@ -787,9 +789,9 @@ def validate(a):
     if a.trace and Path(a.trace).exists() and not Path(a.trace).is_dir():
         refuse(f"--trace {a.trace} is a file: name a folder for trace.json and step.png")
     try:
-        world = P.launch_env()[1]
-    except P.LayoutError as e:
-        refuse(f"cannot join the job: {e}")
+        world = launch.launch_env()[1]
+    except launch.LaunchError as e:
+        refuse(str(e))
     if a.dp_vs_ddp or a.bubble:
         check_comparison(a, world)
     elif not a.plan:  # --plan's layout is over --gpus, not this run's processes: plan() checks it
@@ -869,7 +871,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = get_parser().parse_args(argv)
     validate(a)  # before any process group, run or output
-    config.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    launch.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     versions = {"torch": torch.__version__, "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                 else f"cpu x{os.cpu_count()}"}

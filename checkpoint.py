@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 import data
+import launch
 import model as M
 import parallel as P
 
@@ -208,7 +209,7 @@ def shard_file(mesh: P.Mesh) -> str:
     return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
 
 
-def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync: P.GradSync | None, extra: dict) -> dict:
+def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync, extra: dict) -> dict:
     """Collective over dp_cp (ZeRO-1 gathers its state to its rank 0); dp_cp rank 0 of each (pp, tp) writes
     one file and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
@@ -380,7 +381,7 @@ def _agreed(mesh, write, everyone: bool) -> tuple[str | None, list]:
     if everyone or mesh.rank == 0:
         try:
             result = write()
-        except (P.CommError, torch.OutOfMemoryError):
+        except (launch.CommError, torch.OutOfMemoryError):
             raise
         except (OSError, RuntimeError) as e:
             reason = write_error(e)

@@ -19,7 +19,6 @@ import re
 import platform
 import random
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 import checkpoint as C
 import costs
 import data
+import launch
 import model as M
 import parallel as P
 
@@ -40,11 +40,6 @@ class ConfigError(Exception):
 
 class ResourceError(ConfigError):
     """This process's machine cannot run the job (too little memory): said by every rank that finds it."""
-
-
-class LaunchError(ConfigError):
-    """This process was not started as part of a job (torchrun's variables wrong or missing): said by
-    every rank that finds it, since its rank may not be known."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -443,7 +438,7 @@ def check_config(args, recipe) -> Spec:
             given = f"--{'no-' * (value is False)}{flag.replace('_', '-')}" + ("" if isinstance(value, bool)
                                                                               else f" {value}")
             raise ConfigError(f"{given}: {why}")
-    world = launch_world()
+    world = launch.launch_env()[1]
     device, precision = pick_device_and_precision(args)
     masked = check_attention(args, device, recipe.masked_attention())
     check_trackers(args)
@@ -755,9 +750,9 @@ def configure_process(args):
     kernels sum in another order: the flag pins both to AVX2. Both read these variables at their first
     use: effective in a fresh process, as the command line is."""
     validate(args)
-    launch_world()
+    launch.launch_env()
     device, _ = pick_device_and_precision(args)
-    exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    launch.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if device.type == "cuda":
@@ -781,40 +776,11 @@ def configure_process(args):
                 "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
 
 
-def exit_with_agent(poll_s: float = 1.0):
-    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
-    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
-    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
-    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
-    the command lines (configure_process, evaluate.py, bench.py), as a process-wide setting."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
-                                                     for t in threading.enumerate()):
-        return  # not started by torchrun, or watched already
-    agent = os.getppid()
-
-    def watch():
-        while os.getppid() == agent:
-            time.sleep(poll_s)
-        print(f"error (rank {os.environ.get('RANK', '?')}): torchrun's agent (pid {agent}) is gone; "
-              "exiting", file=sys.stderr, flush=True)
-        os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
-
-    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
-
-
 def env_rank() -> int:
     """This process's global rank (torchrun's RANK) for deciding who prints: 0 when RANK is unset or not a
     number (check_config refuses the latter, in a line that this lets through)."""
     text = os.environ.get("RANK", "0").strip()
     return int(text) if text.isdigit() else 0
-
-
-def launch_world() -> int:
-    """The job's world size, from torchrun's variables, which must be whole and consistent (launch_env)."""
-    try:
-        return P.launch_env()[1]
-    except P.LayoutError as e:
-        raise LaunchError(f"cannot join the job: {e}") from None
 
 
 def say(msg: str):
@@ -829,8 +795,8 @@ def run(main_fn, argv=None):
     rank = env_rank()
     try:
         main_fn(argv)
-    except (ConfigError, C.CheckpointError) as e:
-        if rank == 0 or isinstance(e, (ResourceError, LaunchError)):
+    except (ConfigError, C.CheckpointError, launch.LaunchError) as e:
+        if rank == 0 or isinstance(e, (ResourceError, launch.LaunchError)):
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
         else:  # rank 0 says it; leave after it does, or torchrun (which stops the job at the first exit)
             time.sleep(5)  # may kill rank 0 before its line is out
@@ -838,7 +804,7 @@ def run(main_fn, argv=None):
     except data.DataError as e:
         print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(1)
-    except P.CommError as e:  # every rank that saw it says so: the ranks named are the ones to look at
+    except launch.CommError as e:  # every rank that saw it says so: the ranks named are the ones to look at
         print(f"error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -625,7 +625,7 @@ class StepTrace:
     bytes it sends. Microseconds of host time from a barrier every rank passed; on a GPU the device is
     synchronized where each slice ends, so slices are device time too (and the traced step overlaps
     less). A collective ends when it completes: on a CPU at its future's callback, on a GPU where it is
-    waited for (parallel._Work), the device synchronized."""
+    waited for (launch.Work), the device synchronized."""
 
     def __init__(self, rank: int, device):
         self.rank, self.device, self.events, self.ids = rank, device, [], iter(range(10 ** 9))

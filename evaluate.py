@@ -50,6 +50,7 @@ import torch.distributed as dist
 import checkpoint as C
 import config
 import data
+import launch
 import model as M
 import parallel as P
 
@@ -937,7 +938,7 @@ def main(argv=None):
                 print(describe(result), file=sys.stderr, flush=True)
 
     if args.task or prompts:
-        config.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+        launch.exit_with_agent()  # a worker whose torchrun agent was killed ends too
         device, precision = config.pick_device_and_precision(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this rank's GPU: kernels, NCCL and new tensors default to it

@@ -225,7 +225,7 @@ class FlatParams:
         return hook
 
     def call_on_grad_ready(self, fn: Callable[[int], None]):
-        """Data parallelism's seam: fn(i) runs as parameter i's gradient is ready (parallel.GradSync)."""
+        """Data parallelism's seam: fn(i) runs as parameter i's gradient is ready (Z.GradSync)."""
         self.on_grad_ready = fn
 
     def zero_grad(self):

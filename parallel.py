@@ -19,14 +19,10 @@ by a function in this file, and counted. Contents, in reading order:
                            device, sharded and cut, storage for this rank's pieces only; schedules AFAB
                            (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021) and
                            interleaved 1F1B over model chunks (Narayanan et al. 2021)
-  7. Data parallelism      GradSync: a flat fp32 gradient buffer cut into buckets, reduced asynchronously
-                           from gradient hooks during the last backward (over dp x cp); ZeRO-1 (Rajbhandari
-                           et al. 2020): reduce-scatter, update the local shard, all-gather the weights;
-                           ZeRO-2: no full gradient buffer; ZeRO-3 (FSDP): each unit's weights gathered
-                           only while used
-  8. Gradient norm         the true global norm: TP-replicated parameters counted once, shards summed
-  9. Plumbing              joining the job, timeouts, failures as one CommError naming the op and the
-                           group, helpers for work one rank does for all
+  7. For all              work one rank does for the others: filling a cache first, gathering small objects
+
+Data parallelism and ZeRO, which reduce the gradients these layouts make, are zero.py's; joining the job,
+timeouts and failures (one CommError naming the op and the group) are launch.py's.
 
 model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline change a
 model built on the meta device, and materialize() fills each rank's pieces from one seed (each parameter
@@ -40,20 +36,17 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-import re
-import runpy
-import socket
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import launch
 import model as M
 
 
@@ -139,6 +132,10 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
 
+class LayoutError(ValueError):
+    """An impossible parallel layout; raised identically on every rank before any communication."""
+
+
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
               timeout_s: float = 300.0, io_timeout_s: float = 3600.0, cp: int = 1) -> Mesh:
     """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
@@ -148,7 +145,7 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     give up after timeout_s instead of hanging forever (the first step after io_timeout_s: patient());
     the "io" group (every rank, on gloo) is for the waits that are long by nature -- ranks waiting while
     others prepare data or write a checkpoint -- and gives up after io_timeout_s."""
-    rank, world = launch_env()
+    rank, world = launch.launch_env()
     dp = world // (tp * cp * pp)
     mesh = Mesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
                 io_timeout_s=io_timeout_s,
@@ -159,7 +156,7 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     if world == 1:
         return mesh
     if not dist.is_initialized():
-        join_job(rank, world, device, timeout_s)
+        launch.join_job(rank, world, device, timeout_s)
     mesh.group_ranks["world"] = list(range(world))
     # each group: the ranks that differ only in that dimension (dp_cp: in dp and cp), in rank order
     lines = {"tp": grid.reshape(-1, tp), "cp": grid.permute(0, 1, 3, 2).reshape(-1, cp),
@@ -190,6 +187,11 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
 #    (ring algorithms: all-reduce sends 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n)
 
 
+# newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); 2.5 has the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _count(mesh: Mesh, dim: str, nbytes: float) -> float:
     """Bytes sent on a group, counted under its dimension; the gradients' reduction over dp_cp is data
     parallelism's traffic (it is the dp group when cp is 1)."""
@@ -202,7 +204,7 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, dim: str, op=dist.ReduceOp.SUM, asyn
     if n == 1:
         return None
     sent = _count(mesh, dim, 2 * (n - 1) / n * t.numel() * t.element_size())
-    return _launch(("all_reduce", t), mesh, dim,
+    return launch.run_collective(("all_reduce", t), mesh, dim,
                    lambda: dist.all_reduce(t, op=op, group=mesh.groups.get(dim), async_op=async_op), async_op,
                    sent)
 
@@ -211,7 +213,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async
     """out (n * len(inp), ...) <- every rank's inp, concatenated along dim 0 in rank order."""
     n = mesh.size(dim)
     sent = _count(mesh, dim, (n - 1) / n * out.numel() * out.element_size())
-    return _launch(("all_gather", out), mesh, dim, lambda: _all_gather_single(
+    return launch.run_collective(("all_gather", out), mesh, dim, lambda: _all_gather_single(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op, sent)
 
 
@@ -221,19 +223,19 @@ def all_gather_many(outs: list[torch.Tensor], inps: list[torch.Tensor], mesh: Me
     sent = sum(_count(mesh, dim, (mesh.size(dim) - 1) / mesh.size(dim) * out.numel() * out.element_size())
                for out in outs)
 
-    def launch():  # (torch's coalescing manager: private, as Megatron-LM uses it, and on gloo one op too)
+    def gather():  # (torch's coalescing manager: private, as Megatron-LM uses it, and on gloo one op too)
         with dist._coalescing_manager(group=mesh.groups[dim], async_ops=True) as many:
             for out, inp in zip(outs, inps):
                 _all_gather_single(out, inp, group=mesh.groups[dim])
         return many
-    return _launch(("all_gather", outs[0]), mesh, dim, launch, async_op=True, nbytes=sent)
+    return launch.run_collective(("all_gather", outs[0]), mesh, dim, gather, async_op=True, nbytes=sent)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, async_op=False):
     """out <- this rank's 1/n slice (along dim 0) of the sum of every rank's inp."""
     n = mesh.size(dim)
     sent = _count(mesh, dim, (n - 1) / n * inp.numel() * inp.element_size())
-    return _launch(("reduce_scatter", inp), mesh, dim, lambda: _reduce_scatter_single(
+    return launch.run_collective(("reduce_scatter", inp), mesh, dim, lambda: _reduce_scatter_single(
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op, sent)
 
 
@@ -242,7 +244,7 @@ def barrier(mesh: Mesh, long: bool = False):
     is long by nature (others preparing data or writing a checkpoint), bounded by --io-timeout."""
     if mesh.world > 1:
         dim = "io" if long else "world"
-        _launch(("barrier", None), mesh, dim, lambda: dist.barrier(group=mesh.groups.get(dim)))
+        launch.run_collective(("barrier", None), mesh, dim, lambda: dist.barrier(group=mesh.groups.get(dim)))
 
 
 # ====================================================================================================
@@ -866,7 +868,7 @@ def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=N
             what = "pipeline " + ", ".join(
                 f"{'send to' if op.op is dist.isend else 'recv from'} stage {mesh.pp_peers.index(op.peer)}"
                 for op in ops)
-            _raise_comm_error(e, (what, None), mesh, "pp", t0)
+            launch.raise_comm_error(e, (what, None), mesh, "pp", t0)
 
 
 def _free(t: torch.Tensor):
@@ -1112,677 +1114,7 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
 
 
 # ====================================================================================================
-# 7. Data parallelism: bucketed gradient reduction overlapped with backward; ZeRO-1, 2 and 3
-
-
-def unit_of(name: str) -> str:
-    """The unit a parameter belongs to: "layers.3.attention.wq.weight" -> "layers.3", "norm.weight" ->
-    "norm". ZeRO's weights travel a unit at a time, as each unit's forward needs them."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
-
-
-def unit_modules(model: M.Transformer) -> list[tuple[str, list[nn.Module]]]:
-    """This stage's units in forward order, each with the modules that run it: a block compiled by
-    --compile runs as its compiled wrapper in training and as itself in evaluation and generation."""
-    compiled = model.compiled_blocks
-    out = [("tok_embeddings", [model.tok_embeddings])]
-    out += [(f"layers.{k}", [block] + ([compiled[k]] if k in compiled else [])) for k, block in
-            model.layers.items()]
-    out += [("norm", [model.norm]), ("output", [model.output])]
-    return [(name, modules) for name, modules in out if modules[0] is not None]
-
-
-def hook_unit(modules: list[nn.Module], before=None, after=None):
-    """before() as each of these modules' forward starts, after(output) as it ends. Hooks on a compiled
-    wrapper run outside the compiled code; inside it torch.compile traces the wrapped block's own hooks,
-    which then do nothing (the wrapper's did it). Both must be idempotent: a block that falls back to
-    eager runs both."""
-    for module in modules:
-        if before is not None:
-            module.register_forward_pre_hook(
-                lambda m, args: None if torch.compiler.is_compiling() else before())
-        if after is not None:
-            module.register_forward_hook(
-                lambda m, args, out: None if torch.compiler.is_compiling() else after(out))
-
-
-def buckets_of(numel: int, dp: int, bucket_mb: float) -> list[tuple[int, int]]:
-    """[lo, hi) spans of about bucket_mb of fp32 each, multiples of dp. The flat buffer holds parameters in
-    reverse model order, so it fills front to back during backward; a small first bucket (1 MB, as DDP's)
-    starts communication as early as possible."""
-    buckets, lo = [], 0
-    size = lambda mb: max(dp, int(mb * 2 ** 20 / 4) // dp * dp)
-    while lo < numel:
-        hi = min(lo + size(min(1.0, bucket_mb) if not buckets else bucket_mb), numel)
-        buckets.append((lo, hi))
-        lo = hi
-    return buckets
-
-
-def bucket_map(opt, buckets: list[tuple[int, int]]) -> tuple[list[list[int]], list[int]]:
-    """For each parameter of the optimizer the buckets its flat span overlaps, and for each bucket how many
-    parameters overlap it: the gradients it waits for."""
-    param_buckets, expected = [], [0] * len(buckets)
-    for i, p in enumerate(opt.params):
-        lo, hi = opt.offsets[i], opt.offsets[i] + p.numel()
-        param_buckets.append([b for b, (blo, bhi) in enumerate(buckets) if blo < hi and lo < bhi])
-        for b in param_buckets[-1]:
-            expected[b] += 1
-    return param_buckets, expected
-
-
-def sum_over_tp(grads: list[torch.Tensor], mesh: Mesh):
-    """Sum these gradients over tp in one all-reduce (flattened together, then copied back), not one each:
-    SP makes two norm weights a layer partial."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    all_reduce(flat, mesh, "tp")
-    torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
-
-
-class GradSync:
-    """Phase 5 of the step, plain data parallelism (and a single replica, which sends nothing): the
-    optimizer's flat fp32 gradient buffer is cut into buckets of about bucket_mb, each all-reduced over dp
-    (SUM: the loss is already divided by the global target count, so the sum is the mean gradient). During
-    the last micro-batch's backward (enabled by start()), each parameter's post-accumulate hook counts down
-    the buckets it touches; a bucket whose gradients are all complete is reduced at once, asynchronously,
-    while backward goes on computing earlier layers. finish() waits. grad_sync() picks this class or one
-    of ZeRO's (ZeRO1Sync, ZeRO2Sync, ZeRO3Sync), which change what a bucket's reduction does.
-
-    Under context parallelism "dp" here means dp_cp, every rank holding the same weights: the cp ranks of a
-    replica saw different tokens of the same sequences, so their gradients are partial sums, added up
-    exactly like the replicas' (and ZeRO shards over all dp x cp of them, as Megatron-LM does).
-
-    Every collective here is asynchronous, and nothing waits for one before its result is needed. Every rank
-    launches the same buckets in the same order (they must match): the order is fixed by the model, not by
-    timing, as a bucket completes when its last parameter's gradient is accumulated, the same parameter
-    on every rank (tests/test_parallel.py records the order and the overlap)."""
-    sharded = False  # ZeRO: the optimizer reads only its pieces of the gradient, packed (grad_of)
-    weights = None  # ZeRO-3's unit weights, gathered when used
-
-    def __init__(self, opt, mesh: Mesh, bucket_mb: float = 25.0, partial_tp: list[int] = ()):
-        self.opt, self.mesh = opt, mesh
-        self.dim = mesh.grad_dim  # dp, or dp x cp: the ranks whose gradients are summed
-        self.partial_tp = list(partial_tp)  # params whose gradient is a partial sum over tp (SP norms)
-        dp = mesh.dp_cp
-        if opt.numel % dp:
-            raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp "
-                             f"{dp}")
-        self.buckets = self.make_buckets(bucket_mb)
-        self.param_buckets, self.expected = bucket_map(opt, self.buckets)
-        self.enabled, self.handles, self.pending = False, {}, list(self.expected)
-        # this dp rank's piece of every bucket: its shard under ZeRO, its share of the gradient norm always
-        r = mesh.dp_cp_rank
-        self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
-            [(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets]
-        self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
-                             for b in range(len(self.buckets))]
-        self.own()
-        opt.call_on_grad_ready(self._on_grad_ready)
-
-    def make_buckets(self, bucket_mb: float) -> list[tuple[int, int]]:
-        return buckets_of(self.opt.numel, self.mesh.dp_cp, bucket_mb)
-
-    def own(self):
-        """Without ZeRO the optimizer keeps state for the whole flat buffer (built with allocate_state=False,
-        it has none yet)."""
-        if self.opt.ranges is None:
-            self.opt.shard([(0, self.opt.numel)])
-
-    def start(self):
-        """Call before the backward of the last micro-batch: only then are gradients complete."""
-        self.enabled = self.mesh.dp_cp > 1
-        self.pending = list(self.expected)
-
-    def _on_grad_ready(self, i: int):
-        if not self.enabled:
-            return  # an accumulation micro-step: nothing is sent
-        for b in self.param_buckets[i]:
-            self.pending[b] -= 1
-            if self.pending[b] == 0:
-                self._launch(b)
-
-    def _launch(self, b: int):
-        lo, hi = self.buckets[b]
-        self.handles[b] = all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
-
-    def finish(self):
-        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient), then
-        make the SP-partial gradients whole by summing them over tp. (First, any all-gather of the last
-        step's weights that no forward waited for: the step about to come rewrites what it reads.)"""
-        self.wait_params()
-        self.reduce_all()
-        if self.partial_tp and self.mesh.tp > 1:
-            sum_over_tp(self.partial_grads(), self.mesh)
-
-    def reduce_all(self):
-        if self.enabled:
-            for b in range(len(self.buckets)):
-                if b not in self.handles:
-                    self._launch(b)
-            for b in sorted(self.handles):
-                self.handles[b].wait()
-            self.handles, self.enabled = {}, False
-
-    def partial_grads(self) -> list[torch.Tensor]:
-        """The SP-partial gradients to sum over tp: whole, as every replica applies all the gradients."""
-        return [self.opt.grad_view(i) for i in self.partial_tp]
-
-    def parts_in_pieces(self, params: list[int]) -> list[torch.Tensor]:
-        """The gradients of these parameters (indices into opt.params) where they lie in this rank's pieces
-        (norm_ranges): the parts the optimizer reads under ZeRO, this rank's share of the norm always."""
-        parts = []
-        for i in params:
-            lo, hi = self.opt.offsets[i], self.opt.offsets[i] + self.opt.params[i].numel()
-            parts += [self.grad_of(max(lo, rlo), min(hi, rhi)) for rlo, rhi in self.norm_ranges
-                      if max(lo, rlo) < min(hi, rhi)]
-        return parts
-
-    def grad_of(self, lo: int, hi: int) -> torch.Tensor:
-        """The gradient the optimizer reads at flat positions [lo, hi)."""
-        return self.opt.grad[lo:hi]
-
-    def all_gather_params(self):
-        """Nothing to gather: every replica updated every weight itself."""
-
-    def wait_params(self, buckets=None):
-        """Nothing in flight (ZeRO1Sync's all-gathers)."""
-
-    def prefetch_into(self, model):
-        """Nothing to wait for at a unit's forward (ZeRO1Sync's)."""
-
-    def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
-        """Full-length master / moment buffers for a checkpoint: every replica holds them."""
-        return self.opt.full_state()
-
-
-class ZeRO1Sync(GradSync):
-    """ZeRO-1 (Rajbhandari et al. 2020): each bucket is reduce-scattered instead of all-reduced. dp rank r
-    receives the summed r-th piece of every bucket, straight into the packed gradient its optimizer reads
-    (opt.grad_shard), keeps optimizer state for those pieces only and updates them into the model copy's
-    owned ranges; all_gather_params() then brings every rank's updated pieces into every rank's weights,
-    in place, one collective per unit, each waited for when that unit's forward starts (prefetch_into), so
-    the later layers' weights arrive while the earlier ones compute. Bucket lengths are multiples of dp, so
-    every piece has the same size."""
-    sharded = True
-
-    def own(self):
-        self.opt.shard(self.norm_ranges)
-        self.plan_gathers()
-
-    def plan_gathers(self):
-        """The all-gathers of the updated weights: one per unit, in forward order (unit_buckets)."""
-        self.gathers, self.gather_groups = {}, self.unit_buckets()
-        self.group_of = {b: g for g, bs in enumerate(self.gather_groups) for b in bs}
-
-    def unit_buckets(self) -> list[list[int]]:
-        """The buckets each unit's forward needs (unit_of), units in forward order, a bucket shared by two
-        units listed under the first."""
-        per_unit = {}  # in the flat buffer's order: reverse model order
-        for i, name in enumerate(self.opt.names):
-            per_unit.setdefault(unit_of(name), set()).update(self.param_buckets[i])
-        groups, seen = [], set()
-        for unit in reversed(list(per_unit)):
-            if per_unit[unit] - seen:
-                groups.append(sorted(per_unit[unit] - seen, reverse=True))
-                seen |= per_unit[unit]
-        return groups
-
-    def _launch(self, b: int):  # straight into this rank's piece of the packed gradient the optimizer reads
-        lo, hi = self.buckets[b]
-        piece = self.opt.grad_shard[self.piece_starts[b]:self.piece_starts[b] + (hi - lo) // self.mesh.dp_cp]
-        self.handles[b] = reduce_scatter(piece, self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
-
-    def partial_grads(self) -> list[torch.Tensor]:
-        return self.parts_in_pieces(self.partial_tp)  # the parts this rank applies
-
-    def grad_of(self, lo: int, hi: int) -> torch.Tensor:
-        """The gradient the optimizer reads at flat positions [lo, hi), in the packed pieces it owns
-        (opt.grad_shard), where [lo, hi) must lie inside one of them (norm_ranges)."""
-        for b, (rlo, rhi) in enumerate(self.norm_ranges):
-            if rlo <= lo and hi <= rhi:
-                return self.opt.grad_shard[self.piece_starts[b] + lo - rlo:self.piece_starts[b] + hi - rlo]
-        raise ValueError(f"flat positions [{lo}, {hi}) are not in one of this rank's pieces")
-
-    def all_gather_params(self):
-        """After the optimizer step: every rank's updated pieces -> every rank's model weights, in place
-        (each rank's piece is already where the gathered bucket puts it, as NCCL's in-place all-gather
-        wants), one collective per unit (all_gather_many), launched without waiting, the first layers
-        first."""
-        flat, dp, r = self.opt.model_flat, self.mesh.dp_cp, self.mesh.dp_cp_rank
-        for g, group in enumerate(self.gather_groups):
-            spans = [self.buckets[b] for b in group]
-            pieces = [flat[lo + r * (hi - lo) // dp:lo + (r + 1) * (hi - lo) // dp] for lo, hi in spans]
-            self.gathers[g] = all_gather_many([flat[lo:hi] for lo, hi in spans], pieces, self.mesh, self.dim)
-
-    def wait_params(self, buckets=None):
-        """Wait for the all-gathers of these buckets (default: all): their weights are then current."""
-        groups = self.gathers if buckets is None else {self.group_of[b] for b in buckets if b in self.group_of}
-        for g in sorted(groups):
-            if g in self.gathers:
-                self.gathers.pop(g).wait()
-
-    def prefetch_into(self, model):
-        """Make each unit of the model (the embedding, each block, the final norm, the head) wait, as its
-        forward starts, for the buckets its parameters lie in. A block compiled by --compile is hooked as
-        itself and as its compiled wrapper (hook_unit). (Frozen weights, LoRA's, are in no bucket.)"""
-        for unit, modules in unit_modules(model):
-            buckets = sorted({b for p in modules[0].parameters() if p.requires_grad
-                              for b in self.param_buckets[self.opt.index_of(p)]})
-            hook_unit(modules, before=lambda buckets=buckets: self.wait_params(buckets))
-
-    def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
-        """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None on the others),
-        assembled one bucket at a time in host memory: the dp ranks all-gather their pieces of a bucket into
-        a bucket-sized device buffer, which dp rank 0 copies out, so no device ever holds the unsharded
-        state that ZeRO exists to avoid."""
-        dp, keep = self.mesh.dp_cp, self.mesh.dp_cp_rank == 0
-        keys = ("master", "exp_avg", "exp_avg_sq")
-        out = {key: torch.empty(self.opt.numel) for key in keys} if keep else None
-        buf = torch.empty(max(hi - lo for lo, hi in self.buckets), device=self.opt.grad.device)
-        c = 0  # where this bucket's piece starts in the compact (owned-only) buffers
-        for lo, hi in self.buckets:
-            piece = (hi - lo) // dp
-            for key in keys:
-                all_gather(buf[:hi - lo], getattr(self.opt, key)[c:c + piece], self.mesh, self.dim)
-                if keep:
-                    out[key][lo:hi].copy_(buf[:hi - lo])
-            c += piece
-        return out
-
-
-class ZeRO2Sync(ZeRO1Sync):
-    """ZeRO-2 also shards the gradients: the optimizer keeps only this rank's pieces of the fp32 gradient
-    buffer, so there is nowhere to accumulate whole gradients over micro-batches. Each parameter's fresh
-    gradient goes instead into a staging buffer for its bucket (_stage), every micro-batch; a full bucket
-    is reduce-scattered at once and its summed piece added into this rank's shard (_land). Memory: 1/dp of
-    the gradients plus a few buckets in flight; traffic: one reduce-scatter per micro-batch."""
-
-    def own(self):
-        self.opt.shard_grads(self.norm_ranges)
-        self.opt.shard(self.norm_ranges)
-        self.staging, self.in_flight = {}, []  # buckets filling; reduce-scatters not waited for yet
-        self.plan_gathers()
-
-    def start(self):
-        """Nothing to enable: every micro-batch's gradients are reduced as they come."""
-
-    def _on_grad_ready(self, i: int):
-        """Parameter i's fresh gradient into the staging buffer of each bucket it lies in (made when first
-        needed: no full-length gradient buffer exists); a bucket whose gradients are all in is
-        reduce-scattered at once."""
-        p, lo = self.opt.params[i], self.opt.offsets[i]
-        g = p.grad.reshape(-1)
-        p.grad = None  # its values now live in the staging buffers
-        for b in self.param_buckets[i]:
-            blo, bhi = self.buckets[b]
-            a, c = max(lo, blo), min(lo + g.numel(), bhi)
-            if b not in self.staging:
-                self.staging[b] = torch.zeros(bhi - blo, device=g.device)
-            self.staging[b][a - blo:c - blo] += g[a - lo:c - lo]
-            self.pending[b] -= 1
-            if self.pending[b] == 0:
-                self._launch(b)
-
-    def _launch(self, b: int):
-        """Reduce-scatter a staged bucket; the oldest reduce-scatters are waited for when more than two are
-        in flight, so staging never holds more than a few buckets."""
-        lo, hi = self.buckets[b]
-        self.pending[b] = self.expected[b]  # the next micro-batch counts afresh
-        while len(self.in_flight) >= 2:
-            self._land()
-        staged = self.staging.pop(b)
-        piece = staged.new_empty((hi - lo) // self.mesh.dp_cp)
-        handle = reduce_scatter(piece, staged, self.mesh, self.dim, async_op=True)
-        self.in_flight.append((b, handle, piece, staged))  # staged: alive until the op is done
-
-    def _land(self):
-        """Wait for the oldest reduce-scatter in flight; add its summed piece into this rank's shard."""
-        b, handle, piece, _ = self.in_flight.pop(0)
-        handle.wait()
-        self.opt.grad[self.piece_starts[b]:self.piece_starts[b] + piece.numel()] += piece
-
-    def reduce_all(self):
-        """Buckets some of whose parameters got no gradient, then every one still in flight."""
-        for b in sorted(self.staging):
-            self._launch(b)
-        while self.in_flight:
-            self._land()
-        self.pending = list(self.expected)
-
-
-class ZeRO3Sync(ZeRO2Sync):
-    """ZeRO-3 (what FSDP calls full sharding) shards the weights too (ShardedWeights): each bucket is one
-    unit (the embedding, a block, the final norm, the head: AdamW's unit_of layout), gathered whole just
-    before its forward and its backward and released after; its gradients are staged and reduce-scattered
-    as ZeRO-2's, the unit's weights released as soon as its backward is done with them."""
-
-    def make_buckets(self, bucket_mb: float) -> list[tuple[int, int]]:
-        if not self.opt.units or self.opt.units[-1][1] != self.opt.numel:
-            raise ValueError("ZeRO-3 needs an optimizer whose parameters are laid out by unit "
-                             "(AdamW(..., unit_of=parallel.unit_of))")
-        return list(self.opt.units)
-
-    def own(self):  # the parameters move into unit buffers before the model copy is sharded
-        self.weights = ShardedWeights(self.opt, self.mesh, self.buckets, self.piece_starts)
-        self.opt.shard_grads(self.norm_ranges)
-        self.opt.shard_weights(self.norm_ranges)
-        self.opt.shard(self.norm_ranges)
-        self.weights.free_all()
-        self.staging, self.in_flight = {}, []
-        self.gathers, self.gather_groups, self.group_of = {}, [], {}  # (each unit gathers for itself)
-
-    def _launch(self, b: int):
-        super()._launch(b)
-        self.weights.after_backward(b)  # its backward is done with the unit's weights
-
-    def reduce_all(self):
-        super().reduce_all()
-        self.weights.free_all()
-
-    def all_gather_params(self):
-        """Nothing here: each unit gathers its weights when its forward starts."""
-
-    def prefetch_into(self, model):
-        self.weights.attach(model)
-
-
-def grad_sync(opt, mesh: Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()) -> GradSync:
-    """Phase 5 for ZeRO stage `zero`: plain all-reduce without ZeRO, or over a single replica (which sends
-    nothing and keeps everything), else ZeRO1Sync, ZeRO2Sync or ZeRO3Sync."""
-    if zero == 0 or mesh.dp_cp == 1:
-        return GradSync(opt, mesh, bucket_mb, partial_tp)
-    return (ZeRO1Sync, ZeRO2Sync, ZeRO3Sync)[zero - 1](opt, mesh, bucket_mb, partial_tp)
-
-
-class ShardedWeights:
-    """ZeRO-3 (what FSDP calls full sharding): no rank keeps whole weights between uses. Each unit (the
-    embedding, a block, the final norm, the head) has a buffer that holds its weights, in the training
-    dtype, only while they are used: its storage is allocated and filled by an all-gather of every dp_cp
-    rank's piece (the optimizer's compact model copy) just before the unit's forward, and released right
-    after; gathered again just before the unit's backward, and released when its last gradient is in
-    (GradSync then reduce-scatters it, as ZeRO-2 does). The parameters are views into these buffers, so
-    they keep their names and shapes; only their storage comes and goes (resize_ keeps the storage object,
-    so tensors autograd saved in forward see the regathered values in backward).
-
-    Prefetch: a unit's forward starts the all-gather of the next unit, its backward that of the unit
-    before it, so the transfer runs while this unit computes; two units are whole at once (three with a
-    tied head: the embedding's weights stay whole from the head's backward to the embedding's).
-    Activation checkpointing runs a block's forward again inside its backward: that forward finds the
-    unit already marked as in its backward, and neither prefetches nor releases anything."""
-
-    def __init__(self, opt, mesh: Mesh, spans: list[tuple[int, int]], piece_starts: list[int]):
-        self.opt, self.mesh, self.dim, self.spans = opt, mesh, mesh.grad_dim, spans
-        # where this rank's piece of each unit is in the optimizer's compact model copy, and its length
-        self.pieces = [(start, (hi - lo) // mesh.dp_cp) for start, (lo, hi) in zip(piece_starts, spans)]
-        self.bufs = []  # (unit numel,) each
-        for b, (lo, hi) in enumerate(spans):  # one unit's storage at a time, released at once: the values
-            self.bufs.append(torch.empty(hi - lo, dtype=opt.dtype, device=opt.device))  # are the optimizer's
-            for i, p in enumerate(opt.params):
-                if lo <= opt.offsets[i] < hi:  # a view: its own version counter (see above)
-                    p.data = self.bufs[b][opt.offsets[i] - lo:opt.offsets[i] - lo + p.numel()].view_as(p)
-            self.bufs[b].untyped_storage().resize_(0)
-        self.held, self.gathers, self.in_backward = set(), {}, set()
-
-    def fetch(self, b: int):
-        """Start gathering unit b's weights, unless they are held already (or on their way)."""
-        if b in self.held:
-            return
-        buf, (start, n) = self.bufs[b], self.pieces[b]
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        self.gathers[b] = all_gather(buf, self.opt.model_flat[start:start + n], self.mesh, self.dim,
-                                     async_op=True)
-        self.held.add(b)
-
-    def ready(self, b: int):
-        self.fetch(b)
-        if b in self.gathers:
-            self.gathers.pop(b).wait()
-
-    def free(self, b: int):
-        if b in self.gathers:  # never release storage a collective is still writing into
-            self.gathers.pop(b).wait()
-        self.bufs[b].untyped_storage().resize_(0)
-        self.held.discard(b)
-
-    def free_all(self):
-        for b in sorted(self.held):
-            self.free(b)
-        self.in_backward.clear()
-
-    def after_backward(self, b: int):
-        self.in_backward.discard(b)
-        self.free(b)
-
-    def attach(self, model: M.Transformer):
-        """Hooks on each unit's module. `nxt` is the unit whose forward comes next, `prev` the one before
-        (whose backward comes next); units shared by two modules (a tied head) appear under both."""
-        modules = [ms for _, ms in unit_modules(model)]
-        units = [self.unit_of_param(next(ms[0].parameters())) for ms in modules]
-        for k, b in enumerate(units):
-            nxt = units[k + 1] if k + 1 < len(units) else None
-            prev = units[k - 1] if k > 0 else None
-            hook_unit(modules[k], before=lambda b=b, nxt=nxt: self.before_forward(b, nxt),
-                      after=lambda out, b=b, prev=prev: self.after_forward(b, prev, out))
-
-    def unit_of_param(self, p) -> int:
-        lo = self.opt.offsets[self.opt.index_of(p)]
-        return next(b for b, (ulo, uhi) in enumerate(self.spans) if ulo <= lo < uhi)
-
-    def before_forward(self, b: int, nxt):
-        recompute = b in self.in_backward  # activation checkpointing, inside b's backward
-        self.ready(b)
-        if nxt is not None and not recompute:
-            self.fetch(nxt)
-
-    def after_forward(self, b: int, prev, out: torch.Tensor):
-        if b in self.in_backward:
-            return
-        self.free(b)
-        if torch.is_grad_enabled() and out.requires_grad:  # runs as out's gradient arrives: b's backward next
-            out.register_hook(lambda grad: self.before_backward(b, prev))
-
-    def before_backward(self, b: int, prev):
-        self.in_backward.add(b)
-        self.ready(b)
-        if prev is not None:
-            self.fetch(prev)
-
-
-# ====================================================================================================
-# 8. The global gradient norm
-
-
-def grad_sq(sync: GradSync, model) -> torch.Tensor:
-    """This rank's part of the sum of squares of every gradient element of the *whole* model: summed over
-    every rank of the job (one all-reduce, or train.py's step tally) it is the global norm squared.
-    Each dp rank sums the squares of its own pieces of the buckets (the pieces it owns under ZeRO-1, or
-    would own), so the work is split over dp and plain DP and ZeRO-1 add the same numbers in the same
-    order: their updates are bitwise identical. Shards are counted by the tp and pp ranks holding them;
-    parameters replicated across tp (norm weights) by tp rank 0 only."""
-    opt, mesh, replicated = sync.opt, sync.mesh, []
-    if mesh.tp > 1 and mesh.tp_rank > 0:
-        placement = model.tp_placement
-        replicated = sync.parts_in_pieces([i for i, name in enumerate(opt.names) if name not in placement])
-    # one foreach norm over every piece, however many buckets: each piece's norm, squared, summed
-    pieces = [sync.grad_of(lo, hi) for lo, hi in sync.norm_ranges]
-    sq = torch.stack(torch._foreach_norm(pieces + replicated)).square()
-    return sq[:len(pieces)].sum() - sq[len(pieces):].sum()
-
-
-def grad_norm(sync: GradSync, model) -> torch.Tensor:
-    """The global gradient norm, identical on all ranks."""
-    sq = grad_sq(sync, model)
-    all_reduce(sq, sync.mesh, "world")
-    return sq.sqrt()
-
-
-# ====================================================================================================
-# 9. The plumbing: joining the job, how long collectives wait, failures turned into one readable error, and
-#    helpers for work one rank does for all (off the training step)
-
-
-# newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); 2.5 has the old
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class LayoutError(ValueError):
-    """An impossible parallel layout; raised identically on every rank before any communication."""
-
-
-def launch_env() -> tuple[int, int]:
-    """(rank, world size) from the variables torchrun sets, checked: a wrong or missing one would otherwise
-    be a ValueError traceback, or a wait for peers that never come. Without WORLD_SIZE: one process.
-    Raises LayoutError, whose message says which variable is wrong and how to launch instead."""
-    def whole(name: str, default: int | None) -> int | None:
-        text = os.environ.get(name)
-        if text is None or not text.strip():
-            return default
-        if not text.strip().isdigit():
-            raise LayoutError(f"{name}={text[:40]!r} is not a whole number >= 0")
-        return int(text)
-    launch = "start the processes with torchrun (e.g. torchrun --standalone --nproc_per_node=N ...)"
-    world = whole("WORLD_SIZE", 1)
-    rank = whole("RANK", 0 if world == 1 else None)
-    if world < 1 or rank is None or rank >= world:
-        raise LayoutError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} do "
-                          f"not name a process of a job (0 <= RANK < WORLD_SIZE): {launch}")
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        whole(name, 0)
-    if world > 1:
-        addr, port = os.environ.get("MASTER_ADDR", "").strip(), whole("MASTER_PORT", None)
-        if not addr or port is None or not 0 < port < 65536:
-            raise LayoutError(f"WORLD_SIZE={world} needs MASTER_ADDR (a host) and MASTER_PORT (1-65535); "
-                              f"got {addr or 'none'!r} and {os.environ.get('MASTER_PORT')!r}: {launch}")
-        try:
-            socket.getaddrinfo(addr, port)
-        except (socket.gaierror, UnicodeError):
-            raise LayoutError(f"MASTER_ADDR={addr[:80]!r} is not a host this machine can find") from None
-    return rank, world
-
-
-def join_job(rank: int, world: int, device, timeout_s: float):
-    """The process group of the whole job, through the rendezvous at MASTER_ADDR:MASTER_PORT. A peer that
-    never comes (a wrong address or port, a rank not started) fails after timeout_s as one CommError."""
-    options = process_group_options(device, timeout_s)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    try:
-        if restart is None:
-            dist.init_process_group(**options)
-        else:
-            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
-            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
-            agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
-            dist.init_process_group(store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
-                                    world_size=world, **options)
-    except (RuntimeError, ValueError, OSError) as e:  # (DistNetworkError and DistStoreError: RuntimeErrors)
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise CommError(f"could not join the job of {world} processes at {where} (--dist-timeout "
-                        f"{timeout_s:g} s): {' '.join(str(e).split())[:300]}") from None
-
-
-def process_group_options(device: torch.device | None, timeout_s: float) -> dict:
-    """NCCL on CUDA, bound to this process's GPU from the start (device_id): without it NCCL guesses the GPU
-    from the rank for its first collective, which is wrong wherever ranks and GPUs are not numbered alike.
-    gloo on CPU."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if device is not None and device.type == "cuda":
-        return {"backend": "nccl", "device_id": device, "timeout": timeout}
-    return {"backend": "gloo", "timeout": timeout}
-
-
-def set_timeout(mesh: Mesh, seconds: float):
-    """How long every group's collectives but the io group's may wait from now on. ProcessGroup.set_timeout
-    sets it in each of the group's backends (torch 2.14's torch.distributed.set_timeout calls it, and
-    deprecates the private _set_pg_timeout, which torch 2.5 has alone)."""
-    timeout = datetime.timedelta(seconds=seconds)
-    for group in [dist.group.WORLD] + [g for dim, g in mesh.groups.items() if dim != "io"]:
-        if hasattr(group, "set_timeout"):
-            group.set_timeout(timeout)
-        else:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
-
-
-@contextmanager
-def patient(mesh: Mesh):
-    """Inside, every collective may wait as long as the io group's (--io-timeout), not --dist-timeout: for
-    the first step, which each rank compiles as it first runs it (--compile's graphs, the GPU's kernels).
-    A rank that compiles slower, or misses a cache its peers hit, keeps the others waiting at the first
-    collective for minutes, and that is not a stall."""
-    if mesh.world == 1 or mesh.patient:
-        yield
-        return
-    set_timeout(mesh, mesh.io_timeout_s)
-    mesh.patient = True
-    try:
-        yield
-    finally:
-        set_timeout(mesh, mesh.timeout_s)
-        mesh.patient = False
-
-
-class CommError(RuntimeError):
-    """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
-    group and its ranks, so the log says where the job stopped instead of only that it did. (With gloo the
-    failing call raises, and this names it. NCCL reports a timeout from its watchdog thread, which ends the
-    process with the op and the group's name, tp / pp / dp, given to new_group.)"""
-
-
-def _raise_comm_error(e: Exception, what, mesh: Mesh, dim: str, t0: float):
-    """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
-    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised
-    as is."""
-    if isinstance(e, torch.OutOfMemoryError):
-        raise e
-    op, t = what
-    what = f"{op} of {tuple(t.shape)}" if t is not None else op
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    cause = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop gloo's "[file.cc:78] "
-    cause = cause.split(". This is typically")[0][:300]
-    waited = time.monotonic() - t0
-    hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
-            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" or mesh.patient else mesh.timeout_s)
-            or "timed out" in cause.lower() else "a rank in this group died or failed; its own log says why")
-    limit = f"--dist-timeout {mesh.timeout_s:g} s"
-    if dim == "io" or mesh.patient:
-        limit = f"--io-timeout {mesh.io_timeout_s:g} s" + (", the first step's" if dim != "io" else "")
-    raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
-                    f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
-
-
-class _Work:
-    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops. In a traced
-    step, `done` ends the op's span: on gloo when its future's callback runs, as the op completes; on NCCL
-    (whose futures complete once the op is queued) at the wait, with the device synchronized."""
-
-    def __init__(self, work, what: tuple, mesh: Mesh, dim: str, t0: float, done=None):
-        self.work, self.what, self.mesh, self.dim, self.t0, self.done = work, what, mesh, dim, t0, done
-        if done is not None and mesh.device.type == "cpu" and hasattr(work, "get_future"):
-            work.get_future().add_done_callback(lambda _: done())
-
-    def wait(self):
-        try:
-            out = self.work.wait()
-        except RuntimeError as e:
-            _raise_comm_error(e, self.what, self.mesh, self.dim, self.t0)
-        if self.done is not None:
-            self.done()
-        return out
-
-
-def _launch(what: tuple, mesh: Mesh, dim: str, fn, async_op: bool = False, nbytes: float = 0.0):
-    t0 = time.monotonic()
-    done = mesh.trace.collective(what[0], dim, nbytes) if mesh.trace is not None else None
-    try:
-        work = fn()
-    except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-        _raise_comm_error(e, what, mesh, dim, t0)
-    if done is not None and not async_op:
-        done()
-    return _Work(work, what, mesh, dim, t0, done) if async_op else None
+# 7. Work one rank does for all (off the training step)
 
 
 def on_rank0_first(fn, mesh: Mesh):
@@ -1804,7 +1136,7 @@ def all_gather_objects(obj, mesh: Mesh) -> list:
     if mesh.world == 1:
         return [obj]
     out = [None] * mesh.world
-    _launch(("all_gather_object", None), mesh, "io",
+    launch.run_collective(("all_gather_object", None), mesh, "io",
             lambda: dist.all_gather_object(out, obj, group=mesh.groups["io"]))
     return out
 
@@ -1816,7 +1148,3 @@ def all_true(flag, mesh: Mesh) -> bool:
     for dim in ("tp", "cp", "pp", "dp"):
         all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
     return bool(t.item())
-
-
-if __name__ == "__main__":  # `python parallel.py consolidate ...`, where the command lived first: it runs
-    runpy.run_path(str(Path(__file__).with_name("checkpoint.py")), run_name="__main__")  # checkpoint.py's

@@ -46,6 +46,7 @@ import config
 import data
 import dpo
 import evaluate
+import launch
 import model as M
 import parallel as P
 import sft
@@ -484,7 +485,7 @@ def sample_main(argv) -> int:
     a = sample_parser().parse_args(argv)
     check_sample_flags(a)
     device, precision = config.pick_device_and_precision(a)
-    config.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    launch.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mesh = P.init_mesh(device=device)  # every rank a dp rank: each samples its share of the prompts

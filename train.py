@@ -41,9 +41,11 @@ import config
 import costs
 import data
 import evaluate as E
+import launch
 import model as M
 import optim as O
 import parallel as P
+import zero as Z
 
 IGNORE_INDEX = P.IGNORE_INDEX  # targets with this id carry no loss (used by SFT for prompt tokens)
 
@@ -67,7 +69,7 @@ class Run:
     margs: M.ModelArgs
     model: M.Transformer
     opt: O.AdamW
-    sync: P.GradSync
+    sync: Z.GradSync
     scaler: O.LossScaler | None  # fp16 only
     task: LMTask
     loader: data.Loader
@@ -170,7 +172,7 @@ class Tally(NamedTuple):
         flags = torch.stack([(~torch.isfinite(copy)).float(),
                              torch.full((), float(stop.signal is not None), device=device),
                              torch.full((), float(stop.failure is not None), device=device)])
-        v = torch.cat([P.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
+        v = torch.cat([Z.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
                        run.task.metrics() * once])
         P.all_reduce(v, mesh, "world")
         host = v.tolist()  # the step's one host-device synchronization
@@ -268,7 +270,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
             if run.ramp and step and config.stage_at(run.ramp, step).start == step:
                 switch_stage(run, recipe, run.ramp, step)
                 meter.restage()
-            with P.patient(mesh) if step == first else nullcontext():  # it compiles
+            with launch.patient(mesh) if step == first else nullcontext():  # it compiles
                 result = train_step(run, guard, stop, step)  # phases 1-6
             if result is None:  # skipped by the guard
                 continue
@@ -952,10 +954,10 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
                       weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
                       allocate_state=False,  # GradSync shards
                       full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
-                      unit_of=P.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
+                      unit_of=Z.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
                       initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
         partial = partial_over_tp(opt.names, model, mesh)
-        sync = P.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=partial)  # (lazy: values now)
+        sync = Z.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=partial)  # (lazy: values now)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise config.ConfigError(f"cannot build the model from the initial weights: {e}") from None
     scaler = O.LossScaler() if spec.precision == "fp16" else None

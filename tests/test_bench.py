@@ -15,7 +15,7 @@ import yaml
 import bench
 import config
 import costs
-import launch
+import multiproc
 import model as M
 import parallel
 
@@ -267,7 +267,7 @@ def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
 
 def test_dp_vs_ddp_and_bubble_run_end_to_end():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = launch.command(2, REPO / "bench.py", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
+    base = multiproc.command(2, REPO / "bench.py", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2",
                           "--steps", "2", "--json")
     ddp = json.loads(subprocess.run(base + ["--dp-vs-ddp", "--blocks", "1"], capture_output=True, text=True,
                                     check=True, env=env).stdout.splitlines()[-1])
@@ -491,7 +491,7 @@ def test_a_traced_step_on_every_rank_under_tp_and_pp(tmp_path):
     backward on each stage; every collective's bytes, summed by group, equal to what the step counted, which
     is what metrics.jsonl logs for it; a picture; the bubble measured near the formula's 0.2."""
     out = tmp_path / "run"
-    subprocess.run(launch.command(4, REPO / "train.py", "--model", "tiny", "--seq-len", "64", "--micro-batch",
+    subprocess.run(multiproc.command(4, REPO / "train.py", "--model", "tiny", "--seq-len", "64", "--micro-batch",
                                   "2", "--grad-accum", "4", "--tp", "2", "--pp", "2", "--max-steps", "2",
                                   "--warmup", "1", "--log-every", "1", "--eval-every", "-1", "--ckpt-every", "2",
                                   "--sample-tokens", "0", "--trace-step", "2", "--out-dir", out),

@@ -26,7 +26,7 @@ FLAGS = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--grad-acc
 CHAOS = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import torch, config, parallel, train
+    import torch, config, train, zero as Z
     # which kill comes next: one marker file per kill done, so the plan does not depend on how torchrun
     # counts restarts
     done = len([f for f in os.listdir({markers!r}) if f.startswith("killed")])
@@ -40,13 +40,13 @@ CHAOS = textwrap.dedent("""
         _, where, n = plan
         count = [0]
         if where == "step":
-            real_finish = parallel.GradSync.finish
+            real_finish = Z.GradSync.finish
             def finish(self):
                 count[0] += 1
                 if count[0] == n:
                     die()
                 real_finish(self)
-            parallel.GradSync.finish = finish
+            Z.GradSync.finish = finish
         else:
             real_save = torch.save
             def save(obj, f, *a, **k):

@@ -19,7 +19,7 @@ import checkpoint as C
 import config
 import data
 import evaluate as E
-import launch
+import multiproc
 import model as M
 import parallel as P
 import train
@@ -302,7 +302,7 @@ def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsy
     argv = ["--init", str(checkpoint), "--task", str(mc), "--task", "tinyshakespeare", "--limit", "7",
             "--json"]
     one = cli(capsys, *argv[:-1])
-    cmd = launch.command(2, REPO / "evaluate.py", *argv)
+    cmd = multiproc.command(2, REPO / "evaluate.py", *argv)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]

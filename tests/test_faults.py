@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 import data
-import launch
+import multiproc
 import optim as O
 import parallel
 import train
@@ -126,20 +126,20 @@ def test_nan_gradient_on_one_rank_makes_every_rank_skip(tmp_path, when):
     script.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
-        import config, parallel, train
-        real, calls = parallel.GradSync.{method}, [0]
+        import config, train, zero as Z
+        real, calls = Z.GradSync.{method}, [0]
         def patched(self):
             real(self)
             calls[0] += 1
             if self.mesh.rank == 1 and calls[0] == 2:  # step 2
                 self.opt.grad[0] = float("nan")
-        parallel.GradSync.{method} = patched
+        Z.GradSync.{method} = patched
         config.run(train.main, sys.argv[1:])
     """))
     common = [*TINY, "--max-steps", "4", "--grad-accum", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, cmd in (("nan", [str(script)]), ("clean", [str(REPO / "train.py")])):
-        p = subprocess.run(launch.command(2, *cmd, *common, "--out-dir", tmp_path / name), capture_output=True,
+        p = subprocess.run(multiproc.command(2, *cmd, *common, "--out-dir", tmp_path / name), capture_output=True,
                            text=True, env=env, timeout=240)
         assert p.returncode == 0, p.stderr[-3000:]
     assert [r["step"] for r in records(tmp_path / "nan") if "skipped" in r] == [2]
@@ -371,7 +371,7 @@ def counting_hashes(tmp_path, module: str, argv: list[str]) -> subprocess.Comple
         data.sha256_file = counted
         config.run({module}.main, sys.argv[1:])
     """))
-    return subprocess.run(launch.command(2, script, *argv), capture_output=True, text=True, timeout=240,
+    return subprocess.run(multiproc.command(2, script, *argv), capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -410,7 +410,7 @@ def test_the_ranks_share_the_checks_of_an_init_checkpoint(tmp_path):
 
 
 def test_changing_a_timeout_is_silent_on_every_rank_and_takes_effect(tmp_path):
-    """parallel.set_timeout on 2 gloo processes, with _set_pg_timeout deprecated as torch 2.14 does it where
+    """launch.set_timeout on 2 gloo processes, with _set_pg_timeout deprecated as torch 2.14 does it where
     its replacement (ProcessGroup.set_timeout) exists: no warning on either rank, and a peer 2.5 s late
     fails the all-reduce after the 1 s set, not the 60 s the groups were made with."""
     script = tmp_path / "timeout.py"
@@ -418,7 +418,7 @@ def test_changing_a_timeout_is_silent_on_every_rank_and_takes_effect(tmp_path):
         import json, os, sys, time, warnings
         sys.path.insert(0, {str(REPO)!r})
         import torch, torch.distributed as dist
-        import parallel as P
+        import launch, parallel as P
         real = dist.distributed_c10d._set_pg_timeout
         def deprecated(*args, **kwargs):
             warnings.warn("`torch.distributed.distributed_c10d._set_pg_timeout` is deprecated, please use "
@@ -428,21 +428,21 @@ def test_changing_a_timeout_is_silent_on_every_rank_and_takes_effect(tmp_path):
             dist.distributed_c10d._set_pg_timeout = deprecated
         mesh = P.init_mesh(timeout_s=60.0, io_timeout_s=60.0)
         mesh.timeout_s = 1.0
-        P.set_timeout(mesh, mesh.timeout_s)
+        launch.set_timeout(mesh, mesh.timeout_s)
         if mesh.rank == 1:
             time.sleep(2.5)
         t0 = time.time()
         try:
             P.all_reduce(torch.ones(4), mesh, "dp")
             failed = None
-        except P.CommError as e:
+        except launch.CommError as e:
             failed = str(e)
         with open({str(tmp_path)!r} + f"/rank{{mesh.rank}}.json", "w") as f:
             json.dump({{"seconds": time.time() - t0, "failed": failed}}, f)
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
     """))
-    p = subprocess.run(launch.command(2, script), capture_output=True, text=True, timeout=120,
+    p = subprocess.run(multiproc.command(2, script), capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "always"})
     assert p.returncode == 0 and "Warning" not in p.stderr and "_set_pg_timeout" not in p.stderr, p.stderr
     waited = json.loads((tmp_path / "rank0.json").read_text())

@@ -22,11 +22,12 @@ import bench
 import config
 import costs
 import data
-import launch
+import multiproc
 import model as M
 import optim as O
 import parallel as P
 import train
+import zero as Z
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["--model", "mini", "--seq-len", "64", "--micro-batch", "4", "--max-steps", "2", "--warmup", "1",
@@ -101,7 +102,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
     script = tmp_path / "census.py"
     script.write_text(CENSUS)
     argv = [str(script), *RUN, *flags, "--out-dir", str(tmp_path / "o")]
-    cmd = [sys.executable, *argv] if processes == 1 else launch.command(processes, *argv)
+    cmd = [sys.executable, *argv] if processes == 1 else multiproc.command(processes, *argv)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
@@ -223,7 +224,7 @@ def test_activations_saved_for_backward_by_layout(tmp_path):
     Deterministic: it holds the tensor-parallel layouts, whose census above gloo's timing blurs."""
     script = tmp_path / "saved_by_layout.py"
     script.write_text(SAVED)
-    p = subprocess.run(launch.command(2, script), capture_output=True, text=True, timeout=300,
+    p = subprocess.run(multiproc.command(2, script), capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     margs = M.PRESETS["mini"]
@@ -243,8 +244,8 @@ def zero3_build(margs, dtype, dp: int, lazy: bool):
     model = train.build_model(margs, None, args, mesh, torch.device("cpu"), dtype, lazy=lazy)
     initial = train.initial_values(model, margs, None, args, mesh) if lazy else None
     opt = O.AdamW(model.named_parameters(), pad_to=dp, allocate_state=False, full_grad=False,
-                  unit_of=P.unit_of, initial=initial)
-    P.grad_sync(opt, mesh, zero=3)
+                  unit_of=Z.unit_of, initial=initial)
+    Z.grad_sync(opt, mesh, zero=3)
     return opt
 
 

@@ -24,8 +24,10 @@ import costs
 import data
 import evaluate
 import launch
+import multiproc
 import model as M
 import parallel as P
+import zero as Z
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -333,11 +335,11 @@ GLOBAL_BATCH = 16  # sequences per optimizer step, the same in every layout
 def job(n, out_dir, *flags, steps=3, micro=4, check=True, timeout=240, extra_env=None,
         script=REPO / "train.py"):
     """`script` over TINY as a job of n processes, GLOBAL_BATCH sequences a step. A job that must succeed
-    starts through launch.py (torchrun's variables, torch imported once); one that must fail (check=False)
+    starts through multiproc.py (torchrun's variables, torch imported once); one that must fail (check=False)
     through torchrun itself, whose agent ends the job."""
     dp = n // (int(_flag(flags, "--tp", 1)) * int(_flag(flags, "--pp", 1)) * int(_flag(flags, "--cp", 1)))
     accum = GLOBAL_BATCH // (micro * dp)
-    start = launch.command(n, script) if check else [sys.executable, "-m", "torch.distributed.run",
+    start = multiproc.command(n, script) if check else [sys.executable, "-m", "torch.distributed.run",
                                                      "--standalone", f"--nproc_per_node={n}", str(script)]
     shape = [] if "--ramp" in flags else ["--seq-len", "32", "--grad-accum", str(accum)]  # (the ramp's own)
     cmd = [*start, *TINY, *shape, "--micro-batch", str(micro), "--max-steps", str(steps), "--out-dir",
@@ -624,7 +626,7 @@ import torch
 import config, costs
 import train
 
-PROJECT = {"train.py", "model.py", "parallel.py", "optim.py", "data.py", "checkpoint.py", "costs.py"}
+PROJECT = {"train.py", "model.py", "parallel.py", "zero.py", "optim.py", "data.py", "checkpoint.py", "costs.py"}
 seen, counting = collections.Counter(), [False]
 
 def counted(name, original):
@@ -687,17 +689,17 @@ def _groups_and_patience(out_file):
     torch.distributed.new_group = counted
     mesh = P.init_mesh(tp=2, timeout_s=60.0, io_timeout_s=60.0)
     mesh.timeout_s = 1.0
-    P.set_timeout(mesh, mesh.timeout_s)
+    launch.set_timeout(mesh, mesh.timeout_s)
     out = {"made": made, "io": torch.distributed.get_backend(mesh.groups["io"])}
     t = torch.ones(4)
-    for name, context in (("patient", P.patient(mesh)), ("impatient", contextlib.nullcontext())):
+    for name, context in (("patient", launch.patient(mesh)), ("impatient", contextlib.nullcontext())):
         with context:
             if mesh.tp_rank == 1:
                 time.sleep(2.5)
             try:
                 P.all_reduce(t, mesh, "tp")
                 out[name] = "ok"
-            except P.CommError as e:
+            except launch.CommError as e:
                 out[name] = str(e)
     Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(out))
 
@@ -727,7 +729,7 @@ def _timeline(out_file, zero):
                        max_seq_len=16)
     model = M.Transformer(args)
     opt = O.AdamW(model.named_parameters(), pad_to=mesh.dp)
-    sync = P.grad_sync(opt, mesh, bucket_mb=0.01, zero=zero)  # 2,600 floats a bucket: one or two per block
+    sync = Z.grad_sync(opt, mesh, bucket_mb=0.01, zero=zero)  # 2,600 floats a bucket: one or two per block
     sync.prefetch_into(model)  # before the recording hooks below: a block's wait comes before its start
     events = []
     for name in ("all_reduce", "reduce_scatter", "all_gather", "all_gather_many"):
@@ -816,27 +818,27 @@ def _step_ops(out_file):
             torch.manual_seed(0)
             model = M.Transformer(args).to(torch.bfloat16)
             kw = dict(allocate_state=False, full_grad=zero < 2) if zero else {}
-            opt = O.AdamW(model.named_parameters(), pad_to=mesh.dp, unit_of=P.unit_of if zero == 3 else None,
+            opt = O.AdamW(model.named_parameters(), pad_to=mesh.dp, unit_of=Z.unit_of if zero == 3 else None,
                           **kw)
-            sync = P.grad_sync(opt, mesh, bucket_mb=bucket_mb, zero=zero)
+            sync = Z.grad_sync(opt, mesh, bucket_mb=bucket_mb, zero=zero)
             sync.prefetch_into(model)
             x, y = torch.randint(0, 64, (2, 2, 16))
             for _ in range(2):  # the second step is counted
                 sync.start()
                 (P.loss_sum(model(x), y, 64, mesh) / (2 * 16 * mesh.dp)).backward()
-                counter, wait = OpCounter(), P._Work.wait
-                P._Work.wait = lambda work: (setattr(counter, "paused", True), wait(work),
+                counter, wait = OpCounter(), launch.Work.wait
+                launch.Work.wait = lambda work: (setattr(counter, "paused", True), wait(work),
                                              setattr(counter, "paused", False))[1]
                 with counter:
                     sync.finish()
-                    norm = P.grad_norm(sync, model)
+                    norm = Z.grad_norm(sync, model)
                     opt.step(1e-3, grad_scale=O.clip_scale(1.0, norm))
                     sync.all_gather_params()
                     opt.zero_grad()
-                P._Work.wait = wait
+                launch.Work.wait = wait
             collectives = {k: v for k, v in counter.ops.items() if k.startswith("c10d.")}
             out[f"{zero} {bucket_mb}"] = {"buckets": len(sync.buckets), "ops": sum(counter.ops.values()) - sum(
-                collectives.values()), "collectives": collectives, "units": len(P.unit_modules(model))}
+                collectives.values()), "collectives": collectives, "units": len(Z.unit_modules(model))}
     Path(out_file.format(rank=mesh.rank)).write_text(json.dumps(out))
 
 
@@ -876,9 +878,9 @@ def _zero3_against_unsharded(out_file, tied, act_ckpt, compiled):
     ref = M.Transformer(args)
     ref.load_state_dict(model.state_dict())
     model.act_ckpt = ref.act_ckpt = act_ckpt
-    build = lambda m, **kw: O.AdamW(m.named_parameters(), lr=1e-2, pad_to=mesh.dp, unit_of=P.unit_of, **kw)
+    build = lambda m, **kw: O.AdamW(m.named_parameters(), lr=1e-2, pad_to=mesh.dp, unit_of=Z.unit_of, **kw)
     opt, ref_opt = build(model, allocate_state=False, full_grad=False), build(ref)
-    sync = P.grad_sync(opt, mesh, zero=3)
+    sync = Z.grad_sync(opt, mesh, zero=3)
     if compiled:
         train.compile_blocks(model, backend="eager")  # torch.compile's tracing, without code generation
     sync.prefetch_into(model)
@@ -982,7 +984,7 @@ def test_consolidate_to_hugging_face(tmp_path, reference):
     special ids a base model's export records."""
     job(4, tmp_path, "--tp", "2", "--pp", "2")
     ckpt = tmp_path / (tmp_path / "latest").read_text().strip()
-    subprocess.run([sys.executable, str(REPO / "parallel.py"), "consolidate", str(tmp_path),
+    subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "consolidate", str(tmp_path),
                     "--hf", str(tmp_path / "hf")], check=True, cwd=REPO)
     hf = M.load_hf(tmp_path / "hf")
     ref, merged = masters(reference), hf.state_dict()
@@ -1013,7 +1015,7 @@ def test_consolidate_averages_the_last_checkpoints_of_one_run(tmp_path, capsys):
         assert torch.allclose(averaged[name], want, atol=1e-7), name
     assert not torch.equal(averaged["norm.weight"], states[-1]["norm.weight"]["master"])
     # the command where it was documented first, `python parallel.py consolidate`, runs checkpoint.py's
-    p = subprocess.run([sys.executable, str(REPO / "parallel.py"), "consolidate", str(out), "--hf",
+    p = subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "consolidate", str(out), "--hf",
                         str(tmp_path / "hf2"), "--average-last", "3"], capture_output=True, text=True)
     assert p.returncode == 0 and M.load_hf(tmp_path / "hf2").state_dict().keys() == averaged.keys(), p.stderr
     for argv, message in ((["--average-last", "4"], "holds 3 intact checkpoint(s), fewer than the 4"),
@@ -1042,7 +1044,7 @@ def _comm(out_file, tp, pp, dp, sp):
     P.apply_tensor_parallel(model, mesh)
     P.apply_pipeline(model, mesh)
     opt = O.AdamW(model.named_parameters(), pad_to=dp)
-    sync = P.GradSync(opt, mesh, bucket_mb=0.01)
+    sync = Z.GradSync(opt, mesh, bucket_mb=0.01)
     B, T, m = 2, 16, 4
     batches = [(torch.randint(0, 64, (B, T)), torch.randint(0, 64, (B, T))) for _ in range(m)]
     loss_fn = lambda logits, y: P.loss_sum(logits, y, 64, mesh) / (m * B * T * dp)

@@ -16,7 +16,7 @@ import checkpoint as C
 import config
 import data
 import dpo
-import launch
+import multiproc
 import model as M
 import parallel as P
 import reward
@@ -142,7 +142,7 @@ def test_a_reward_model_goes_to_hugging_face_and_back(tmp_path):
 
 
 def _torchrun(n, out, *flags):
-    cmd = launch.command(n, REPO / "reward.py", *flags, "--out-dir", out)
+    cmd = multiproc.command(n, REPO / "reward.py", *flags, "--out-dir", out)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -264,7 +264,7 @@ def test_rejection_sampling_shares_the_prompts_over_ranks(policy_and_reward, tmp
     outs = {}
     for n in (1, 2):
         outs[n] = tmp_path / f"n{n}.jsonl"
-        cmd = launch.command(n, REPO / "reward.py", "sample", "--policy", policy, "--reward", rm, "--prompts",
+        cmd = multiproc.command(n, REPO / "reward.py", "sample", "--policy", policy, "--reward", rm, "--prompts",
                              prompts, "--out", outs[n], "--k", "3", "--max-new-tokens", "40")
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -19,7 +19,7 @@ import checkpoint as C
 import config
 import dpo
 import evaluate
-import launch
+import multiproc
 import parallel as P
 import reward
 import rl
@@ -295,7 +295,7 @@ def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path
 
 
 def _job(n, out, prompts, *flags):
-    cmd = launch.command(n, REPO / "rl.py", *BASE, "--prompts", prompts, *flags, "--out-dir", out)
+    cmd = multiproc.command(n, REPO / "rl.py", *BASE, "--prompts", prompts, *flags, "--out-dir", out)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

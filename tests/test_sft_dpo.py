@@ -16,7 +16,7 @@ import transformers  # test-only dependency: requirements-test.txt
 import checkpoint as C
 import data
 import dpo
-import launch
+import multiproc
 import model as M
 import parallel as P
 import sft
@@ -282,7 +282,7 @@ def test_ipo_uses_per_token_log_probs_and_ipo_sum_the_sums():
 
 
 def _torchrun(script, n, out, *flags):
-    cmd = launch.command(n, REPO / script, *flags, "--out-dir", out)
+    cmd = multiproc.command(n, REPO / script, *flags, "--out-dir", out)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

@@ -17,6 +17,7 @@ import checkpoint
 import config
 import costs
 import data
+import launch
 import model as M
 import parallel
 import train
@@ -230,9 +231,9 @@ def test_each_process_binds_its_own_gpu_before_the_first_collective(monkeypatch)
     monkeypatch.setenv("LOCAL_RANK", "9")
     with pytest.raises(config.ConfigError, match="GPU 9 asked for .* this process sees 8"):
         config.pick_device_and_precision(args)
-    options = parallel.process_group_options(torch.device("cuda", 5), 7.0)
+    options = launch.process_group_options(torch.device("cuda", 5), 7.0)
     assert options["backend"] == "nccl" and options["device_id"] == torch.device("cuda", 5)
-    assert parallel.process_group_options(torch.device("cpu"), 7.0)["backend"] == "gloo"
+    assert launch.process_group_options(torch.device("cpu"), 7.0)["backend"] == "gloo"
 
 
 def test_a_checkpoint_keeps_only_its_own_gpus_random_state(monkeypatch):

@@ -1,6 +1,6 @@
 """Start a multi-process job for the tests: torchrun's variables, without torchrun's start-up cost.
 
-    python tests/launch.py N SCRIPT [ARGS...]      (tests build the line with command(n, script, *args))
+    python tests/multiproc.py N SCRIPT [ARGS...]      (tests build the line with command(n, script, *args))
 
 torchrun starts N fresh interpreters, and each imports torch and the project: about 1.3 s of CPU per rank,
 much of a tiny 8-process test's time on two cores. This imports them once, then forks N ranks; each runs

@@ -1,0 +1,208 @@
+"""Joining a job and living in it: the plumbing every distributed script shares, and which a learner may
+skip. It imports no file of the project.
+
+  launch_env        RANK, WORLD_SIZE, MASTER_ADDR... as torchrun sets them, checked (LaunchError, one line)
+  join_job          the job's process group through the rendezvous: NCCL on a GPU, gloo on a CPU
+  set_timeout       how long collectives wait; patient() lets the first step (which every rank compiles at
+                    its own speed) wait as long as the disk waits do
+  run_collective    a collective launched so that its failure is one CommError naming the op, the group,
+                    its ranks and how long it waited, and (Work) its asynchronous handle, whose wait does
+                    the same; a traced step records its span (costs.StepTrace)
+  exit_with_agent   a worker whose torchrun agent was killed ends too, freeing its GPU
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+class LaunchError(RuntimeError):
+    """This process was not started as part of a job (torchrun's variables wrong or missing): said by every
+    rank that finds it, since its rank may not be known."""
+
+    def __init__(self, why: str):
+        super().__init__(f"cannot join the job: {why}")
+
+
+def launch_env() -> tuple[int, int]:
+    """(rank, world size) from the variables torchrun sets, checked: a wrong or missing one would otherwise
+    be a ValueError traceback, or a wait for peers that never come. Without WORLD_SIZE: one process.
+    Raises LaunchError, whose message says which variable is wrong and how to launch instead."""
+    def whole(name: str, default: int | None) -> int | None:
+        text = os.environ.get(name)
+        if text is None or not text.strip():
+            return default
+        if not text.strip().isdigit():
+            raise LaunchError(f"{name}={text[:40]!r} is not a whole number >= 0")
+        return int(text)
+    launch = "start the processes with torchrun (e.g. torchrun --standalone --nproc_per_node=N ...)"
+    world = whole("WORLD_SIZE", 1)
+    rank = whole("RANK", 0 if world == 1 else None)
+    if world < 1 or rank is None or rank >= world:
+        raise LaunchError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} do "
+                          f"not name a process of a job (0 <= RANK < WORLD_SIZE): {launch}")
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        whole(name, 0)
+    if world > 1:
+        addr, port = os.environ.get("MASTER_ADDR", "").strip(), whole("MASTER_PORT", None)
+        if not addr or port is None or not 0 < port < 65536:
+            raise LaunchError(f"WORLD_SIZE={world} needs MASTER_ADDR (a host) and MASTER_PORT (1-65535); "
+                              f"got {addr or 'none'!r} and {os.environ.get('MASTER_PORT')!r}: {launch}")
+        try:
+            socket.getaddrinfo(addr, port)
+        except (socket.gaierror, UnicodeError):
+            raise LaunchError(f"MASTER_ADDR={addr[:80]!r} is not a host this machine can find") from None
+    return rank, world
+
+
+def join_job(rank: int, world: int, device, timeout_s: float):
+    """The process group of the whole job, through the rendezvous at MASTER_ADDR:MASTER_PORT. A peer that
+    never comes (a wrong address or port, a rank not started) fails after timeout_s as one CommError."""
+    options = process_group_options(device, timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    try:
+        if restart is None:
+            dist.init_process_group(**options)
+        else:
+            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
+            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
+            agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
+            dist.init_process_group(store=dist.PrefixStore(f"attempt{restart}", store), rank=rank,
+                                    world_size=world, **options)
+    except (RuntimeError, ValueError, OSError) as e:  # (DistNetworkError and DistStoreError: RuntimeErrors)
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise CommError(f"could not join the job of {world} processes at {where} (--dist-timeout "
+                        f"{timeout_s:g} s): {' '.join(str(e).split())[:300]}") from None
+
+
+def process_group_options(device: torch.device | None, timeout_s: float) -> dict:
+    """NCCL on CUDA, bound to this process's GPU from the start (device_id): without it NCCL guesses the GPU
+    from the rank for its first collective, which is wrong wherever ranks and GPUs are not numbered alike.
+    gloo on CPU."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device is not None and device.type == "cuda":
+        return {"backend": "nccl", "device_id": device, "timeout": timeout}
+    return {"backend": "gloo", "timeout": timeout}
+
+
+def set_timeout(mesh, seconds: float):
+    """How long every group's collectives but the io group's may wait from now on. ProcessGroup.set_timeout
+    sets it in each of the group's backends (torch 2.14's torch.distributed.set_timeout calls it, and
+    deprecates the private _set_pg_timeout, which torch 2.5 has alone)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in [dist.group.WORLD] + [g for dim, g in mesh.groups.items() if dim != "io"]:
+        if hasattr(group, "set_timeout"):
+            group.set_timeout(timeout)
+        else:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+@contextmanager
+def patient(mesh):
+    """Inside, every collective may wait as long as the io group's (--io-timeout), not --dist-timeout: for
+    the first step, which each rank compiles as it first runs it (--compile's graphs, the GPU's kernels).
+    A rank that compiles slower, or misses a cache its peers hit, keeps the others waiting at the first
+    collective for minutes, and that is not a stall."""
+    if mesh.world == 1 or mesh.patient:
+        yield
+        return
+    set_timeout(mesh, mesh.io_timeout_s)
+    mesh.patient = True
+    try:
+        yield
+    finally:
+        set_timeout(mesh, mesh.timeout_s)
+        mesh.patient = False
+
+
+class CommError(RuntimeError):
+    """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
+    group and its ranks, so the log says where the job stopped instead of only that it did. (With gloo the
+    failing call raises, and this names it. NCCL reports a timeout from its watchdog thread, which ends the
+    process with the op and the group's name, tp / pp / dp, given to new_group.)"""
+
+
+def raise_comm_error(e: Exception, what, mesh, dim: str, t0: float):
+    """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
+    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised
+    as is."""
+    if isinstance(e, torch.OutOfMemoryError):
+        raise e
+    op, t = what
+    what = f"{op} of {tuple(t.shape)}" if t is not None else op
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop gloo's "[file.cc:78] "
+    cause = cause.split(". This is typically")[0][:300]
+    waited = time.monotonic() - t0
+    hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
+            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" or mesh.patient else mesh.timeout_s)
+            or "timed out" in cause.lower() else "a rank in this group died or failed; its own log says why")
+    limit = f"--dist-timeout {mesh.timeout_s:g} s"
+    if dim == "io" or mesh.patient:
+        limit = f"--io-timeout {mesh.io_timeout_s:g} s" + (", the first step's" if dim != "io" else "")
+    raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
+                    f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
+
+
+class Work:
+    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops. In a traced
+    step, `done` ends the op's span: on gloo when its future's callback runs, as the op completes; on NCCL
+    (whose futures complete once the op is queued) at the wait, with the device synchronized."""
+
+    def __init__(self, work, what: tuple, mesh, dim: str, t0: float, done=None):
+        self.work, self.what, self.mesh, self.dim, self.t0, self.done = work, what, mesh, dim, t0, done
+        if done is not None and mesh.device.type == "cpu" and hasattr(work, "get_future"):
+            work.get_future().add_done_callback(lambda _: done())
+
+    def wait(self):
+        try:
+            out = self.work.wait()
+        except RuntimeError as e:
+            raise_comm_error(e, self.what, self.mesh, self.dim, self.t0)
+        if self.done is not None:
+            self.done()
+        return out
+
+
+def run_collective(what: tuple, mesh, dim: str, fn, async_op: bool = False, nbytes: float = 0.0):
+    t0 = time.monotonic()
+    done = mesh.trace.collective(what[0], dim, nbytes) if mesh.trace is not None else None
+    try:
+        work = fn()
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+        raise_comm_error(e, what, mesh, dim, t0)
+    if done is not None and not async_op:
+        done()
+    return Work(work, what, mesh, dim, t0, done) if async_op else None
+
+
+def exit_with_agent(poll_s: float = 1.0):
+    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
+    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
+    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
+    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
+    the command lines (configure_process, evaluate.py, bench.py), as a process-wide setting."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
+                                                     for t in threading.enumerate()):
+        return  # not started by torchrun, or watched already
+    agent = os.getppid()
+
+    def watch():
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"error (rank {os.environ.get('RANK', '?')}): torchrun's agent (pid {agent}) is gone; "
+              "exiting", file=sys.stderr, flush=True)
+        os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
+
+    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
