@@ -78,11 +78,11 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     margs = M.PRESETS[model]
     config.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)  # as train.py
     dp = gpus // (tp * cp * pp)
-    n = M.count_params(margs)
+    n = costs.count_params(margs)
     tokens_micro = micro_batch * seq_len
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
-    flops_tok = M.flops_per_token(margs, seq_len, frozen=lora is not None)
+    flops_tok = costs.flops_per_token(margs, seq_len, frozen=lora is not None)
     layout = dict(tp=tp, pp=pp, dp=dp, sp=sp, grad_accum=grad_accum, cp=cp, virtual=virtual)
     memory = lambda z, ck: costs.memory_estimate(
         margs, precision, micro_batch, seq_len, act_ckpt=ck, zero=int(z), schedule=schedule, **layout,
@@ -264,7 +264,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
         phases["7 checkpoint"] = ckpt[0]  # one save of model + optimizer state (not part of step_s)
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     peak, peak_src = costs.peak_flops(run.device, run.precision)
-    flops = M.flops_per_token(margs, args.seq_len)
+    flops = costs.flops_per_token(margs, args.seq_len)
     shape = (margs, run.precision, args.micro_batch, args.seq_len)
     layout = dict(act_ckpt=args.act_ckpt, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, zero=args.zero, sp=mesh.sp,
                   grad_accum=args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
@@ -277,7 +277,7 @@ def measure(a, timing: str = "phases", **over) -> dict:
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": config.loss_chunk(args),
-            "attn_backend": args.attn_backend, "attn_kernel": run.attention, "params": M.count_params(margs),
+            "attn_backend": args.attn_backend, "attn_kernel": run.attention, "params": costs.count_params(margs),
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
@@ -594,7 +594,7 @@ def dp_vs_ddp(args, mesh, margs, device):
         times["DDP"] += timed_steps(ddp_step, args.steps, device)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"median_step_s": med, "ratio_ddp_over_ours": med["DDP"] / med["parallel.py"],
-            "grad_mb": 4 * M.count_params(margs) / 2 ** 20, "steps_each": args.steps * args.blocks}
+            "grad_mb": 4 * costs.count_params(margs) / 2 ** 20, "steps_each": args.steps * args.blocks}
 
 
 def bubble_schedules(args) -> list[tuple[str, int]]:
@@ -1093,8 +1093,8 @@ def sizing_for(flops: float) -> dict:
     parameters, tokens = costs.compute_optimal(flops)
     return {"budget_flops": flops, "parameters": parameters, "tokens": tokens,
             "tokens_per_parameter": costs.TOKENS_PER_PARAMETER,
-            "llama3": {m: {"parameters": M.count_params(M.PRESETS[m]), "tokens": t,
-                           "tokens_per_parameter": t / M.count_params(M.PRESETS[m])}
+            "llama3": {m: {"parameters": costs.count_params(M.PRESETS[m]), "tokens": t,
+                           "tokens_per_parameter": t / costs.count_params(M.PRESETS[m])}
                        for m, t in LLAMA3.items()}}
 
 
@@ -1166,7 +1166,7 @@ def run_comparison(a, versions: dict):
     mesh = P.init_mesh(pp=world if a.bubble else 1, device=device)
     result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world,
               "model": a.model,
-              "params": M.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len,
+              "params": costs.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len,
               "torch_device": str(device)}
     if a.dp_vs_ddp:
         result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs, device)

@@ -54,6 +54,7 @@ import data
 import launch
 import model as M
 import parallel as P
+import weights as W
 
 
 class CheckpointError(Exception):
@@ -282,7 +283,7 @@ def manifest_files(folder: Path) -> list[Path]:
     return [Path(folder) / name for name in names]
 
 
-def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[M.LazyState, dict]:
+def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[W.LazyState, dict]:
     """The shard files of a checkpoint's manifest (memory-mapped) -> {name: {"master", "exp_avg",
     "exp_avg_sq"}} (or only `keys`) as full tensors, each assembled when looked up, so loading into another
     layout holds one full parameter at a time; plus the first file's extra fields. Works for any layout
@@ -293,7 +294,7 @@ def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[M.LazySt
         for name, e in s["params"].items():
             if names is None or name in names:
                 pieces.setdefault(name, []).append(e)
-    full = M.LazyState({name: (lambda parts=parts: _assemble(parts, keys)) for name, parts in pieces.items()})
+    full = W.LazyState({name: (lambda parts=parts: _assemble(parts, keys)) for name, parts in pieces.items()})
     extra = {k: v for k, v in shards[0].items() if k != "params"}
     return full, extra
 
@@ -317,7 +318,7 @@ def load_shards(folder: Path, model, opt, mesh: P.Mesh):
                                  f"needs {tuple(shape)}")
         return out
 
-    state = M.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
+    state = W.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
     opt.load_state_dict({"step": extra["step"], "params": state})
     return extra
 
@@ -750,7 +751,7 @@ def recorded(path) -> dict:
                    "num_labels": margs.get("num_labels")}
         else:  # (a Meta folder's params.json names no architecture: a language model)
             out = {"tokenizer": found.get("tokenizer"), "vocab_size": found.get("vocab_size"),
-                   "num_labels": M.classifier_labels(found)}
+                   "num_labels": W.classifier_labels(found)}
         kinds = {"tokenizer": str, "seq_len": int, "vocab_size": int, "chat": bool, "num_labels": int}
         return {k: v for k, v in out.items() if isinstance(v, kinds[k])}
     raise CheckpointError(f"--init {path}: not a checkpoint folder, a Hugging Face folder (config.json) or "
@@ -813,9 +814,9 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
         if is_checkpoint(path):
             margs, state = checkpoint_state(path, tok, verify)
         elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
-            margs, state = M.hf_state(path)
+            margs, state = W.hf_state(path)
         elif (path / "params.json").exists():
-            model = M.load_meta(path)
+            model = W.load_meta(path)
             margs, state = model.args, model.state_dict()
         else:
             raise CheckpointError(f"--init {path}: not a checkpoint folder, a Hugging Face folder "
@@ -834,7 +835,7 @@ def checkpoint_args(step: Path) -> M.ModelArgs:
     return M.ModelArgs.from_dict(read_meta(step)["model_args"])
 
 
-def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.ModelArgs, M.LazyState]:
+def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.ModelArgs, W.LazyState]:
     """A checkpoint's model args and weights (its fp32 masters, each read when looked up), without what only
     training keeps (M.TRAINING_ONLY). A LoRA checkpoint holds its adapters alone: each adapted weight is
     then the model it adapts (lora_base) merged with them, W + (alpha / r) B A."""
@@ -855,7 +856,7 @@ def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.Model
                 state.setdefault(name, lambda name=name: base[name])
     if margs.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
-    return margs, M.LazyState(state)
+    return margs, W.LazyState(state)
 
 
 def lora_record(lora: tuple | None, base: Path | None, seed: int) -> dict | None:
@@ -906,7 +907,7 @@ def lora_base(lora: dict, margs: M.ModelArgs, tok, verify: bool):
         return load_init(base, tok, verify)[1]
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in M.Transformer(margs).named_parameters()}
-    return M.LazyState({name: (lambda name=name, shape=shape: M.init_tensor(margs, name, shape, lora["seed"]))
+    return W.LazyState({name: (lambda name=name, shape=shape: M.init_tensor(margs, name, shape, lora["seed"]))
                         for name, shape in shapes.items()})
 
 
@@ -981,21 +982,21 @@ def clear_run(out_dir: Path) -> list[str]:
 def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, average: list[Path] = ()):
     """A sharded checkpoint -> a Hugging Face folder, which every --init reads, as transformers does; with
     `tokenizer` (the tiktoken Encoding it was trained with), the folder records it and its special ids
-    (data.hf_tokens) and carries it as a Hugging Face tokenizer (data.hf_tokenizer_files). With
+    (W.hf_tokens) and carries it as a Hugging Face tokenizer (W.hf_tokenizer_files). With
     `average` (other checkpoints of the same run), each weight is the element-wise mean of `folder`'s and
     theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory. A LoRA
     checkpoint is written merged (checkpoint_state)."""
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     states = [checkpoint_state(f, tokenizer, verify=False)[1] for f in [folder, *average]]
-    model = M.empty_model(M.ModelArgs.from_dict(meta["model_args"]))
+    model = W.empty_model(M.ModelArgs.from_dict(meta["model_args"]))
     mean = lambda name: sum(state[name].float() for state in states) / len(states)
     model.load_state_dict({name: states[0][name] if not average else mean(name) for name in states[0]})
     if tokenizer is None:
-        M.save_hf(model, hf)
+        W.save_hf(model, hf)
     else:
-        files = data.hf_tokenizer_files(tokenizer, chat, model.args.max_seq_len)
-        M.save_hf(model, hf, data.hf_tokens(tokenizer, chat), files)
+        files = W.hf_tokenizer_files(tokenizer, chat, model.args.max_seq_len)
+        W.save_hf(model, hf, W.hf_tokens(tokenizer, chat), files)
     return model
 
 
@@ -1021,13 +1022,13 @@ def export_peft(folder: Path, out: Path):
     loadable = base is not None and not is_checkpoint(base) and (base / "config.json").is_file()
     def theirs(name):  # layers.0.attention.wq.lora_A -> base_model.model.(its HF module).lora_A.weight
         linear, factor = name.rsplit(".", 1)
-        return f"base_model.model.{M.hf_name(linear + '.weight').removesuffix('.weight')}.{factor}.weight"
+        return f"base_model.model.{W.hf_name(linear + '.weight').removesuffix('.weight')}.{factor}.weight"
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
               "target_modules": sorted(PEFT_NAMES[t] for t in lora["targets"]), "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "base_model_name_or_path": str(base) if loadable else None}
     adapters = {theirs(name): full[name]["master"] for name in full if M.is_lora(name)}
-    M.write_export(out, {"adapter_model.safetensors": adapters}, {"adapter_config.json": config},
+    W.write_export(out, {"adapter_model.safetensors": adapters}, {"adapter_config.json": config},
                    PEFT_EXPORT_FILES)
 
 

@@ -1,5 +1,6 @@
 """What a run costs: estimated from the shapes alone, and measured on the device at hand.
 
+  Counting    count_params and flops_per_token (PaLM's and Megatron's conventions) of any model's shapes
   Estimates   memory_estimate (the bytes one rank holds at its peak, by kind), build_bytes (while the model
               is built) and comm_estimate (the bytes it sends per step, per dimension), for any model and
               layout. config.py's memory check refuses a run that cannot fit before it allocates anything;
@@ -37,6 +38,29 @@ import parallel as P
 
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def count_params(args: M.ModelArgs, embedding: bool = True) -> int:
+    """Exact parameter count of model.Transformer(args), from the shapes alone (no model is built)."""
+    d, hd, L, V = args.dim, args.head_dim, args.n_layers, args.vocab_size
+    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo + wk, wv
+    ffn = 3 * d * args.hidden_dim
+    n = L * (attn + ffn + 2 * d) + d  # + two norms per layer, the final norm
+    n += args.output_size * d if not args.tie_embeddings else 0  # output head
+    return n + (V * d if embedding else 0)
+
+
+def flops_per_token(args: M.ModelArgs, seq_len: int, frozen: bool = False) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward = 3x forward) under the two conventions in use:
+    'palm' (PaLM appendix B, nanoGPT, torchtitan): 6*N_matmul + 12*L*d*T, attention scores counted in full;
+    'megatron' (Megatron-LM, llm.c): the attention term halved, since causal masking skips half of it.
+    N_matmul counts every weight that takes part in a matmul: all but the embedding table, the output head
+    included (when tied, the shared matrix is still used once as the head). frozen (LoRA): the weights get
+    no gradient, so 4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
+    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings
+                                                      else 0)
+    attn, matmuls = 12 * args.n_layers * args.dim * seq_len, (4 if frozen else 6) * n_matmul
+    return {"palm": matmuls + attn, "megatron": matmuls + attn / 2}
 
 
 def rank_layers(n_layers: int, pp: int, stage: int, split=None, virtual: int = 1) -> int:

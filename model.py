@@ -3,24 +3,22 @@
 Read top to bottom:
   1. ModelArgs and PRESETS        the hyperparameters of every Llama 3 size, from a CPU toy to 405B
   2. RMSNorm, RoPE                normalization and rotary positions with the Llama 3.1 frequency scaling
-  3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP
-  4. Transformer                  embedding -> n_layers x Block -> norm -> output head; packed documents
-                                 (a dense mask, or FlexAttention's block mask on CUDA); LoRA's low-rank
+  3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP; packed documents (a
+                                 dense mask, or FlexAttention's block mask on CUDA)
+  4. Transformer                  embedding -> n_layers x Block -> norm -> output head; LoRA's low-rank
                                  updates on the linears (add_lora, merge_lora)
-  5. generate                     sampling with a KV cache (temperature, top-k, top-p; 0 = greedy)
-  6. load_hf / save_hf / load_meta  Hugging Face and Meta checkpoints (safetensors parsed by hand);
-                                 hf_state reads a Hugging Face folder lazily, tensor by tensor
-  7. count_params, flops_per_token   the arithmetic bench.py and the README use (the memory and the
-                                   bytes a parallel layout costs: costs.py)
+  5. Generation                   sampling with a KV cache (temperature, top-k, top-p; 0 = greedy), and K
+                                 replies to one prompt in one batch (sample)
+  6. Counting                     parameters and FLOPs per token (the memory and bytes a layout costs:
+                                 costs.py)
+  7. Checks                       every value a model cannot be built from, refused where ModelArgs is made
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
 outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the
 layers live in a ModuleDict keyed by their *global* index ("0", "1", ...), so parameter names do not depend
 on which layers a pipeline stage keeps, and attention infers its local head count from the tensors it sees.
-
-Parameter names follow Meta's reference (tok_embeddings, layers.N.attention.wq, feed_forward.w1, ...).
-RoPE uses the "rotate half" layout of Hugging Face: the first and second half of each head's dimensions
-form the rotated pairs. Meta checkpoints pair adjacent dimensions instead; load_meta permutes wq/wk rows.
+Parameter names follow Meta's reference (tok_embeddings, layers.N.attention.wq, feed_forward.w1, ...);
+RoPE uses Hugging Face's "rotate half" layout (weights.py converts Meta's and Hugging Face's checkpoints).
 """
 
 from __future__ import annotations
@@ -28,19 +26,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import math
-import mmap
-import os
-import shutil
-import struct
 import sys
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -54,59 +46,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 # --precision's names -> the dtype a model computes in
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Far past any real size or context; a 5000-digit one from a JSON file would otherwise reach torch, whose
-# int64 sizes overflow with an error that says nothing about which field was wrong.
-_MAX_SIZE = 2 ** 31 - 1
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not a size
-
-
-def _is_positive_number(v) -> bool:
-    """An int or float in (0, largest float]: NaN fails the comparison, and an int too large for a float
-    (from a 400-digit number in a JSON file) would overflow inside torch."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max
-
-
-def _show(v, limit: int = 60) -> str:
-    """repr(v) for a message, cut to `limit` characters (Python refuses to print ints of 4300+ digits)."""
-    try:
-        text = repr(v)
-    except (ValueError, RecursionError):
-        text = f"<{type(v).__name__} too large to print>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def check_rope_scaling(s):
-    """Llama 3.1's frequency scaling needs all four numbers, with high_freq_factor > low_freq_factor (it
-    divides by their difference) and factor >= 1: anything else gives NaN or infinite frequencies, and a run
-    would train on with a NaN loss. None means no scaling."""
-    if s is None:
-        return
-    if not isinstance(s, dict):
-        raise ValueError(f"rope_scaling must be null or an object with {', '.join(ROPE_SCALING_KEYS)}, got "
-                         f"{_show(s)}")
-    wrong = [f"missing {k}" for k in ROPE_SCALING_KEYS if k not in s] + \
-        [f"unknown {_show(k)}" for k in s if k not in ROPE_SCALING_KEYS]
-    if wrong:
-        raise ValueError(f"rope_scaling needs exactly the keys {', '.join(ROPE_SCALING_KEYS)} (null: no "
-                         f"scaling): {', '.join(wrong)}")
-    for k in ROPE_SCALING_KEYS[:3]:
-        if not _is_positive_number(s[k]):
-            raise ValueError(f"rope_scaling {k} must be a positive number, got {_show(s[k])}")
-    if s["factor"] < 1:
-        raise ValueError(f"rope_scaling factor must be at least 1 (how much longer the context gets), got "
-                         f"{s['factor']}")
-    if not s["high_freq_factor"] > s["low_freq_factor"]:
-        raise ValueError(f"rope_scaling high_freq_factor ({s['high_freq_factor']}) must be larger than "
-                         f"low_freq_factor ({s['low_freq_factor']})")
-    if not _is_int(s["original_max_seq_len"]) or not 1 <= s["original_max_seq_len"] <= _MAX_SIZE:
-        raise ValueError(f"rope_scaling original_max_seq_len must be a positive integer, got "
-                         f"{_show(s['original_max_seq_len'])}")
-
 
 @dataclass
 class ModelArgs:
@@ -129,56 +68,14 @@ class ModelArgs:
     num_labels: Optional[int] = None
 
     def __post_init__(self):
-        """Every value a model cannot be built from, or would train on with a NaN loss, is refused here, so
-        each way in (presets, flags, config.json, params.json, a checkpoint's meta.json) is checked."""
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len",
-                     *(["ffn_hidden"] if self.ffn_hidden is not None else [])):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {_show(value)}")
-            if value > _MAX_SIZE:
-                raise ValueError(f"{name} must be at most {_MAX_SIZE}, got {_show(value)}")
-        for name in ("norm_eps", "rope_theta", *(["ffn_dim_multiplier"] if self.ffn_dim_multiplier is not None
-                                                 else [])):
-            value = getattr(self, name)
-            if not _is_positive_number(value):
-                raise ValueError(f"{name} must be a positive number, got {_show(value)}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings must be true or false, got {_show(self.tie_embeddings)}")
-        if self.num_labels is not None and not (_is_int(self.num_labels) and 1 <= self.num_labels <= _MAX_SIZE):
-            raise ValueError(f"num_labels must be null or a positive integer, got {_show(self.num_labels)}")
-        if self.num_labels is not None and self.tie_embeddings:
-            raise ValueError("a head of num_labels outputs cannot be tied to the embedding table")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-        if self.ffn_hidden is None and self.ffn_dim_multiplier is not None and \
-                not 1 <= self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3) <= _MAX_SIZE:
-            raise ValueError(f"ffn_dim_multiplier {self.ffn_dim_multiplier} makes the FFN hidden size of dim "
-                             f"{self.dim} less than 1 or more than {_MAX_SIZE}")
-        check_rope_scaling(self.rope_scaling)
+        check_args(self)  # (section 7: every value it cannot be built from, from any way in)
 
     @classmethod
     def from_dict(cls, d) -> "ModelArgs":
-        """Model args as a file records them (a checkpoint's meta.json "model_args": dataclasses.asdict) ->
-        ModelArgs. ValueError, one readable line, for anything but a dict, for keys ModelArgs does not have
-        (a file from another version or another program: named, so the reader knows which), for a missing
-        size the weights depend on (the defaults are a toy model's), and for impossible values."""
-        if not isinstance(d, dict):
-            raise ValueError(f"model args must be an object of named values, got {_show(d)}")
-        known = [f.name for f in fields(cls)]
-        unknown = [_show(k) for k in d if k not in known]
-        if unknown:
-            raise ValueError(f"model args have unknown keys {', '.join(unknown)}; ModelArgs takes "
-                             f"{', '.join(known)}: was the file written by another version?")
-        missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in d]
-        if missing:
-            raise ValueError(f"model args miss {', '.join(missing)}: the file is incomplete")
+        """Model args as a file records them (a checkpoint's meta.json: dataclasses.asdict), checked."""
+        check_record(d, [f.name for f in fields(cls)])
         return cls(**d)
 
     @property
@@ -647,24 +544,6 @@ def selective_recompute():
     return create_selective_checkpoint_contexts(_keep_expensive)
 
 
-def with_storage(model: Transformer, device) -> Transformer:
-    """Storage, uninitialized, for a model built on the meta device (whole, or a parallel layout's piece of
-    it), the head tied back to the embedding where the model ties them: to_empty gives every parameter
-    storage of its own."""
-    model.to_empty(device=device)
-    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
-        model.output.weight = model.tok_embeddings.weight
-    return model
-
-
-def empty_model(args: ModelArgs, dtype=torch.float32, device="cpu") -> Transformer:
-    """A model whose every weight is about to be written (loaded, consolidated): built on the meta device, so
-    no random initialization runs, cast there, then given storage."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return with_storage(model.to(dtype), device)
-
-
 # ----------------------------------------------------------------------------------------------------
 # 4b. LoRA (Hu et al. 2021): fine-tuning that trains, beside each chosen linear's frozen W, a low-rank update
 #     (alpha / r) B A: A (r, in) drawn as a linear's weight is, B (out, r) zero, so training starts from the
@@ -805,483 +684,131 @@ def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature
     return torch.stack(out, dim=1)
 
 
+def replies_stream(seed: int, index: int, device) -> torch.Generator:
+    """The random stream of prompt `index`'s replies: one per (seed, prompt), whichever rank draws it."""
+    state = int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+    return torch.Generator(device=device).manual_seed(state)
+
+
+@torch.no_grad()
+def sample(model: Transformer, ids: list[int], k: int, max_new_tokens: int, generator, eos: int, n_vocab: int,
+           temperature: float = 1.0, top_p: float | None = None, whole_vocab=None) -> list[list[int]]:
+    """K continuations of the token ids `ids`, sampled as one batch (K copies: one prefill shape, one KV
+    cache) -> each one's new tokens, up to and with its eos when it finished within max_new_tokens.
+    whole_vocab: as generate's (under tensor parallelism every rank draws the same tokens)."""
+    new = generate(model, [ids] * k, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=eos,
+                   generator=generator, n_vocab=n_vocab, whole_vocab=whole_vocab)
+    return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
+
+
 # ----------------------------------------------------------------------------------------------------
-# 6. Weight interop: Hugging Face (config.json + safetensors) and Meta (params.json + consolidated.*.pth)
+# 6. Checks: every value a model cannot be built from, refused where ModelArgs is made
 
-# safetensors: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
-# then the raw little-endian tensor bytes. Simple enough to read and write without the package.
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
-_ST_MAX_HEADER = 100_000_000  # the safetensors library's own limit: a longer header is a damaged file
+# Far past any real size or context; a 5000-digit one from a JSON file would otherwise reach torch, whose
+# int64 sizes overflow with an error that says nothing about which field was wrong.
+_MAX_SIZE = 2 ** 31 - 1
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
 
 
-def _one_line(e: BaseException, limit: int = 120) -> str:
-    text = " ".join(f"{type(e).__name__}: {e}".split())
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not a size
+
+
+def _is_positive_number(v) -> bool:
+    """An int or float in (0, largest float]: NaN fails the comparison, and an int too large for a float
+    (from a 400-digit number in a JSON file) would overflow inside torch."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max
+
+
+def show(v, limit: int = 60) -> str:
+    """repr(v) for a message, cut to `limit` characters (Python refuses to print ints of 4300+ digits)."""
+    try:
+        text = repr(v)
+    except (ValueError, RecursionError):
+        text = f"<{type(v).__name__} too large to print>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _parse_json(raw: bytes, what: str):
-    """json.loads, every failure as a ValueError naming `what`: bad syntax, bad UTF-8 and a 5000-digit
-    number raise ValueError, deeply nested arrays RecursionError (which is not one)."""
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{what} is not valid JSON ({_one_line(e)})") from None
+def check_rope_scaling(s):
+    """Llama 3.1's frequency scaling needs all four numbers, with high_freq_factor > low_freq_factor (it
+    divides by their difference) and factor >= 1: anything else gives NaN or infinite frequencies, and a run
+    would train on with a NaN loss. None means no scaling."""
+    if s is None:
+        return
+    if not isinstance(s, dict):
+        raise ValueError(f"rope_scaling must be null or an object with {', '.join(ROPE_SCALING_KEYS)}, got "
+                         f"{show(s)}")
+    wrong = [f"missing {k}" for k in ROPE_SCALING_KEYS if k not in s] + \
+        [f"unknown {show(k)}" for k in s if k not in ROPE_SCALING_KEYS]
+    if wrong:
+        raise ValueError(f"rope_scaling needs exactly the keys {', '.join(ROPE_SCALING_KEYS)} (null: no "
+                         f"scaling): {', '.join(wrong)}")
+    for k in ROPE_SCALING_KEYS[:3]:
+        if not _is_positive_number(s[k]):
+            raise ValueError(f"rope_scaling {k} must be a positive number, got {show(s[k])}")
+    if s["factor"] < 1:
+        raise ValueError(f"rope_scaling factor must be at least 1 (how much longer the context gets), got "
+                         f"{s['factor']}")
+    if not s["high_freq_factor"] > s["low_freq_factor"]:
+        raise ValueError(f"rope_scaling high_freq_factor ({s['high_freq_factor']}) must be larger than "
+                         f"low_freq_factor ({s['low_freq_factor']})")
+    if not is_int(s["original_max_seq_len"]) or not 1 <= s["original_max_seq_len"] <= _MAX_SIZE:
+        raise ValueError(f"rope_scaling original_max_seq_len must be a positive integer, got "
+                         f"{show(s['original_max_seq_len'])}")
 
 
-def args_in(file: Path, parse) -> "ModelArgs":
-    """The model args a config file holds (parse: args_from_hf_config, args_from_meta_params); a ValueError
-    names the file."""
-    found = read_json_object(file)
-    try:
-        return parse(found)
-    except ValueError as e:
-        raise ValueError(f"{file}: {e}") from None
+def check_args(a: ModelArgs):
+    """Every value a model cannot be built from, or would train on with a NaN loss, refused (ValueError, one
+    line): each way in (presets, flags, config.json, params.json, a checkpoint's meta.json) is checked."""
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len",
+                 *(["ffn_hidden"] if a.ffn_hidden is not None else [])):
+        value = getattr(a, name)
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {show(value)}")
+        if value > _MAX_SIZE:
+            raise ValueError(f"{name} must be at most {_MAX_SIZE}, got {show(value)}")
+    for name in ("norm_eps", "rope_theta", *(["ffn_dim_multiplier"] if a.ffn_dim_multiplier is not None
+                                             else [])):
+        value = getattr(a, name)
+        if not _is_positive_number(value):
+            raise ValueError(f"{name} must be a positive number, got {show(value)}")
+    if not isinstance(a.tie_embeddings, bool):
+        raise ValueError(f"tie_embeddings must be true or false, got {show(a.tie_embeddings)}")
+    if a.num_labels is not None and not (is_int(a.num_labels) and 1 <= a.num_labels <= _MAX_SIZE):
+        raise ValueError(f"num_labels must be null or a positive integer, got {show(a.num_labels)}")
+    if a.num_labels is not None and a.tie_embeddings:
+        raise ValueError("a head of num_labels outputs cannot be tied to the embedding table")
+    if a.dim % a.n_heads:
+        raise ValueError(f"dim {a.dim} is not divisible by n_heads {a.n_heads}")
+    if a.n_heads % a.n_kv_heads:
+        raise ValueError(f"n_heads {a.n_heads} is not divisible by n_kv_heads {a.n_kv_heads}")
+    if a.head_dim % 2:
+        raise ValueError(f"head_dim {a.head_dim} must be even for RoPE")
+    if a.ffn_hidden is None and a.ffn_dim_multiplier is not None and \
+            not 1 <= a.ffn_dim_multiplier * int(2 * 4 * a.dim / 3) <= _MAX_SIZE:
+        raise ValueError(f"ffn_dim_multiplier {a.ffn_dim_multiplier} makes the FFN hidden size of dim "
+                         f"{a.dim} less than 1 or more than {_MAX_SIZE}")
+    check_rope_scaling(a.rope_scaling)
 
 
-def read_json_object(path) -> dict:
-    """A JSON file that must hold an object (config.json, params.json) -> the dict, or ValueError naming
-    the file."""
-    obj = _parse_json(Path(path).read_bytes(), str(path))
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path} must hold a JSON object {{...}}, not {_show(obj)}")
-    return obj
-
-
-def _safetensors_entry_problem(info, data_len: int) -> str | None:
-    """What is wrong with one tensor's header entry (None: nothing), judged from the header and the size of
-    the data alone: a dtype, a shape and offsets that fit the file and agree with each other."""
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        return f"is {_show(info)}, not an object with dtype, shape and data_offsets"
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
-        return f"has dtype {_show(dtype)}, not one of {', '.join(_ST_DTYPES)}"
-    # a zero among the dimensions makes any others legal; their product must still fit torch's int64 strides
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape) or \
-            math.prod(max(d, 1) for d in shape) > 2 ** 62:
-        return f"has shape {_show(shape)}, not a list of non-negative integers"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
-            and 0 <= offsets[0] <= offsets[1] <= data_len):
-        return f"has data_offsets {_show(offsets)}, not [start, end] within its {data_len} bytes of data"
-    need = math.prod(shape) * _ST_DTYPES[dtype].itemsize
-    if offsets[1] - offsets[0] != need:
-        return f"has {offsets[1] - offsets[0]} bytes of data, but {dtype} x {shape} takes {need}"
-    return None
-
-
-def _safetensors_header(path) -> tuple[int, dict]:
-    """(where the data starts, {name: {dtype, shape, data_offsets}}) without reading any tensor. Each entry is
-    checked against the file here, so a truncated, damaged or hostile file is one ValueError naming it, not
-    a struct, memory or torch error when a tensor is read."""
-    size = os.path.getsize(path)
-    damaged = f"{path} is not a valid safetensors file"
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{damaged}: {size} bytes, too few for the header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:  # checked before reading: the length alone could ask for exabytes
-            raise ValueError(f"{damaged}: its header length {n} is past the end of the file ({size} bytes); "
-                             "is it truncated?")
-        if n > _ST_MAX_HEADER:
-            raise ValueError(f"{damaged}: its header of {n} bytes is over the format's {_ST_MAX_HEADER}")
-        header = _parse_json(f.read(n), f"the header of {path}")
-    if not isinstance(header, dict):
-        raise ValueError(f"{damaged}: its header is {_show(header)}, not a JSON object")
-    header.pop("__metadata__", None)
-    for name, info in header.items():
-        problem = _safetensors_entry_problem(info, size - 8 - n)
-        if problem:
-            raise ValueError(f"{damaged}: tensor {_show(name)} {problem}")
-    return 8 + n, header
-
-
-def read_safetensors(path, names=None) -> dict[str, torch.Tensor]:
-    """Read a .safetensors file, or only `names` from it, into CPU tensors (copied out of a memory map, so
-    files can be large)."""
-    base, header = _safetensors_header(path)  # every entry checked: offsets, dtype and shape agree
-    out = {}
-    # copy-on-write: torch wants writable memory
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
-        for name in header if names is None else names:
-            if name not in header:
-                raise ValueError(f"{path} holds no tensor {_show(name)}")
-            info = header[name]
-            dtype, count = _ST_DTYPES[info["dtype"]], math.prod(info["shape"])
-            t = torch.frombuffer(m, dtype=dtype, count=count, offset=base + info["data_offsets"][0]) \
-                if count else torch.empty(0, dtype=dtype)
-            out[name] = t.reshape(info["shape"]).clone()
-            del t  # no view of the map may outlive it
-    return out
-
-
-def write_safetensors(tensors: dict[str, torch.Tensor], path):
-    names = {v: k for k, v in _ST_DTYPES.items()}
-    header, offset, blobs = {}, 0, []
-    for name, t in tensors.items():
-        t = t.detach().contiguous().cpu()
-        b = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # a 0-dim one too
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset
-                                                                                          + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)  # the format pads the header to 8-byte alignment
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
-
-
-_HF_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.N / model.layers.N
-    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-
-
-def hf_name(ours: str, classifier: bool = False) -> str:
-    """Our parameter name -> Hugging Face's; classifier: the head is LlamaForSequenceClassification's."""
-    if ours.startswith("layers."):
-        _, i, rest = ours.split(".", 2)
-        return f"model.layers.{i}.{_HF_LAYER_NAMES[rest]}"
-    return {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "score.weight" if classifier else "lm_head.weight"}[ours]
-
-
-_HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
-_HF_ROPE_KEYS = {"factor": "factor", "low_freq_factor": "low_freq_factor",  # ours -> Hugging Face's
-                 "high_freq_factor": "high_freq_factor",
-                 "original_max_seq_len": "original_max_position_embeddings"}
-
-
-def args_from_hf_config(cfg: dict) -> ModelArgs:
-    """A Hugging Face config.json's contents -> ModelArgs; ValueError for one this model cannot be built
-    from: not a Llama config, a rope type other than llama3, impossible values (ModelArgs checks them)."""
-    if not isinstance(cfg, dict):
-        raise ValueError(f"the config must be a JSON object, got {_show(cfg)}")
-    missing = [k for k in _HF_REQUIRED if k not in cfg]
+def check_record(d, known: list[str]):
+    """A record of model args (ModelArgs.from_dict) refused, one readable line: anything but a dict, keys
+    ModelArgs does not have (a file from another version or another program: named, so the reader knows
+    which), a missing size the weights depend on (the defaults are a toy model's)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"model args must be an object of named values, got {show(d)}")
+    unknown = [show(k) for k in d if k not in known]
+    if unknown:
+        raise ValueError(f"model args have unknown keys {', '.join(unknown)}; ModelArgs takes "
+                         f"{', '.join(known)}: was the file written by another version?")
+    missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in d]
     if missing:
-        raise ValueError(f"the config misses {', '.join(missing)}: is it a Llama model's config.json?")
-    # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"rope_scaling must be an object, got {_show(rope)}")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    kind, scaling = rope.get("rope_type", rope.get("type")), None
-    if kind == "llama3":
-        missing = [hf for hf in _HF_ROPE_KEYS.values() if hf not in rope]
-        if missing:
-            raise ValueError(f"rope type llama3 needs {', '.join(missing)} in rope_scaling")
-        scaling = {ours: rope[hf] for ours, hf in _HF_ROPE_KEYS.items()}
-    elif kind not in ("default", None):  # another scaling (linear, dynamic, yarn): ignoring it is wrong
-        raise ValueError(f"unsupported rope type {_show(kind)}: only llama3 and default are")
-    labels = classifier_labels(cfg)
-    args = ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-                     n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
-                     vocab_size=cfg["vocab_size"], ffn_hidden=cfg["intermediate_size"],
-                     norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
-                     max_seq_len=cfg.get("max_position_embeddings", 2048),
-                     # (a classifier's head is its own "score": nothing to tie)
-                     tie_embeddings=False if labels else cfg.get("tie_word_embeddings", False),
-                     num_labels=labels)
-    if cfg.get("head_dim") not in (None, args.head_dim):  # heads here are always hidden_size / n_heads wide
-        raise ValueError(f"head_dim {_show(cfg['head_dim'])} is not hidden_size / num_attention_heads = "
-                         f"{args.head_dim}, which this model requires")
-    return args
-
-
-def classifier_labels(cfg: dict) -> int | None:
-    """A LlamaForSequenceClassification config's number of outputs (transformers records them as id2label;
-    its default is 2), or None for a causal LM."""
-    if not any("ForSequenceClassification" in str(a) for a in cfg.get("architectures") or []):
-        return None
-    labels = cfg.get("id2label")
-    return len(labels) if isinstance(labels, dict) and labels else cfg.get("num_labels", 2)
-
-
-def hf_config(args: ModelArgs) -> dict:
-    """config.json of a Hugging Face Llama: LlamaForCausalLM, or LlamaForSequenceClassification for a model
-    with num_labels outputs (a reward model: 1)."""
-    kind = "LlamaForSequenceClassification" if args.num_labels else "LlamaForCausalLM"
-    cfg = {"architectures": [kind], "model_type": "llama", "hidden_act": "silu",
-           "hidden_size": args.dim, "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
-           "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
-           "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-           "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
-           "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-           "torch_dtype": "float32"}
-    if args.rope_scaling:
-        s = args.rope_scaling
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s["factor"],
-                               "low_freq_factor": s["low_freq_factor"],
-                               "high_freq_factor": s["high_freq_factor"],
-                               "original_max_position_embeddings": s["original_max_seq_len"]}
-    if args.num_labels:
-        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(args.num_labels)}  # (its num_labels)
-    return cfg
-
-
-def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: str) -> Transformer:
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:
-        expected.pop("output.weight")
-        state.pop("output.weight", None)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{source}: missing {missing[:4]} unexpected {unexpected[:4]}")
-    for k, shape in expected.items():
-        if tuple(state[k].shape) != tuple(shape):
-            raise ValueError(f"{source}: {k} has shape {tuple(state[k].shape)}, the config says "
-                             f"{tuple(shape)}")
-    model.load_state_dict(state, strict=False)
-    return model
-
-
-class LazyState(Mapping):
-    """A state dict whose tensors are read from disk when looked up, and not kept: a rank that builds only
-    its own shards (parallel.materialize) reads the weights it needs, one at a time, never the whole model."""
-
-    def __init__(self, readers: dict):
-        self._readers = readers  # name -> () -> tensor
-
-    def __getitem__(self, name):
-        return self._readers[name]()
-
-    def __contains__(self, name):  # without reading (Mapping's default would look the tensor up)
-        return name in self._readers
-
-    def __iter__(self):
-        return iter(self._readers)
-
-    def __len__(self):
-        return len(self._readers)
-
-
-def hf_state(path) -> tuple[ModelArgs, LazyState]:
-    """A Hugging Face Llama directory (config.json + *.safetensors) -> (model args, a LazyState under our
-    parameter names). Names and shapes are checked against the config from the files' headers, before any
-    weight is read."""
-    path = Path(path)
-    args = args_in(path / "config.json", args_from_hf_config)
-    where = {}  # Hugging Face name -> (file, shape)
-    for f in sorted(path.glob("*.safetensors")):
-        where.update({name: (f, info["shape"]) for name, info in _safetensors_header(f)[1].items()})
-    if not where:
-        raise FileNotFoundError(f"no *.safetensors files holding a tensor in {path}")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-    if args.tie_embeddings:
-        expected.pop("output.weight")  # the head is the embedding
-    theirs = lambda ours: hf_name(ours, classifier=args.num_labels is not None)
-    missing = [theirs(k) for k in expected if theirs(k) not in where]
-    if missing:
-        raise ValueError(f"{path}: missing {missing[:4]}")
-    for k, shape in expected.items():
-        if tuple(where[theirs(k)][1]) != shape:
-            raise ValueError(f"{path}: {k} has shape {tuple(where[theirs(k)][1])}, the config says {shape}")
-    read = lambda hf: (lambda: read_safetensors(where[hf][0], [hf])[hf])
-    readers = {k: read(theirs(k)) for k in expected}
-    if args.tie_embeddings:
-        readers["output.weight"] = readers["tok_embeddings.weight"]
-    return args, LazyState(readers)
-
-
-def load_hf(path, dtype=torch.float32) -> Transformer:
-    """A Hugging Face Llama directory (config.json + *.safetensors) -> Transformer."""
-    args, state = hf_state(path)
-    model = empty_model(args, dtype)
-    tied = {"output.weight"} if args.tie_embeddings else set()  # the head is the embedding: read it once
-    return _load_state(model, {k: state[k].to(dtype) for k in state if k not in tied}, str(path))
-
-
-HF_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json",  # all save_hf writes
-                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def save_hf(model: Transformer, path, tokens: dict | None = None, files: dict | None = None):
-    """Write a Hugging Face Llama directory: config.json and model.safetensors (in the model's dtype). With
-    `tokens` (data.hf_tokens: the tokenizer's name and its bos, eos and pad ids under transformers' names),
-    config.json records them and generation_config.json tells generate() where to stop: without them,
-    transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here. `files`
-    ({name: JSON object}, data.hf_tokenizer_files) are written beside them: the tokenizer itself."""
-    classifier = model.args.num_labels is not None  # (LlamaForSequenceClassification's head: "score")
-    state = {hf_name(k, classifier): v for k, v in model.state_dict().items()
-             if not (k == "output.weight" and model.args.tie_embeddings)}
-    cfg = hf_config(model.args) | (tokens or {})
-    cfg["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    jsons = {"config.json": cfg, **(files or {})}
-    if tokens:
-        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
-        jsons["generation_config.json"] = {k: tokens[k] for k in ids}
-    write_export(path, {"model.safetensors": state}, jsons, HF_EXPORT_FILES)
-
-
-def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
-    """A folder of safetensors files ({name: state dict}) and JSON files ({name: object}), all or nothing:
-    written and fsynced in a temporary sibling folder, then renamed to `path`, so a full disk or a kill
-    never leaves a truncated model in a folder that looks complete. An existing `path` is replaced only if
-    it is empty or holds nothing but files of an export (`ours`: an earlier one); anything else is refused
-    (FileExistsError) before anything is written."""
-    path = Path(os.path.abspath(path))  # "." and "x/.." have no name to put a sibling next to
-    _check_export_target(path, ours)
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save of an earlier process with our pid
-        tmp.mkdir(parents=True)
-        for name, state in tensors.items():
-            write_safetensors(state, tmp / name)
-        for name, obj in jsons.items():
-            (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
-        for f in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them the export
-            _fsync(f)
-        _swap_in(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _check_export_target(path: Path, ours):
-    """An export replaces only what an export wrote (`ours`): a file, a link or a folder holding anything
-    else (a checkpoint, someone's notes) is refused, and nothing is written."""
-    if path.is_symlink() or (path.exists() and not path.is_dir()):  # a link would be replaced, not followed
-        raise FileExistsError(f"{path} exists and is a file or a link, not a folder; nothing was written: "
-                              "remove it or export to another path")
-    if path.is_dir():
-        others = sorted(p.name for p in path.iterdir()
-                        if p.name not in ours or p.is_symlink() or not p.is_file())
-        if others:
-            raise FileExistsError(f"{path} holds files an export does not write ({', '.join(others[:5])}"
-                                  f"{', ...' if len(others) > 5 else ''}); nothing was written: export to a "
-                                  "new or empty folder, or move them away")
-
-
-def _swap_in(new: Path, path: Path):
-    """Rename folder `new` to `path`. An earlier export there is renamed aside first and deleted only once
-    the new one is in place; if the second rename fails, it is put back."""
-    if path.exists():
-        old = path.parent / f".old-{path.name}-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-        try:
-            os.rename(new, path)
-        except BaseException:
-            os.rename(old, path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(new, path)
-    _fsync(path.parent)  # the rename itself on disk
-
-
-def _fsync(path: Path):
-    fd = os.open(path, os.O_RDONLY)  # a folder too: Linux syncs its entries this way
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def meta_to_hf_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's wq/wk rows pair adjacent dims (0,1),(2,3)..; ours pair (i, i+head_dim/2). Reorder the rows."""
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-def hf_to_meta_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-
-
-# In Meta's model-parallel checkpoints each consolidated.NN.pth holds one slice: column-parallel weights
-# (and the vocab-parallel embedding) are split along dim 0, row-parallel ones (wo, w2) along dim 1.
-_META_CAT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0, "wo": 1,
-                 "w2": 1}
-
-
-def args_from_meta_params(p: dict) -> ModelArgs:
-    """A Meta params.json's contents -> ModelArgs; ValueError for missing keys or impossible values. The
-    scaling is built before ModelArgs, so ModelArgs checks the factor too."""
-    missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "norm_eps")
-               if k not in p]
-    if missing:
-        raise ValueError(f"misses {', '.join(missing)}: is it a Llama 3 params.json?")
-    if not isinstance(p.get("use_scaled_rope", False), bool):
-        raise ValueError(f"use_scaled_rope must be true or false, got {_show(p['use_scaled_rope'])}")
-    scaling = None
-    if p.get("use_scaled_rope"):
-        factor = p.get("rope_scaling_factor")
-        scaling = dict(LLAMA31_ROPE) | ({"factor": factor} if factor is not None else {})
-    return ModelArgs(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"],
-                     n_kv_heads=p.get("n_kv_heads"), vocab_size=p["vocab_size"], multiple_of=p["multiple_of"],
-                     ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p["norm_eps"],
-                     rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
-                     max_seq_len=p.get("max_seq_len", 8192))
-
-
-def load_meta(path, dtype=torch.float32) -> Transformer:
-    """A Meta Llama 3 checkpoint directory (params.json + consolidated.*.pth) -> Transformer."""
-    path = Path(path)
-    args = args_in(path / "params.json", args_from_meta_params)
-    files = sorted(path.glob("consolidated.*.pth"))
-    if not files:
-        raise FileNotFoundError(f"no consolidated.*.pth files in {path}")
-    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
-    state = {}
-    for name in shards[0]:
-        if name.endswith("rope.freqs"):
-            continue  # some releases store RoPE frequencies; we recompute them
-        parts = [s[name] for s in shards]
-        kind = name.split(".")[-2]
-        t = torch.cat(parts,
-                      dim=_META_CAT_DIM[kind]) if len(parts) > 1 and kind in _META_CAT_DIM else parts[0]
-        if kind == "wq":
-            t = meta_to_hf_rope_permute(t, args.n_heads)
-        elif kind == "wk":
-            t = meta_to_hf_rope_permute(t, args.n_kv_heads)
-        state[name] = t.to(dtype)
-    if "output.weight" not in state:
-        args = replace(args, tie_embeddings=True)
-    return _load_state(empty_model(args, dtype), state, str(path))
-
-
-# ----------------------------------------------------------------------------------------------------
-# 7. Counting: parameters, FLOPs
-
-
-def count_params(args: ModelArgs, embedding: bool = True) -> int:
-    """Exact parameter count of Transformer(args), from the shapes alone (no model is built)."""
-    d, hd, L, V = args.dim, args.head_dim, args.n_layers, args.vocab_size
-    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo + wk, wv
-    ffn = 3 * d * args.hidden_dim
-    n = L * (attn + ffn + 2 * d) + d  # + two norms per layer, the final norm
-    n += args.output_size * d if not args.tie_embeddings else 0  # output head
-    return n + (V * d if embedding else 0)
-
-
-def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False) -> dict[str, float]:
-    """Training FLOPs per token (forward + backward = 3x forward) under the two conventions in use:
-    'palm' (PaLM appendix B, nanoGPT, torchtitan): 6*N_matmul + 12*L*d*T, attention scores counted in full;
-    'megatron' (Megatron-LM, llm.c): the attention term halved, since causal masking skips half of it.
-    N_matmul counts every weight that takes part in a matmul: all but the embedding table, the output head
-    included (when tied, the shared matrix is still used once as the head). frozen (LoRA): the weights get
-    no gradient, so 4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
-    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings
-                                                      else 0)
-    attn, matmuls = 12 * args.n_layers * args.dim * seq_len, (4 if frozen else 6) * n_matmul
-    return {"palm": matmuls + attn, "megatron": matmuls + attn / 2}
+        raise ValueError(f"model args miss {', '.join(missing)}: the file is incomplete")
 
 
 if __name__ == "__main__":  # python model.py: list the presets with their sizes
     for name, a in PRESETS.items():
-        f = flops_per_token(a, a.max_seq_len if a.max_seq_len <= 8192 else 8192)
-        print(f"{name:14s} params {count_params(a):>16,d}  non-embedding {count_params(a, False):>16,d}  dim "
-              f"{a.dim:5d} layers {a.n_layers:3d} heads {a.n_heads:3d}/{a.n_kv_heads:<2d} ffn "
-              f"{a.hidden_dim:6d}  GFLOP/token {f['palm'] / 1e9:9.2f}")
+        with torch.device("meta"):
+            params = sum(p.numel() for p in Transformer(a).parameters())  # (a tied head counted once)
+        print(f"{name:14s} params {params:>16,d}  dim {a.dim:5d} layers {a.n_layers:3d} heads "
+              f"{a.n_heads:3d}/{a.n_kv_heads:<2d} ffn {a.hidden_dim:6d} vocabulary {a.vocab_size:7,d}")

@@ -789,9 +789,19 @@ def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Trans
     cast to its training dtype), real storage for this rank's parameters only: each is this rank's piece
     of full_value(name, full shape) (local_value). One full parameter exists at a time, so a rank of a
     405B model never holds more than its shards plus the largest single weight (in fp32)."""
-    M.with_storage(model, device)
+    with_storage(model, device)
     for name, p in model.named_parameters():
         p.copy_(local_value(model, mesh, full_value, name, p.shape))  # (cast to p's dtype as it is copied)
+    return model
+
+
+def with_storage(model: M.Transformer, device) -> M.Transformer:
+    """Storage, uninitialized, for a model built on the meta device (whole, or a parallel layout's piece of
+    it), the head tied back to the embedding where the model ties them: to_empty gives every parameter
+    storage of its own."""
+    model.to_empty(device=device)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
     return model
 
 

@@ -636,8 +636,8 @@ def model_flops_per_token(margs, seq_len: int, task, lora: bool = False) -> floa
     """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
     that for each forward of a frozen reference model the task runs alongside (DPO without a cache). Under
     LoRA the frozen weights get no gradient: 4N + 12LdT."""
-    forward = M.flops_per_token(margs, seq_len)["palm"] / 3
-    return M.flops_per_token(margs, seq_len, frozen=lora)["palm"] + task.reference_forwards * forward
+    forward = costs.flops_per_token(margs, seq_len)["palm"] / 3
+    return costs.flops_per_token(margs, seq_len, frozen=lora)["palm"] + task.reference_forwards * forward
 
 
 def tokens_by_source(run: Run) -> dict[str, int]:
@@ -1041,7 +1041,7 @@ def lora_record(args, recipe: Pretraining) -> dict | None:
 def announce(run: Run, meter: Meter, name: str, data_desc: str):
     """The run's banner: the model, the layout, the data and what MFU is measured against."""
     margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
-    config.say(f"model {name}: {M.count_params(margs):,} parameters ({M.count_params(margs, False):,} "
+    config.say(f"model {name}: {costs.count_params(margs):,} parameters ({costs.count_params(margs, False):,} "
                f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, heads "
                f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
     config.say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"

@@ -23,6 +23,7 @@ import multiproc
 import model as M
 import parallel as P
 import train
+import weights as W
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def write_jsonl(path, records):
     return path
 
 
-BYTE = data.hf_tokens(data.get_tokenizer("byte"), chat=False)  # what an export of a byte model records
+BYTE = W.hf_tokens(data.get_tokenizer("byte"), chat=False)  # what an export of a byte model records
 
 
 def cli(capsys, *argv) -> list[dict]:
@@ -85,7 +86,7 @@ def test_multiple_choice_right_and_wrong_models(tmp_path, capsys):
     assert wrong == {"acc": 0.0, "acc_norm": 0.0, "acc_token": 0.0, "items": 4, "seq_len": 64,
                      "choices_cut": 0}
     # the same through the CLI, from a Hugging Face folder
-    M.save_hf(rigged_model(z), tmp_path / "hf", BYTE)
+    W.save_hf(rigged_model(z), tmp_path / "hf", BYTE)
     [out] = cli(capsys, "--init", str(tmp_path / "hf"), "--task", str(write_jsonl(tmp_path / "mc.jsonl",
                                                                                   ITEMS)))
     assert (out["kind"], out["acc"], out["acc_norm"], out["acc_token"], out["items"]) == ("multiple_choice",
@@ -277,7 +278,7 @@ def test_greedy_generation_equals_model_generate(checkpoint, capsys):
 def test_chat_generation_stops_at_eot(tmp_path, capsys):
     tok = data.get_tokenizer("byte")
     x, eot = tok.encode_ordinary("x")[0], data.eot_id(tok)
-    M.save_hf(rigged_model(x, then=eot), tmp_path / "hf", BYTE)  # "x", then <|eot_id|>, then "x" again ...
+    W.save_hf(rigged_model(x, then=eot), tmp_path / "hf", BYTE)  # "x", then <|eot_id|>, then "x" again ...
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\nHow are you?\n")
     chat = cli(capsys, "--init", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--chat",
@@ -328,8 +329,8 @@ def test_cli_on_a_checkpoint_and_two_processes_agree(checkpoint, tmp_path, capsy
     ([], "nothing to do"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
-    M.save_hf(rigged_model(0), tmp_path / "hf", BYTE)
-    M.save_hf(rigged_model(0), tmp_path / "bare")  # records no tokenizer
+    W.save_hf(rigged_model(0), tmp_path / "hf", BYTE)
+    W.save_hf(rigged_model(0), tmp_path / "bare")  # records no tokenizer
     (tmp_path / "bad.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n{oops\n')
     write_jsonl(tmp_path / "label.jsonl", [{"context": "a", "choices": ["b", "c"], "label": 5}])
     names = {"{hf}": str(tmp_path / "hf"), "{bare}": str(tmp_path / "bare"),
@@ -414,8 +415,8 @@ def test_diff_finds_a_hand_made_low_rank_update_exactly(tmp_path, capsys):
             u = torch.linalg.qr(torch.randn(w.shape[0], rank))[0]  # orthonormal columns
             v = torch.linalg.qr(torch.randn(w.shape[1], rank))[0]
             w += 3.0 * u @ v.T  # singular values 3, rank times
-    M.save_hf(a, tmp_path / "a", BYTE)
-    M.save_hf(b, tmp_path / "b", BYTE)
+    W.save_hf(a, tmp_path / "a", BYTE)
+    W.save_hf(b, tmp_path / "b", BYTE)
     r = E.weight_diff(tmp_path / "a", tmp_path / "b")
     for name, v in r["params"].items():
         if name in updates:
@@ -432,11 +433,11 @@ def test_diff_finds_a_hand_made_low_rank_update_exactly(tmp_path, capsys):
 
 def test_diff_of_two_different_models_is_one_line(tmp_path, capsys):
     small = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320))
-    M.save_hf(small, tmp_path / "a", BYTE)
-    M.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=320)),
+    W.save_hf(small, tmp_path / "a", BYTE)
+    W.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=320)),
               tmp_path / "b", BYTE)
     gpt2 = data.get_tokenizer("gpt2", os.environ.get("DATA_MIRROR"))
-    M.save_hf(small, tmp_path / "gpt2", data.hf_tokens(gpt2, chat=False))
+    W.save_hf(small, tmp_path / "gpt2", W.hf_tokens(gpt2, chat=False))
     for other, said in (("b", "are different models (n_layers 2 vs 3)"), ("gpt2", "reads the tokenizer")):
         with pytest.raises(SystemExit):
             config.run(E.main, ["--diff", str(tmp_path / "a"), str(tmp_path / other)])

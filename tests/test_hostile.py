@@ -31,6 +31,7 @@ import evaluate
 import model as M
 import sft
 import train
+import weights as W
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--lr", "3e-3", "--warmup", "2",
@@ -498,7 +499,7 @@ def test_only_the_manifests_shards_are_read(tmp_path, capsys):
     assert "shard_pp00_tp0.pt not in its manifest: ignored" in said
     assert losses(out) == losses(straight)  # the run went on from the real weights, bit for bit
     assert checkpoint.main(["consolidate", str(step), "--hf", str(tmp_path / "hf")]) == 0
-    hf = M.read_safetensors(tmp_path / "hf" / "model.safetensors")
+    hf = W.read_safetensors(tmp_path / "hf" / "model.safetensors")
     assert torch.equal(hf["lm_head.weight"], real["params"]["output.weight"]["master"])
 
 

@@ -17,12 +17,14 @@ import costs
 import data
 import dpo
 import evaluate
+import helpers
 import model as M
 import parallel as P
 import reward
 import rl
 import sft
 import train
+import weights as W
 
 RUN = ["--model", "tiny", "--seq-len", "64", "--warmup", "2", "--log-every", "1", "--eval-every", "0",
        "--eval-batches", "1", "--val-fraction", "0.2", "--ckpt-every", "1000"]
@@ -95,8 +97,8 @@ def lora_sft(tmp_path_factory):
     """A base model exported (a Hugging Face folder), then SFT with LoRA from it: (base, the run, out)."""
     root = tmp_path_factory.mktemp("lora")
     torch.manual_seed(1)
-    M.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320)),
-              root / "base", data.hf_tokens(data.get_tokenizer("byte"), chat=False))
+    W.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320)),
+              root / "base", W.hf_tokens(data.get_tokenizer("byte"), chat=False))
     args = sft.get_parser().parse_args(TINY + LORA + ["--init", str(root / "base"), "--max-steps", "12",
                                                       "--lr", "1e-2", "--out-dir", str(root / "out")])
     run = sft.post_train(args, sft.SFT)
@@ -109,7 +111,7 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(lora_sft):
               if '"loss"' in line]
     assert losses[-1] < losses[0] - 0.05
     assert all(M.is_lora(name) for name in run.opt.names) and len(run.opt.names) == 2 * 7 * 2
-    initial = M.load_hf(base).state_dict()
+    initial = helpers.load_hf(base).state_dict()
     for name, p in run.model.named_parameters():
         if not M.is_lora(name):
             assert not p.requires_grad and torch.equal(p.detach(), initial[name]), name  # untouched
@@ -140,7 +142,7 @@ def with_adapters(model, folder):
     """What PEFT makes of a transformers model and `folder`'s adapters, merged: each targeted module's weight
     plus (lora_alpha / r) lora_B @ lora_A."""
     config_ = json.loads((folder / "adapter_config.json").read_text())
-    adapters = M.read_safetensors(folder / "adapter_model.safetensors")
+    adapters = W.read_safetensors(folder / "adapter_model.safetensors")
     with torch.no_grad():
         for key, A in adapters.items():
             if key.endswith("lora_A.weight"):
@@ -161,7 +163,7 @@ def test_the_adapters_alone_in_peft_layout(lora_sft, tmp_path):
     assert config_["peft_type"] == "LORA" and config_["base_model_name_or_path"] == str(base.resolve())
     assert sorted(config_["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    adapters = M.read_safetensors(tmp_path / "peft" / "adapter_model.safetensors")
+    adapters = W.read_safetensors(tmp_path / "peft" / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapters
     assert adapters["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
     model = transformers.AutoModelForCausalLM.from_pretrained(config_["base_model_name_or_path"])
@@ -242,7 +244,7 @@ def test_a_reward_model_and_rl_with_lora(lora_sft, tmp_path, capsys):
         assert run.task.reference is run.model and rl.RL(args).frozen_copies == 0
         assert all(M.is_lora(n) or n.startswith("value_head.") for n in run.opt.names)
     assert C.main(["consolidate", str(tmp_path / "ppo"), "--peft", str(tmp_path / "peft")]) == 0  # (no critic)
-    assert all(".lora_" in k for k in M.read_safetensors(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert all(".lora_" in k for k in W.read_safetensors(tmp_path / "peft" / "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -280,11 +282,11 @@ def test_the_model_a_checkpoint_adapts_must_be_the_one_it_was_trained_on(tmp_pat
     that nobody trained: reading the checkpoint as a model is refused in one line."""
     torch.manual_seed(2)
     tiny = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320)
-    tokens = data.hf_tokens(data.get_tokenizer("byte"), chat=False)
-    M.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)
+    tokens = W.hf_tokens(data.get_tokenizer("byte"), chat=False)
+    W.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)
     sft.main(TINY + LORA + ["--init", str(tmp_path / "base"), "--max-steps", "1", "--warmup", "1",
                             "--out-dir", str(tmp_path / "o")])
-    M.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)  # another model under the same name
+    W.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)  # another model under the same name
     for export in ("--hf", "--peft"):  # (the adapters alone too: they would be applied to that other model)
         assert C.main(["consolidate", str(tmp_path / "o"), export, str(tmp_path / "export")]) == 1
         err = capsys.readouterr().err
@@ -301,8 +303,8 @@ def test_lora_is_refused_where_it_cannot_work(tmp_path, capsys):
     assert C.main(["consolidate", str(tmp_path / "plain"), "--peft", str(tmp_path / "p")]) == 1
     assert "is not a LoRA checkpoint (no --lora-rank): export it whole with --hf" in capsys.readouterr().err
     # a tokenizer with ids the base has no rows for: the new rows would stay frozen at their start
-    M.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256)),
-              tmp_path / "small", data.hf_tokens(data.get_tokenizer("byte"), chat=False))
+    W.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256)),
+              tmp_path / "small", W.hf_tokens(data.get_tokenizer("byte"), chat=False))
     with pytest.raises(SystemExit):
         config.run(sft.main, TINY + LORA + ["--init", str(tmp_path / "small"),
                                             "--out-dir", str(tmp_path / "s")])

@@ -261,7 +261,7 @@ def test_a_zero3_rank_never_holds_its_whole_model_while_it_is_built(precision):
     opt, peak = bench.cpu_census(lambda: zero3_build(margs, dtype, dp, lazy=True))
     kept = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in (
         opt.model_flat, opt.master, opt.exp_avg, opt.exp_avg_sq, opt.grad)}.values())
-    whole = M.count_params(margs) * costs.BYTES[precision]
+    whole = costs.count_params(margs) * costs.BYTES[precision]
     transient = costs.build_bytes(margs, precision, dp=dp, zero=3) - opt.model_flat.untyped_storage().nbytes()
     assert kept <= peak <= kept + transient and peak < whole, (peak, kept, transient, whole)
     reference, peak_whole = bench.cpu_census(lambda: zero3_build(margs, dtype, dp, lazy=False))
@@ -279,7 +279,7 @@ def test_the_memory_check_counts_the_build(monkeypatch):
     margs = config.model_args_from(args, 128_256)
     steady = costs.memory_estimate(margs, "bf16", 1, 128, dp=64, zero=2)["total"]
     build = costs.build_bytes(margs, "bf16", dp=64, zero=2)
-    assert build > steady and build >= 2 * 2 * M.count_params(margs)
+    assert build > steady and build >= 2 * 2 * costs.count_params(margs)
     monkeypatch.setattr(costs, "available_memory", lambda device: (steady + build) / 2)
     with pytest.raises(config.ResourceError, match=f"{build / 1e9:.1f} GB while it is built"):
         config.check_memory(margs, args, 64, torch.device("cpu"), "bf16")

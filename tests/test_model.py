@@ -8,8 +8,11 @@ import warnings
 import pytest
 import torch
 
+import costs
 import data
+import helpers
 import model as M
+import weights as W
 
 
 def tiny_args(**kw):
@@ -29,11 +32,11 @@ def test_preset_parameter_counts_on_meta_device(name, expected):
     with torch.device("meta"):
         model = M.Transformer(M.PRESETS[name])
     assert sum(p.numel() for p in model.parameters()) == expected
-    assert M.count_params(M.PRESETS[name]) == expected
+    assert costs.count_params(M.PRESETS[name]) == expected
 
 
 def test_small_presets_span_cpu_sizes():
-    sizes = [M.count_params(M.PRESETS[n]) for n in ("tiny", "mini", "small", "medium")]
+    sizes = [costs.count_params(M.PRESETS[n]) for n in ("tiny", "mini", "small", "medium")]
     assert sizes[0] < 1_000_000 and 50_000_000 < sizes[-1] < 200_000_000
     assert sizes == sorted(sizes)
 
@@ -183,14 +186,14 @@ def hf_tiny(tied: bool):
 def test_load_hf_matches_transformers_logits_and_round_trips(tmp_path, tied):
     hf = hf_tiny(tied)
     hf.save_pretrained(tmp_path / "hf")
-    ours = M.load_hf(tmp_path / "hf")
+    ours = helpers.load_hf(tmp_path / "hf")
     assert ours.args.tie_embeddings == tied and ours.args.rope_scaling["factor"] == 8.0
     tokens = torch.randint(0, 300, (2, 100))  # past original_max_position_embeddings, scaled RoPE matters
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
     # round trip: ours -> HF directory -> the same tensors, loadable by transformers itself
-    M.save_hf(ours, tmp_path / "back")
-    again = M.read_safetensors(tmp_path / "back" / "model.safetensors")
+    W.save_hf(ours, tmp_path / "back")
+    again = W.read_safetensors(tmp_path / "back" / "model.safetensors")
     reference = {k: v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
     assert again.keys() == reference.keys()
     for k, v in reference.items():
@@ -203,7 +206,7 @@ def test_load_hf_matches_transformers_logits_and_round_trips(tmp_path, tied):
 def test_generation_matches_transformers_greedy(tmp_path):
     hf = hf_tiny(False)
     hf.save_pretrained(tmp_path / "hf")
-    ours = M.load_hf(tmp_path / "hf")
+    ours = helpers.load_hf(tmp_path / "hf")
     prompt = torch.randint(0, 300, (1, 6))
     theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[:, 6:]
     assert torch.equal(M.generate(ours, prompt, 12, temperature=0), theirs)
@@ -219,19 +222,19 @@ def test_load_meta_permutes_rope_rows_and_joins_model_parallel_shards(tmp_path, 
     state = {k: v.clone() for k, v in ours.state_dict().items()}
     for k in state:
         if k.endswith("wq.weight"):
-            state[k] = M.hf_to_meta_rope_permute(state[k], args.n_heads)
+            state[k] = helpers.hf_to_meta_rope_permute(state[k], args.n_heads)
         elif k.endswith("wk.weight"):
-            state[k] = M.hf_to_meta_rope_permute(state[k], args.n_kv_heads)
+            state[k] = helpers.hf_to_meta_rope_permute(state[k], args.n_kv_heads)
     for r in range(n_shards):
         shard = {}
         for k, v in state.items():
-            dim = M._META_CAT_DIM.get(k.split(".")[-2])
+            dim = W._META_CAT_DIM.get(k.split(".")[-2])
             shard[k] = v.chunk(n_shards, dim=dim)[r].clone() if dim is not None and n_shards > 1 else v
         torch.save(shard, tmp_path / f"consolidated.{r:02d}.pth")
     (tmp_path / "params.json").write_text(json.dumps(dict(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, ffn_dim_multiplier=1.3,
         norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True, max_seq_len=128)))
-    loaded = M.load_meta(tmp_path)
+    loaded = W.load_meta(tmp_path)
     tokens = torch.randint(0, 256, (1, 40))
     with torch.no_grad():
         assert torch.equal(loaded(tokens), ours(tokens))
@@ -244,7 +247,7 @@ def test_load_hf_refuses_wrong_shapes(tmp_path):
     cfg["intermediate_size"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mlp|feed_forward"):
-        M.load_hf(tmp_path)
+        helpers.load_hf(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,12 +256,12 @@ def test_load_hf_refuses_wrong_shapes(tmp_path):
 
 def test_flops_per_token_conventions():
     a = M.PRESETS["llama3-8b"]
-    n_matmul = M.count_params(a) - a.vocab_size * a.dim  # everything but the embedding table
-    f = M.flops_per_token(a, 8192)
+    n_matmul = costs.count_params(a) - a.vocab_size * a.dim  # everything but the embedding table
+    f = costs.flops_per_token(a, 8192)
     assert f["palm"] == 6 * n_matmul + 12 * 32 * 4096 * 8192
     assert f["megatron"] == 6 * n_matmul + 6 * 32 * 4096 * 8192
     tied = M.PRESETS["llama3.2-1b"]  # a tied head still costs its matmul
-    assert M.flops_per_token(tied, 1)["palm"] == 6 * M.count_params(tied) + 12 * 16 * 2048
+    assert costs.flops_per_token(tied, 1)["palm"] == 6 * costs.count_params(tied) + 12 * 16 * 2048
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -378,7 +381,7 @@ def short_id(v):
 def test_damaged_safetensors_are_one_value_error_naming_the_file(tmp_path, header, data, length, message):
     """Refused from the header alone, by both the header reader (hf_state's shape checks) and the reader."""
     f = write_st(tmp_path / "bad.safetensors", header, data, length)
-    for read in (M._safetensors_header, M.read_safetensors):
+    for read in (W._safetensors_header, W.read_safetensors):
         with pytest.raises(ValueError, match=re.escape(str(f)) + ".*" + message):
             read(f)
 
@@ -387,17 +390,17 @@ def test_damaged_safetensors_are_one_value_error_naming_the_file(tmp_path, heade
 def test_safetensors_shorter_than_its_length_field(tmp_path, size):
     (tmp_path / "short.safetensors").write_bytes(b"\x10" * size)
     with pytest.raises(ValueError, match="short.safetensors.*too few for the header length"):
-        M.read_safetensors(tmp_path / "short.safetensors")
+        W.read_safetensors(tmp_path / "short.safetensors")
 
 
 def test_safetensors_round_trip_odd_shapes_and_a_missing_name(tmp_path):
     tensors = {"scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3), "bf16": torch.randn(3, 5).bfloat16(),
                "ids": torch.arange(7), "mask": torch.tensor([True, False])}
-    M.write_safetensors(tensors, tmp_path / "ok.safetensors")
-    back = M.read_safetensors(tmp_path / "ok.safetensors")
+    W.write_safetensors(tensors, tmp_path / "ok.safetensors")
+    back = W.read_safetensors(tmp_path / "ok.safetensors")
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
     with pytest.raises(ValueError, match="holds no tensor 'nope'"):
-        M.read_safetensors(tmp_path / "ok.safetensors", ["nope"])
+        W.read_safetensors(tmp_path / "ok.safetensors", ["nope"])
 
 
 HF_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -429,7 +432,7 @@ HF_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num
 def test_bad_hf_config_is_one_value_error_naming_it(tmp_path, text, message):
     (tmp_path / "config.json").write_text(text)
     write_st(tmp_path / "model.safetensors", {})  # a folder that would otherwise be read
-    for read in (M.hf_state, M.load_hf):
+    for read in (W.hf_state, helpers.load_hf):
         with pytest.raises(ValueError, match=re.escape(str(tmp_path / "config.json")) + ".*" + message):
             read(tmp_path)
 
@@ -438,7 +441,7 @@ def test_hf_state_names_a_damaged_safetensors_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     write_st(tmp_path / "model.safetensors", {"w": F32x4}, bytes(16), length=10 ** 9)
     with pytest.raises(ValueError, match="model.safetensors.*past the end of the file"):
-        M.hf_state(tmp_path)
+        W.hf_state(tmp_path)
 
 
 META_PARAMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
@@ -461,7 +464,7 @@ META_PARAMS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, 
 def test_bad_meta_params_is_one_value_error_naming_it(tmp_path, text, message):
     (tmp_path / "params.json").write_text(text)
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "params.json")) + ".*" + message):
-        M.load_meta(tmp_path)
+        W.load_meta(tmp_path)
 
 
 def export_files(path):
@@ -476,11 +479,11 @@ def test_save_hf_replaces_an_earlier_export_and_syncs(tmp_path, monkeypatch):
     monkeypatch.setattr(M.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     (tmp_path / "out").mkdir()  # an empty folder is taken
     byte = data.get_tokenizer("byte")
-    M.save_hf(a, tmp_path / "out", data.hf_tokens(byte, False), data.hf_tokenizer_files(byte, False))
-    assert sorted(export_files(tmp_path / "out")) == sorted(M.HF_EXPORT_FILES) and len(synced) >= 7
-    M.save_hf(b, tmp_path / "out")  # an earlier export is replaced as a whole: no stale generation config
+    W.save_hf(a, tmp_path / "out", W.hf_tokens(byte, False), W.hf_tokenizer_files(byte, False))
+    assert sorted(export_files(tmp_path / "out")) == sorted(W.HF_EXPORT_FILES) and len(synced) >= 7
+    W.save_hf(b, tmp_path / "out")  # an earlier export is replaced as a whole: no stale generation config
     assert sorted(export_files(tmp_path / "out")) == ["config.json", "model.safetensors"]
-    assert torch.equal(M.load_hf(tmp_path / "out").output.weight, b.output.weight)
+    assert torch.equal(helpers.load_hf(tmp_path / "out").output.weight, b.output.weight)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
 
 
@@ -494,7 +497,7 @@ def test_save_hf_refuses_a_folder_holding_other_files(tmp_path, existing):
         (out / existing).write_text("mine")
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     with pytest.raises(FileExistsError, match="nothing was written"):
-        M.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
+        W.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
@@ -504,7 +507,7 @@ def test_save_hf_interrupted_leaves_no_half_export(tmp_path, monkeypatch, earlie
     and no temporary folder is left beside it."""
     out = tmp_path / "out"
     if earlier:
-        M.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
+        W.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
         before = export_files(out)
 
     def half_then_full(tensors, path):
@@ -514,7 +517,7 @@ def test_save_hf_interrupted_leaves_no_half_export(tmp_path, monkeypatch, earlie
 
     monkeypatch.setattr(M, "write_safetensors", half_then_full)
     with pytest.raises(OSError, match="No space left"):
-        M.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
+        W.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if earlier else [])
     if earlier:
         assert export_files(out) == before

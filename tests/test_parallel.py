@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import helpers
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import launch
 import multiproc
 import model as M
 import parallel as P
+import weights as W
 import zero as Z
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,18 +286,18 @@ def test_a_rank_reads_only_its_own_weights_from_a_hugging_face_folder(tmp_path, 
     args = M.ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=301, multiple_of=32)
     torch.manual_seed(0)
     whole = M.Transformer(args)
-    M.save_hf(whole, tmp_path / "hf")
-    reads, real = [], M.read_safetensors
+    W.save_hf(whole, tmp_path / "hf")
+    reads, real = [], W.read_safetensors
     monkeypatch.setattr(M, "read_safetensors", lambda path, names=None: reads.extend(names or ["*"]) or
                         real(path, names))
-    margs, state = M.hf_state(tmp_path / "hf")
+    margs, state = W.hf_state(tmp_path / "hf")
     assert reads == []  # checked against the config from the headers alone
     mesh = P.Mesh(tp=2, pp=2, tp_rank=1, pp_rank=1, rank=3)
     with torch.device("meta"):
         part = M.Transformer(margs)
     P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
     P.materialize(part, mesh, "cpu", lambda name, shape: state[name])
-    assert sorted(reads) == sorted(M.hf_name(n) for n, _ in part.named_parameters())
+    assert sorted(reads) == sorted(W.hf_name(n) for n, _ in part.named_parameters())
     assert all(".layers.2." in r or ".layers.3." in r or r in ("model.norm.weight", "lm_head.weight")
                for r in reads)
     full = dict(whole.named_parameters())
@@ -986,7 +988,7 @@ def test_consolidate_to_hugging_face(tmp_path, reference):
     ckpt = tmp_path / (tmp_path / "latest").read_text().strip()
     subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "consolidate", str(tmp_path),
                     "--hf", str(tmp_path / "hf")], check=True, cwd=REPO)
-    hf = M.load_hf(tmp_path / "hf")
+    hf = helpers.load_hf(tmp_path / "hf")
     ref, merged = masters(reference), hf.state_dict()
     for k, v in ref.items():
         assert rel(merged[k], v) <= 1e-5, k
@@ -1009,7 +1011,7 @@ def test_consolidate_averages_the_last_checkpoints_of_one_run(tmp_path, capsys):
     assert C.main(["consolidate", str(out), "--hf", str(hf), "--average-last", "3"]) == 0
     assert "(the mean of step_000004, step_000003, step_000002)" in capsys.readouterr().out
     states = [C.read_full_state(out / f"step_00000{i}")[0] for i in (2, 3, 4)]
-    averaged = M.load_hf(hf).state_dict()
+    averaged = helpers.load_hf(hf).state_dict()
     for name in states[0]:
         want = torch.stack([s[name]["master"] for s in states]).mean(dim=0)
         assert torch.allclose(averaged[name], want, atol=1e-7), name
@@ -1017,7 +1019,7 @@ def test_consolidate_averages_the_last_checkpoints_of_one_run(tmp_path, capsys):
     # the command where it was documented first, `python parallel.py consolidate`, runs checkpoint.py's
     p = subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "consolidate", str(out), "--hf",
                         str(tmp_path / "hf2"), "--average-last", "3"], capture_output=True, text=True)
-    assert p.returncode == 0 and M.load_hf(tmp_path / "hf2").state_dict().keys() == averaged.keys(), p.stderr
+    assert p.returncode == 0 and helpers.load_hf(tmp_path / "hf2").state_dict().keys() == averaged.keys(), p.stderr
     for argv, message in ((["--average-last", "4"], "holds 3 intact checkpoint(s), fewer than the 4"),
                           (["--average-last", "2"], "are not of one run")):
         if argv[1] == "2":  # another seed's checkpoint, newest in the folder

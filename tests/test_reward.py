@@ -22,6 +22,7 @@ import parallel as P
 import reward
 import sft
 import train
+import weights as W
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["--model", "tiny", "--seq-len", "128", "--warmup", "2", "--log-every", "1", "--eval-every", "0",
@@ -137,7 +138,7 @@ def test_a_reward_model_goes_to_hugging_face_and_back(tmp_path):
     reward.main(TINY + ["--init", str(hf), "--data", str(pairs), "--max-steps", "1", "--warmup", "1", "--lr",
                         "1e-9", "--micro-batch", "4", "--out-dir", str(again)])
     kept = C.read_full_state(C.read_latest(again))[0]["output.weight"]["master"]
-    torch.testing.assert_close(kept, M.read_safetensors(hf / "model.safetensors")["score.weight"], rtol=0,
+    torch.testing.assert_close(kept, W.read_safetensors(hf / "model.safetensors")["score.weight"], rtol=0,
                                atol=1e-6)  # its own head, moved by lr 1e-9 only
 
 

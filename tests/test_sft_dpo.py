@@ -14,13 +14,16 @@ import torch
 import transformers  # test-only dependency: requirements-test.txt
 
 import checkpoint as C
+import costs
 import data
 import dpo
+import helpers
 import multiproc
 import model as M
 import parallel as P
 import sft
 import train
+import weights as W
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--seq-len", "64", "--warmup", "2", "--log-every", "1", "--eval-every", "0",
@@ -98,7 +101,7 @@ def test_sft_fits_a_handful_of_conversations(tmp_path):
     # exported, it stops where sft.chat stops: transformers' generate() reads <|eot_id|> from the export
     assert C.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 0
     tok, messages = data.get_tokenizer("byte"), [{"role": "user", "content": "Name a colour."}]
-    ours = sft.chat(M.load_hf(tmp_path / "hf"), tok, messages, max_new_tokens=30, temperature=0)
+    ours = sft.chat(helpers.load_hf(tmp_path / "hf"), tok, messages, max_new_tokens=30, temperature=0)
     ids, _ = data.encode_chat(tok, messages, add_generation_prompt=True)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     new = hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
@@ -369,7 +372,7 @@ def test_init_from_hf_grows_a_smaller_vocabulary(tmp_path):
     torch.manual_seed(0)
     small = M.Transformer(M.ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=200, multiple_of=16,
                                       max_seq_len=128))
-    M.save_hf(small, tmp_path / "hf")
+    W.save_hf(small, tmp_path / "hf")
     margs, state = C.load_init(tmp_path / "hf", data.get_tokenizer("byte"))
     assert margs.vocab_size == 320
     for name in ("tok_embeddings.weight", "output.weight"):
@@ -390,7 +393,7 @@ def test_dpo_counts_both_rows_of_a_pair_and_the_reference_forward():
                                                                                    cached={})
     lm = train.LMTask(margs, mesh)
     assert train.step_tokens(args, live, mesh) == 2 * train.step_tokens(args, lm, mesh) == 2 * 4 * 32 * 3 * 2
-    base = M.flops_per_token(margs, 32)["palm"]
+    base = costs.flops_per_token(margs, 32)["palm"]
     assert train.model_flops_per_token(margs, 32, lm) == train.model_flops_per_token(margs, 32,
                                                                                      cached) == base
     assert train.model_flops_per_token(margs, 32, live) == pytest.approx(base * 4 / 3)

@@ -1,4 +1,4 @@
-"""An export's tokenizer (data.hf_tokenizer_files) is the tiktoken Encoding it was trained with, as transformers
+"""An export's tokenizer (W.hf_tokenizer_files) is the tiktoken Encoding it was trained with, as transformers
 (the test-only reference) reads it: the same ids for real text and for edge cases, the same text back, the same
 special ids, and the chat template gives the ids data.encode_chat gives. (test_sft_dpo.py runs the whole path:
 an SFT model consolidated, then transformers' pipeline() on the folder.)"""
@@ -11,6 +11,7 @@ import transformers  # test-only dependency: requirements-test.txt
 import data
 import dpo
 import sft
+import weights as W
 
 EDGES = ["", " ", "  \n\n  x", "héllo wörld 你好 🙂 \u200b \t\t\r\n", "I'M HERE 'S 'll  they'RE",
          "a\n\n\nb", "\xad\x00\x7f\x1b[0m", "   trailing   ", "😀😀😀" * 5, "x" * 300, "Ω≈ç√∫˜µ≤≥÷",
@@ -19,7 +20,7 @@ EDGES = ["", " ", "  \n\n  x", "héllo wörld 你好 🙂 \u200b \t\t\r\n", "I'M
 
 
 def exported(enc, folder, chat=True):
-    for name, obj in data.hf_tokenizer_files(enc, chat, max_len=4096).items():
+    for name, obj in W.hf_tokenizer_files(enc, chat, max_len=4096).items():
         (folder / name).write_text(json.dumps(obj, ensure_ascii=False), encoding="utf-8")
     return transformers.AutoTokenizer.from_pretrained(folder)
 
