@@ -447,6 +447,14 @@ def write_durably(path: Path, text: str):
         os.fsync(f.fileno())
 
 
+def write_jsonl(path: Path, records: list[dict]):
+    """JSONL, whole or not at all: written beside `path` and renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with data.writing(path.parent, path, cleanup=[tmp]):
+        write_durably(tmp, "".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, path)
+
+
 def _fsync_dir(d: Path):
     try:
         fd = os.open(d, os.O_RDONLY)

@@ -412,7 +412,7 @@ TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> what `pip
 
 
 def check_trackers(args):
-    """A tracker flag whose package is missing is refused before the run starts (train.Trackers imports it)."""
+    """A tracker flag whose package is missing is refused before the run starts (logs.Trackers imports it)."""
     for flag, package in TRACKERS.items():
         if getattr(args, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--{flag} needs the {package} package: pip install {package}")

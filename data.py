@@ -211,7 +211,7 @@ DATASETS.update({  # Project Gutenberg books from a repository snapshot: Windows
         ("moby_dick", "pg2701", "eb1a1ca16369a025021459cf71bf5c4de1e05852bc1d83160c08484adffab73f"),
         ("frankenstein", "pg84", "4eaa0bd8cf407530e42d99ed95b61b9a4bb8492a3a9c0c9a41cd017bfed7bcd7")]})
 
-# Chat data: read by sft.read_sft and dpo.read_preferences, not by prepare (they are not plain text).
+# Chat data: read by chat.read_sft and chat.read_preferences, not by prepare (they are not plain text).
 SFT_DATASETS = {
     "alpaca_5000": dict(  # a random 5,000 of Alpaca's 52k, from a pull request of the Alpaca repository
         url=f"{_GH}/tatsu-lab/stanford_alpaca/5e69c50054c48cd3b919c46d13bb2d92a62f4498/data/alpaca_5000.json",
@@ -1254,50 +1254,6 @@ class MixtureLoader(Positions):
 # it learns to stop). Everything else is context: its targets are IGNORE_INDEX, which cross_entropy skips.
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-def check_messages(messages):
-    if not isinstance(messages, list):
-        raise DataError(f"a conversation must be a list of messages, got {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in CHAT_ROLES:
-            raise DataError(f"message {i} has role {role!r}; the roles are {', '.join(CHAT_ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise DataError(f"message {i} ({role}) has content of type "
-                            f"{type(message.get('content')).__name__}, not a string")
-
-
-# The same format as a Jinja template, for an export's tokenizer_config.json (apply_chat_template). Rendered
-# as one text and then encoded, it gives encode_chat's ids except for content that starts with a newline
-# (which joins the header's "\n\n" in one piece) or holds a special token's text (which becomes that token:
-# an injected turn, unless the caller passes sanitize_control_tokens=True; no template can keep it text).
-LLAMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-
-
-def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:
-    """Messages -> (token ids, mask): mask[t] is True where token t is learned (assistant content + eot).
-
-    BOS is written here, once; do not add another. Content goes through encode_ordinary, so text such as
-    "<|eot_id|>" inside a message stays text. Header and content are encoded separately, as Meta's reference
-    does, so the tokens of one message never depend on its neighbours.
-    """
-    check_messages(messages)
-    start, end = enc.encode_single_token("<|start_header_id|>"), enc.encode_single_token("<|end_header_id|>")
-    ids, mask = [bos_id(enc)], [False]
-    for message in messages + ([{"role": "assistant"}] if add_generation_prompt else []):
-        header = [start, *enc.encode_ordinary(message["role"]), end, *enc.encode_ordinary("\n\n")]
-        ids += header
-        mask += [False] * len(header)
-        if "content" in message:  # the generation prompt is a header with nothing after it
-            body = enc.encode_ordinary(message["content"]) + [eot_id(enc)]
-            ids += body
-            mask += [message["role"] == "assistant"] * len(body)
-    return ids, mask
 
 
 def named_file(path_or_name, registered, mirror) -> Path:

@@ -37,19 +37,16 @@ import argparse
 import hashlib
 import math
 import os
-import re
-import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+import chat
 import config
 import data
 import model as M
 import parallel as P
-import sft
 import train as T
 
 
@@ -82,161 +79,6 @@ def get_parser() -> argparse.ArgumentParser:
 
 # ----------------------------------------------------------------------------------------------------
 # The data: preference pairs, each side encoded with the chat format and SFT's length rule (sft.py)
-
-
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
-
-
-def _parse_hh(text) -> tuple:
-    """An HH-RLHF dialogue "\\n\\nHuman: ...\\n\\nAssistant: ..." -> (messages before the last reply, last
-    reply)."""
-    cut = text.rfind("\n\nAssistant:")
-    if cut < 0:
-        raise data.DataError('an HH-RLHF dialogue without "\\n\\nAssistant:"')
-    pieces = _HH_TURN.split(text[:cut])  # ["", "Human", " text", "Assistant", " text", ...]
-    if pieces[0].strip():
-        raise data.DataError('an HH-RLHF dialogue must start with "\\n\\nHuman:"')
-    messages = []
-    for speaker, content in zip(pieces[1::2], pieces[2::2]):
-        role = "user" if speaker == "Human" else "assistant"
-        if messages and messages[-1]["role"] == role:  # a few dialogues hold two turns in a row: join them
-            messages[-1]["content"] += "\n\n" + content.strip()
-        else:
-            messages.append({"role": role, "content": content.strip()})
-    return messages, text[cut + len("\n\nAssistant:"):].strip()
-
-
-NO_PROMPT = ('a pair needs a prompt: a "prompt" field (a string or messages), or "chosen" and "rejected" as '
-             'whole conversations (message lists, or HH-RLHF dialogues "\n\nHuman: ...\n\nAssistant: ...")')
-
-
-def _preference_side(value, prompt) -> tuple:
-    """One of "chosen" / "rejected" -> (the conversation before the reply, the reply). A reply with no user
-    message before it has nothing it answers: refused (NO_PROMPT)."""
-    if isinstance(value, str):
-        if prompt is None and "\n\nAssistant:" not in value:
-            raise data.DataError(NO_PROMPT)
-        before, reply = (prompt, value) if prompt is not None else _parse_hh(value)
-    else:
-        data.check_messages(value)
-        if not value or value[-1]["role"] != "assistant":
-            raise data.DataError("a chosen/rejected message list must end with an assistant message")
-        prefix, prompt = value[:-1], prompt or []
-        # the list may repeat the prompt (chosen = [user, assistant]) or continue it (chosen = [assistant])
-        before, reply = (prefix if prefix[:len(prompt)] == prompt else prompt + prefix), value[-1]["content"]
-    if not any(m["role"] == "user" for m in before):
-        raise data.DataError(NO_PROMPT)
-    return before, reply
-
-
-def pair_sides(record) -> tuple:
-    """One preference record -> ((prompt, chosen reply), (prompt, rejected reply)), each prompt a message
-    list (a pair whose two prompts differ is the caller's to skip)."""
-    if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
-        fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-        raise data.DataError(f"unknown preference record {fields}: expected {{prompt, chosen, rejected}} or "
-                             "HH-RLHF {chosen, rejected}")
-    prompt = record.get("prompt")
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    elif prompt is not None:
-        data.check_messages(prompt)
-    return tuple(_preference_side(record[k], prompt) for k in ("chosen", "rejected"))
-
-
-def read_preferences(path_or_name, mirror=None) -> list:
-    """A registered name (data.PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen",
-    "rejected"}].
-
-    Records: {"prompt", "chosen", "rejected"}, each a string (a prompt string is one user message) or a
-    message
-    list, or HH-RLHF's {"chosen", "rejected"} full dialogues. Pairs whose two prompts differ, with an empty
-    reply or with identical replies are skipped, and the counts printed (stderr).
-    """
-    path = data.named_file(path_or_name, data.PREFERENCE_DATASETS, mirror)
-    pairs, skipped = [], {"different prompts": 0, "an empty reply": 0, "identical replies": 0}
-    for where, record in data.json_records(path):
-        try:
-            (prompt, chosen), (other, rejected) = pair_sides(record)
-        except data.DataError as e:
-            raise data.DataError(f"{where}: {e}") from None
-        if prompt != other:
-            skipped["different prompts"] += 1
-        elif not (chosen.strip() and rejected.strip()):
-            skipped["an empty reply"] += 1
-        elif chosen == rejected:  # no preference to learn from
-            skipped["identical replies"] += 1
-        else:
-            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    print(f"{path}: {len(pairs):,} preference pairs; skipped " +
-          ", ".join(f"{n:,} with {reason}" for reason, n in skipped.items()), file=sys.stderr)
-    if not pairs:
-        raise data.DataError(f"{path}: no usable preference pairs")
-    return pairs
-
-
-def reply_example(enc, prompt, reply, seq_len) -> tuple:
-    """A prompt (messages) and one reply -> ((ids, mask) by the SFT length rule, sft.fit_example: None if no
-    reply token survives the cut to seq_len + 1 tokens; whether it was cut). The mask is on the reply and
-    its <|eot_id|> only: earlier assistant turns of the prompt are context here."""
-    prompt_len = len(data.encode_chat(enc, prompt)[0])
-    ids, mask = data.encode_chat(enc, prompt + [{"role": "assistant", "content": reply}])
-    mask[:prompt_len] = [False] * prompt_len
-    return sft.fit_example(ids, mask, seq_len), len(ids) > seq_len + 1
-
-
-def preference_examples(enc, pairs, seq_len) -> tuple:
-    """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side encoded as
-    prompt + [assistant reply] with the mask on the reply (and its eot) only. The SFT length rule applies
-    to each side; a pair is dropped if either side is, and if its two sides are the same once cut to
-    seq_len + 1 tokens (replies that differ only after the cut: no preference is left to learn, and the
-    pair would only dilute the batch's mean). counts as in sft_examples, tokens over both sides, plus
-    "identical": the pairs dropped for that."""
-    examples, truncated, dropped, identical = [], 0, 0, 0
-    for pair in pairs:
-        sides = {key: reply_example(enc, pair["prompt"], pair[key], seq_len) for key in ("chosen", "rejected")}
-        if any(example is None for example, _ in sides.values()):
-            dropped += 1
-            continue
-        (chosen, _), (rejected, _) = sides["chosen"], sides["rejected"]
-        if np.array_equal(chosen[0], rejected[0]) and np.array_equal(chosen[1], rejected[1]):
-            identical += 1
-            continue
-        truncated += any(cut for _, cut in sides.values())
-        examples.append({key: example for key, (example, _) in sides.items()})
-    both = [side for example in examples for side in example.values()]
-    return examples, {**sft.example_counts(both, truncated, dropped), "examples": len(examples),
-                      "identical": identical}
-
-
-class PreferenceLoader(data.Positions):
-    """(inputs, targets) int64 batches of shape (2 * batch_size, seq_len): rows 0..B-1 the chosen sequences,
-    rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are
-    data.IGNORE_INDEX
-    outside the reply tokens. One global sequence is one pair; positions and state as in SFTLoader."""
-
-    def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pad_id=0,
-                 with_index=False, index_offset=0):
-        self.chosen = sft.pack_rows([e["chosen"] for e in examples], seq_len, pad_id, pack=False)[:2]
-        self.rejected = sft.pack_rows([e["rejected"] for e in examples], seq_len, pad_id, pack=False)[:2]
-        self.with_index, self.index_offset = with_index, index_offset
-        super().__init__(len(examples), batch_size, seq_len, dp_rank, dp_size, seed, empty=sft.NO_EXAMPLES)
-
-    def pairs(self, rows):
-        """The (2B, T) inputs and targets of the given pairs (rows), chosen first."""
-        inputs, targets = (np.concatenate([c[rows], r[rows]]) for c, r in zip(self.chosen, self.rejected))
-        return sft.as_int64(inputs), sft.as_int64(targets)
-
-    def next(self):
-        """(inputs, targets), plus (B,) pair indices + index_offset with with_index (dpo.py's cached
-        reference log-probs are looked up by them)."""
-        rows, _ = self._next_items()
-        batch = self.pairs(rows)
-        return (*batch, torch.from_numpy(rows + self.index_offset)) if self.with_index else batch
-
-    def fingerprint(self) -> str:
-        """What identifies the data (a checkpoint records it; --resume refuses other data): its rows."""
-        return sft.rows_fingerprint(*self.chosen, *self.rejected)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -421,23 +263,7 @@ def weights_digest(model, mesh) -> str:
     return hashlib.sha256(" ".join(everyone).encode()).hexdigest()
 
 
-def preference_data(a, tok, mesh, with_index: bool = False, check=None):
-    """A recipe's data (train.Pretraining.data) for preference pairs: --data read, encoded and split,
-    PreferenceLoaders of this dp rank for training and validation (the validation pairs' indices follow
-    the training pairs', for a cache by pair index), and a description. check(pairs, examples): the
-    recipe's own rule for them (reward.py's: the replies' ends)."""
-    pairs = read_preferences(a.data, mirror=a.mirror)
-    examples, counts = preference_examples(tok, pairs, a.seq_len)
-    if check is not None:
-        check(pairs, examples)
-    train_ex, val_ex = sft.split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
-    make = lambda ex, seed, offset: PreferenceLoader(
-        ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,
-        pad_id=data.pad_id(tok), with_index=with_index, index_offset=offset)
-    return make(train_ex, a.seed, 0), lambda: make(val_ex, 0, len(train_ex)), f"{len(train_ex):,} train pairs"
-
-
-class DPO(sft.SFT):
+class DPO(T.FromInit):
     """train.py's recipe with SFT's model (from --init), preference pairs as the data, and DPOTask as the
     loss, against a frozen reference built from the same initial weights."""
 
@@ -460,7 +286,7 @@ class DPO(sft.SFT):
 
     def data(self, tok, mesh):
         a = self.args
-        train, make_val, desc = preference_data(a, tok, mesh, with_index=a.precompute_ref)
+        train, make_val, desc = chat.preference_data(a, tok, mesh, with_index=a.precompute_ref)
         self.tok_name = tok.name  # part of the cached reference's key
         self.skip = torch.tensor(data.format_ids(tok)) if a.mask_format_tokens else None
         self.loaders = train, make_val()  # precomputing scores both
@@ -487,7 +313,7 @@ def main(argv=None):
                                  f"the sigmoid loss; --loss {args.loss} has no use for it: drop one of them")
     if args.cp > 1:  # a pair's log-probability is a sum over the whole sequence, which no cp rank holds
         raise config.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
-    sft.post_train(args, DPO)
+    T.post_train(args, DPO)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import chat
 import checkpoint as C
 import config
 import data
@@ -474,6 +475,163 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------------------------------
+# 5b. Benchmarks during training (train.py --eval-tasks): section 5's multiple-choice scoring (the same
+#     requests and tallies), run through the training run's own layout, since under tp, cp and pp no rank
+#     holds the whole model. `run` is train.py's Run.
+
+
+def check_benchmarks(args, kind: str):
+    """--eval-tasks names benchmarks or files of items, for a language model: refused before any process
+    talks."""
+    if args.eval_tasks and kind == "reward":
+        raise config.ConfigError("--eval-tasks scores the choices of a language model; a reward model's head "
+                                 "has one output: score its pairs instead (reward.py score)")
+    for name, _ in config.eval_tasks(args.eval_tasks):
+        if name not in BENCHMARKS and not Path(name).expanduser().is_file():
+            raise config.ConfigError(f"--eval-tasks {name}: not a benchmark ({', '.join(BENCHMARKS)}) nor a "
+                                     "file of multiple-choice items")
+
+
+def load_benchmarks(args, tok, mesh) -> list[tuple[str, list]]:
+    """[(name, its first N items)], read by rank 0 first (a download fills a cache folder); rank 0 says
+    how many have a choice cut to the window, once."""
+    read = lambda: [(name, read_items(name, args.mirror)[:limit])
+                    for name, limit in config.eval_tasks(args.eval_tasks)]
+    tasks = P.on_rank0_first(read, mesh) if args.eval_tasks else []
+    for name, items in tasks if mesh.rank == 0 else []:
+        cut = choice_requests(tok, items, range(len(items)), args.seq_len)[1]
+        say_cut(name, cut, len(items), args.seq_len)
+    return tasks
+
+
+def benchmarks(run) -> dict:
+    """Each --eval-tasks benchmark's acc and acc_norm ({"hellaswag/acc": ...}): the items i with
+    i % dp == dp_rank go to each replica, whose ranks score them together; the counts are summed over dp."""
+    results, mesh = {}, run.mesh
+    for name, items in run.benchmarks:
+        mine = range(mesh.dp_rank, len(items), mesh.dp)
+        requests, cut = choice_requests(run.tok, items, mine, run.args.seq_len)
+        tally = choice_tally(items, mine, requests, request_logprobs(run, requests), cut)
+        result = choice_result(tally, run.args.seq_len, mesh, run.device)
+        results.update({f"{name}/{k}": result[k] for k in ("acc", "acc_norm")})
+    return results
+
+
+@torch.no_grad()
+def request_logprobs(run, requests: list) -> list[float]:
+    """The summed log-prob of each request's last n tokens ((tokens, n): evaluate.choice_requests), through
+    the pipeline: the requests packed into rows of seq_len, each its own document (the mask and RoPE's
+    positions restart, so it scores as it would alone), micro_batch rows at a time; the head runs only at
+    the scored positions. Every dp rank runs as many micro-batches (ZeRO-3 gathers weights over dp)."""
+    mesh, args, device, B = run.mesh, run.args, run.device, run.args.micro_batch
+    rows = pack_requests(requests, args.seq_len, data.pad_id(run.tok))  # (4, rows, T)
+    n = torch.tensor([math.ceil(rows.shape[1] / B)], device=device)
+    P.all_reduce(n, mesh, "dp", op=dist.ReduceOp.MAX)
+    rows = torch.cat([rows, pack_requests([], args.seq_len, 0, int(n) * B - rows.shape[1])], dim=1).to(device)
+    inputs, targets, docs, index = rows
+    batches = [P.context_chunks((inputs[i:i + B], targets[i:i + B], docs[i:i + B]), mesh)
+               for i in range(0, len(inputs), B)]
+    pos = P.context_positions(args.seq_len, mesh.cp, mesh.cp_rank, device) if mesh.cp > 1 else slice(None)
+    at = iter([index[i:i + B, pos] for i in range(0, len(inputs), B)])  # each micro-batch's, in order
+    scores = torch.zeros(len(requests), dtype=torch.float64, device=device)
+
+    def score(h, targets):  # h: (B, T/cp, dim), the final norm's output on the last stage
+        keep, where = targets != data.IGNORE_INDEX, next(at)
+        logp = -P.token_losses(run.model.output(h[keep]), targets[keep], run.margs.vocab_size, mesh)
+        scores.index_add_(0, where[keep], logp.double())
+
+    run.model.eval()
+    P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, score, run.dtype,
+                       args.virtual_stages, head=False)
+    run.model.train()
+    for dim in ("cp", "pp"):  # each cp rank scored its chunks; the last stage holds the scores
+        P.all_reduce(scores, mesh, dim)
+    return scores.tolist()
+
+
+def pack_requests(requests: list, seq_len: int, pad: int, empty: int = 0) -> torch.Tensor:
+    """Requests (tokens, n) -> (4, rows, seq_len): inputs, targets, document ids, request index. Each
+    request gives its tokens but the last as inputs, its last n as targets (the rest data.IGNORE_INDEX), its own
+    document id, and its index at each of its positions (-1 in padding, whose document comes last). Filled
+    in order, a request to a row while it fits; then `empty` rows of padding."""
+    blank = lambda: torch.tensor([pad, data.IGNORE_INDEX, seq_len, -1])[:, None].repeat(1, seq_len)  # (4, T)
+    rows, used, doc = [], seq_len, 0
+    for r, (seq, n) in enumerate(requests):
+        L = len(seq) - 1  # positions it takes: every token but the last predicts the next
+        if used + L > seq_len:
+            rows.append(blank())
+            used, doc = 0, 0
+        row = rows[-1]
+        row[0, used:used + L] = torch.as_tensor(seq[:-1])
+        row[1, used + L - n:used + L] = torch.as_tensor(seq[-n:])
+        row[2, used:used + L], row[3, used:used + L] = doc, r
+        used, doc = used + L, doc + 1
+    rows += [blank() for _ in range(empty)]
+    return torch.stack(rows, dim=1) if rows else torch.empty(4, 0, seq_len, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5c. Reward models (reward.py): the score of a conversation, read at its reply's end, and what scores say
+#     of preference pairs. reward.py trains on these scores; rl.py rewards rollouts with them.
+
+PAIR_METRICS = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")  # means over pairs
+
+
+def score_positions(targets: torch.Tensor) -> torch.Tensor:
+    """(rows, T) targets -> (rows,) the input position that holds each row's last token: one past the last
+    learned target (which is the reply's <|eot_id|>), or the last position for a row cut by seq_len."""
+    T = targets.shape[-1]
+    after = (targets != data.IGNORE_INDEX).long() * torch.arange(1, T + 1, device=targets.device)  # t + 1
+    return after.max(dim=-1).values.clamp(max=T - 1)
+
+
+def scores(logits, targets, mesh) -> torch.Tensor:
+    """A reward model's logits (rows, T, its head's columns on this tp rank) -> (rows,) scores r(x, y)."""
+    out = P.head_outputs(logits, 1, mesh)[..., 0].float()  # (rows, T): the score after every token
+    return out.gather(1, score_positions(targets)[:, None])[:, 0]
+
+
+def pair_sums(r_chosen, r_rejected) -> torch.Tensor:
+    """The sums behind PAIR_METRICS: pairs ranked right, margins, the two scores."""
+    return torch.stack([(r_chosen > r_rejected).float().sum(), (r_chosen - r_rejected).sum(),
+                        r_chosen.sum(), r_rejected.sum()])
+
+
+def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None):
+    """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode, its tokenizer).
+    Under a job (mesh), its ranks check a checkpoint's shards together."""
+    C.check_head(path, "--reward", reward=True)
+    tok = C.tokenizer_for(path, None, mirror)
+    return load_model(path, tok, device, dtype, mesh or P.Mesh()), tok
+
+
+@torch.no_grad()
+def score_replies(reward_model, tok, prompt, replies: list[str], seq_len: int) -> torch.Tensor:
+    """(K,) scores r(prompt, reply), each read as training and reward.py score read it (chat.reply_example's
+    rows, the score at the reply's <|eot_id|>), all K in one batch padded to the longest. A row holds as many
+    input positions as the longest example has tokens, so that its <|eot_id|> is an input, not only a
+    target; at most seq_len: an example of seq_len + 1 tokens (or one cut there) is read at its last input
+    token, as a PreferenceLoader's rows of seq_len read it."""
+    examples = [chat.reply_example(tok, prompt, reply, seq_len)[0] for reply in replies]
+    width = min(max(len(ids) for ids, _ in examples), seq_len)
+    x, y, _ = chat.pack_rows(examples, width, data.pad_id(tok), pack=False)
+    device = reward_model.tok_embeddings.weight.device
+    x, y = chat.as_int64(x).to(device), chat.as_int64(y).to(device)
+    return scores(reward_model(x), y, P.Mesh())
+
+
+@torch.no_grad()
+def score_pairs(model, loader: chat.PreferenceLoader, batch_size: int) -> dict:
+    """Every pair of a loader, in order: {"pairs", "accuracy", "margin", "rewards/chosen", ...} (means)."""
+    device, sums = model.tok_embeddings.weight.device, torch.zeros(4)
+    for lo in range(0, len(loader), batch_size):
+        x, y = (t.to(device) for t in loader.pairs(list(range(lo, min(lo + batch_size, len(loader))))))
+        rc, rr = scores(model(x), y, P.Mesh()).chunk(2)
+        sums += pair_sums(rc, rr).cpu()
+    return {"pairs": len(loader), **dict(zip(PAIR_METRICS, (sums / len(loader)).tolist()))}
+
+
+# ----------------------------------------------------------------------------------------------------
 # 6. Generation
 
 
@@ -481,7 +639,7 @@ def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, *
     """A prompt's continuation. Plain: BOS + the prompt, until <|end_of_text|>. Chat: the prompt as a user
     message in the chat template with the assistant's header after it, until <|eot_id|>."""
     if chat:
-        ids, _ = data.encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids, _ = chat.encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = [data.bos_id(tok)] + tok.encode_ordinary(prompt)
     stop = data.eot_id(tok) if chat else data.eos_id(tok)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data
 import launch
 import model as M
 
@@ -425,17 +426,14 @@ def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return shard
 
 
-IGNORE_INDEX = -100  # the targets a loss skips (F.cross_entropy's default)
-
-
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str):
-    """Refuse ids outside [0, vocab_size) (IGNORE_INDEX targets aside), as one process's F.embedding and
+    """Refuse ids outside [0, vocab_size) (data.IGNORE_INDEX targets aside), as one process's F.embedding and
     F.cross_entropy do. The vocab-parallel layers below treat an id outside a rank's rows as another rank's,
     so without this an id outside every rank's rows (or in the padding) would silently become a zero
     embedding, or a target scored as if it had the largest logit. The check is asynchronous (on a GPU a
     device-side assert: the step's one host sync stays its only one; on a CPU a RuntimeError at once), so
     it cannot say which id; train.py's data loader has already named the shard and the id."""
-    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != IGNORE_INDEX if what == "target" else True)
+    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != data.IGNORE_INDEX if what == "target" else True)
     torch._assert_async(~bad.any(), f"a {what} id is outside the vocabulary [0, {vocab_size})")
 
 
@@ -481,7 +479,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
         all_reduce(target_logit, mesh, "tp")
         loss = sum_exp.log() - target_logit
-        ignore = targets == IGNORE_INDEX
+        ignore = targets == data.IGNORE_INDEX
         loss = loss.masked_fill(ignore, 0.0)
         ctx.save_for_backward(exp / sum_exp[:, None], local, mine & ~ignore, ignore)
         return loss
@@ -508,18 +506,18 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: Mesh):
 
 
 def token_losses(logits, targets, vocab_size: int, mesh: Mesh):
-    """Per-token cross-entropy (= -log p(target)) for any layout, shaped like targets; IGNORE_INDEX -> 0."""
+    """Per-token cross-entropy (= -log p(target)) for any layout, shaped like targets; data.IGNORE_INDEX -> 0."""
     if mesh.tp == 1:
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
+                               ignore_index=data.IGNORE_INDEX, reduction="none").view(targets.shape)
     return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh)
 
 
 def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
-    """Sum of token cross-entropies for any layout (IGNORE_INDEX targets count 0)."""
+    """Sum of token cross-entropies for any layout (data.IGNORE_INDEX targets count 0)."""
     if mesh.tp == 1:
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+                               ignore_index=data.IGNORE_INDEX, reduction="sum")
     return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh).sum()
 
 

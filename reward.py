@@ -37,19 +37,17 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+import chat
 import checkpoint as C
 import config
 import data
-import dpo
 import evaluate
 import launch
 import model as M
 import parallel as P
-import sft
 import train as T
 
 
@@ -72,26 +70,6 @@ def get_parser() -> argparse.ArgumentParser:
 # The score of a conversation, and the loss
 
 
-def score_positions(targets: torch.Tensor) -> torch.Tensor:
-    """(rows, T) targets -> (rows,) the input position that holds each row's last token: one past the last
-    learned target (which is the reply's <|eot_id|>), or the last position for a row cut by seq_len."""
-    T = targets.shape[-1]
-    after = (targets != data.IGNORE_INDEX).long() * torch.arange(1, T + 1, device=targets.device)  # t + 1
-    return after.max(dim=-1).values.clamp(max=T - 1)
-
-
-def scores(logits, targets, mesh) -> torch.Tensor:
-    """A reward model's logits (rows, T, its head's columns on this tp rank) -> (rows,) scores r(x, y)."""
-    out = P.head_outputs(logits, 1, mesh)[..., 0].float()  # (rows, T): the score after every token
-    return out.gather(1, score_positions(targets)[:, None])[:, 0]
-
-
-def pair_sums(r_chosen, r_rejected) -> torch.Tensor:
-    """The sums behind the metrics (RewardTask.metric_names): pairs ranked right, margins, the two scores."""
-    return torch.stack([(r_chosen > r_rejected).float().sum(), (r_chosen - r_rejected).sum(),
-                        r_chosen.sum(), r_rejected.sum()])
-
-
 def bradley_terry(r_chosen, r_rejected, margin: float = 0.0) -> torch.Tensor:
     """Per-pair losses -log sigmoid(r_c - r_r - m): the negative log-likelihood of the preference under the
     Bradley-Terry model (Llama 2's margin m)."""
@@ -100,10 +78,10 @@ def bradley_terry(r_chosen, r_rejected, margin: float = 0.0) -> torch.Tensor:
 
 class RewardTask:
     """The loss of train.py's loop for a reward model: a micro-batch of B pairs is 2B rows (chosen first, as
-    dpo.PreferenceLoader gives them); the loss is the sum of the pairs' Bradley-Terry losses over the global
+    chat.PreferenceLoader gives them); the loss is the sum of the pairs' Bradley-Terry losses over the global
     pair count."""
 
-    metric_names = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
+    metric_names = evaluate.PAIR_METRICS
     rows_per_example = 2
     reference_forwards = 0
     takes_hidden = False  # the loss is given the head's outputs
@@ -119,10 +97,10 @@ class RewardTask:
         return torch.full((), batch[0].shape[0] // 2, device=batch[0].device)  # pairs (a fill: no copy)
 
     def loss(self, logits, targets, total):
-        r = scores(logits, targets, self.mesh)  # (2B,)
+        r = evaluate.scores(logits, targets, self.mesh)  # (2B,)
         rc, rr = r.chunk(2)
         with torch.no_grad():  # on the device: a .cpu() here would wait for the GPU at every micro-batch
-            self._sums = self._sums.to(r.device) + pair_sums(rc, rr) / total
+            self._sums = self._sums.to(r.device) + evaluate.pair_sums(rc, rr) / total
         return bradley_terry(rc, rr, self.margin).sum() / total
 
     def metrics(self) -> torch.Tensor:
@@ -139,7 +117,7 @@ def check_reply_ends(tok, pairs, examples, seq_len: int, context: int, say):
     lost = sum(any(len(ids) > seq_len for ids, _ in e.values()) for e in examples)
     if not lost:
         return
-    lengths = [max(len(data.encode_chat(tok, p["prompt"] + [{"role": "assistant", "content": p[side]}])[0])
+    lengths = [max(len(chat.encode_chat(tok, p["prompt"] + [{"role": "assistant", "content": p[side]}])[0])
                    for side in ("chosen", "rejected")) for p in pairs]  # each pair's longer side, whole
     fix = f"--seq-len {max(lengths):,} keeps every pair's end"
     if max(lengths) > context:
@@ -162,7 +140,7 @@ def as_reward_model(margs: M.ModelArgs) -> M.ModelArgs:
     return M.ModelArgs(**{**margs.__dict__, "num_labels": 1, "tie_embeddings": False})
 
 
-class RewardModel(sft.SFT):
+class RewardModel(T.FromInit):
     """train.py's recipe: SFT's model from --init with a fresh head of one output (kept, if --init is a
     reward model already), preference pairs as the data, RewardTask as the loss."""
 
@@ -194,7 +172,7 @@ class RewardModel(sft.SFT):
         say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
         ends = lambda pairs, examples: check_reply_ends(tok, pairs, examples, self.args.seq_len,
                                                         self.base.max_seq_len, say)
-        return dpo.preference_data(self.args, tok, mesh, check=ends)
+        return chat.preference_data(self.args, tok, mesh, check=ends)
 
     def task(self, margs, mesh, device, dtype, model):
         return RewardTask(margs, mesh, self.args)
@@ -202,25 +180,6 @@ class RewardModel(sft.SFT):
 
 # ----------------------------------------------------------------------------------------------------
 # Scoring pairs with a trained reward model (reward.py score)
-
-
-def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None):
-    """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode, its tokenizer).
-    Under a job (mesh), its ranks check a checkpoint's shards together."""
-    C.check_head(path, "--reward", reward=True)
-    tok = C.tokenizer_for(path, None, mirror)
-    return evaluate.load_model(path, tok, device, dtype, mesh or P.Mesh()), tok
-
-
-@torch.no_grad()
-def score_pairs(model, loader: dpo.PreferenceLoader, batch_size: int) -> dict:
-    """Every pair of a loader, in order: {"pairs", "accuracy", "margin", "rewards/chosen", ...} (means)."""
-    device, sums = model.tok_embeddings.weight.device, torch.zeros(4)
-    for lo in range(0, len(loader), batch_size):
-        x, y = (t.to(device) for t in loader.pairs(list(range(lo, min(lo + batch_size, len(loader))))))
-        rc, rr = scores(model(x), y, P.Mesh()).chunk(2)
-        sums += pair_sums(rc, rr).cpu()
-    return {"pairs": len(loader), **dict(zip(RewardTask.metric_names, (sums / len(loader)).tolist()))}
 
 
 def score_main(argv) -> int:
@@ -236,16 +195,16 @@ def score_main(argv) -> int:
     if a.micro_batch < 1 or (a.seq_len is not None and a.seq_len < 1):
         raise config.ConfigError("--micro-batch and --seq-len must be at least 1")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, tok = load_reward_model(a.reward, device, a.mirror)
+    model, tok = evaluate.load_reward_model(a.reward, device, a.mirror)
     seq_len = min(a.seq_len or model.args.max_seq_len, model.args.max_seq_len)
-    pairs = dpo.read_preferences(a.data, mirror=a.mirror)
-    examples, _ = dpo.preference_examples(tok, pairs, seq_len)
+    pairs = chat.read_preferences(a.data, mirror=a.mirror)
+    examples, _ = chat.preference_examples(tok, pairs, seq_len)
     if not examples:
         raise data.DataError(f"{a.data}: no preference pair fits --seq-len {seq_len}")
     check_reply_ends(tok, pairs, examples, seq_len, model.args.max_seq_len,
                      say=lambda msg: print(msg, file=sys.stderr))
-    loader = dpo.PreferenceLoader(examples, a.micro_batch, seq_len, pad_id=data.pad_id(tok))
-    print(json.dumps({"reward": str(a.reward), "data": str(a.data), **score_pairs(model, loader,
+    loader = chat.PreferenceLoader(examples, a.micro_batch, seq_len, pad_id=data.pad_id(tok))
+    print(json.dumps({"reward": str(a.reward), "data": str(a.data), **evaluate.score_pairs(model, loader,
                                                                                   a.micro_batch)}))
     return 0
 
@@ -264,83 +223,15 @@ def score_main(argv) -> int:
 #     teach the model to stop where the budget ran out. A prompt with no finished reply is counted, not kept.
 
 
-def read_prompts(path_or_name, mirror=None) -> list[tuple[str, list]]:
-    """Prompts -> [(where, messages ending with a user turn)], each record read by prompt_of."""
-    path = data.named_file(path_or_name, {**data.SFT_DATASETS, **data.PREFERENCE_DATASETS}, mirror)
-    prompts = []
-    for where, record in data.json_records(path):
-        try:
-            prompts.append((where, prompt_of(record)))
-        except data.DataError as e:
-            raise data.DataError(f"{where}: {e}") from None
-    if not prompts:
-        raise data.DataError(f"{path}: no prompts")
-    return prompts
-
-
-def prompt_of(record) -> list:
-    """One record -> the messages of its prompt, ending with a user turn. A record is a string (one user
-    message), {"prompt": a string or messages}, a preference pair as dpo.py reads it (its prompt), or any
-    record sft.py reads (its conversation up to its last user turn: a fine-tuning set's instructions are
-    prompts)."""
-    if isinstance(record, str):
-        messages = [{"role": "user", "content": record}]
-    elif isinstance(record, dict) and "chosen" in record:
-        messages = dpo.pair_sides(record)[0][0]
-    elif isinstance(record, dict) and "prompt" in record and "response" not in record:
-        prompt = record["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        data.check_messages(messages)
-    else:
-        messages = sft.conversation(record)
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
-        raise data.DataError("a prompt needs a user message")
-    return messages[:users[-1] + 1]
-
-
-def prompt_generator(seed: int, index: int, device) -> torch.Generator:
-    """The random stream of prompt `index`'s replies: one per (seed, prompt), whichever rank draws it."""
-    state = int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
-    return torch.Generator(device=device).manual_seed(state)
-
-
-@torch.no_grad()
-def sample_tokens(policy, ids: list[int], k: int, max_new_tokens: int, generator, eot: int, n_vocab: int,
-                  temperature: float = 1.0, top_p: float | None = None, mesh=None) -> list[list[int]]:
-    """K continuations of the token ids `ids`, sampled as one batch (K copies: one prefill shape, one KV
-    cache) -> each one's new tokens, up to and with its <|eot_id|> when it finished within max_new_tokens.
-    Under tensor parallelism (mesh) every tp rank draws the same tokens (parallel.gather_vocab)."""
-    whole_vocab = (lambda logits: P.gather_vocab(logits, mesh)) if mesh is not None and mesh.tp > 1 else None
-    new = M.generate(policy, [ids] * k, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=eot,
-                     generator=generator, n_vocab=n_vocab, whole_vocab=whole_vocab)
-    return [row[:row.index(eot) + 1] if eot in row else row for row in new.tolist()]
-
-
 def sample_replies(policy, tok, prompt, k: int, max_new_tokens: int, seq_len: int, generator,
                    temperature: float = 1.0, top_p: float | None = None) -> list[tuple[str, bool]]:
     """K replies to one prompt (messages) -> [(text, finished)]; finished: it ended with <|eot_id|> within
     max_new_tokens (and within seq_len)."""
-    ids, _ = data.encode_chat(tok, prompt, add_generation_prompt=True)
+    ids, _ = chat.encode_chat(tok, prompt, add_generation_prompt=True)
     eot = data.eot_id(tok)
-    rows = sample_tokens(policy, ids, k, min(max_new_tokens, seq_len - len(ids)), generator, eot, tok.n_vocab,
-                         temperature, top_p)
+    rows = M.sample(policy, ids, k, min(max_new_tokens, seq_len - len(ids)), generator, eot, tok.n_vocab,
+                    temperature, top_p)
     return [(tok.decode(row[:-1]), True) if row[-1:] == [eot] else (tok.decode(row), False) for row in rows]
-
-
-@torch.no_grad()
-def score_replies(reward_model, tok, prompt, replies: list[str], seq_len: int) -> torch.Tensor:
-    """(K,) scores r(prompt, reply), each read as training and reward.py score read it (dpo.reply_example's
-    rows, the score at the reply's <|eot_id|>), all K in one batch padded to the longest. A row holds as many
-    input positions as the longest example has tokens, so that its <|eot_id|> is an input, not only a
-    target; at most seq_len: an example of seq_len + 1 tokens (or one cut there) is read at its last input
-    token, as a PreferenceLoader's rows of seq_len read it."""
-    examples = [dpo.reply_example(tok, prompt, reply, seq_len)[0] for reply in replies]
-    width = min(max(len(ids) for ids, _ in examples), seq_len)
-    x, y, _ = sft.pack_rows(examples, width, data.pad_id(tok), pack=False)
-    device = reward_model.tok_embeddings.weight.device
-    x, y = sft.as_int64(x).to(device), sft.as_int64(y).to(device)
-    return scores(reward_model(x), y, P.Mesh())
 
 
 def best_of_k(policy, reward_model, tok, prompt, index: int, a, seq_len: int) -> dict:
@@ -348,9 +239,9 @@ def best_of_k(policy, reward_model, tok, prompt, index: int, a, seq_len: int) ->
     finished reply ("messages", absent if none finished), and every reply, score and finished flag."""
     device = policy.tok_embeddings.weight.device
     replies = sample_replies(policy, tok, prompt, a.k, a.max_new_tokens, seq_len,
-                             prompt_generator(a.seed, index, device), a.temperature, a.top_p)
+                             M.replies_stream(a.seed, index, device), a.temperature, a.top_p)
     texts = [text for text, _ in replies]
-    r = score_replies(reward_model, tok, prompt, texts, seq_len).float().cpu().tolist()
+    r = evaluate.score_replies(reward_model, tok, prompt, texts, seq_len).float().cpu().tolist()
     finished = [done for _, done in replies]
     record = {"index": index, "scores": r, "finished": finished, "replies": texts}
     candidates = [i for i in range(a.k) if finished[i]]
@@ -453,32 +344,8 @@ def load_policy_and_reward(a, device, dtype, mesh):
                                  f"{a.policy} writes {tok.name}: train the reward model from the policy's SFT "
                                  "model")
     policy = evaluate.load_model(a.policy, tok, device, dtype, mesh)
-    reward_model, _ = load_reward_model(a.reward, device, a.mirror, dtype, mesh)
+    reward_model, _ = evaluate.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
     return policy, reward_model, tok
-
-
-def with_room(prompts, tok, seq_len: int, say) -> list[int]:
-    """The indices of the prompts that leave a token for a reply under seq_len. The others are left out
-    and counted (the first named), as sft.py and dpo.py drop what their length rule cannot keep; none left
-    is an error."""
-    lengths = [len(data.encode_chat(tok, prompt, add_generation_prompt=True)[0]) for _, prompt in prompts]
-    long = [(where, n) for (where, _), n in zip(prompts, lengths) if n >= seq_len]
-    if long:
-        (where, n), what = long[0], f"{len(long):,} of {len(prompts):,} prompt(s)"
-        first = f"the first, {where}, is {n:,} tokens with its chat headers"
-        if len(long) == len(prompts):
-            raise data.DataError(f"{what} leave no room for a reply under --seq-len {seq_len} ({first}): "
-                                 "shorten them, or raise --seq-len up to the models' context")
-        say(f"left out: {what} that leave no room for a reply under --seq-len {seq_len} ({first})")
-    return [i for i, n in enumerate(lengths) if n < seq_len]
-
-
-def write_records(path: Path, records: list[dict]):
-    """JSONL, whole or not at all: written beside `path` and renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with data.writing(path.parent, path, cleanup=[tmp]):
-        C.write_durably(tmp, "".join(json.dumps(r) + "\n" for r in records))
-        os.replace(tmp, path)
 
 
 def sample_main(argv) -> int:
@@ -492,14 +359,14 @@ def sample_main(argv) -> int:
     policy, reward_model, tok = load_policy_and_reward(a, device, M.DTYPES[precision], mesh)
     context = min(policy.args.max_seq_len, reward_model.args.max_seq_len)
     seq_len = min(a.seq_len or context, context)
-    prompts = P.on_rank0_first(lambda: read_prompts(a.prompts, a.mirror), mesh)[:a.limit]
-    kept = with_room(prompts, tok, seq_len, say=lambda msg: print(msg, file=sys.stderr) if mesh.rank == 0
+    prompts = P.on_rank0_first(lambda: chat.read_prompts(a.prompts, a.mirror), mesh)[:a.limit]
+    kept = chat.with_room(prompts, tok, seq_len, say=lambda msg: print(msg, file=sys.stderr) if mesh.rank == 0
                      else None)
     mine = [best_of_k(policy, reward_model, tok, prompts[i][1], i, a, seq_len)
             for i in kept[mesh.rank::mesh.world]]
     records = sorted((r for part in P.all_gather_objects(mine, mesh) for r in part), key=lambda r: r["index"])
     if mesh.rank == 0:
-        write_records(Path(a.out), [{"where": prompts[r["index"]][0], **r} for r in records if "messages" in r])
+        C.write_jsonl(Path(a.out), [{"where": prompts[r["index"]][0], **r} for r in records if "messages" in r])
         print(json.dumps({"out": a.out, **sampling_summary(records, a.k)}), flush=True)
     if mesh.world > 1:
         torch.distributed.destroy_process_group()

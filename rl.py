@@ -68,14 +68,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import chat
 import checkpoint as C
 import config
 import data
 import evaluate
 import model as M
 import parallel as P
-import reward
-import sft
 import train as T
 
 IGNORE_INDEX = data.IGNORE_INDEX
@@ -252,9 +251,9 @@ def sums_main(argv) -> int:
     worked = [{"messages": [{"role": "user", "content": s["prompt"]},
                             {"role": "assistant", "content": f"{s['a']} + {s['b']} = {s['answer']}"}]}
               for s in problems[:a.sft]]
-    reward.write_records(out / "sft.jsonl", worked)
-    reward.write_records(out / "prompts.jsonl", problems[a.sft:a.sft + a.rl])
-    reward.write_records(out / "test.jsonl", problems[a.sft + a.rl:])
+    C.write_jsonl(out / "sft.jsonl", worked)
+    C.write_jsonl(out / "prompts.jsonl", problems[a.sft:a.sft + a.rl])
+    C.write_jsonl(out / "test.jsonl", problems[a.sft + a.rl:])
     print(json.dumps({"out_dir": str(out), "sft": a.sft, "rl": a.rl, "test": a.test}))
     return 0
 
@@ -266,19 +265,19 @@ def sums_main(argv) -> int:
 def read_rl_prompts(path: str, tok, seq_len: int, say) -> list[dict]:
     """--prompts -> [{"where", "messages", "ids", "answer"?}]: ids the chat-formatted prompt with the
     assistant's header. Prompts that leave no room for a reply under seq_len are left out and counted
-    (reward.with_room); none left is an error."""
+    (chat.with_room); none left is an error."""
     records = []
     for where, record in data.json_records(path):
         try:
-            messages = reward.prompt_of(record)
+            messages = chat.prompt_of(record)
         except data.DataError as e:
             raise data.DataError(f"{where}: {e}") from None
         extra = {"answer": str(record["answer"])} if isinstance(record, dict) and "answer" in record else {}
         records.append({"where": where, "messages": messages, **extra})
     if not records:
         raise data.DataError(f"{path}: no prompts")
-    kept = reward.with_room([(r["where"], r["messages"]) for r in records], tok, seq_len, say)
-    return [{**records[i], "ids": data.encode_chat(tok, records[i]["messages"], True)[0]} for i in kept]
+    kept = chat.with_room([(r["where"], r["messages"]) for r in records], tok, seq_len, say)
+    return [{**records[i], "ids": chat.encode_chat(tok, records[i]["messages"], True)[0]} for i in kept]
 
 
 class PromptLoader(data.Positions):
@@ -296,7 +295,7 @@ class PromptLoader(data.Positions):
         return torch.from_numpy(seqs), torch.from_numpy(items + self.index_offset)
 
     def fingerprint(self) -> str:
-        return sft.rows_fingerprint(*(np.asarray(p["ids"], dtype=np.int64) for p in self.prompts))
+        return chat.rows_fingerprint(*(np.asarray(p["ids"], dtype=np.int64) for p in self.prompts))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -452,12 +451,13 @@ class RLTask:
         a = self.args
         room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
         eot, n_vocab = data.eot_id(self.tok), self.tok.n_vocab
+        whole_vocab = lambda logits: P.gather_vocab(logits, self.mesh)  # (tp: every rank draws the same)
         if not self.policy.training:
-            return reward.sample_tokens(self.policy, prompt["ids"], 1, room, None, eot, n_vocab, 0.0,
-                                        mesh=self.mesh) * self.group
-        generator = reward.prompt_generator(a.seed, seq, self.policy.tok_embeddings.weight.device)
-        return reward.sample_tokens(self.policy, prompt["ids"], self.group, room, generator, eot, n_vocab,
-                                    a.temperature, a.top_p, self.mesh)
+            return M.sample(self.policy, prompt["ids"], 1, room, None, eot, n_vocab, 0.0,
+                            whole_vocab=whole_vocab) * self.group
+        generator = M.replies_stream(a.seed, seq, self.policy.tok_embeddings.weight.device)
+        return M.sample(self.policy, prompt["ids"], self.group, room, generator, eot, n_vocab, a.temperature,
+                        a.top_p, whole_vocab)
 
     @torch.no_grad()
     def roll_out(self, seqs, items):
@@ -570,13 +570,13 @@ def make_scorer(a, rule, tok, device, dtype, mesh, seq_len: int):
     so that a reply filling the room is read at its <|eot_id|> too."""
     if rule is not None:
         return lambda prompt, texts: apply_reward_fn(rule, a.reward_fn, prompt, texts)
-    model, _ = reward.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
+    model, _ = evaluate.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
     seq_len = min(seq_len + 1, model.args.max_seq_len)
-    return lambda prompt, texts: reward.score_replies(model, tok, prompt["messages"], texts,
+    return lambda prompt, texts: evaluate.score_replies(model, tok, prompt["messages"], texts,
                                                       seq_len).float().cpu().tolist()
 
 
-class RL(sft.SFT):
+class RL(T.FromInit):
     """train.py's recipe: SFT's model from --init (PPO adds a value head), prompts as the data, RLTask as
     the loss, against a frozen reference built from the same initial weights (none at --kl-coef 0)."""
 
@@ -584,7 +584,7 @@ class RL(sft.SFT):
     head_in_loss = False  # RLTask's loss is given the logits
     value_head = None  # PPO's critic (extend)
     resume_flags = ("algo",)  # PPO's checkpoints hold a value head, GRPO's none
-    unused_flags = {**sft.SFT.unused_flags, "data": "rl.py reads its prompts from --prompts"}
+    unused_flags = {**T.FromInit.unused_flags, "data": "rl.py reads its prompts from --prompts"}
 
     def masked_attention(self) -> str | None:
         return None  # one example a row, unpacked: the plain causal attention
@@ -617,7 +617,7 @@ class RL(sft.SFT):
         say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
         prompts = P.on_rank0_first(lambda: read_rl_prompts(a.prompts, tok, a.seq_len, say), mesh)
         check_answers(prompts, a.reward_fn)
-        train, val = sft.split_examples(prompts, a.val_fraction, a.seed)
+        train, val = chat.split_examples(prompts, a.val_fraction, a.seed)
         self.prompts = train + val  # the loaders' indices point here, validation's after training's
         make = lambda part, seed, offset: PromptLoader(part, a.micro_batch, a.seq_len, mesh.dp_rank, mesh.dp,
                                                        seed, offset)
@@ -725,7 +725,7 @@ def eval_main(argv) -> int:
     rewards, correct, eot = [], [], data.eot_id(tok)
     for prompt in prompts:
         room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
-        (row,) = reward.sample_tokens(policy, prompt["ids"], 1, room, None, eot, tok.n_vocab, 0.0)
+        (row,) = M.sample(policy, prompt["ids"], 1, room, None, eot, tok.n_vocab, 0.0)
         text = tok.decode(row[:-1] if row[-1:] == [eot] else row)
         rewards += score(prompt, [text])
         correct.append(is_correct(prompt, text))

@@ -22,13 +22,11 @@ and dpo.py bring their own recipes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import signal
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Callable, NamedTuple
 from pathlib import Path
@@ -36,18 +34,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import chat
 import checkpoint as C
 import config
 import costs
 import data
 import evaluate as E
+import logs as L
 import launch
 import model as M
 import optim as O
 import parallel as P
 import zero as Z
 
-IGNORE_INDEX = P.IGNORE_INDEX  # targets with this id carry no loss (used by SFT for prompt tokens)
 
 
 class TrainingError(config.ConfigError):
@@ -204,7 +203,7 @@ class SkipGuard:
     spikes (--skip-spikes) is not applied; every rank reaches the same verdict (from the same tally).
     --max-skips bad steps in a row stop the run."""
 
-    def __init__(self, args, meter: Meter, checkpointer: Checkpointer):
+    def __init__(self, args, meter: L.Meter, checkpointer: Checkpointer):
         self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
         self.meter, self.checkpointer = meter, checkpointer
         self.recent, self.skipped, self.in_a_row = [], 0, 0
@@ -254,16 +253,16 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
     recipe = recipe or Pretraining(args)
     spec = config.check_config(args, recipe)
-    check_benchmarks(args, recipe)
+    E.check_benchmarks(args, recipe.kind)
     mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
     lock, meter, stop = C.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
         stop = StopFlag()
-        meter = Meter(run, stop)
+        meter = L.Meter(run, stop)
         checkpointer = Checkpointer(run, step, recipe)
         guard = SkipGuard(args, meter, checkpointer)
-        announce(run, meter, recipe.name(), data_desc)
+        L.banner(run, meter, recipe.name(), data_desc)
         run.model.train()
         first = step
         while step < args.max_steps:
@@ -278,7 +277,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
             meter.step(step, result)
             if validation_due(step, args):
                 with meter.paused():
-                    meter.validation(step, *validation(run), benchmarks(run))
+                    meter.validation(step, *validation(run), E.benchmarks(run))
             if checkpointer.due(step):
                 with meter.paused():
                     checkpointer.save(step)  # 7. checkpoint
@@ -288,8 +287,8 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                 break
         run.timer.close()  # (a trace of the last step is written now)
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
-        if mixture_seen(run):
-            config.say(mixture_seen(run))
+        if L.mixture_seen(run):
+            config.say(L.mixture_seen(run))
     finally:
         if meter:
             meter.close()
@@ -399,6 +398,75 @@ class Pretraining:
                       config.loss_chunk(self.args))
 
 
+class FromInit(Pretraining):
+    """The post-training recipes' model (sft.py, dpo.py, reward.py, rl.py): loaded from --init, a train.py or
+    sft.py checkpoint (verified against its manifest by the job's ranks), a Hugging Face or a Meta folder,
+    with the tokenizer it was trained with (one with more ids grows its embedding and head rows). They read
+    whole examples, not pretraining's token stream (unused_flags); checkpoints say they train on chats."""
+
+    chat = True
+    unused_flags = {"ramp": "--ramp stages pretraining's token stream; fine-tuning reads whole examples",
+                    "doc_mask": "fine-tuning gives each example of a row its own document always",
+                    "anneal_data": "fine-tuning reads one dataset, --data (--anneal-tokens alone anneals the "
+                                   "learning rate)"}
+    scoring_init = False  # whether --init may be a reward model (reward.py's recipe: it starts from either)
+
+    def tokenizer(self):
+        """The one --init was trained with (--tokenizer may only repeat it); without --init, byte."""
+        if self.args.init is None:
+            self.tok = data.get_tokenizer(self.args.tokenizer or "byte", self.args.mirror)
+        else:
+            self.tok = C.tokenizer_for(self.args.init, self.args.tokenizer, self.args.mirror, grows=True)
+        return self.tok
+
+    def name(self) -> str:
+        return self.args.init or self.args.model
+
+    def model_args(self, tok) -> M.ModelArgs:
+        """The shape at once; the weights (below) once the job's processes can talk. From a checkpoint the
+        shape comes from meta.json alone, and no shard is opened until the job's ranks have checked them
+        against the manifest, each a share of the files (one rank hashing a 405B checkpoint would take
+        hours); each rank then reads only the weights it keeps, lazily."""
+        args, self.state = self.args, None
+        if args.init is None:
+            print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
+            return super().model_args(tok)
+        if not self.scoring_init:
+            C.check_head(args.init, "--init")
+        rows = C.recorded(args.init).get("vocab_size")
+        if config.lora_of(args) and rows and tok.n_vocab > rows:
+            raise config.ConfigError(f"--lora-rank: the tokenizer {tok.name} has {tok.n_vocab:,} ids, --init "
+                                     f"{args.init} {rows:,} rows; LoRA keeps the embedding and the head "
+                                     "frozen, so the rows added for them could never learn: fine-tune without "
+                                     "LoRA")
+        if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
+            margs, self.state = C.load_init(args.init, tok)
+            self.init_folder = args.init
+            return config.init_model_args(args, margs)
+        # rank 0 says what it skips, later
+        self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)
+        try:
+            self.margs = C.with_room_for(C.checkpoint_args(self.picked), tok.n_vocab)
+        except ValueError as e:
+            raise config.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
+                                     f"{data.one_line(e)}") from None
+        return config.init_model_args(args, self.margs)
+
+    def weights(self, mesh) -> dict | None:
+        if self.args.init is None or not C.is_checkpoint(self.args.init):
+            return self.state
+        # every rank checks a share of the shards; may fall back past a damaged step
+        verified = C.resolve(self.args.init, say=config.say, check=C.shared_check(mesh))
+        verified_margs, state = C.load_init(verified, self.tok, verify=False)
+        self.init_folder = verified  # (a LoRA run's checkpoints name this step, not an out-dir that grows)
+        if verified_margs != self.margs:
+            raise config.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has "
+                                     f"another model shape than {self.picked.name}; name the step folder to "
+                                     "start from")
+        return state
+
+
+
 def doc_mask_on(args) -> bool:
     """--doc-mask, or by default: on for the llama presets (Llama 3 masked across documents: section 3.4.1
     of Dubey et al. 2024), off for the small ones, whose default data is one document (TinyShakespeare)."""
@@ -414,7 +482,7 @@ def document_ids(inputs: torch.Tensor, bos: int) -> torch.Tensor:
 class LMTask:
     """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
     whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
-    gradient. IGNORE_INDEX targets (SFT prompts, padding) count for nothing. With `bos` (--doc-mask),
+    gradient. data.IGNORE_INDEX targets (SFT prompts, padding) count for nothing. With `bos` (--doc-mask),
     prepare() gives each (inputs, targets) micro-batch its document ids, and the model attends within
     documents only (SFT's packed batches bring their own). With `chunk` (--loss-chunk) the loss is given
     the final norm's output (takes_hidden) and applies the head itself, chunk tokens at a time
@@ -436,7 +504,7 @@ class LMTask:
         return [(*b, document_ids(b[0], self.bos)) if len(b) == 2 else b for b in batches]
 
     def count(self, batch) -> torch.Tensor:
-        return (batch[1] != IGNORE_INDEX).sum()
+        return (batch[1] != data.IGNORE_INDEX).sum()
 
     def loss(self, out, targets, total) -> torch.Tensor:
         """out: the logits, or with takes_hidden the final norm's output; total: the target tokens of the
@@ -467,192 +535,6 @@ def sum_over_replicas(tensors: list[torch.Tensor], mesh):
 
 # ----------------------------------------------------------------------------------------------------
 # Around the steps: logging, validation, checkpoints, preemption. Each decides its own "when".
-
-
-class Meter:
-    """The console and <out-dir>/metrics.jsonl, written by rank 0. Every --log-every steps and at the last
-    it logs the mean loss (and the task's metrics) since the previous line, the last gradient norm,
-    tokens/s and MFU, peak memory and the bytes sent per step. Its clock stops while paused: validation
-    and checkpoints are not training time, and their bytes are not a step's."""
-
-    def __init__(self, run: Run, stop: StopFlag):
-        self.run, self.args, self.mesh, self.stop = run, run.args, run.mesh, stop
-        self.path, self.file = Path(run.args.out_dir) / "metrics.jsonl", None
-        if run.mesh.rank == 0:
-            try:  # unbuffered: each record is written, and made durable, as it is logged
-                self.file = open(self.path, "ab", buffering=0)
-            except OSError as e:
-                raise C.CheckpointError(f"cannot write {self.path}: {C.write_error(e)}") from None
-        self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
-        self.restage()
-        self.peak, self.peak_source = costs.peak_flops(run.device, run.precision)
-        self.began, self.paused_s, self.paused_at = time.perf_counter(), 0.0, None
-        self.restart()
-
-    def restage(self):
-        """Tokens per step and model FLOPs per token, for the run's settings (a --ramp stage changes them)."""
-        self.tokens_per_step = step_tokens(self.run.args, self.run.task, self.run.mesh)
-        self.flops_per_token = model_flops_per_token(self.run.margs, self.run.args.seq_len, self.run.task,
-                                                     config.lora_of(self.run.args) is not None)
-
-    def restart(self):
-        """A new window: the steps, tokens, loss and metric sums, time and bytes since the last line."""
-        self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
-        self.tokens, self.loss, self.metrics = 0, 0.0, [0.0] * len(self.run.task.metric_names)
-
-    def tokens_at(self, step: int) -> int:
-        """Tokens trained on in the run's first `step` steps."""
-        return config.tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
-
-    def clock(self) -> float:
-        """Seconds spent training so far: wall time less the pauses."""
-        return (self.paused_at or time.perf_counter()) - self.began - self.paused_s
-
-    @contextmanager
-    def paused(self):
-        self.paused_at, comm = time.perf_counter(), dict(self.mesh.comm_bytes)
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - self.paused_at
-            self.paused_at = None
-            self.comm_at = {k: v + self.mesh.comm_bytes[k] - comm[k] for k, v in self.comm_at.items()}
-
-    def write(self, record: dict):
-        if self.file:
-            self.append((json.dumps(record) + "\n").encode())
-        if self.trackers:
-            self.trackers.log(record)
-
-    def append(self, line: bytes):
-        """One record onto metrics.jsonl, fsynced: a full disk or a lost mount is found at this record, not
-        at the end of the run (some file systems report it only when the data is flushed). Then the
-        partial record is cut off, the log closed, and the run stops at the next step with a checkpoint
-        (StopFlag.fail), as for any write that fails."""
-        at = os.fstat(self.file.fileno()).st_size
-        try:
-            view = memoryview(line)
-            while view:
-                view = view[self.file.write(view):]
-            os.fsync(self.file.fileno())
-        except OSError as e:
-            # the log keeps whole records only; closing may report the same failure again
-            for cleanup in (lambda: os.ftruncate(self.file.fileno(), at), self.file.close):
-                try:
-                    cleanup()
-                except OSError:
-                    pass
-            self.file = None
-            self.stop.fail(f"cannot write {self.path} ({C.write_error(e)}); its records from here on are lost")
-
-    def named(self, values: list, prefix="") -> dict:
-        return {prefix + k: v for k, v in zip(self.run.task.metric_names, values)}
-
-    def step(self, step: int, result: StepResult):
-        """Add a finished step; log when due."""
-        self.steps += 1
-        self.tokens += self.tokens_per_step
-        self.loss += result.loss
-        self.metrics = [a + b for a, b in zip(self.metrics, result.metrics)]
-        if step % self.args.log_every == 0 or step == self.args.max_steps:
-            self.log(step, result)
-            self.restart()
-
-    def log(self, step: int, result: StepResult):
-        # Host numbers only (the steps' tallies): logging costs no synchronization. The clock is read at
-        # the same point of every step (after its tally), so a window's time is its steps' time.
-        n, now, mesh = self.steps, self.clock(), self.mesh
-        tps = self.tokens / (now - self.window_start)
-        comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
-        metrics = self.named([m / n for m in self.metrics])
-        rec = {"step": step, "tokens": self.tokens_at(step), "loss": self.loss / n,
-               "lr": result.lr, "grad_norm": result.grad_norm,
-               "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * mesh.world),
-               "peak_mem_gb": costs.peak_memory_gb(self.run.device), "time_s": now, "comm_bytes_per_step": comm,
-               **metrics, **tokens_by_source(self.run)}
-        comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
-            f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
-        extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
-        config.say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm "
-                   f"{rec['grad_norm']:.3f} | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem "
-                   f"{rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
-        self.write(rec)
-
-    def validation(self, step: int, loss: float, metrics: list, by_source: dict, scores: dict):
-        """Log a validation (called while paused: the pause so far is its time); by_source: a mixture's
-        loss on each source's own validation split; scores: the --eval-tasks benchmarks' accuracies."""
-        by_source = {f"val_loss/{k}": v for k, v in by_source.items()}
-        extra = {**self.named(metrics, "val_"), **by_source, **scores}
-        config.say(f"step {step:6d} | val loss {loss:.4f}"
-                   + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
-                   + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
-        self.write({"step": step, "tokens": self.tokens_at(step), "val_loss": loss, **extra,
-                    "time_s": self.clock()})
-
-    def close(self):
-        if self.file:
-            self.file.close()
-        if self.trackers:
-            self.trackers.close()
-
-
-class Trackers:
-    """--wandb PROJECT and --tensorboard DIR: metrics.jsonl's records, sent on by rank 0 as they are
-    written, nested values flattened (comm_bytes_per_step/dp). Each package is imported only when its flag
-    asks for it; config.check_trackers refuses a flag whose package is missing, before the run starts."""
-
-    def __init__(self, args):
-        self.wandb = self.tensorboard = None
-        if args.wandb:
-            import wandb
-            self.wandb = wandb.init(project=args.wandb, config=vars(args), dir=args.out_dir)
-        if args.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(args.tensorboard)
-
-    def log(self, record: dict):
-        flat = {f"{k}/{sub}" if isinstance(v, dict) else k: x for k, v in record.items() if k != "step"
-                for sub, x in (v.items() if isinstance(v, dict) else [(None, v)])}
-        if self.wandb:
-            self.wandb.log(flat, step=record["step"])
-        if self.tensorboard:  # scalars only (a skipped step's reason is text)
-            for name, value in flat.items():
-                if isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(name, value, record["step"])
-
-    def close(self):
-        if self.wandb:
-            self.wandb.finish()
-        if self.tensorboard:
-            self.tensorboard.close()
-
-
-def step_tokens(args, task, mesh) -> int:
-    """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
-    return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
-
-
-def model_flops_per_token(margs, seq_len: int, task, lora: bool = False) -> float:
-    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
-    that for each forward of a frozen reference model the task runs alongside (DPO without a cache). Under
-    LoRA the frozen weights get no gradient: 4N + 12LdT."""
-    forward = costs.flops_per_token(margs, seq_len)["palm"] / 3
-    return costs.flops_per_token(margs, seq_len, frozen=lora)["palm"] + task.reference_forwards * forward
-
-
-def tokens_by_source(run: Run) -> dict[str, int]:
-    """A mixture's tokens seen so far from each source, over every rank ({} for a single source)."""
-    if not isinstance(run.loader, data.MixtureLoader):
-        return {}
-    return {f"tokens/{name}": n for name, n in run.loader.tokens_seen().items()}
-
-
-def mixture_seen(run: Run) -> str | None:
-    """A mixture's realized shares of the tokens seen so far, as one line."""
-    seen = tokens_by_source(run)
-    total = sum(seen.values())
-    return "data seen: " + ", ".join(f"{k.split('/', 1)[1]} {n / total:.1%} ({n:,} tokens)"
-                                     for k, n in seen.items()) if total else None
 
 
 def validation(run: Run) -> tuple[float, list, dict]:
@@ -700,96 +582,6 @@ def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
 # tallies), but run through this run's own layout, since under tp, cp and pp no rank holds the whole model.
 
 
-def check_benchmarks(args, recipe: Pretraining):
-    """--eval-tasks names benchmarks or files of items, for a language model: refused before any process
-    talks."""
-    if args.eval_tasks and recipe.kind == "reward":
-        raise config.ConfigError("--eval-tasks scores the choices of a language model; a reward model's head "
-                                 "has one output: score its pairs instead (reward.py score)")
-    for name, _ in config.eval_tasks(args.eval_tasks):
-        if name not in E.BENCHMARKS and not Path(name).expanduser().is_file():
-            raise config.ConfigError(f"--eval-tasks {name}: not a benchmark ({', '.join(E.BENCHMARKS)}) nor a "
-                                     "file of multiple-choice items")
-
-
-def load_benchmarks(args, tok, mesh) -> list[tuple[str, list]]:
-    """[(name, its first N items)], read by rank 0 first (a download fills a cache folder); rank 0 says
-    how many have a choice cut to the window, once."""
-    read = lambda: [(name, E.read_items(name, args.mirror)[:limit])
-                    for name, limit in config.eval_tasks(args.eval_tasks)]
-    tasks = P.on_rank0_first(read, mesh) if args.eval_tasks else []
-    for name, items in tasks if mesh.rank == 0 else []:
-        cut = E.choice_requests(tok, items, range(len(items)), args.seq_len)[1]
-        E.say_cut(name, cut, len(items), args.seq_len)
-    return tasks
-
-
-def benchmarks(run: Run) -> dict:
-    """Each --eval-tasks benchmark's acc and acc_norm ({"hellaswag/acc": ...}): the items i with
-    i % dp == dp_rank go to each replica, whose ranks score them together; the counts are summed over dp."""
-    results, mesh = {}, run.mesh
-    for name, items in run.benchmarks:
-        mine = range(mesh.dp_rank, len(items), mesh.dp)
-        requests, cut = E.choice_requests(run.tok, items, mine, run.args.seq_len)
-        tally = E.choice_tally(items, mine, requests, request_logprobs(run, requests), cut)
-        result = E.choice_result(tally, run.args.seq_len, mesh, run.device)
-        results.update({f"{name}/{k}": result[k] for k in ("acc", "acc_norm")})
-    return results
-
-
-@torch.no_grad()
-def request_logprobs(run: Run, requests: list) -> list[float]:
-    """The summed log-prob of each request's last n tokens ((tokens, n): evaluate.choice_requests), through
-    the pipeline: the requests packed into rows of seq_len, each its own document (the mask and RoPE's
-    positions restart, so it scores as it would alone), micro_batch rows at a time; the head runs only at
-    the scored positions. Every dp rank runs as many micro-batches (ZeRO-3 gathers weights over dp)."""
-    mesh, args, device, B = run.mesh, run.args, run.device, run.args.micro_batch
-    rows = pack_requests(requests, args.seq_len, data.pad_id(run.tok))  # (4, rows, T)
-    n = torch.tensor([math.ceil(rows.shape[1] / B)], device=device)
-    P.all_reduce(n, mesh, "dp", op=dist.ReduceOp.MAX)
-    rows = torch.cat([rows, pack_requests([], args.seq_len, 0, int(n) * B - rows.shape[1])], dim=1).to(device)
-    inputs, targets, docs, index = rows
-    batches = [P.context_chunks((inputs[i:i + B], targets[i:i + B], docs[i:i + B]), mesh)
-               for i in range(0, len(inputs), B)]
-    pos = P.context_positions(args.seq_len, mesh.cp, mesh.cp_rank, device) if mesh.cp > 1 else slice(None)
-    at = iter([index[i:i + B, pos] for i in range(0, len(inputs), B)])  # each micro-batch's, in order
-    scores = torch.zeros(len(requests), dtype=torch.float64, device=device)
-
-    def score(h, targets):  # h: (B, T/cp, dim), the final norm's output on the last stage
-        keep, where = targets != IGNORE_INDEX, next(at)
-        logp = -P.token_losses(run.model.output(h[keep]), targets[keep], run.margs.vocab_size, mesh)
-        scores.index_add_(0, where[keep], logp.double())
-
-    run.model.eval()
-    P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, score, run.dtype,
-                       args.virtual_stages, head=False)
-    run.model.train()
-    for dim in ("cp", "pp"):  # each cp rank scored its chunks; the last stage holds the scores
-        P.all_reduce(scores, mesh, dim)
-    return scores.tolist()
-
-
-def pack_requests(requests: list, seq_len: int, pad: int, empty: int = 0) -> torch.Tensor:
-    """Requests (tokens, n) -> (4, rows, seq_len): inputs, targets, document ids, request index. Each
-    request gives its tokens but the last as inputs, its last n as targets (the rest IGNORE_INDEX), its own
-    document id, and its index at each of its positions (-1 in padding, whose document comes last). Filled
-    in order, a request to a row while it fits; then `empty` rows of padding."""
-    blank = lambda: torch.tensor([pad, IGNORE_INDEX, seq_len, -1])[:, None].repeat(1, seq_len)  # (4, T)
-    rows, used, doc = [], seq_len, 0
-    for r, (seq, n) in enumerate(requests):
-        L = len(seq) - 1  # positions it takes: every token but the last predicts the next
-        if used + L > seq_len:
-            rows.append(blank())
-            used, doc = 0, 0
-        row = rows[-1]
-        row[0, used:used + L] = torch.as_tensor(seq[:-1])
-        row[1, used + L - n:used + L] = torch.as_tensor(seq[-n:])
-        row[2, used:used + L], row[3, used:used + L] = doc, r
-        used, doc = used + L, doc + 1
-    rows += [blank() for _ in range(empty)]
-    return torch.stack(rows, dim=1) if rows else torch.empty(4, 0, seq_len, dtype=torch.long)
-
-
 class Checkpointer:
     """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
     checkpoint holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
@@ -801,7 +593,7 @@ class Checkpointer:
     def __init__(self, run: Run, start_step: int, recipe: Pretraining):
         self.run, self.saved_at, self.recipe = run, start_step, recipe
         self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
-        self.lora = lora_record(run.args, recipe)
+        self.lora = C.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
         out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
         self.last_good = out / C.step_name(start_step) if start_step else None
 
@@ -964,7 +756,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     timer = costs.PhaseTimer(spec.device, time_phases, costs.tracer_for(args, mesh, spec.device))
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, timer, spec.attention, spec.ramp, load_benchmarks(args, spec.tok, mesh))
+              loader, make_val, timer, spec.attention, spec.ramp, E.load_benchmarks(args, spec.tok, mesh))
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
@@ -1015,7 +807,7 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
         raise config.ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
                                  f"--resume would continue it as {recipe.kind}: resume it with {script}, or "
                                  "start from it with --init and another --out-dir")
-    lora = lora_record(run.args, recipe)
+    lora = C.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
     if meta.get("lora") != lora:  # the adapters, their settings and the model they adapt are the run's
         raise config.ConfigError(f"checkpoint {ckpt} was trained with LoRA {meta.get('lora') or 'off'}, this "
                                  f"run has {lora or 'LoRA off'}: resume it with the same --lora-rank, "
@@ -1031,37 +823,6 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
         raise config.ConfigError(f"checkpoint {ckpt} was trained on other data (--data {args.get('data')!r} "
                                  f"then, {run.args.data!r} now, whose contents differ); --resume needs the "
                                  f"same data: start a new run in another --out-dir{start}")
-
-
-def lora_record(args, recipe: Pretraining) -> dict | None:
-    """What a LoRA run's checkpoints record (checkpoint.lora_record): the model its weights came from."""
-    return C.lora_record(config.lora_of(args), recipe.init_folder, args.seed)
-
-
-def announce(run: Run, meter: Meter, name: str, data_desc: str):
-    """The run's banner: the model, the layout, the data and what MFU is measured against."""
-    margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
-    config.say(f"model {name}: {costs.count_params(margs):,} parameters ({costs.count_params(margs, False):,} "
-               f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, heads "
-               f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
-    config.say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
-        + (f", {args.schedule} schedule" if mesh.pp > 1 else "")
-        + (f" over {args.virtual_stages} model chunks per rank" if mesh.pp > 1 and args.virtual_stages > 1
-           else "") + (", sequence parallel" if mesh.sp else "")
-        + (f", ZeRO-{args.zero}" if args.zero and mesh.dp_cp > 1 else ""))
-    rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
-    config.say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step ({args.micro_batch}{rows} x "
-               f"{args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
-    lora = config.lora_of(args)
-    if lora:
-        trained = sum(p.numel() for p in run.opt.params)
-        config.say(f"LoRA rank {lora[0]}, alpha {lora[1]:g} on {', '.join(lora[2])}: {trained:,} trained "
-                   f"parameters on this rank, the model frozen in {run.precision}")
-    config.say(f"device {run.device}, {run.precision}, attention {run.attention}; MFU uses the PaLM convention "
-        + ("4N+12LdT (LoRA: no weight gradients)" if lora else "6N+12LdT")
-        + (" plus the reference's forward" if task.reference_forwards else "")
-        + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "
-        f"per device ({meter.peak_source})")
 
 
 def switch_stage(run: Run, recipe: Pretraining, stages: list[config.Stage], step: int):
@@ -1086,6 +847,21 @@ def samples_here(run: Run) -> bool:
     are gathered from all of them."""
     mesh = run.mesh
     return mesh.whole_model and (mesh.rank == 0 or run.sync.weights is not None)
+
+
+def post_train(args, recipe_of) -> Run:
+    """The entry of sft.py and dpo.py, beside main: the process set up, the training loop run with the recipe
+    recipe_of(args) makes, then the answer to --sample-prompt (rank 0 prints it)."""
+    config.configure_process(args)
+    run = train(args, recipe_of(args))
+    if args.sample_prompt and samples_here(run):
+        reply = chat.reply(run.model, run.tok, [{"role": "user", "content": args.sample_prompt}],
+                           seed=args.seed)
+        if run.mesh.rank == 0:
+            print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
+    if run.mesh.world > 1:
+        torch.distributed.destroy_process_group()
+    return run
 
 
 def main(argv=None):

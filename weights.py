@@ -496,6 +496,17 @@ def hf_tokens(enc, chat: bool) -> dict:
 #  - the pre-tokenizer splits text with the Encoding's own pattern, then maps bytes to characters;
 #  - the post-processor adds <|begin_of_text|> in front, as prepare() does to every document.
 
+# The same format as a Jinja template, for an export's tokenizer_config.json (apply_chat_template). Rendered
+# as one text and then encoded, it gives encode_chat's ids except for content that starts with a newline
+# (which joins the header's "\n\n" in one piece) or holds a special token's text (which becomes that token:
+# an injected turn, unless the caller passes sanitize_control_tokens=True; no template can keep it text).
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+
 def hf_tokenizer_files(enc, chat: bool, max_len: int | None = None) -> dict:
     """{file name: JSON object} of a Hugging Face tokenizer for `enc`: tokenizer.json, tokenizer_config.json
     (with the Llama 3 chat template for a chat model) and special_tokens_map.json. save_hf writes them."""
@@ -504,7 +515,7 @@ def hf_tokenizer_files(enc, chat: bool, max_len: int | None = None) -> dict:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "clean_up_tokenization_spaces": False,
               "model_input_names": ["input_ids", "attention_mask"], "model_max_length": max_len or 131_072}
     if chat:
-        config["chat_template"] = data.LLAMA3_CHAT_TEMPLATE
+        config["chat_template"] = LLAMA3_CHAT_TEMPLATE
     return {"tokenizer.json": _tokenizer_json(enc), "tokenizer_config.json": config,
             "special_tokens_map.json": names}
 

@@ -23,11 +23,13 @@ import numpy as np
 import pytest
 import torch
 
+import chat
 import checkpoint
 import config
 import data
 import dpo
 import evaluate
+import logs
 import model as M
 import sft
 import train
@@ -458,7 +460,7 @@ def test_pretty_printed_json_is_named_as_such(tmp_path):
         data.read_documents(pretty, "jsonl")
     pretty.write_text("\n".join(json.dumps({"instruction": "a", "output": "b"}, indent=2) for _ in range(2)))
     with pytest.raises(data.DataError, match="JSON records spread over several lines"):
-        sft.read_sft(str(pretty))
+        chat.read_sft(str(pretty))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -630,12 +632,12 @@ def test_a_full_disk_under_the_log_stops_the_run_with_a_checkpoint(tmp_path, mon
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd)
     monkeypatch.setattr(os, "fsync", fsync)
-    real_step = train.Meter.step
+    real_step = logs.Meter.step
 
     def step(self, n, result):
         full["now"] = n >= 3
         return real_step(self, n, result)
-    monkeypatch.setattr(train.Meter, "step", step)
+    monkeypatch.setattr(logs.Meter, "step", step)
     message = refused(capsys, train.main, TINY + ["--max-steps", "20", "--ckpt-every", "100", "--out-dir",
                                                   str(out)])
     assert "stopped after step 4: cannot write" in message and "metrics.jsonl" in message

@@ -101,7 +101,7 @@ def lora_sft(tmp_path_factory):
               root / "base", W.hf_tokens(data.get_tokenizer("byte"), chat=False))
     args = sft.get_parser().parse_args(TINY + LORA + ["--init", str(root / "base"), "--max-steps", "12",
                                                       "--lr", "1e-2", "--out-dir", str(root / "out")])
-    run = sft.post_train(args, sft.SFT)
+    run = train.post_train(args, sft.SFT)
     return root / "base", run, root / "out"
 
 
@@ -202,7 +202,7 @@ def test_dpo_with_lora_has_no_second_model(lora_sft, tmp_path):
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     args = dpo.get_parser().parse_args(TINY + LORA + ["--init", str(sft_out), "--data", str(path),
                                                       "--max-steps", "4", "--out-dir", str(tmp_path / "o")])
-    run = sft.post_train(args, dpo.DPO)
+    run = train.post_train(args, dpo.DPO)
     # it adapts the step --init named, not the out-dir, whose newest step may change
     assert C.read_meta(C.read_latest(tmp_path / "o"))["lora"]["base"] == str(C.read_latest(sft_out))
     first = json.loads((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()[0])

@@ -123,8 +123,8 @@ def _layers(tp, sp):
     # Vocab-parallel cross-entropy, with ignored targets: per-token losses and logits gradients
     logits = torch.randn(B, T, 37, requires_grad=True)
     targets = torch.randint(0, 37, (B, T))
-    targets[0, :3] = P.IGNORE_INDEX
-    loss = F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=P.IGNORE_INDEX,
+    targets[0, :3] = data.IGNORE_INDEX
+    loss = F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=data.IGNORE_INDEX,
                            reduction="none")
     w = torch.rand_like(loss)
     (loss * w).sum().backward()
@@ -202,7 +202,7 @@ def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype):
     head = torch.nn.Linear(d, V, bias=False).to(dtype)
     h = torch.randn(N, d, dtype=dtype, requires_grad=True)
     t = torch.randint(0, V, (N,))
-    t[::5] = P.IGNORE_INDEX
+    t[::5] = data.IGNORE_INDEX
     calls = []
     head.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
     chunked = P.head_loss_sum(h, head, t, V, P.Mesh(), 8) / 30
@@ -461,7 +461,7 @@ def test_document_masking_matches_single_process(tmp_path, short_documents, n, f
 
 
 # A run that also writes, at its end, the summed log-probs of the choices of 13 PIQA items as its layout scores
-# them (train.request_logprobs: requests packed into rows, through the pipeline, the head at the scored
+# them (evaluate.request_logprobs: requests packed into rows, through the pipeline, the head at the scored
 # positions only); --eval-tasks logs the accuracies from the same scores.
 BENCHMARK_RUN = f"""
 import json, sys
@@ -471,7 +471,7 @@ args = config.get_parser().parse_args(sys.argv[1:])
 run = train.train(args)
 items = evaluate.read_items("piqa")[:13]
 requests, _ = evaluate.choice_requests(run.tok, items, range(13), args.seq_len)
-scores = train.request_logprobs(run, requests)
+scores = evaluate.request_logprobs(run, requests)
 if run.mesh.rank == 0:
     open(args.out_dir + "/scores.json", "w").write(json.dumps(scores))
 """

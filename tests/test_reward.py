@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 import transformers  # test-only dependency: requirements-test.txt
 
+import chat
 import checkpoint as C
 import config
 import data
-import dpo
+import evaluate
 import multiproc
 import model as M
 import parallel as P
@@ -48,7 +49,7 @@ def test_the_score_is_read_at_the_replys_last_token():
     y = torch.tensor([[I, I, 5, 6, 9, I, I, I],  # eot (9) is the input at position 5
                       [I, 5, 6, 7, 8, 9, 9, 9],  # cut: learned to the end
                       [I, I, I, I, I, I, 9, I]])
-    assert reward.score_positions(y).tolist() == [5, 7, 7]
+    assert evaluate.score_positions(y).tolist() == [5, 7, 7]
 
 
 def test_a_replys_score_is_the_same_alone_batched_and_as_reward_py_score_gives_it():
@@ -62,14 +63,14 @@ def test_a_replys_score_is_the_same_alone_batched_and_as_reward_py_score_gives_i
     model.eval()
     prompt = [{"role": "user", "content": "Say something."}]
     short, longer = "good 1", "a longer reply than the first one"
-    n = len(dpo.reply_example(tok, prompt, short, 128)[0][0])  # the short conversation's tokens
+    n = len(chat.reply_example(tok, prompt, short, 128)[0][0])  # the short conversation's tokens
     for seq_len in (128, n - 1):
-        alone = reward.score_replies(model, tok, prompt, [short], seq_len)
-        batched = reward.score_replies(model, tok, prompt, [short, longer], seq_len)
+        alone = evaluate.score_replies(model, tok, prompt, [short], seq_len)
+        batched = evaluate.score_replies(model, tok, prompt, [short, longer], seq_len)
         pairs = [{"prompt": prompt, "chosen": short, "rejected": longer}]
-        loader = dpo.PreferenceLoader(dpo.preference_examples(tok, pairs, seq_len)[0], 1, seq_len,
+        loader = chat.PreferenceLoader(chat.preference_examples(tok, pairs, seq_len)[0], 1, seq_len,
                                       pad_id=data.pad_id(tok))
-        scored = reward.score_pairs(model, loader, 1)["rewards/chosen"]
+        scored = evaluate.score_pairs(model, loader, 1)["rewards/chosen"]
         assert alone[0].item() == pytest.approx(batched[0].item(), abs=1e-6), seq_len
         assert alone[0].item() == pytest.approx(scored, abs=1e-6), seq_len
 
@@ -125,15 +126,15 @@ def test_a_reward_model_goes_to_hugging_face_and_back(tmp_path):
                         "--out-dir", str(rm)])
     hf = tmp_path / "hf"
     assert C.main(["consolidate", str(rm), "--hf", str(hf)]) == 0
-    ours, tok = reward.load_reward_model(rm, torch.device("cpu"))
-    examples, _ = dpo.preference_examples(tok, dpo.read_preferences(pairs), 128)
-    x, y = dpo.PreferenceLoader(examples, 4, 128, pad_id=data.pad_id(tok)).pairs(list(range(4)))
+    ours, tok = evaluate.load_reward_model(rm, torch.device("cpu"))
+    examples, _ = chat.preference_examples(tok, chat.read_preferences(pairs), 128)
+    x, y = chat.PreferenceLoader(examples, 4, 128, pad_id=data.pad_id(tok)).pairs(list(range(4)))
     theirs = transformers.LlamaForSequenceClassification.from_pretrained(hf).eval()
     with torch.no_grad():
-        want = reward.scores(ours(x), y, P.Mesh())
+        want = evaluate.scores(ours(x), y, P.Mesh())
         torch.testing.assert_close(theirs(input_ids=x).logits[:, 0], want, rtol=1e-4, atol=1e-4)
-        back, _ = reward.load_reward_model(hf, torch.device("cpu"))
-        torch.testing.assert_close(reward.scores(back(x), y, P.Mesh()), want, rtol=1e-5, atol=1e-5)
+        back, _ = evaluate.load_reward_model(hf, torch.device("cpu"))
+        torch.testing.assert_close(evaluate.scores(back(x), y, P.Mesh()), want, rtol=1e-5, atol=1e-5)
     again = tmp_path / "again"
     reward.main(TINY + ["--init", str(hf), "--data", str(pairs), "--max-steps", "1", "--warmup", "1", "--lr",
                         "1e-9", "--micro-batch", "4", "--out-dir", str(again)])
@@ -229,15 +230,15 @@ def test_rejection_sampling_keeps_the_best_finished_reply_as_sft_data(policy_and
     policy, rm, prompts = policy_and_reward
     summary, recs, _ = sample(capsys, policy, rm, prompts, tmp_path / "a.jsonl", "--k", "4")
     assert summary["prompts"] == 16 and summary["kept"] == len(recs) >= 12
-    model, tok = reward.load_reward_model(rm, torch.device("cpu"))
+    model, tok = evaluate.load_reward_model(rm, torch.device("cpu"))
     for r in recs:
         assert len(r["replies"]) == len(r["scores"]) == len(r["finished"]) == 4 and r["finished"][r["best"]]
         assert r["scores"][r["best"]] == max(s for s, done in zip(r["scores"], r["finished"]) if done)
         prompt = [{"role": "user", "content": QUESTIONS[r["index"]]["prompt"]}]
         assert r["messages"] == prompt + [{"role": "assistant", "content": r["replies"][r["best"]]}]
-        again = reward.score_replies(model, tok, prompt, r["replies"], 128)
+        again = evaluate.score_replies(model, tok, prompt, r["replies"], 128)
         assert again.tolist() == pytest.approx(r["scores"], abs=1e-5)
-    assert [c[-1]["content"] for c in sft.read_sft(str(tmp_path / "a.jsonl"))] == \
+    assert [c[-1]["content"] for c in chat.read_sft(str(tmp_path / "a.jsonl"))] == \
         [r["replies"][r["best"]] for r in recs]
     assert summary["kept_reward_mean"] == pytest.approx(sum(r["scores"][r["best"]] for r in recs) / len(recs))
     _, same, _ = sample(capsys, policy, rm, prompts, tmp_path / "b.jsonl", "--k", "4")
@@ -329,7 +330,7 @@ def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path,
     one line with the count and a --seq-len that keeps them, and write nothing; some: one warning line, and
     the run goes on."""
     tok = data.get_tokenizer("byte")
-    sides = lambda p: [len(dpo.reply_example(tok, [{"role": "user", "content": p["prompt"]}], p[k], 512)[0][0])
+    sides = lambda p: [len(chat.reply_example(tok, [{"role": "user", "content": p["prompt"]}], p[k], 512)[0][0])
                        for k in ("chosen", "rejected")]
     longest = [max(sides(p)) for p in PAIRS]
     top = max(longest)
@@ -352,10 +353,10 @@ def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path,
         assert f"16 of 16 preference pairs have a side longer than --seq-len {short} tokens" in err
         assert f"--seq-len {top} keeps every pair's end" in err
     assert not (tmp_path / "o").exists()
-    examples, _ = dpo.preference_examples(tok, dpo.read_preferences(pairs), int(short))
+    examples, _ = chat.preference_examples(tok, chat.read_preferences(pairs), int(short))
     with pytest.raises(data.DataError, match=f"beyond the model's context \\({top - 1}\\), which keeps "
                                              f"{16 - longest.count(top)} of 16: leave the long pairs out"):
-        reward.check_reply_ends(tok, dpo.read_preferences(pairs), examples, int(short), top - 1, print)
+        reward.check_reply_ends(tok, chat.read_preferences(pairs), examples, int(short), top - 1, print)
 
 
 def test_rejection_samplings_seed_and_out_are_checked_before_any_model_is_loaded(tmp_path, capsys, monkeypatch):

@@ -518,12 +518,12 @@ def test_rules_that_can_never_hold_are_refused_before_the_model_is_built(tmp_pat
 def test_a_rollout_that_fills_the_room_is_scored_at_its_end(models):
     """A rollout is up to seq_len + 1 tokens (prompt + reply, the room rl.py leaves): the reward model reads
     such a reply at its <|eot_id|>, as it reads a shorter one, not at the token before."""
-    model, tok = reward.load_reward_model(models.rm, torch.device("cpu"))
+    model, tok = evaluate.load_reward_model(models.rm, torch.device("cpu"))
     prompt, reply = [{"role": "user", "content": "What is 1 + 2?"}], "1 + 2 = 3"
     n = len(reward.dpo.reply_example(tok, prompt, reply, 100)[0][0])  # prompt + reply, with its <|eot_id|>
     a = SimpleNamespace(reward=str(models.rm), mirror=None)
     score = rl.make_scorer(a, None, tok, torch.device("cpu"), torch.float32, P.Mesh(), n - 1)
-    at_eot = reward.score_replies(model, tok, prompt, [reply], n)
+    at_eot = evaluate.score_replies(model, tok, prompt, [reply], n)
     assert score({"messages": prompt}, [reply]) == pytest.approx(at_eot.tolist(), abs=1e-6)
-    assert at_eot.item() != pytest.approx(reward.score_replies(model, tok, prompt, [reply], n - 1).item(),
+    assert at_eot.item() != pytest.approx(evaluate.score_replies(model, tok, prompt, [reply], n - 1).item(),
                                           abs=1e-6)

@@ -16,9 +16,9 @@ import torch
 import config
 import data
 import dpo
-from data import IGNORE_INDEX, DataError, encode_chat, get_tokenizer
-from dpo import PreferenceLoader, preference_examples, read_preferences
-from sft import SFTLoader, read_sft, sft_examples, split_examples
+from chat import PreferenceLoader, SFTLoader, encode_chat, preference_examples, read_preferences, read_sft
+from chat import sft_examples, split_examples
+from data import IGNORE_INDEX, DataError, get_tokenizer
 
 
 @pytest.fixture(autouse=True)

@@ -13,11 +13,13 @@ import pytest
 import torch
 import transformers  # test-only dependency: requirements-test.txt
 
+import chat
 import checkpoint as C
 import costs
 import data
 import dpo
 import helpers
+import logs
 import multiproc
 import model as M
 import parallel as P
@@ -57,9 +59,9 @@ def tiny_model(vocab=320):
 
 def sft_rows(tmp_path, pack, batch_size=1, seq_len=256):
     tok = data.get_tokenizer("byte")
-    convs = sft.read_sft(write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS))
-    examples, _ = sft.sft_examples(tok, convs, seq_len)
-    return sft.SFTLoader(examples, batch_size, seq_len, seed=0, pack=pack, pad_id=data.pad_id(tok))
+    convs = chat.read_sft(write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS))
+    examples, _ = chat.sft_examples(tok, convs, seq_len)
+    return chat.SFTLoader(examples, batch_size, seq_len, seed=0, pack=pack, pad_id=data.pad_id(tok))
 
 
 def test_prompt_positions_get_exactly_zero_gradient(tmp_path):
@@ -101,14 +103,14 @@ def test_sft_fits_a_handful_of_conversations(tmp_path):
     # exported, it stops where sft.chat stops: transformers' generate() reads <|eot_id|> from the export
     assert C.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "hf")]) == 0
     tok, messages = data.get_tokenizer("byte"), [{"role": "user", "content": "Name a colour."}]
-    ours = sft.chat(helpers.load_hf(tmp_path / "hf"), tok, messages, max_new_tokens=30, temperature=0)
-    ids, _ = data.encode_chat(tok, messages, add_generation_prompt=True)
+    ours = chat.reply(helpers.load_hf(tmp_path / "hf"), tok, messages, max_new_tokens=30, temperature=0)
+    ids, _ = chat.encode_chat(tok, messages, add_generation_prompt=True)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     new = hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
     assert ours == "Blue." and new == tok.encode_ordinary("Blue.") + [data.eot_id(tok)]
     # and the folder carries its tokenizer: transformers' own pipeline reads it and its chat template
-    chat = transformers.pipeline("text-generation", str(tmp_path / "hf"))
-    reply = chat(messages, max_new_tokens=30, do_sample=False)[0]["generated_text"][-1]
+    pipe = transformers.pipeline("text-generation", str(tmp_path / "hf"))
+    reply = pipe(messages, max_new_tokens=30, do_sample=False)[0]["generated_text"][-1]
     assert reply == {"role": "assistant", "content": "Blue."}
 
 
@@ -179,9 +181,9 @@ def test_reference_cache_is_never_served_for_other_pairs(tmp_path, capsys):
 
 def test_reference_cache_key_covers_rows_weights_and_precision(tmp_path, monkeypatch):
     """Served from the cache only for the same token rows, weights, tokenizer and precision."""
-    pairs = dpo.read_preferences(write_jsonl(tmp_path / "p.jsonl", PAIRS))
-    examples, _ = dpo.preference_examples(data.get_tokenizer("byte"), pairs, 64)
-    loader = lambda ex: [dpo.PreferenceLoader(ex, 4, 64, with_index=True)]
+    pairs = chat.read_preferences(write_jsonl(tmp_path / "p.jsonl", PAIRS))
+    examples, _ = chat.preference_examples(data.get_tokenizer("byte"), pairs, 64)
+    loader = lambda ex: [chat.PreferenceLoader(ex, 4, 64, with_index=True)]
     args = dpo.get_parser().parse_args(["--out-dir", str(tmp_path), "--micro-batch", "4", "--seq-len", "64"])
     cpu = torch.device("cpu")
     computed, real = [], dpo.precompute_reference
@@ -201,7 +203,7 @@ def test_reference_cache_key_covers_rows_weights_and_precision(tmp_path, monkeyp
     # --mask-format-tokens: other log-probs (rows long enough to hold each reply's <|eot_id|>)
     skip = torch.tensor(data.format_ids(data.get_tokenizer("byte")))
     args.seq_len = 128
-    whole = [dpo.PreferenceLoader(dpo.preference_examples(data.get_tokenizer("byte"), pairs, 128)[0], 4, 128,
+    whole = [chat.PreferenceLoader(chat.preference_examples(data.get_tokenizer("byte"), pairs, 128)[0], 4, 128,
                                   with_index=True)]
     for masked, recompute in ((False, True), (True, True), (True, False)):
         computed.clear()
@@ -361,7 +363,7 @@ def test_pipeline_pretrain_sft_dpo_chat(tmp_path):
     margs, state = C.load_init(dpo_out, tok)
     chat_model = M.Transformer(margs)
     chat_model.load_state_dict(state)
-    reply = sft.chat(chat_model, tok, [{"role": "user", "content": "Name a colour."}], max_new_tokens=20)
+    reply = chat.reply(chat_model, tok, [{"role": "user", "content": "Name a colour."}], max_new_tokens=20)
     assert isinstance(reply, str)
     assert [r["step"] for r in records(dpo_out) if "loss" in r][-1] == 5
 
@@ -392,8 +394,8 @@ def test_dpo_counts_both_rows_of_a_pair_and_the_reference_forward():
     live, cached = dpo.DPOTask(margs, mesh, args, reference=object()), dpo.DPOTask(margs, mesh, args,
                                                                                    cached={})
     lm = train.LMTask(margs, mesh)
-    assert train.step_tokens(args, live, mesh) == 2 * train.step_tokens(args, lm, mesh) == 2 * 4 * 32 * 3 * 2
+    assert logs.step_tokens(args, live, mesh) == 2 * logs.step_tokens(args, lm, mesh) == 2 * 4 * 32 * 3 * 2
     base = costs.flops_per_token(margs, 32)["palm"]
-    assert train.model_flops_per_token(margs, 32, lm) == train.model_flops_per_token(margs, 32,
+    assert logs.model_flops_per_token(margs, 32, lm) == logs.model_flops_per_token(margs, 32,
                                                                                      cached) == base
-    assert train.model_flops_per_token(margs, 32, live) == pytest.approx(base * 4 / 3)
+    assert logs.model_flops_per_token(margs, 32, live) == pytest.approx(base * 4 / 3)
