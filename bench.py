@@ -271,12 +271,12 @@ def measure(a, timing: str = "phases", **over) -> dict:
     kept = costs.kept_by(run.device.type, run.precision, args.attn_backend, T.doc_mask_on(args) or mesh.cp > 1,
                          args.compile)
     est = costs.memory_estimate(*shape, **layout, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=config.loss_chunk(args), kept=kept)
+                                loss_chunk=run.task.chunk, kept=kept)
     comm_est = costs.comm_estimate(*shape, **layout)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
-            "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": config.loss_chunk(args),
+            "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": run.task.chunk,
             "attn_backend": args.attn_backend, "attn_kernel": run.attention, "params": costs.count_params(margs),
             "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
@@ -569,8 +569,7 @@ def dp_vs_ddp(args, mesh, margs, device):
         sync.start()  # one micro-batch per step: reduce while backward runs
         loss.backward()
         sync.finish()
-        opt.clip_grad_norm(1.0, Z.grad_norm(sync, ours))
-        opt.step()
+        opt.step(grad_scale=O.clip_scale(1.0, Z.grad_norm(sync, ours)))
         opt.zero_grad()
 
     torch.manual_seed(0)

@@ -310,11 +310,6 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
         raise ConfigError(f"--pp-layers {text!r}: expected the layers of each stage, e.g. 3,3,2") from None
 
 
-def loss_chunk(args) -> int:
-    """--loss-chunk as the next-token loss uses it (parallel.loss_chunk_used)."""
-    return P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
-
-
 def anneal_start(args, dp: int) -> int | None:
     """The step where --anneal-tokens' annealing starts (None without it): the run's last steps that hold
     that many tokens, rounded up to whole steps."""
@@ -474,7 +469,8 @@ def check_shape(args, world: int, margs, device, precision: str, recipe, masked:
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
-                 loss_chunk(args) if recipe.head_in_loss else 0, masked)
+                 P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
+                 if recipe.head_in_loss else 0, masked)
 
 
 def check_attention(args, device, masked: str | None) -> str | None:

@@ -1,7 +1,8 @@
 """The Llama 3 architecture in one file, free of distributed code.
 
 Read top to bottom:
-  1. ModelArgs and PRESETS        the hyperparameters of every Llama 3 size, from a CPU toy to 405B
+  1. ModelArgs and PRESETS        the hyperparameters of every Llama 3 size, from a CPU toy to 405B; every
+                                 value a model cannot be built from refused where ModelArgs is made
   2. RMSNorm, RoPE                normalization and rotary positions with the Llama 3.1 frequency scaling
   3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP; packed documents (a
                                  dense mask, or FlexAttention's block mask on CUDA)
@@ -11,7 +12,6 @@ Read top to bottom:
                                  replies to one prompt in one batch (sample)
   6. Counting                     parameters and FLOPs per token (the memory and bytes a layout costs:
                                  costs.py)
-  7. Checks                       every value a model cannot be built from, refused where ModelArgs is made
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
 outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the
@@ -70,7 +70,7 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        check_args(self)  # (section 7: every value it cannot be built from, from any way in)
+        check_args(self)  # (below: every value it cannot be built from, from any way in)
 
     @classmethod
     def from_dict(cls, d) -> "ModelArgs":
@@ -97,6 +97,111 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1b. Checks: every value a model cannot be built from, refused where ModelArgs is made
+
+# Far past any real size or context; a 5000-digit one from a JSON file would otherwise reach torch, whose
+# int64 sizes overflow with an error that says nothing about which field was wrong.
+_MAX_SIZE = 2 ** 31 - 1
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not a size
+
+
+def _is_positive_number(v) -> bool:
+    """An int or float in (0, largest float]: NaN fails the comparison, and an int too large for a float
+    (from a 400-digit number in a JSON file) would overflow inside torch."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max
+
+
+def show(v, limit: int = 60) -> str:
+    """repr(v) for a message, cut to `limit` characters (Python refuses to print ints of 4300+ digits)."""
+    try:
+        text = repr(v)
+    except (ValueError, RecursionError):
+        text = f"<{type(v).__name__} too large to print>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_rope_scaling(s):
+    """Llama 3.1's frequency scaling needs all four numbers, with high_freq_factor > low_freq_factor (it
+    divides by their difference) and factor >= 1: anything else gives NaN or infinite frequencies, and a run
+    would train on with a NaN loss. None means no scaling."""
+    if s is None:
+        return
+    if not isinstance(s, dict):
+        raise ValueError(f"rope_scaling must be null or an object with {', '.join(ROPE_SCALING_KEYS)}, got "
+                         f"{show(s)}")
+    wrong = [f"missing {k}" for k in ROPE_SCALING_KEYS if k not in s] + \
+        [f"unknown {show(k)}" for k in s if k not in ROPE_SCALING_KEYS]
+    if wrong:
+        raise ValueError(f"rope_scaling needs exactly the keys {', '.join(ROPE_SCALING_KEYS)} (null: no "
+                         f"scaling): {', '.join(wrong)}")
+    for k in ROPE_SCALING_KEYS[:3]:
+        if not _is_positive_number(s[k]):
+            raise ValueError(f"rope_scaling {k} must be a positive number, got {show(s[k])}")
+    if s["factor"] < 1:
+        raise ValueError(f"rope_scaling factor must be at least 1 (how much longer the context gets), got "
+                         f"{s['factor']}")
+    if not s["high_freq_factor"] > s["low_freq_factor"]:
+        raise ValueError(f"rope_scaling high_freq_factor ({s['high_freq_factor']}) must be larger than "
+                         f"low_freq_factor ({s['low_freq_factor']})")
+    if not is_int(s["original_max_seq_len"]) or not 1 <= s["original_max_seq_len"] <= _MAX_SIZE:
+        raise ValueError(f"rope_scaling original_max_seq_len must be a positive integer, got "
+                         f"{show(s['original_max_seq_len'])}")
+
+
+def check_args(a: ModelArgs):
+    """Every value a model cannot be built from, or would train on with a NaN loss, refused (ValueError, one
+    line): each way in (presets, flags, config.json, params.json, a checkpoint's meta.json) is checked."""
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len",
+                 *(["ffn_hidden"] if a.ffn_hidden is not None else [])):
+        value = getattr(a, name)
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {show(value)}")
+        if value > _MAX_SIZE:
+            raise ValueError(f"{name} must be at most {_MAX_SIZE}, got {show(value)}")
+    for name in ("norm_eps", "rope_theta", *(["ffn_dim_multiplier"] if a.ffn_dim_multiplier is not None
+                                             else [])):
+        value = getattr(a, name)
+        if not _is_positive_number(value):
+            raise ValueError(f"{name} must be a positive number, got {show(value)}")
+    if not isinstance(a.tie_embeddings, bool):
+        raise ValueError(f"tie_embeddings must be true or false, got {show(a.tie_embeddings)}")
+    if a.num_labels is not None and not (is_int(a.num_labels) and 1 <= a.num_labels <= _MAX_SIZE):
+        raise ValueError(f"num_labels must be null or a positive integer, got {show(a.num_labels)}")
+    if a.num_labels is not None and a.tie_embeddings:
+        raise ValueError("a head of num_labels outputs cannot be tied to the embedding table")
+    if a.dim % a.n_heads:
+        raise ValueError(f"dim {a.dim} is not divisible by n_heads {a.n_heads}")
+    if a.n_heads % a.n_kv_heads:
+        raise ValueError(f"n_heads {a.n_heads} is not divisible by n_kv_heads {a.n_kv_heads}")
+    if a.head_dim % 2:
+        raise ValueError(f"head_dim {a.head_dim} must be even for RoPE")
+    if a.ffn_hidden is None and a.ffn_dim_multiplier is not None and \
+            not 1 <= a.ffn_dim_multiplier * int(2 * 4 * a.dim / 3) <= _MAX_SIZE:
+        raise ValueError(f"ffn_dim_multiplier {a.ffn_dim_multiplier} makes the FFN hidden size of dim "
+                         f"{a.dim} less than 1 or more than {_MAX_SIZE}")
+    check_rope_scaling(a.rope_scaling)
+
+
+def check_record(d, known: list[str]):
+    """A record of model args (ModelArgs.from_dict) refused, one readable line: anything but a dict, keys
+    ModelArgs does not have (a file from another version or another program: named, so the reader knows
+    which), a missing size the weights depend on (the defaults are a toy model's)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"model args must be an object of named values, got {show(d)}")
+    unknown = [show(k) for k in d if k not in known]
+    if unknown:
+        raise ValueError(f"model args have unknown keys {', '.join(unknown)}; ModelArgs takes "
+                         f"{', '.join(known)}: was the file written by another version?")
+    missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in d]
+    if missing:
+        raise ValueError(f"model args miss {', '.join(missing)}: the file is incomplete")
 
 
 LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
@@ -699,111 +804,6 @@ def sample(model: Transformer, ids: list[int], k: int, max_new_tokens: int, gene
     new = generate(model, [ids] * k, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=eos,
                    generator=generator, n_vocab=n_vocab, whole_vocab=whole_vocab)
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
-
-
-# ----------------------------------------------------------------------------------------------------
-# 6. Checks: every value a model cannot be built from, refused where ModelArgs is made
-
-# Far past any real size or context; a 5000-digit one from a JSON file would otherwise reach torch, whose
-# int64 sizes overflow with an error that says nothing about which field was wrong.
-_MAX_SIZE = 2 ** 31 - 1
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not a size
-
-
-def _is_positive_number(v) -> bool:
-    """An int or float in (0, largest float]: NaN fails the comparison, and an int too large for a float
-    (from a 400-digit number in a JSON file) would overflow inside torch."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= sys.float_info.max
-
-
-def show(v, limit: int = 60) -> str:
-    """repr(v) for a message, cut to `limit` characters (Python refuses to print ints of 4300+ digits)."""
-    try:
-        text = repr(v)
-    except (ValueError, RecursionError):
-        text = f"<{type(v).__name__} too large to print>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def check_rope_scaling(s):
-    """Llama 3.1's frequency scaling needs all four numbers, with high_freq_factor > low_freq_factor (it
-    divides by their difference) and factor >= 1: anything else gives NaN or infinite frequencies, and a run
-    would train on with a NaN loss. None means no scaling."""
-    if s is None:
-        return
-    if not isinstance(s, dict):
-        raise ValueError(f"rope_scaling must be null or an object with {', '.join(ROPE_SCALING_KEYS)}, got "
-                         f"{show(s)}")
-    wrong = [f"missing {k}" for k in ROPE_SCALING_KEYS if k not in s] + \
-        [f"unknown {show(k)}" for k in s if k not in ROPE_SCALING_KEYS]
-    if wrong:
-        raise ValueError(f"rope_scaling needs exactly the keys {', '.join(ROPE_SCALING_KEYS)} (null: no "
-                         f"scaling): {', '.join(wrong)}")
-    for k in ROPE_SCALING_KEYS[:3]:
-        if not _is_positive_number(s[k]):
-            raise ValueError(f"rope_scaling {k} must be a positive number, got {show(s[k])}")
-    if s["factor"] < 1:
-        raise ValueError(f"rope_scaling factor must be at least 1 (how much longer the context gets), got "
-                         f"{s['factor']}")
-    if not s["high_freq_factor"] > s["low_freq_factor"]:
-        raise ValueError(f"rope_scaling high_freq_factor ({s['high_freq_factor']}) must be larger than "
-                         f"low_freq_factor ({s['low_freq_factor']})")
-    if not is_int(s["original_max_seq_len"]) or not 1 <= s["original_max_seq_len"] <= _MAX_SIZE:
-        raise ValueError(f"rope_scaling original_max_seq_len must be a positive integer, got "
-                         f"{show(s['original_max_seq_len'])}")
-
-
-def check_args(a: ModelArgs):
-    """Every value a model cannot be built from, or would train on with a NaN loss, refused (ValueError, one
-    line): each way in (presets, flags, config.json, params.json, a checkpoint's meta.json) is checked."""
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len",
-                 *(["ffn_hidden"] if a.ffn_hidden is not None else [])):
-        value = getattr(a, name)
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {show(value)}")
-        if value > _MAX_SIZE:
-            raise ValueError(f"{name} must be at most {_MAX_SIZE}, got {show(value)}")
-    for name in ("norm_eps", "rope_theta", *(["ffn_dim_multiplier"] if a.ffn_dim_multiplier is not None
-                                             else [])):
-        value = getattr(a, name)
-        if not _is_positive_number(value):
-            raise ValueError(f"{name} must be a positive number, got {show(value)}")
-    if not isinstance(a.tie_embeddings, bool):
-        raise ValueError(f"tie_embeddings must be true or false, got {show(a.tie_embeddings)}")
-    if a.num_labels is not None and not (is_int(a.num_labels) and 1 <= a.num_labels <= _MAX_SIZE):
-        raise ValueError(f"num_labels must be null or a positive integer, got {show(a.num_labels)}")
-    if a.num_labels is not None and a.tie_embeddings:
-        raise ValueError("a head of num_labels outputs cannot be tied to the embedding table")
-    if a.dim % a.n_heads:
-        raise ValueError(f"dim {a.dim} is not divisible by n_heads {a.n_heads}")
-    if a.n_heads % a.n_kv_heads:
-        raise ValueError(f"n_heads {a.n_heads} is not divisible by n_kv_heads {a.n_kv_heads}")
-    if a.head_dim % 2:
-        raise ValueError(f"head_dim {a.head_dim} must be even for RoPE")
-    if a.ffn_hidden is None and a.ffn_dim_multiplier is not None and \
-            not 1 <= a.ffn_dim_multiplier * int(2 * 4 * a.dim / 3) <= _MAX_SIZE:
-        raise ValueError(f"ffn_dim_multiplier {a.ffn_dim_multiplier} makes the FFN hidden size of dim "
-                         f"{a.dim} less than 1 or more than {_MAX_SIZE}")
-    check_rope_scaling(a.rope_scaling)
-
-
-def check_record(d, known: list[str]):
-    """A record of model args (ModelArgs.from_dict) refused, one readable line: anything but a dict, keys
-    ModelArgs does not have (a file from another version or another program: named, so the reader knows
-    which), a missing size the weights depend on (the defaults are a toy model's)."""
-    if not isinstance(d, dict):
-        raise ValueError(f"model args must be an object of named values, got {show(d)}")
-    unknown = [show(k) for k in d if k not in known]
-    if unknown:
-        raise ValueError(f"model args have unknown keys {', '.join(unknown)}; ModelArgs takes "
-                         f"{', '.join(known)}: was the file written by another version?")
-    missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size") if k not in d]
-    if missing:
-        raise ValueError(f"model args miss {', '.join(missing)}: the file is incomplete")
 
 
 if __name__ == "__main__":  # python model.py: list the presets with their sizes

@@ -6,7 +6,7 @@ How the pieces connect:
     fp32 *gradient* buffer and two fp32 moment buffers (m, v). Model parameters become views into a flat
     buffer of their own dtype: in fp32 that buffer *is* the master, in bf16/fp16 it is a low-precision copy
     refreshed after every step with one `copy_`. Flat buffers make the update a handful of vectorized ops,
-    make gradient buckets for data parallelism plain slices (parallel.py), and let ZeRO-1 shard the
+    make gradient buckets for data parallelism plain slices (zero.py), and let ZeRO-1 shard the
     optimizer state by cutting ranges. FlatParams holds the layout and the buffers of the model's side;
     AdamW, built on it, the state and the update.
   - Gradients: fp32 parameters' `.grad` are views into the fp32 gradient buffer, so autograd accumulates
@@ -16,8 +16,9 @@ How the pieces connect:
   - Weight decay is decoupled (Loshchilov & Hutter 2019) and applied to matrices only: never to norm
     weights (a scale that should stay near 1) nor to the embedding table (rows of rare tokens would be
     pulled to zero between their rare updates).
-  - `lr_at` is linear warmup then cosine decay to a floor; `clip_grad_norm` scales all gradients by one
-    factor computed from the true global norm; `LossScaler` keeps fp16 gradients inside fp16's range.
+  - `lr_at` is linear warmup then cosine decay to a floor; `clip_scale` is the factor that clips the
+    gradients to the true global norm, applied as the update reads them; `LossScaler` keeps fp16
+    gradients inside fp16's range.
 """
 
 from __future__ import annotations
@@ -118,14 +119,14 @@ def packed_overlaps(ranges: list[tuple[int, int]], spans: list[tuple[int, int]])
 
 def clip_scale(max_norm: float, norm: torch.Tensor) -> torch.Tensor | None:
     """What AdamW.step(grad_scale=) divides the gradients by to clip them to max_norm: max(1, norm /
-    max_norm), clip_grad_norm's factor inverted (None: max_norm 0, no clipping). On the device, like the
+    max_norm), the inverse of min(1, max_norm / norm) (None: max_norm 0, no clipping). On the device, like the
     norm."""
     return torch.clamp((norm + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
 
 
 class FlatParams:
     """A model's parameters (any dtype) as views into one flat buffer, and their gradients as views into one
-    flat fp32 buffer: the storage AdamW updates, and whose slices data parallelism reduces (parallel.py).
+    flat fp32 buffer: the storage AdamW updates, and whose slices data parallelism reduces (zero.py).
 
     Build it after the model is on its device and in its training dtype: that is the storage it takes over.
     Parameters are laid out in reverse model order, the flat length padded to a multiple of 16 pad_to
@@ -225,7 +226,7 @@ class FlatParams:
         return hook
 
     def call_on_grad_ready(self, fn: Callable[[int], None]):
-        """Data parallelism's seam: fn(i) runs as parameter i's gradient is ready (Z.GradSync)."""
+        """Data parallelism's seam: fn(i) runs as parameter i's gradient is ready (zero.GradSync)."""
         self.on_grad_ready = fn
 
     def zero_grad(self):
@@ -238,9 +239,9 @@ class AdamW(FlatParams):
     `shard(ranges)` makes this rank own, and keep state for, only those ranges of the flat buffers (ZeRO);
     by default it owns everything. Under ZeRO pass `allocate_state=False` and let shard() allocate, so the
     full-length state (12 bytes per parameter: master, m and v) never exists on a rank even for a moment.
-    A rank that owns a part reads its gradient from `grad_shard` (packed; parallel.py's reduce-scatters
-    write it) and writes its updated weights into its ranges of the model copy, whence parallel.py
-    all-gathers them. Which stage shards what is parallel.py's GradSync classes' to say."""
+    A rank that owns a part reads its gradient from `grad_shard` (packed; zero.py's reduce-scatters write
+    it) and writes its updated weights into its ranges of the model copy, whence zero.py all-gathers them.
+    Which stage shards what is zero.py's GradSync classes' to say."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
@@ -280,14 +281,6 @@ class AdamW(FlatParams):
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines it across ranks)."""
         return torch.linalg.vector_norm(self.grad_shard)
-
-    def clip_grad_norm(self, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
-        """Scale all gradients by min(1, max_norm / norm); returns the norm before clipping. No host sync:
-        the factor stays on the device."""
-        norm = self.grad_norm() if norm is None else norm
-        if max_norm > 0:
-            self.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return norm
 
     @torch.no_grad()
     def step(self, lr: float | None = None, grad_scale: torch.Tensor | None = None):

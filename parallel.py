@@ -576,30 +576,29 @@ def loss_chunk_used(chunk: int, tokens: int, zero: int) -> int:
     return 0 if zero == 3 or tokens <= chunk else chunk
 
 
+# A block's tensor-parallel layout, one line per module (torchtitan's apply_tp writes its plan so): a
+# column-parallel linear cuts its weight's rows (dim 0: its outputs, this rank's heads or hidden units), a
+# row-parallel one its columns (dim 1: its inputs; g adds the partial products), a parallel norm is
+# replicated and enters the TP region after it (f). The swap and the placement both follow from it.
+TP_PLAN = {"attention.wq": "column", "attention.wk": "column", "attention.wv": "column", "attention.wo": "row",
+           "feed_forward.w1": "column", "feed_forward.w3": "column", "feed_forward.w2": "row",
+           "attention_norm": "norm", "ffn_norm": "norm"}
+TP_STYLES = {"column": (ColumnParallelLinear, 0), "row": (RowParallelLinear, 1), "norm": (ParallelNorm, None)}
+
+
 def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
-    """Swap a whole model's layers for their TP shards, in place. Records in model.tp_placement, for each
-    sharded parameter, (dim, full size along dim) so checkpoints can say where each shard belongs."""
+    """Swap a whole model's layers for their TP shards, in place: each block by TP_PLAN, then the final norm
+    and the vocab-parallel embedding and head. Records in model.tp_placement, for each sharded parameter,
+    (dim, full size along dim) so checkpoints can say where each shard belongs."""
     if mesh.tp == 1:
         return model
-    V = model.args.vocab_size
     for key, layer in model.layers.items():
-        att, ffn = layer.attention, layer.feed_forward
-        for name in ("wq", "wk", "wv"):
-            setattr(att, name, ColumnParallelLinear(getattr(att, name), mesh))
-        att.wo = RowParallelLinear(att.wo, mesh)
-        ffn.w1, ffn.w3 = ColumnParallelLinear(ffn.w1, mesh), ColumnParallelLinear(ffn.w3, mesh)
-        ffn.w2 = RowParallelLinear(ffn.w2, mesh)
-        layer.attention_norm = ParallelNorm(layer.attention_norm, mesh)
-        layer.ffn_norm = ParallelNorm(layer.ffn_norm, mesh)
-        p = f"layers.{key}."
-        a = model.args
-        model.tp_placement.update({
-            p + "attention.wq.weight": (0, a.n_heads * a.head_dim), p
-            + "attention.wk.weight": (0, a.n_kv_heads * a.head_dim),
-            p + "attention.wv.weight": (0, a.n_kv_heads * a.head_dim), p
-            + "attention.wo.weight": (1, a.n_heads * a.head_dim),
-            p + "feed_forward.w1.weight": (0, a.hidden_dim), p + "feed_forward.w3.weight": (0, a.hidden_dim),
-            p + "feed_forward.w2.weight": (1, a.hidden_dim)})
+        for path, style in TP_PLAN.items():
+            parent, name = layer.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2]
+            full, (parallel_class, dim) = getattr(parent, name), TP_STYLES[style]
+            setattr(parent, name, parallel_class(full, mesh))
+            if dim is not None:
+                model.tp_placement[f"layers.{key}.{path}.weight"] = (dim, full.weight.shape[dim])
     model.norm = ParallelNorm(model.norm, mesh)
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, mesh)
     out = model.args.output_size  # the vocabulary, or a reward model's num_labels (head_outputs)
@@ -609,7 +608,7 @@ def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
     else:
         head.weight = nn.Parameter(_vocab_shard(model.output.weight, mesh))
     model.output = head  # column-parallel over its outputs; its input is in the TP region (model.norm's f)
-    model.tp_placement.update({"tok_embeddings.weight": (0, V), "output.weight": (0, out)})
+    model.tp_placement.update({"tok_embeddings.weight": (0, model.args.vocab_size), "output.weight": (0, out)})
     return model
 
 

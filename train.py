@@ -75,6 +75,7 @@ class Run:
     make_val: Callable  # a fresh validation loader, from its start
     timer: costs.PhaseTimer
     attention: str = "auto"  # the kernel that computes the attention (config.check_attention)
+    anneal_from: int | None = None  # the step --anneal-tokens' annealing starts at (None: none)
     ramp: list | None = None  # --ramp's stages (switch_stage)
     benchmarks: list = ()  # --eval-tasks: [(name, items)], scored at each validation
 
@@ -134,8 +135,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
         run.opt.zero_grad()  # then nothing changes, and the same data comes again
         run.loader.load_state_dict(rewind)
         return None
-    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio,
-                 config.anneal_start(args, mesh.dp))
+    lr = O.lr_at(step, args.lr, args.warmup, args.max_steps, args.min_lr_ratio, run.anneal_from)
     run.opt.step(lr, grad_scale=O.clip_scale(args.grad_clip, tally.norm))  # clipped as it is read
     run.sync.all_gather_params()  # ZeRO-1: every rank's updated shard back into everyone's weights
     run.opt.zero_grad()
@@ -394,8 +394,9 @@ class Pretraining:
         (rl.py's PPO: a value head). Pretraining adds none."""
 
     def task(self, margs, mesh, device, dtype, model):
-        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(self.args) else None, model.output,
-                      config.loss_chunk(self.args))
+        a = self.args  # the head and its loss, --loss-chunk tokens at a time (parallel.loss_chunk_used: when)
+        chunk = P.loss_chunk_used(a.loss_chunk, a.micro_batch * a.seq_len // a.cp, a.zero)
+        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(a) else None, model.output, chunk)
 
 
 class FromInit(Pretraining):
@@ -756,7 +757,8 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
     timer = costs.PhaseTimer(spec.device, time_phases, costs.tracer_for(args, mesh, spec.device))
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
-              loader, make_val, timer, spec.attention, spec.ramp, E.load_benchmarks(args, spec.tok, mesh))
+              loader, make_val, timer, spec.attention, anneal_from=config.anneal_start(args, mesh.dp),
+              ramp=spec.ramp, benchmarks=E.load_benchmarks(args, spec.tok, mesh))
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
