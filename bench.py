@@ -674,8 +674,6 @@ def get_parser() -> argparse.ArgumentParser:
                    help="on a CPU: measure the peak of tensor memory with torch's profiler (slower steps)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps run before timing starts")
-    p.add_argument("--bucket-mb", type=float, default=25.0,
-                   help="gradient bucket size (train.py --bucket-mb; --dp-vs-ddp: both sides)")
     p.add_argument("--blocks", type=int, default=4, help="alternating blocks (--dp-vs-ddp)")
     p.add_argument("--micro-batches", default="1,2,4,8,16",  # read by micro_batch_counts
                    help="--bubble: the numbers of micro-batches m to measure, e.g. 1,2,4")
@@ -691,38 +689,19 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
+# train.py's flags that a measured run passes on (train_args), as train.py has them
+TRAIN_FLAGS = {"--data", "--seq-len", "--micro-batch", "--grad-accum", "--doc-mask", "--precision", "--act-ckpt",
+               "--compile", "--attn-backend", "--memory-check", "--loss-chunk", "--tp", "--cp", "--pp", "--sp",
+               "--zero", "--bucket-mb", "--deterministic", "--device"}
+
+
 def add_train_args(p: argparse.ArgumentParser):
-    """The settings of the run measured, as train.py's flags name them."""
-    config.add_model_flags(p)  # (the shape flags: measured runs; --plan plans the presets as they are)
-    p.add_argument("--data", default="tinyshakespeare", help="train.py --data")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto: bf16 on a GPU, fp32 on a CPU (--dp-vs-ddp and --bubble run fp32)")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda, cuda:N, mps (default: this rank's GPU if any, else cpu)")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: m)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
-    p.add_argument("--sp", action="store_true",
-                   help="sequence parallelism (with --tp; --plan assumes it when tp > 1)")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the gradients too (ZeRO-2); "
-                        "3: the weights too (ZeRO-3)")
-    p.add_argument("--act-ckpt", nargs="?", const="full", default=None, choices=["full", "selective"],
-                   help="train.py --act-ckpt: full (the flag alone) or selective")
-    p.add_argument("--compile", action="store_true", help="train.py --compile (torch.compile each block)")
-    p.add_argument("--loss-chunk", type=int, default=1024,
-                   help="train.py --loss-chunk: tokens of logits made at a time by the loss (0: all at once)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="train.py --deterministic (sweep key: deterministic)")
-    p.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
-                   help="train.py --attn-backend: the causal attention's kernel (sweep key: attn)")
-    p.add_argument("--doc-mask", action=argparse.BooleanOptionalAction, default=None,
-                   help="train.py --doc-mask: attention within each document (default: on for the llama presets)")
-    p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
-                   help="train.py --memory-check: refuse a run whose estimate exceeds the memory available")
+    """The settings of the run measured, as train.py's flags (config.py) name them; the shape flags for
+    measured runs (--plan plans the presets as they are)."""
+    config.add_model_flags(p)
+    for group in (config.add_data_flags, config.add_optimization_flags, config.add_memory_and_speed_flags,
+                  config.add_parallel_flags, config.add_run_flags):
+        group(p, only=TRAIN_FLAGS)
 
 
 def add_plan_args(g):
@@ -759,19 +738,20 @@ def validate(a):
     def need(ok: bool, name: str, rule: str):
         if not ok:
             refuse(f"--{name.replace('_', '-')} must be {rule}, got {getattr(a, name)}")
-    for name in ("micro_batch", "seq_len", "grad_accum", "tp", "pp", "cp", "virtual_stages", "steps",
-                 "blocks", "gpus"):
+    for name in ("tp", "pp", "cp", "virtual_stages", "steps", "blocks", "gpus"):
         need(getattr(a, name) >= 1, name, "at least 1")
     need(a.warmup_steps >= 0, "warmup_steps", "at least 0")
     need(a.gpus_per_node is None or a.gpus_per_node >= 1, "gpus_per_node", "at least 1")
-    need(a.loss_chunk >= 0, "loss_chunk", "at least 0")
-    need(0 < a.bucket_mb < math.inf, "bucket_mb", "a positive number")
     need(0 < a.tokens < math.inf, "tokens", "a positive number")
     need(0 < a.mfu <= 1, "mfu", "in (0, 1]")
     need(0 <= a.reserve_gb < math.inf, "reserve_gb", "a number >= 0")
     need(1 <= a.pue < math.inf, "pue", "a number >= 1 (the facility's power over the GPUs')")
     need(0 <= a.usd_per_gpu_hour < math.inf, "usd_per_gpu_hour", "a number >= 0")
     need(a.budget_flops is None or 0 < a.budget_flops < math.inf, "budget_flops", "a positive number")
+    try:  # the flags train.py has, as train.py refuses them
+        config.validate(train_args(a, "unused"))
+    except config.ConfigError as e:
+        refuse(str(e))
     max_seq_len = model_args(a).max_seq_len  # (an unknown preset is refused here)
     need(a.seq_len <= max_seq_len, "seq_len", f"at most model {a.model}'s max_seq_len {max_seq_len}")
     micro_batch_counts(a.micro_batches)

@@ -51,31 +51,7 @@ def get_parser() -> argparse.ArgumentParser:
                                             "--standalone --nproc_per_node=1 train.py`).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_flags(p)
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default="tinyshakespeare",
-                   help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
-                        "mixture of them, e.g. c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2 (weights "
-                        "normalized; a part naming an existing file or folder whole is that source, so the "
-                        "file x:2 at weight 0.5 is x:2:0.5; each source once, under any spelling)")
-    g.add_argument("--anneal-tokens", type=int, default=0,
-                   help="anneal over the run's last N tokens: the learning rate falls linearly to 0 from "
-                        "wherever the schedule is, and the data switches to --anneal-data if given")
-    g.add_argument("--anneal-data", default=None, help="the mixture to anneal on (same form as --data)")
-    g.add_argument("--tokenizer", default="byte",
-                   help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path to a Llama 3 tokenizer.model "
-                        "(sft.py, dpo.py: the one --init was trained with)")
-    g.add_argument("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (T)")
-    g.add_argument("--doc-mask", action=argparse.BooleanOptionalAction, default=None,
-                   help="attend only within each document of a sequence (they start at <|begin_of_text|>), "
-                        "positions restarting per document (default: on for the llama presets)")
-    g.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--ramp", default=None,
-                   help="batch and sequence-length stages TOKENS:SEQ_LENxSEQUENCES, e.g. Llama 3 405B's "
-                        "0:4096x1024,252M:8192x1024,2.87T:8192x2048 (K, M, B, T suffixes; the first at 0): "
-                        "from TOKENS seen on, each step is SEQUENCES of SEQ_LEN tokens; it sets --seq-len and "
-                        "--grad-accum (SEQUENCES / (micro-batch x dp)) stage by stage")
+    add_data_flags(p)
     add_optimization_flags(p)
     add_lora_flags(p)
     add_memory_and_speed_flags(p)
@@ -84,40 +60,75 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_model_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
+def flag_group(p: argparse.ArgumentParser, title: str, only=None):
+    """A group's add_argument; with only (a set of flags), one that adds those alone, as train.py has them:
+    bench.py takes the flags of train.py it passes on from here."""
+    g = p.add_argument_group(title)
+    return lambda flag, **kw: g.add_argument(flag, **kw) if only is None or flag in only else None
+
+
+def add_data_flags(p: argparse.ArgumentParser, only=None):
+    add = flag_group(p, "data", only)
+    add("--data", default="tinyshakespeare",
+        help="registry name, text/JSONL file or glob, or a folder of prepared shards; or a "
+             "mixture of them, e.g. c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2 (weights "
+             "normalized; a part naming an existing file or folder whole is that source, so the "
+             "file x:2 at weight 0.5 is x:2:0.5; each source once, under any spelling)")
+    add("--anneal-tokens", type=int, default=0,
+        help="anneal over the run's last N tokens: the learning rate falls linearly to 0 from "
+             "wherever the schedule is, and the data switches to --anneal-data if given")
+    add("--anneal-data", default=None, help="the mixture to anneal on (same form as --data)")
+    add("--tokenizer", default="byte",
+        help="byte, gpt2, cl100k_base, o200k_base, llama3, or a path to a Llama 3 tokenizer.model "
+             "(sft.py, dpo.py: the one --init was trained with)")
+    add("--mirror", default=None, help="local mirror folder for downloads (default: $DATA_MIRROR)")
+    add("--seq-len", type=int, default=128, help="tokens per sequence (T)")
+    add("--doc-mask", action=argparse.BooleanOptionalAction, default=None,
+        help="attend only within each document of a sequence (they start at <|begin_of_text|>), "
+             "positions restarting per document (default: on for the llama presets)")
+    add("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--ramp", default=None,
+        help="batch and sequence-length stages TOKENS:SEQ_LENxSEQUENCES, e.g. Llama 3 405B's "
+             "0:4096x1024,252M:8192x1024,2.87T:8192x2048 (K, M, B, T suffixes; the first at 0): "
+             "from TOKENS seen on, each step is SEQUENCES of SEQ_LEN tokens; it sets --seq-len and "
+             "--grad-accum (SEQUENCES / (micro-batch x dp)) stage by stage")
+
+
+def add_model_flags(p: argparse.ArgumentParser, only=None):
+    add = flag_group(p, "model", only)
+    add("--model", default="mini", help=f"preset: {', '.join(M.PRESETS)}")
     for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
-        g.add_argument(f"--{flag}", type=int, default=None, help="override the preset")
-    g.add_argument("--rope-scaling", default=None, metavar="FACTOR:LOW:HIGH:ORIGINAL",
-                   help="Llama 3.1's RoPE frequency scaling, e.g. 8:1:4:8192 (factor, low and high frequency "
-                        "factors, original context), or none; default: the preset's (the context grows to "
-                        "factor x original)")
+        add(f"--{flag}", type=int, default=None, help="override the preset")
+    add("--rope-scaling", default=None, metavar="FACTOR:LOW:HIGH:ORIGINAL",
+        help="Llama 3.1's RoPE frequency scaling, e.g. 8:1:4:8192 (factor, low and high frequency "
+             "factors, original context), or none; default: the preset's (the context grows to "
+             "factor x original)")
 
 
-def add_optimization_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
-    g.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    g.add_argument("--max-steps", type=int, default=2400,
-                   help="optimizer steps in all (the cosine ends here)")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (matrices only)")
-    g.add_argument("--beta1", type=float, default=0.9, help="AdamW first-moment decay")
-    g.add_argument("--beta2", type=float, default=0.95, help="AdamW second-moment decay")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto: bf16 on CUDA, fp32 elsewhere")
+def add_optimization_flags(p: argparse.ArgumentParser, only=None):
+    add = flag_group(p, "optimization", only)
+    add("--lr", type=float, default=3e-3, help="peak learning rate")
+    add("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
+    add("--warmup", type=int, default=100, help="linear warmup steps")
+    add("--max-steps", type=int, default=2400,
+        help="optimizer steps in all (the cosine ends here)")
+    add("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (matrices only)")
+    add("--beta1", type=float, default=0.9, help="AdamW first-moment decay")
+    add("--beta2", type=float, default=0.95, help="AdamW second-moment decay")
+    add("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    add("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+        help="auto: bf16 on CUDA, fp32 elsewhere")
 
 
-def add_lora_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("LoRA (sft.py, dpo.py, reward.py, rl.py; bench.py --plan)")
-    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
-                   help="train low-rank updates of rank R beside the frozen model (LoRA), not every weight")
-    g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
-                   help="the updates are scaled by A / R (default: A = 2R)")
-    g.add_argument("--lora-targets", default=",".join(M.LORA_TARGETS),
-                   help="the linears of every block that get an update")
+def add_lora_flags(p: argparse.ArgumentParser, only=None):
+    add = flag_group(p, "LoRA (sft.py, dpo.py, reward.py, rl.py; bench.py --plan)", only)
+    add("--lora-rank", type=int, default=None, metavar="R",
+        help="train low-rank updates of rank R beside the frozen model (LoRA), not every weight")
+    add("--lora-alpha", type=float, default=None, metavar="A",
+        help="the updates are scaled by A / R (default: A = 2R)")
+    add("--lora-targets", default=",".join(M.LORA_TARGETS),
+        help="the linears of every block that get an update")
 
 
 def lora_of(args) -> tuple[int, float, tuple[str, ...]] | None:
@@ -159,83 +170,83 @@ def check_lora_shape(rank: int, alpha: float, targets, margs):
         raise ConfigError(f"--lora-alpha {alpha}: must be a positive number")
 
 
-def add_memory_and_speed_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("memory and speed")
-    g.add_argument("--act-ckpt", nargs="?", const="full", default=None, choices=["full", "selective"],
-                   help="activation checkpointing: full (the flag alone) recomputes each block in backward; "
-                        "selective keeps its matmuls' and attention's outputs and recomputes only the "
-                        "element-wise work, for less memory saved at a fraction of the recomputation")
-    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    g.add_argument("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
-                   help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
-                        "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), efficient (CUDA "
-                        "only), math (reference); a masked attention (packed documents, --cp) is "
-                        "FlexAttention's on a GPU, and refuses another kernel")
-    g.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
-                   help="refuse a run whose estimated memory exceeds what the device has available "
-                        "(--no-memory-check: start it all the same)")
-    g.add_argument("--loss-chunk", type=int, default=1024,
-                   help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
-                        "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
+def add_memory_and_speed_flags(p: argparse.ArgumentParser, only=None):
+    add = flag_group(p, "memory and speed", only)
+    add("--act-ckpt", nargs="?", const="full", default=None, choices=["full", "selective"],
+        help="activation checkpointing: full (the flag alone) recomputes each block in backward; "
+             "selective keeps its matmuls' and attention's outputs and recomputes only the "
+             "element-wise work, for less memory saved at a fraction of the recomputation")
+    add("--compile", action="store_true", help="torch.compile each transformer block")
+    add("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
+        help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
+             "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), efficient (CUDA "
+             "only), math (reference); a masked attention (packed documents, --cp) is "
+             "FlexAttention's on a GPU, and refuses another kernel")
+    add("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+        help="refuse a run whose estimated memory exceeds what the device has available "
+             "(--no-memory-check: start it all the same)")
+    add("--loss-chunk", type=int, default=1024,
+        help="tokens whose logits the next-token loss makes at a time, its gradients with them: the "
+             "logits of a whole micro-batch never exist at once (0: they do; --zero 3 always)")
 
 
-def add_parallel_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * cp * pp))")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (innermost: one NVLink domain)")
-    g.add_argument("--cp", type=int, default=1,
-                   help="context-parallel size: each sequence cut along its length over cp ranks")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    g.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
-    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
-                   help="pipeline schedule (interleaved: 1F1B over --virtual-stages model chunks per rank)")
-    g.add_argument("--virtual-stages", type=int, default=1,
-                   help="model chunks per pipeline rank for --schedule interleaved (2 or more)")
-    g.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
-                   help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2); "
-                        "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
-    g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
-    g.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds before a stuck collective fails; the first step's wait as long as "
-                        "--io-timeout (each rank compiles it as it first runs it, some slower than others)")
-    g.add_argument("--io-timeout", type=float, default=3600.0,
-                   help="seconds ranks wait for others' disk work "
-                   "(data preparation, checkpoint writes and checks) before the job fails")
+def add_parallel_flags(p: argparse.ArgumentParser, only=None):
+    add = flag_group(p, "parallelism (launch with torchrun --nproc_per_node=N; dp = N / (tp * cp * pp))", only)
+    add("--tp", type=int, default=1, help="tensor-parallel size (innermost: one NVLink domain)")
+    add("--cp", type=int, default=1,
+        help="context-parallel size: each sequence cut along its length over cp ranks")
+    add("--pp", type=int, default=1, help="pipeline-parallel stages")
+    add("--pp-layers", default=None, help="layers per stage, e.g. 3,3,2 (default: balanced)")
+    add("--schedule", default="1f1b", choices=["1f1b", "afab", "interleaved"],
+        help="pipeline schedule (interleaved: 1F1B over --virtual-stages model chunks per rank)")
+    add("--virtual-stages", type=int, default=1,
+        help="model chunks per pipeline rank for --schedule interleaved (2 or more)")
+    add("--sp", action="store_true", help="sequence parallelism inside the TP group")
+    add("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+        help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2); "
+             "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
+    add("--bucket-mb", type=float, default=25.0, help="gradient all-reduce bucket size")
+    add("--dist-timeout", type=float, default=300.0,
+        help="seconds before a stuck collective fails; the first step's wait as long as "
+             "--io-timeout (each rank compiles it as it first runs it, some slower than others)")
+    add("--io-timeout", type=float, default=3600.0,
+        help="seconds ranks wait for others' disk work "
+        "(data preparation, checkpoint writes and checks) before the job fails")
 
 
-def add_run_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("run")
-    g.add_argument("--out-dir", default="out", help="checkpoints and metrics.jsonl")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
-    g.add_argument("--overwrite", action="store_true", help="start afresh even if --out-dir has checkpoints")
-    g.add_argument("--eval-every", type=int, default=600,
-                   help="validation every N steps (0: only at the end, -1: never)")
-    g.add_argument("--eval-batches", type=int, default=100, help="micro-batches per validation")
-    g.add_argument("--eval-tasks", default="", metavar="TASK[:N],...",
-                   help="multiple-choice benchmarks scored at each validation, as evaluate.py scores them "
-                        "(e.g. hellaswag:200,piqa; N: the first N items)")
-    g.add_argument("--ckpt-every", type=int, default=1000,
-                   help="checkpoint every N steps and at the end (0: never)")
-    g.add_argument("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
-    g.add_argument("--log-every", type=int, default=100, help="log the mean of the last N steps")
-    g.add_argument("--sample-tokens", type=int, default=300,
-                   help="length of the sample printed at the end "
-                        "(at most --seq-len: RoPE was trained on no more)")
-    g.add_argument("--seed", type=int, default=1337, help="initialization and data order")
-    g.add_argument("--deterministic", action="store_true",
-                   help="bit-identical reruns: deterministic kernels on CUDA (slower); CPU runs already are")
-    g.add_argument("--max-skips", type=int, default=5,
-                   help="stop after this many consecutive skipped steps "
-                        "(non-finite loss or gradient, spikes)")
-    g.add_argument("--skip-spikes", type=float, default=0.0,
-                   help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
-    g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
-    g.add_argument("--wandb", metavar="PROJECT", help="also send metrics.jsonl's records to Weights & Biases")
-    g.add_argument("--tensorboard", metavar="DIR", help="also write metrics.jsonl's records for TensorBoard")
-    g.add_argument("--trace-step", type=int, default=None, metavar="N",
-                   help="record step N on every rank: --out-dir/trace_step_N.json, a Chrome trace (open it in "
-                        "ui.perfetto.dev) of its phases, micro-batches and collectives, and a picture of it "
-                        "(.png, with matplotlib)")
+def add_run_flags(p: argparse.ArgumentParser, only=None):
+    add = flag_group(p, "run", only)
+    add("--out-dir", default="out", help="checkpoints and metrics.jsonl")
+    add("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    add("--overwrite", action="store_true", help="start afresh even if --out-dir has checkpoints")
+    add("--eval-every", type=int, default=600,
+        help="validation every N steps (0: only at the end, -1: never)")
+    add("--eval-batches", type=int, default=100, help="micro-batches per validation")
+    add("--eval-tasks", default="", metavar="TASK[:N],...",
+        help="multiple-choice benchmarks scored at each validation, as evaluate.py scores them "
+             "(e.g. hellaswag:200,piqa; N: the first N items)")
+    add("--ckpt-every", type=int, default=1000,
+        help="checkpoint every N steps and at the end (0: never)")
+    add("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
+    add("--log-every", type=int, default=100, help="log the mean of the last N steps")
+    add("--sample-tokens", type=int, default=300,
+        help="length of the sample printed at the end "
+             "(at most --seq-len: RoPE was trained on no more)")
+    add("--seed", type=int, default=1337, help="initialization and data order")
+    add("--deterministic", action="store_true",
+        help="bit-identical reruns: deterministic kernels on CUDA (slower); CPU runs already are")
+    add("--max-skips", type=int, default=5,
+        help="stop after this many consecutive skipped steps "
+             "(non-finite loss or gradient, spikes)")
+    add("--skip-spikes", type=float, default=0.0,
+        help="skip updates whose loss exceeds this multiple of the recent mean (0: off)")
+    add("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    add("--wandb", metavar="PROJECT", help="also send metrics.jsonl's records to Weights & Biases")
+    add("--tensorboard", metavar="DIR", help="also write metrics.jsonl's records for TensorBoard")
+    add("--trace-step", type=int, default=None, metavar="N",
+        help="record step N on every rank: --out-dir/trace_step_N.json, a Chrome trace (open it in "
+             "ui.perfetto.dev) of its phases, micro-batches and collectives, and a picture of it "
+             "(.png, with matplotlib)")
 
 
 def model_args_from(args, vocab_size: int) -> M.ModelArgs:
