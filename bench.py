@@ -38,6 +38,7 @@ import os
 import platform
 import shlex
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -170,8 +171,8 @@ def print_costs(r: dict):
 # Measuring train.py's loop
 
 
-def train_args(a, **over) -> argparse.Namespace:
-    """train.py's arguments for a timed run: no validation, one final checkpoint, a throwaway --out-dir."""
+def train_args(a, out_dir: str, **over) -> argparse.Namespace:
+    """train.py's arguments for a timed run: no validation, one final checkpoint, into out_dir."""
     argv = ["--model", a.model, "--seq-len", str(over.get("seq_len", a.seq_len)),
             "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum",
                                                                                               a.grad_accum)),
@@ -182,8 +183,7 @@ def train_args(a, **over) -> argparse.Namespace:
             # one checkpoint, at the end: phase 7, timed apart (none in a census: on a CPU the gathered
             # optimizer state would count as training's memory)
             "--ckpt-every", str(0 if a.memory_census else a.warmup_steps + a.steps),
-            "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir",
-            tempfile.mkdtemp(prefix="bench-"),
+            "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", out_dir,
             "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
     ckpt = costs.ckpt_mode(over.get("act_ckpt", a.act_ckpt))
     argv += ["--act-ckpt", ckpt] if ckpt else []
@@ -241,8 +241,15 @@ def measure(a, timing: str = "phases", **over) -> dict:
     """One timed train.py run; phases and step time are medians over the steps after the warm-up. timing
     "phases" synchronizes the device after every phase to split the step; "steps" only at each step's end,
     as a plain run does (costs.PhaseTimer). Peak memory: the CUDA allocator's, or on a CPU the process's
-    peak RSS, or with --memory-census the census of its tensors (cpu_census)."""
-    args = train_args(a, **over)
+    peak RSS, or with --memory-census the census of its tensors (cpu_census). The run's checkpoint and log
+    go to a temporary folder of each rank's, gone with the row (a checkpoint of 8B weights and their
+    optimizer state is about 100 GB)."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
+        return measure_in(out_dir, a, timing, **over)
+
+
+def measure_in(out_dir: str, a, timing: str, **over) -> dict:
+    args = train_args(a, out_dir, **over)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     census = a.memory_census and not torch.cuda.is_available()
@@ -879,19 +886,20 @@ def run_trace(a):
     """--trace DIR: the warm-up steps and one more, that one traced on every rank with its checkpoint
     (train.py --trace-step); rank 0 moves the files into DIR and prints each rank's phases."""
     b = argparse.Namespace(**{**vars(a), "steps": 1, "memory_census": False})
-    args = train_args(b)
-    args.trace_step = args.max_steps
-    import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the output)
-    with contextlib.redirect_stdout(io.StringIO()):
-        config.configure_process(args)
-        run = T.train(args)
-    if run.mesh.rank == 0:
-        folder, made = Path(a.trace), Path(args.out_dir) / f"trace_step_{args.trace_step:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for suffix, name in ((".json", "trace.json"), (".png", "step.png")):
-            if made.with_suffix(suffix).exists():
-                os.replace(made.with_suffix(suffix), folder / name)
-        print_trace(json.loads((folder / "trace.json").read_text()), folder)
+    with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
+        args = train_args(b, out_dir)
+        args.trace_step = args.max_steps
+        import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the output)
+        with contextlib.redirect_stdout(io.StringIO()):
+            config.configure_process(args)
+            run = T.train(args)
+        if run.mesh.rank == 0:
+            folder, made = Path(a.trace), Path(out_dir) / f"trace_step_{args.trace_step:06d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for suffix, name in ((".json", "trace.json"), (".png", "step.png")):
+                if made.with_suffix(suffix).exists():
+                    shutil.move(made.with_suffix(suffix), folder / name)  # (DIR may be on another disk)
+            print_trace(json.loads((folder / "trace.json").read_text()), folder)
     if dist.is_initialized():
         dist.destroy_process_group()
 

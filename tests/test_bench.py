@@ -197,8 +197,10 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
 def test_a_refused_row_is_a_row_and_the_sweep_goes_on(tmp_path):
     """A refused or failed setting lost every row before it (bench.py exited, and the table and the JSON came
     at the end). Now each setting runs on its own (in one process, a process of its own), each row is
-    printed as it finishes, and a refused one says why; the exit code says that one failed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    printed as it finishes, and a refused one says why; the exit code says that one failed. No row leaves
+    its run's checkpoint behind (they once filled the temporary folder)."""
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
     cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
            "--steps", "1", "--warmup-steps", "1", "--sweep", "mb=4;mb=4,attn=cudnn;mb=2"]
     p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env)
@@ -210,6 +212,7 @@ def test_a_refused_row_is_a_row_and_the_sweep_goes_on(tmp_path):
     text = subprocess.run(cmd, capture_output=True, text=True, env=env).stdout.splitlines()
     assert "  mb=4,attn=cudnn: --attn-backend cudnn runs on CUDA GPUs only" in text[3]
     assert len(text) == 6 and text[1].split()[:2] == ["tp", "cp"]  # 2 lines of heading, 3 rows, a note
+    assert not list((tmp_path / "tmp").iterdir())
 
 
 def test_compare_hf_frees_each_side_before_the_other_runs(monkeypatch):
