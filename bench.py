@@ -184,7 +184,7 @@ def train_args(a, out_dir: str, **over) -> argparse.Namespace:
             # optimizer state would count as training's memory)
             "--ckpt-every", str(0 if a.memory_census else a.warmup_steps + a.steps),
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", out_dir,
-            "--precision", a.precision, "--data", a.data] + (["--device", a.device] if a.device else [])
+            "--precision", a.precision, f"--data={a.data}"] + (["--device", a.device] if a.device else [])
     ckpt = costs.ckpt_mode(over.get("act_ckpt", a.act_ckpt))
     argv += ["--act-ckpt", ckpt] if ckpt else []
     argv += ["--sp"] if over.get("sp", a.sp) else []

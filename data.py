@@ -7,7 +7,6 @@ The data path of the project, in the order the bytes travel through this file:
                  With DATA_MIRROR (or mirror=/--mirror) it copies from a local mirror folder instead.
   2. Tokenizers  get_tokenizer(): byte, gpt2, cl100k_base, o200k_base and llama3 as tiktoken Encodings,
                  all carrying the Llama 3 special tokens (<|begin_of_text|>, <|end_of_text|>, ...).
-                 hf_tokenizer_files(): the same tokenizer as Hugging Face's tokenizer.json, for an export.
   3. Documents   read_documents(): a .txt file is one document, a .jsonl file one document per line.
   4. Shards      write_shard() / read_shard(): a 256-byte header, then uint16 or uint32 tokens.
   5. prepare()   documents -> BOS + tokens + EOS -> train_*.bin, val_*.bin, and meta.json written last
@@ -16,14 +15,12 @@ The data path of the project, in the order the bytes travel through this file:
                  position, so a run resumes exactly under any dp. Loader: shards -> windows -> (inputs,
                  targets) for each data-parallel rank. MixtureLoader: several sources, each its share of
                  the sequences (parse_mixture, MixtureSchedule), and annealing's switch to another mix.
-  7. Chat        encode_chat(): the Llama 3 chat format, with a mask of the tokens the model learns to say.
-                 sft.py reads conversations and dpo.py preference pairs with it (json_records, named_file).
-  8. CLI         python data.py prepare | download | info
-
-Every failure a user can cause ends in DataError, whose message is one line saying what to do: a file a user
-names is checked to be a regular file before it is opened (regular_file), JSON goes through load_json,
-writes into the cache through writing() (a read-only folder, a full disk), and prepare() turns SIGTERM into
-KeyboardInterrupt so that it cleans up (sigterm_raises_keyboard_interrupt).
+  7. Records     json_records, named_file: the JSON and JSONL files chat.py reads its records from.
+  8. Failures    every failure a user can cause ends in DataError, one line saying what to do: a file a
+                 user names is checked to be a regular file before it is opened (regular_file), JSON goes
+                 through load_json, writes into the cache through writing() (a read-only folder, a full
+                 disk), and prepare() turns SIGTERM into KeyboardInterrupt so that it cleans up.
+  9. CLI         python data.py prepare | download | info
 """
 import argparse
 import base64
@@ -55,128 +52,6 @@ import torch
 
 class DataError(Exception):
     """A problem with the data or its sources; train.py prints it as one line and exits."""
-
-
-def cache_dir() -> Path:
-    path = Path(os.environ.get("DATA_CACHE") or "~/.cache/llama3-train").expanduser()
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise DataError(f"the data cache {path} is not a folder; point DATA_CACHE at a folder")
-    return path
-
-
-def _mirror_root(mirror=None):
-    root = mirror or os.environ.get("DATA_MIRROR")
-    return Path(root).expanduser() if root else None
-
-
-def one_line(error) -> str:
-    """An exception's whole message on one line (its type's name if it has none). A pickle refused by
-    torch.load(weights_only=True) is said in those words, with torch's reason and without its advice to
-    load the file unsafely."""
-    text = str(error)
-    if text.startswith("Weights only load failed"):
-        # torch's reason follows its advice; the marker before it differs between torch versions.
-        for marker in ("WeightsUnpickler error:", "from a trusted source."):
-            text = text.split(marker)[-1]
-        reason = " ".join(text.split("Check the documentation")[0].split())
-        return (f"refused to unpickle it (weights_only=True loads tensors and plain containers only, never "
-                f"code): {reason}")
-    return " ".join(text.split()) or type(error).__name__
-
-
-_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
-
-
-def regular_file(path, what: str) -> Path:
-    """`path` if it is a regular file (or a symlink to one), else DataError saying what it is instead.
-    Checked before every file a user names is opened: open() on a FIFO waits forever for a writer, and a
-    folder, device or socket is no data either. (Where this file probes a path a user gave, it asks
-    os.path.exists / isdir: they say False for a name too long or with a NUL byte, where pathlib raises.)"""
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode  # follows symlinks: a link to a regular file is one
-    except FileNotFoundError:
-        dangling = " (a symlink to nothing)" if path.is_symlink() else ""
-        raise DataError(f"no {what} at {path}{dangling}") from None
-    except OSError as e:  # a symlink loop, a folder we may not enter
-        raise DataError(f"cannot read the {what} {path}: {one_line(e)}") from None
-    if not stat.S_ISREG(mode):
-        kind = _KINDS.get(stat.S_IFMT(mode), "not a plain file")
-        raise DataError(f"the {what} {path} is {kind}, not a regular file; replace it with a regular "
-                        "file (a symlink to one is fine)")
-    return path
-
-
-def load_json(text: str):
-    """json.loads, failing only with json.JSONDecodeError: json itself raises RecursionError for nesting
-    deeper than the interpreter's recursion limit ([[[[...]]]]) and a plain ValueError for an integer of more
-    than sys.get_int_max_str_digits() digits. Those two carry no position (lineno and colno are None)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise
-    except RecursionError:
-        reason = "nested too deeply"
-    except ValueError as e:
-        reason = (f"an integer of more than {sys.get_int_max_str_digits():,} digits"
-                  if "integer string conversion" in str(e) else one_line(e))
-    error = json.JSONDecodeError(reason, text, 0)
-    error.lineno = error.colno = None
-    raise error from None
-
-
-def json_reason(e: json.JSONDecodeError) -> str:
-    """What is wrong with some JSON, and where in its line when that is known."""
-    return f"{e.msg} at column {e.colno}" if e.colno else e.msg
-
-
-# read-only or not ours; a full disk or quota; a path that cannot be a folder (too long, a file on the way)
-_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG,
-                 errno.ENOTDIR}
-
-
-@contextlib.contextmanager
-def writing(folder, target, cleanup=()):
-    """Turns the write failures a user must fix outside the program (_WRITE_ERRNOS: a read-only folder, a
-    full disk, ...) into one DataError line naming `folder`, or `target` for a full disk. First removes
-    `cleanup` (partial files, temporary folders), so nothing half-written stays behind."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno not in _WRITE_ERRNOS:
-            raise
-        for path in map(Path, cleanup):
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DataError(f"no space left on device while writing {target} ({one_line(e)}); free some "
-                            "space or point DATA_CACHE (or --out) at a disk with room") from None
-        raise DataError(f"cannot write into {folder} ({one_line(e)}); make it writable or point DATA_CACHE "
-                        "(or --out) at a folder you can write to") from None
-
-
-@contextlib.contextmanager
-def sigterm_raises_keyboard_interrupt():
-    """Within it, SIGTERM (what `kill` and schedulers send) raises KeyboardInterrupt as Ctrl-C does, so
-    `finally` blocks clean up before the process ends; the previous handler is back afterwards. Only in
-    the main thread (the only one Python lets set handlers) and only while SIGTERM has its default action:
-    a handler someone else installed (train.py's preemption flag) is left alone."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # ======== 1. Sources and download =================================================================
@@ -238,6 +113,18 @@ TOKENIZER_FILES = {  # files a tokenizer needs; fetched through the same machine
             "/models/llama3/tokenizer.model",
         sha256=LLAMA3_SHA256, license="Meta Llama 3 Community License", mirror="llama3/tokenizer.model"),
 }
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("DATA_CACHE") or "~/.cache/llama3-train").expanduser()
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DataError(f"the data cache {path} is not a folder; point DATA_CACHE at a folder")
+    return path
+
+
+def _mirror_root(mirror=None):
+    root = mirror or os.environ.get("DATA_MIRROR")
+    return Path(root).expanduser() if root else None
 
 
 def registry() -> dict:
@@ -1247,11 +1134,9 @@ class MixtureLoader(Positions):
         return inputs, targets
 
 
-# ======== 7. Chat format ==========================================================================
-# A conversation is a list of {"role": "system" | "user" | "assistant", "content": str}. Llama 3 writes it as
-#   <|begin_of_text|> then, per message, <|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>
-# and the model learns only what the assistant says: its content and the <|eot_id|> that ends its turn (so
-# it learns to stop). Everything else is context: its targets are IGNORE_INDEX, which cross_entropy skips.
+# ======== 7. Records: the JSON and JSONL files a recipe names ======================================
+# chat.py reads conversations, preference pairs and prompts from them; a target a recipe does not learn is
+# IGNORE_INDEX.
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
@@ -1289,7 +1174,119 @@ def json_records(path) -> list:
     return records
 
 
-# ======== 8. Command line =========================================================================
+# ======== 8. Failures a user can cause, each said in one line =====================================
+
+def one_line(error) -> str:
+    """An exception's whole message on one line (its type's name if it has none). A pickle refused by
+    torch.load(weights_only=True) is said in those words, with torch's reason and without its advice to
+    load the file unsafely."""
+    text = str(error)
+    if text.startswith("Weights only load failed"):
+        # torch's reason follows its advice; the marker before it differs between torch versions.
+        for marker in ("WeightsUnpickler error:", "from a trusted source."):
+            text = text.split(marker)[-1]
+        reason = " ".join(text.split("Check the documentation")[0].split())
+        return (f"refused to unpickle it (weights_only=True loads tensors and plain containers only, never "
+                f"code): {reason}")
+    return " ".join(text.split()) or type(error).__name__
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def regular_file(path, what: str) -> Path:
+    """`path` if it is a regular file (or a symlink to one), else DataError saying what it is instead.
+    Checked before every file a user names is opened: open() on a FIFO waits forever for a writer, and a
+    folder, device or socket is no data either. (Where this file probes a path a user gave, it asks
+    os.path.exists / isdir: they say False for a name too long or with a NUL byte, where pathlib raises.)"""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode  # follows symlinks: a link to a regular file is one
+    except FileNotFoundError:
+        dangling = " (a symlink to nothing)" if path.is_symlink() else ""
+        raise DataError(f"no {what} at {path}{dangling}") from None
+    except OSError as e:  # a symlink loop, a folder we may not enter
+        raise DataError(f"cannot read the {what} {path}: {one_line(e)}") from None
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a plain file")
+        raise DataError(f"the {what} {path} is {kind}, not a regular file; replace it with a regular "
+                        "file (a symlink to one is fine)")
+    return path
+
+
+def load_json(text: str):
+    """json.loads, failing only with json.JSONDecodeError: json itself raises RecursionError for nesting
+    deeper than the interpreter's recursion limit ([[[[...]]]]) and a plain ValueError for an integer of more
+    than sys.get_int_max_str_digits() digits. Those two carry no position (lineno and colno are None)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as e:
+        reason = (f"an integer of more than {sys.get_int_max_str_digits():,} digits"
+                  if "integer string conversion" in str(e) else one_line(e))
+    error = json.JSONDecodeError(reason, text, 0)
+    error.lineno = error.colno = None
+    raise error from None
+
+
+def json_reason(e: json.JSONDecodeError) -> str:
+    """What is wrong with some JSON, and where in its line when that is known."""
+    return f"{e.msg} at column {e.colno}" if e.colno else e.msg
+
+
+# read-only or not ours; a full disk or quota; a path that cannot be a folder (too long, a file on the way)
+_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG,
+                 errno.ENOTDIR}
+
+
+@contextlib.contextmanager
+def writing(folder, target, cleanup=()):
+    """Turns the write failures a user must fix outside the program (_WRITE_ERRNOS: a read-only folder, a
+    full disk, ...) into one DataError line naming `folder`, or `target` for a full disk. First removes
+    `cleanup` (partial files, temporary folders), so nothing half-written stays behind."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        for path in map(Path, cleanup):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"no space left on device while writing {target} ({one_line(e)}); free some "
+                            "space or point DATA_CACHE (or --out) at a disk with room") from None
+        raise DataError(f"cannot write into {folder} ({one_line(e)}); make it writable or point DATA_CACHE "
+                        "(or --out) at a folder you can write to") from None
+
+
+@contextlib.contextmanager
+def sigterm_raises_keyboard_interrupt():
+    """Within it, SIGTERM (what `kill` and schedulers send) raises KeyboardInterrupt as Ctrl-C does, so
+    `finally` blocks clean up before the process ends; the previous handler is back afterwards. Only in
+    the main thread (the only one Python lets set handlers) and only while SIGTERM has its default action:
+    a handler someone else installed (train.py's preemption flag) is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ======== 9. Command line =========================================================================
 
 def _print_info(path):
     path = Path(path)
