@@ -50,39 +50,8 @@ import parallel as P
 import train as T
 
 
-def get_parser() -> argparse.ArgumentParser:
-    p = config.get_parser()
-    p.description = "Direct preference optimization from an SFT checkpoint."
-    g = p.add_argument_group("preference optimization")
-    g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
-    g.add_argument("--beta", type=float, default=0.1, help="strength of the pull towards the reference")
-    g.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo", "ipo-sum", "hinge"],
-                   help="sigmoid: DPO; ipo: Azar et al. 2023 on per-token log-probs (as its authors and TRL; "
-                        "published betas carry over); ipo-sum: on summed log-probs (Eq. 17 as written); "
-                        "hinge: SLiC (formulas in the module docstring)")
-    g.add_argument("--label-smoothing", type=float, default=0.0, help="conservative DPO: assumed label noise")
-    g.add_argument("--nll-coef", type=float, default=0.0,
-                   help="add this times the chosen replies' negative log-likelihood per token (Llama 3: 0.2)")
-    g.add_argument("--mask-format-tokens", action="store_true",
-                   help="leave the chat format's tokens (headers, <|eot_id|>) out of the DPO log-probs, as "
-                        "Llama 3 did")
-    g.add_argument("--precompute-ref", action="store_true",
-                   help="score the whole dataset with the reference once, cache it, and free the reference")
-    g.add_argument("--val-fraction", type=float, default=0.05, help="share of pairs held out")
-    g.add_argument("--sample-prompt", default="How do I make a cup of tea?",
-                   help="a user message answered in chat mode at the end ('' to skip)")
-    p.set_defaults(tokenizer=None, data="hh_rlhf_harmless_test", out_dir="out-dpo", lr=1e-5, warmup=10,
-                   max_steps=200, eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256,
-                   micro_batch=4, weight_decay=0.0)
-    return p
-
-
 # ----------------------------------------------------------------------------------------------------
-# The data: preference pairs, each side encoded with the chat format and SFT's length rule (sft.py)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The loss
+# The loss, and the task that gives it the reference's log-probs
 
 
 def dpo_loss(pc, pr, rc, rr, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0):
@@ -263,6 +232,10 @@ def weights_digest(model, mesh) -> str:
     return hashlib.sha256(" ".join(everyone).encode()).hexdigest()
 
 
+# ----------------------------------------------------------------------------------------------------
+# The recipe: train.py's loop with the model from --init, preference pairs (chat.py) and DPOTask
+
+
 class DPO(T.FromInit):
     """train.py's recipe with SFT's model (from --init), preference pairs as the data, and DPOTask as the
     loss, against a frozen reference built from the same initial weights."""
@@ -300,6 +273,37 @@ class DPO(T.FromInit):
         # the point of precomputing: the reference is freed when this returns, before training starts
         cached = cached_reference(reference, self.loaders, mesh, self.args, device, self.tok_name, self.skip)
         return DPOTask(margs, mesh, self.args, cached=cached, skip=self.skip)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = config.get_parser()
+    p.description = "Direct preference optimization from an SFT checkpoint."
+    g = p.add_argument_group("preference optimization")
+    g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
+    g.add_argument("--beta", type=float, default=0.1, help="strength of the pull towards the reference")
+    g.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo", "ipo-sum", "hinge"],
+                   help="sigmoid: DPO; ipo: Azar et al. 2023 on per-token log-probs (as its authors and TRL; "
+                        "published betas carry over); ipo-sum: on summed log-probs (Eq. 17 as written); "
+                        "hinge: SLiC (formulas in the module docstring)")
+    g.add_argument("--label-smoothing", type=float, default=0.0, help="conservative DPO: assumed label noise")
+    g.add_argument("--nll-coef", type=float, default=0.0,
+                   help="add this times the chosen replies' negative log-likelihood per token (Llama 3: 0.2)")
+    g.add_argument("--mask-format-tokens", action="store_true",
+                   help="leave the chat format's tokens (headers, <|eot_id|>) out of the DPO log-probs, as "
+                        "Llama 3 did")
+    g.add_argument("--precompute-ref", action="store_true",
+                   help="score the whole dataset with the reference once, cache it, and free the reference")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="share of pairs held out")
+    g.add_argument("--sample-prompt", default="How do I make a cup of tea?",
+                   help="a user message answered in chat mode at the end ('' to skip)")
+    p.set_defaults(tokenizer=None, data="hh_rlhf_harmless_test", out_dir="out-dpo", lr=1e-5, warmup=10,
+                   max_steps=200, eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256,
+                   micro_batch=4, weight_decay=0.0)
+    return p
 
 
 def main(argv=None):

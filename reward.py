@@ -51,21 +51,6 @@ import parallel as P
 import train as T
 
 
-def get_parser() -> argparse.ArgumentParser:
-    p = config.get_parser()
-    p.description = "Train a reward model on preference pairs (Bradley-Terry), from an SFT checkpoint."
-    g = p.add_argument_group("reward model")
-    g.add_argument("--init", default=None,
-                   help="the SFT checkpoint (or HF / Meta folder, or a reward model) to start from")
-    g.add_argument("--margin", type=float, default=0.0,
-                   help="Llama 2's margin m in -log sigmoid(r_chosen - r_rejected - m) (Llama 3: 0)")
-    g.add_argument("--val-fraction", type=float, default=0.05, help="share of pairs held out")
-    p.set_defaults(tokenizer=None, data="hh_rlhf_harmless_test", out_dir="out-rm", lr=1e-5, warmup=10,
-                   max_steps=200, eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256,
-                   micro_batch=4, weight_decay=0.0)
-    return p
-
-
 # ----------------------------------------------------------------------------------------------------
 # The score of a conversation, and the loss
 
@@ -371,6 +356,25 @@ def sample_main(argv) -> int:
     if mesh.world > 1:
         torch.distributed.destroy_process_group()
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = config.get_parser()
+    p.description = "Train a reward model on preference pairs (Bradley-Terry), from an SFT checkpoint."
+    g = p.add_argument_group("reward model")
+    g.add_argument("--init", default=None,
+                   help="the SFT checkpoint (or HF / Meta folder, or a reward model) to start from")
+    g.add_argument("--margin", type=float, default=0.0,
+                   help="Llama 2's margin m in -log sigmoid(r_chosen - r_rejected - m) (Llama 3: 0)")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="share of pairs held out")
+    p.set_defaults(tokenizer=None, data="hh_rlhf_harmless_test", out_dir="out-rm", lr=1e-5, warmup=10,
+                   max_steps=200, eval_every=100, eval_batches=10, ckpt_every=200, log_every=10, seq_len=256,
+                   micro_batch=4, weight_decay=0.0)
+    return p
 
 
 def main(argv=None):

@@ -77,38 +77,266 @@ import model as M
 import parallel as P
 import train as T
 
-IGNORE_INDEX = data.IGNORE_INDEX
+
+# ----------------------------------------------------------------------------------------------------
+# The losses, per token, and their mean as the loop wants it
 
 
-def get_parser() -> argparse.ArgumentParser:
-    p = config.get_parser()
-    p.description = ("Reinforcement learning (GRPO or PPO) against a reward, from an SFT checkpoint. Also: "
-                     "`rl.py sums` writes the arithmetic task's files, `rl.py eval` scores greedy replies.")
-    g = p.add_argument_group("reinforcement learning")
-    g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
-    g.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="see the module docstring")
-    g.add_argument("--prompts", default=None, help="JSON/JSONL prompts (reward.py's read_prompts layouts; an "
-                                                    "\"answer\" field is what --reward-fn arithmetic checks)")
-    g.add_argument("--reward", default=None, help="a reward model (reward.py's --out-dir, or an HF folder)")
-    g.add_argument("--reward-fn", default=None,
-                   help="a rule instead: " + ", ".join(REWARD_FNS) + ", or FILE.py:FUNCTION taking (prompt "
-                        "record, reply text) and returning a number")
-    g.add_argument("--group", type=int, default=None, help="replies per prompt (default: grpo 8, ppo 1)")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="the longest reply (cut there)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling of the rollouts")
-    g.add_argument("--kl-coef", type=float, default=None,
-                   help="beta, the KL penalty's weight (default: grpo 0.04, ppo 0.05; 0: no reference)")
-    g.add_argument("--clip-eps", type=float, default=0.2, help="the ratio's clip range")
-    g.add_argument("--gamma", type=float, default=1.0, help="PPO: discount")
-    g.add_argument("--lam", type=float, default=0.95, help="PPO: GAE's lambda")
-    g.add_argument("--vf-coef", type=float, default=0.1, help="PPO: the value loss's weight")
-    g.add_argument("--clip-value", type=float, default=0.2, help="PPO: the value's clip range")
-    g.add_argument("--val-fraction", type=float, default=0.1, help="share of prompts held out")
-    p.set_defaults(tokenizer=None, data=None, out_dir="out-rl", lr=1e-5, warmup=0, max_steps=100,
-                   eval_every=50, eval_batches=8, ckpt_every=100, log_every=10, seq_len=256, micro_batch=4,
-                   weight_decay=0.0)
-    return p
+def clipped_ratio(logp, old_logp, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rho, clip(rho, 1 - eps, 1 + eps)), rho = p / p_old per token."""
+    rho = torch.exp(logp - old_logp)
+    return rho, rho.clamp(1 - clip_eps, 1 + clip_eps)
+
+
+def grpo_token_losses(logp, old_logp, ref_logp, adv, clip_eps: float, beta: float):
+    """GRPO per token (rows, T): -min(rho A, clip(rho) A) + beta k3, with k3 the KL estimate (0 where there is
+    no reference: ref_logp None). Also returns k3 and where the clipped term won (no gradient there)."""
+    rho, clipped = clipped_ratio(logp, old_logp, clip_eps)
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    plain, safe = rho * adv, clipped * adv
+    losses = -torch.min(plain, safe)
+    kl = torch.zeros_like(logp) if ref_logp is None else torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    return losses + beta * kl, kl, safe < plain
+
+
+def ppo_token_losses(logp, old_logp, adv, values, old_values, returns, a):
+    """PPO per token (rows, T): the clipped policy loss plus vf_coef times the clipped value loss. Also returns
+    the value loss and where the clipped policy term won."""
+    rho, clipped = clipped_ratio(logp, old_logp, a.clip_eps)
+    plain, safe = -adv * rho, -adv * clipped
+    v_clipped = old_values + (values - old_values).clamp(-a.clip_value, a.clip_value)
+    value_loss = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
+    return torch.max(plain, safe) + a.vf_coef * value_loss, value_loss, safe > plain
+
+
+def reply_mean(x, mask) -> torch.Tensor:
+    """(rows, T) -> (rows,): the mean over each reply's tokens."""
+    return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+
+
+class ValueHead(nn.Module):
+    """PPO's critic: V = w . h + b on the policy's final normed hidden state h, at every position. It reads h
+    as the policy computes it (a hook on model.norm) and stops the gradient there."""
+
+    def __init__(self, model: M.Transformer, device, dtype):
+        super().__init__()
+        self.proj = nn.Linear(model.args.dim, 1, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.proj.weight.zero_()
+            self.proj.bias.zero_()
+        self.hidden = None
+        model.norm.register_forward_hook(self.keep)  # (under tp the norm's output: the whole h, every rank)
+
+    def keep(self, module, inputs, out):
+        self.hidden = out
+
+    def forward(self) -> torch.Tensor:
+        return self.proj(self.hidden.detach()).squeeze(-1).float()  # (rows, T)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rollouts: replies sampled, scored, laid out as training rows
+
+
+def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int, pad: int):
+    """Prompt and reply token lists (one pair a row) -> inputs and targets (rows, seq_len) int64: a row is
+    prompt + reply, shifted by one; targets are the reply's tokens (its <|eot_id|> included), IGNORE_INDEX
+    elsewhere."""
+    x = torch.full((len(replies), seq_len), pad, dtype=torch.long)
+    y = torch.full((len(replies), seq_len), data.IGNORE_INDEX, dtype=torch.long)
+    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+        row = prompt + reply
+        x[i, :len(row) - 1] = torch.tensor(row[:-1])
+        y[i, len(prompt) - 1:len(row) - 1] = torch.tensor(reply)
+    return x, y
+
+
+def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """GRPO: (rows,) rewards, consecutive groups of `group` replies to one prompt -> (rows,) advantages
+    (r - the group's mean) / (the group's std + 1e-4)."""
+    r = rewards.view(-1, group)
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1)
+
+
+def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over each row's reply tokens (mask: contiguous, (rows, T)):
+    delta_t = r_t + gamma V_{t+1} - V_t (V past the reply's end is 0), A_t = delta_t + gamma lam A_{t+1}.
+    -> (advantages, returns = A + V), both 0 outside the reply."""
+    adv, last = torch.zeros_like(values), torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        after = values[:, t + 1] * mask[:, t + 1] if t + 1 < values.shape[1] else 0.0
+        last = (rewards[:, t] + gamma * after - values[:, t] + gamma * lam * last) * mask[:, t]
+        adv[:, t] = last
+    return adv, (adv + values) * mask
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, mesh) -> torch.Tensor:
+    """x standardized over the masked tokens of the whole global batch (sums over dp): the same numbers
+    under any layout."""
+    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
+    P.all_reduce(stats, mesh, "dp")
+    mean = stats[0] / stats[2]
+    var = (stats[1] / stats[2] - mean ** 2).clamp(min=0)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+# ----------------------------------------------------------------------------------------------------
+# The task: phase 1's rollouts in prepare(), phase 3's loss
+
+
+TOKEN_MEANS = ("kl", "clip_ratio", "policy/clipfrac_avg", "loss/value_avg")  # TRL's: over all reply tokens
+
+
+class RLTask:
+    """The loss of train.py's loop for RL. prepare() turns each micro-batch of prompts into --group replies
+    per prompt (sampled; greedy when the model is in eval mode: validation) laid out as rows, with what the
+    loss needs beside the targets: rewards, advantages, the reference's log-probs, and for PPO the
+    rollout's log-probs and values. The normalizer is the global batch's reply count.
+
+    Every log-prob (the policy's, PPO's rollout's, the reference's) is of the distribution that samples,
+    the logits over --temperature, as TRL's trainers compute them; validation's greedy replies are read at
+    the same temperature, so that val_kl is the quantity kl is. --temperature 0 (PPO's greedy rollouts)
+    samples from no distribution: the model's own (temperature 1) is read then."""
+
+    takes_hidden = False  # the loss is given the logits
+
+    def __init__(self, mesh, args, policy, tok, prompts, score, reference=None, value_head=None):
+        self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
+        self.score, self.reference, self.value_head = score, reference, value_head
+        self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
+        self.temperature = args.temperature or 1.0  # (0: greedy, no distribution to divide by)
+        self.rows_per_example = args.group
+        # forwards besides the trained one's: the reference's, and PPO's rollout forward (values, old logp)
+        self.reference_forwards = (reference is not None) + (args.algo == "ppo")
+        names = (("reward", "reward_std", "kl", "completion_length", "clip_ratio") if args.algo == "grpo" else
+                 ("reward", "objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg",
+                  "completion_length"))
+        self.with_answers = all("answer" in p for p in prompts)
+        self.metric_names = names + (("accuracy",) if self.with_answers else ())
+        self.per_token = torch.tensor([n in TOKEN_MEANS for n in self.metric_names], device=mesh.device)
+        self._sums = torch.zeros(len(self.metric_names), device=mesh.device)  # (tally)
+        self._tokens = torch.zeros((), device=mesh.device)
+
+    def count(self, batch) -> torch.Tensor:
+        """Replies: G per prompt of a loader's batch, or the rows of a rolled-out one."""
+        rows = batch[0].shape[0] * (self.group if batch[0].dim() == 1 else 1)
+        return torch.full((), rows, device=batch[0].device)
+
+    def prepare(self, batches):
+        rolled = [self.roll_out(seqs, items) for seqs, items in batches]
+        return self.ppo_targets(rolled) if self.args.algo == "ppo" else rolled
+
+    def sample(self, seq: int, prompt: dict) -> list[list[int]]:
+        """G replies to one prompt: sampled from its own stream, or (eval mode) one greedy reply G times."""
+        a = self.args
+        room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
+        eot, n_vocab = data.eot_id(self.tok), self.tok.n_vocab
+        whole_vocab = lambda logits: P.gather_vocab(logits, self.mesh)  # (tp: every rank draws the same)
+        if not self.policy.training:
+            return M.sample(self.policy, prompt["ids"], 1, room, None, eot, n_vocab, 0.0,
+                            whole_vocab=whole_vocab) * self.group
+        generator = M.replies_stream(a.seed, seq, self.policy.tok_embeddings.weight.device)
+        return M.sample(self.policy, prompt["ids"], self.group, room, generator, eot, n_vocab, a.temperature,
+                        a.top_p, whole_vocab)
+
+    @torch.no_grad()
+    def roll_out(self, seqs, items):
+        """One micro-batch of prompts -> (inputs, (targets, extras)) of its B x G replies."""
+        a, G, device = self.args, self.group, seqs.device
+        prompts, replies, rewards, correct = [], [], [], []
+        for seq, item in zip(seqs.tolist(), items.tolist()):  # (one host read: generation reads many)
+            prompt = self.prompts[item]
+            rows = self.sample(seq, prompt)
+            texts = [self.tok.decode(r[:-1] if r[-1:] == [data.eot_id(self.tok)] else r) for r in rows]
+            prompts += [prompt["ids"]] * G
+            replies += rows
+            rewards += self.score(prompt, texts)
+            correct += [float(is_correct(prompt, t)) for t in texts] if self.with_answers else []
+        x, y = (t.to(device) for t in reply_rows(prompts, replies, a.seq_len, data.pad_id(self.tok)))
+        r = torch.tensor(rewards, device=device)
+        grouped = r.view(-1, G)
+        extras = {"reward": r, "length": (y != data.IGNORE_INDEX).sum(dim=-1).float(),
+                  "reward_std": grouped.std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(r),
+                  "correct": torch.tensor(correct, device=device) if self.with_answers else None,
+                  "ref": self.reference_logps(x, y) if self.reference is not None else None}
+        if a.algo == "grpo":
+            extras["adv"] = group_advantages(r, G)
+        return x, (y, extras)
+
+    def logps(self, logits, y) -> torch.Tensor:
+        """log p(target) per token (rows, T) of the sampling distribution, softmax(logits / temperature); 0
+        where the target is IGNORE_INDEX."""
+        if self.temperature != 1:
+            logits = logits / self.temperature
+        return -P.token_losses(logits, y, self.vocab_size, self.mesh)
+
+    def token_logps(self, model, x, y) -> torch.Tensor:
+        """logps under `model`."""
+        return self.logps(P.local_forward(model, x, self.mesh, self.args.seq_len), y)
+
+    def reference_logps(self, x, y) -> torch.Tensor:
+        """token_logps under the reference: under LoRA, the policy's own frozen model, its adapters off."""
+        with M.without_lora(self.reference):
+            return self.token_logps(self.reference, x, y)
+
+    @torch.no_grad()
+    def ppo_targets(self, rolled):
+        """PPO: the rollout's log-probs and values, the per-token rewards (the KL penalty at every reply
+        token, the score at its last), GAE advantages whitened over the global batch, and returns."""
+        a, out = self.args, []
+        for x, (y, e) in rolled:
+            mask = (y != data.IGNORE_INDEX).float()
+            e["old"] = self.token_logps(self.policy, x, y)  # the policy's forward sets the value head's input
+            e["values"] = self.value_head() * mask
+            kl = (e["old"] - e["ref"]) * mask if e["ref"] is not None else torch.zeros_like(mask)
+            last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=-1, keepdim=True)
+            rewards = (-self.beta * kl).scatter_add(1, last, e["reward"][:, None])
+            e["adv"], e["returns"] = gae(rewards, e["values"], mask, a.gamma, a.lam)
+            e["kl_sum"], e["entropy"] = kl.sum(dim=-1), -(e["old"] * mask).sum(dim=-1)
+            out.append((x, (y, e), mask))
+        advs = whiten(torch.cat([e["adv"] for _, (_, e), _ in out]), torch.cat([m for *_, m in out]), self.mesh)
+        for (_, (_, e), _), adv in zip(out, advs.split([x.shape[0] for x, *_ in out])):
+            e["adv"] = adv
+        return [(x, target) for x, target, _ in out]
+
+    def loss(self, logits, targets, total):
+        y, e = targets
+        mask = (y != data.IGNORE_INDEX).float()
+        logp = self.logps(logits, y)  # (rows, T), 0 outside the replies
+        if self.args.algo == "grpo":
+            # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
+            losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], self.args.clip_eps,
+                                                    self.beta)
+            stats = {"reward_std": e["reward_std"], "kl": kl, "clip_ratio": clipped}
+        else:
+            values = self.value_head()
+            losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], values, e["values"],
+                                                           e["returns"], self.args)
+            stats = {"objective/kl": e["kl_sum"], "objective/entropy": e["entropy"],
+                     "policy/clipfrac_avg": clipped, "loss/value_avg": value_loss}
+        self.tally({**stats, "reward": e["reward"], "completion_length": e["length"], "accuracy": e["correct"]},
+                   mask, total)
+        return reply_mean(losses, mask).sum() / total
+
+    @torch.no_grad()
+    def tally(self, stats: dict, mask, total):
+        """Add a micro-batch to the metric sums: a reply's metric (rows,) over the global reply count; a token
+        metric (TOKEN_MEANS, (rows, T)) summed over the reply tokens, whose count is kept beside."""
+        sums = [(stats[n].float() * mask).sum() if n in TOKEN_MEANS else stats[n].float().sum() / total
+                for n in self.metric_names]
+        self._sums += torch.stack(sums).to(self._sums.device)
+        self._tokens += mask.sum().to(self._tokens.device)
+
+    def metrics(self) -> torch.Tensor:
+        """Each metric's share of its global mean since the last call, which the loop's sum over the replicas
+        completes: a reply metric's sum over the global reply count, a token metric's over the global count
+        of reply tokens, summed over dp here (one small all-reduce: TRL's kl and clip_ratio are means over
+        all reply tokens of the batch, not of each reply's mean)."""
+        tokens = self._tokens.clone()
+        P.all_reduce(tokens, self.mesh, "dp")
+        out = torch.where(self.per_token, self._sums / tokens.clamp(min=1), self._sums)
+        self._sums, self._tokens = torch.zeros_like(self._sums), torch.zeros_like(self._tokens)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -192,7 +420,8 @@ def check_answers(prompts: list[dict], rule: str | None):
         return
     wrong = [p for p in prompts if as_number(p.get("answer")) is None]
     if wrong:
-        why = f"its answer {wrong[0]['answer']!r} is not a number" if "answer" in wrong[0] else 'it has no "answer"'
+        why = (f"its answer {wrong[0]['answer']!r} is not a number" if "answer" in wrong[0]
+               else 'it has no "answer"')
         raise data.DataError(f"--reward-fn {rule} compares a reply's last number with the prompt's \"answer\", "
                              f"and {len(wrong):,} of {len(prompts):,} prompt(s) have none that is a number (the "
                              f"first, {wrong[0]['where']}: {why})")
@@ -217,45 +446,6 @@ def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[flo
                                   f"{torch.finfo(torch.float32).max:.4g} in size)")
         out.append(value)
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# The arithmetic task: a whole loop small enough for a CPU (rl.py sums)
-
-
-def sums(n: int, seed: int, high: int = 30) -> list[dict]:
-    """n sums a + b with 0 <= a, b < high, drawn without repeats: {"prompt", "answer", "a", "b"}."""
-    pairs = np.random.default_rng(seed).permutation(high * high)[:n]
-    return [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), "a": int(a), "b": int(b)}
-            for a, b in (divmod(int(i), high) for i in pairs)]
-
-
-def sums_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="rl.py sums", description="Sums a + b as SFT data, RL prompts and a test.")
-    p.add_argument("--out-dir", default="sums")
-    p.add_argument("--high", type=int, default=30, help="a and b are below this")
-    p.add_argument("--sft", type=int, default=300, help="worked sums for SFT (sft.jsonl)")
-    p.add_argument("--rl", type=int, default=500, help="prompts for RL (prompts.jsonl)")
-    p.add_argument("--test", type=int, default=100, help="held-out prompts (test.jsonl)")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    total = a.sft + a.rl + a.test
-    if min(a.sft, a.rl, a.test) < 1 or total > a.high ** 2:
-        raise config.ConfigError("--sft, --rl and --test must be >= 1 and add up to at most --high^2 = "
-                                 f"{a.high ** 2}")
-    problems, out = sums(total, a.seed, a.high), Path(a.out_dir)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise config.ConfigError(f"--out-dir {out} exists and is not a folder")
-    with data.writing(out, out):
-        out.mkdir(parents=True, exist_ok=True)
-    worked = [{"messages": [{"role": "user", "content": s["prompt"]},
-                            {"role": "assistant", "content": f"{s['a']} + {s['b']} = {s['answer']}"}]}
-              for s in problems[:a.sft]]
-    C.write_jsonl(out / "sft.jsonl", worked)
-    C.write_jsonl(out / "prompts.jsonl", problems[a.sft:a.sft + a.rl])
-    C.write_jsonl(out / "test.jsonl", problems[a.sft + a.rl:])
-    print(json.dumps({"out_dir": str(out), "sft": a.sft, "rl": a.rl, "test": a.test}))
-    return 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -299,264 +489,42 @@ class PromptLoader(data.Positions):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Rollouts: replies sampled, scored, laid out as training rows
+# The arithmetic task: a whole loop small enough for a CPU (rl.py sums)
 
 
-def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int, pad: int):
-    """Prompt and reply token lists (one pair a row) -> inputs and targets (rows, seq_len) int64: a row is
-    prompt + reply, shifted by one; targets are the reply's tokens (its <|eot_id|> included), IGNORE_INDEX
-    elsewhere."""
-    x = torch.full((len(replies), seq_len), pad, dtype=torch.long)
-    y = torch.full((len(replies), seq_len), IGNORE_INDEX, dtype=torch.long)
-    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
-        row = prompt + reply
-        x[i, :len(row) - 1] = torch.tensor(row[:-1])
-        y[i, len(prompt) - 1:len(row) - 1] = torch.tensor(reply)
-    return x, y
+def sums(n: int, seed: int, high: int = 30) -> list[dict]:
+    """n sums a + b with 0 <= a, b < high, drawn without repeats: {"prompt", "answer", "a", "b"}."""
+    pairs = np.random.default_rng(seed).permutation(high * high)[:n]
+    return [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), "a": int(a), "b": int(b)}
+            for a, b in (divmod(int(i), high) for i in pairs)]
 
 
-def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
-    """GRPO: (rows,) rewards, consecutive groups of `group` replies to one prompt -> (rows,) advantages
-    (r - the group's mean) / (the group's std + 1e-4)."""
-    r = rewards.view(-1, group)
-    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1)
-
-
-def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over each row's reply tokens (mask: contiguous, (rows, T)):
-    delta_t = r_t + gamma V_{t+1} - V_t (V past the reply's end is 0), A_t = delta_t + gamma lam A_{t+1}.
-    -> (advantages, returns = A + V), both 0 outside the reply."""
-    adv, last = torch.zeros_like(values), torch.zeros_like(values[:, 0])
-    for t in reversed(range(values.shape[1])):
-        after = values[:, t + 1] * mask[:, t + 1] if t + 1 < values.shape[1] else 0.0
-        last = (rewards[:, t] + gamma * after - values[:, t] + gamma * lam * last) * mask[:, t]
-        adv[:, t] = last
-    return adv, (adv + values) * mask
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, mesh) -> torch.Tensor:
-    """x standardized over the masked tokens of the whole global batch (sums over dp): the same numbers
-    under any layout."""
-    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
-    P.all_reduce(stats, mesh, "dp")
-    mean = stats[0] / stats[2]
-    var = (stats[1] / stats[2] - mean ** 2).clamp(min=0)
-    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
-
-
-# ----------------------------------------------------------------------------------------------------
-# The losses, per token, and their mean as the loop wants it
-
-
-def clipped_ratio(logp, old_logp, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rho, clip(rho, 1 - eps, 1 + eps)), rho = p / p_old per token."""
-    rho = torch.exp(logp - old_logp)
-    return rho, rho.clamp(1 - clip_eps, 1 + clip_eps)
-
-
-def grpo_token_losses(logp, old_logp, ref_logp, adv, clip_eps: float, beta: float):
-    """GRPO per token (rows, T): -min(rho A, clip(rho) A) + beta k3, with k3 the KL estimate (0 where there is
-    no reference: ref_logp None). Also returns k3 and where the clipped term won (no gradient there)."""
-    rho, clipped = clipped_ratio(logp, old_logp, clip_eps)
-    adv = adv[:, None] if adv.dim() == 1 else adv
-    plain, safe = rho * adv, clipped * adv
-    losses = -torch.min(plain, safe)
-    kl = torch.zeros_like(logp) if ref_logp is None else torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-    return losses + beta * kl, kl, safe < plain
-
-
-def ppo_token_losses(logp, old_logp, adv, values, old_values, returns, a):
-    """PPO per token (rows, T): the clipped policy loss plus vf_coef times the clipped value loss. Also returns
-    the value loss and where the clipped policy term won."""
-    rho, clipped = clipped_ratio(logp, old_logp, a.clip_eps)
-    plain, safe = -adv * rho, -adv * clipped
-    v_clipped = old_values + (values - old_values).clamp(-a.clip_value, a.clip_value)
-    value_loss = 0.5 * torch.max((values - returns) ** 2, (v_clipped - returns) ** 2)
-    return torch.max(plain, safe) + a.vf_coef * value_loss, value_loss, safe > plain
-
-
-def reply_mean(x, mask) -> torch.Tensor:
-    """(rows, T) -> (rows,): the mean over each reply's tokens."""
-    return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
-
-
-class ValueHead(nn.Module):
-    """PPO's critic: V = w . h + b on the policy's final normed hidden state h, at every position. It reads h
-    as the policy computes it (a hook on model.norm) and stops the gradient there."""
-
-    def __init__(self, model: M.Transformer, device, dtype):
-        super().__init__()
-        self.proj = nn.Linear(model.args.dim, 1, device=device, dtype=dtype)
-        with torch.no_grad():
-            self.proj.weight.zero_()
-            self.proj.bias.zero_()
-        self.hidden = None
-        model.norm.register_forward_hook(self.keep)  # (under tp the norm's output: the whole h, every rank)
-
-    def keep(self, module, inputs, out):
-        self.hidden = out
-
-    def forward(self) -> torch.Tensor:
-        return self.proj(self.hidden.detach()).squeeze(-1).float()  # (rows, T)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The task: phase 1's rollouts in prepare(), phase 3's loss
-
-
-TOKEN_MEANS = ("kl", "clip_ratio", "policy/clipfrac_avg", "loss/value_avg")  # TRL's: over all reply tokens
-
-
-class RLTask:
-    """The loss of train.py's loop for RL. prepare() turns each micro-batch of prompts into --group replies
-    per prompt (sampled; greedy when the model is in eval mode: validation) laid out as rows, with what the
-    loss needs beside the targets: rewards, advantages, the reference's log-probs, and for PPO the
-    rollout's log-probs and values. The normalizer is the global batch's reply count.
-
-    Every log-prob (the policy's, PPO's rollout's, the reference's) is of the distribution that samples,
-    the logits over --temperature, as TRL's trainers compute them; validation's greedy replies are read at
-    the same temperature, so that val_kl is the quantity kl is. --temperature 0 (PPO's greedy rollouts)
-    samples from no distribution: the model's own (temperature 1) is read then."""
-
-    takes_hidden = False  # the loss is given the logits
-
-    def __init__(self, mesh, args, policy, tok, prompts, score, reference=None, value_head=None):
-        self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
-        self.score, self.reference, self.value_head = score, reference, value_head
-        self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
-        self.temperature = args.temperature or 1.0  # (0: greedy, no distribution to divide by)
-        self.rows_per_example = args.group
-        # forwards besides the trained one's: the reference's, and PPO's rollout forward (values, old logp)
-        self.reference_forwards = (reference is not None) + (args.algo == "ppo")
-        names = (("reward", "reward_std", "kl", "completion_length", "clip_ratio") if args.algo == "grpo" else
-                 ("reward", "objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg",
-                  "completion_length"))
-        self.with_answers = all("answer" in p for p in prompts)
-        self.metric_names = names + (("accuracy",) if self.with_answers else ())
-        self.per_token = torch.tensor([n in TOKEN_MEANS for n in self.metric_names], device=mesh.device)
-        self._sums = torch.zeros(len(self.metric_names), device=mesh.device)  # (tally)
-        self._tokens = torch.zeros((), device=mesh.device)
-
-    def count(self, batch) -> torch.Tensor:
-        """Replies: G per prompt of a loader's batch, or the rows of a rolled-out one."""
-        rows = batch[0].shape[0] * (self.group if batch[0].dim() == 1 else 1)
-        return torch.full((), rows, device=batch[0].device)
-
-    def prepare(self, batches):
-        rolled = [self.roll_out(seqs, items) for seqs, items in batches]
-        return self.ppo_targets(rolled) if self.args.algo == "ppo" else rolled
-
-    def sample(self, seq: int, prompt: dict) -> list[list[int]]:
-        """G replies to one prompt: sampled from its own stream, or (eval mode) one greedy reply G times."""
-        a = self.args
-        room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
-        eot, n_vocab = data.eot_id(self.tok), self.tok.n_vocab
-        whole_vocab = lambda logits: P.gather_vocab(logits, self.mesh)  # (tp: every rank draws the same)
-        if not self.policy.training:
-            return M.sample(self.policy, prompt["ids"], 1, room, None, eot, n_vocab, 0.0,
-                            whole_vocab=whole_vocab) * self.group
-        generator = M.replies_stream(a.seed, seq, self.policy.tok_embeddings.weight.device)
-        return M.sample(self.policy, prompt["ids"], self.group, room, generator, eot, n_vocab, a.temperature,
-                        a.top_p, whole_vocab)
-
-    @torch.no_grad()
-    def roll_out(self, seqs, items):
-        """One micro-batch of prompts -> (inputs, (targets, extras)) of its B x G replies."""
-        a, G, device = self.args, self.group, seqs.device
-        prompts, replies, rewards, correct = [], [], [], []
-        for seq, item in zip(seqs.tolist(), items.tolist()):  # (one host read: generation reads many)
-            prompt = self.prompts[item]
-            rows = self.sample(seq, prompt)
-            texts = [self.tok.decode(r[:-1] if r[-1:] == [data.eot_id(self.tok)] else r) for r in rows]
-            prompts += [prompt["ids"]] * G
-            replies += rows
-            rewards += self.score(prompt, texts)
-            correct += [float(is_correct(prompt, t)) for t in texts] if self.with_answers else []
-        x, y = (t.to(device) for t in reply_rows(prompts, replies, a.seq_len, data.pad_id(self.tok)))
-        r = torch.tensor(rewards, device=device)
-        grouped = r.view(-1, G)
-        extras = {"reward": r, "length": (y != IGNORE_INDEX).sum(dim=-1).float(),
-                  "reward_std": grouped.std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(r),
-                  "correct": torch.tensor(correct, device=device) if self.with_answers else None,
-                  "ref": self.reference_logps(x, y) if self.reference is not None else None}
-        if a.algo == "grpo":
-            extras["adv"] = group_advantages(r, G)
-        return x, (y, extras)
-
-    def logps(self, logits, y) -> torch.Tensor:
-        """log p(target) per token (rows, T) of the sampling distribution, softmax(logits / temperature); 0
-        where the target is IGNORE_INDEX."""
-        if self.temperature != 1:
-            logits = logits / self.temperature
-        return -P.token_losses(logits, y, self.vocab_size, self.mesh)
-
-    def token_logps(self, model, x, y) -> torch.Tensor:
-        """logps under `model`."""
-        return self.logps(P.local_forward(model, x, self.mesh, self.args.seq_len), y)
-
-    def reference_logps(self, x, y) -> torch.Tensor:
-        """token_logps under the reference: under LoRA, the policy's own frozen model, its adapters off."""
-        with M.without_lora(self.reference):
-            return self.token_logps(self.reference, x, y)
-
-    @torch.no_grad()
-    def ppo_targets(self, rolled):
-        """PPO: the rollout's log-probs and values, the per-token rewards (the KL penalty at every reply
-        token, the score at its last), GAE advantages whitened over the global batch, and returns."""
-        a, out = self.args, []
-        for x, (y, e) in rolled:
-            mask = (y != IGNORE_INDEX).float()
-            e["old"] = self.token_logps(self.policy, x, y)  # the policy's forward sets the value head's input
-            e["values"] = self.value_head() * mask
-            kl = (e["old"] - e["ref"]) * mask if e["ref"] is not None else torch.zeros_like(mask)
-            last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=-1, keepdim=True)
-            rewards = (-self.beta * kl).scatter_add(1, last, e["reward"][:, None])
-            e["adv"], e["returns"] = gae(rewards, e["values"], mask, a.gamma, a.lam)
-            e["kl_sum"], e["entropy"] = kl.sum(dim=-1), -(e["old"] * mask).sum(dim=-1)
-            out.append((x, (y, e), mask))
-        advs = whiten(torch.cat([e["adv"] for _, (_, e), _ in out]), torch.cat([m for *_, m in out]), self.mesh)
-        for (_, (_, e), _), adv in zip(out, advs.split([x.shape[0] for x, *_ in out])):
-            e["adv"] = adv
-        return [(x, target) for x, target, _ in out]
-
-    def loss(self, logits, targets, total):
-        y, e = targets
-        mask = (y != IGNORE_INDEX).float()
-        logp = self.logps(logits, y)  # (rows, T), 0 outside the replies
-        if self.args.algo == "grpo":
-            # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
-            losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], self.args.clip_eps,
-                                                    self.beta)
-            stats = {"reward_std": e["reward_std"], "kl": kl, "clip_ratio": clipped}
-        else:
-            values = self.value_head()
-            losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], values, e["values"],
-                                                           e["returns"], self.args)
-            stats = {"objective/kl": e["kl_sum"], "objective/entropy": e["entropy"],
-                     "policy/clipfrac_avg": clipped, "loss/value_avg": value_loss}
-        self.tally({**stats, "reward": e["reward"], "completion_length": e["length"], "accuracy": e["correct"]},
-                   mask, total)
-        return reply_mean(losses, mask).sum() / total
-
-    @torch.no_grad()
-    def tally(self, stats: dict, mask, total):
-        """Add a micro-batch to the metric sums: a reply's metric (rows,) over the global reply count; a token
-        metric (TOKEN_MEANS, (rows, T)) summed over the reply tokens, whose count is kept beside."""
-        sums = [(stats[n].float() * mask).sum() if n in TOKEN_MEANS else stats[n].float().sum() / total
-                for n in self.metric_names]
-        self._sums += torch.stack(sums).to(self._sums.device)
-        self._tokens += mask.sum().to(self._tokens.device)
-
-    def metrics(self) -> torch.Tensor:
-        """Each metric's share of its global mean since the last call, which the loop's sum over the replicas
-        completes: a reply metric's sum over the global reply count, a token metric's over the global count
-        of reply tokens, summed over dp here (one small all-reduce: TRL's kl and clip_ratio are means over
-        all reply tokens of the batch, not of each reply's mean)."""
-        tokens = self._tokens.clone()
-        P.all_reduce(tokens, self.mesh, "dp")
-        out = torch.where(self.per_token, self._sums / tokens.clamp(min=1), self._sums)
-        self._sums, self._tokens = torch.zeros_like(self._sums), torch.zeros_like(self._tokens)
-        return out
+def sums_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="rl.py sums", description="Sums a + b as SFT data, RL prompts and a test.")
+    p.add_argument("--out-dir", default="sums")
+    p.add_argument("--high", type=int, default=30, help="a and b are below this")
+    p.add_argument("--sft", type=int, default=300, help="worked sums for SFT (sft.jsonl)")
+    p.add_argument("--rl", type=int, default=500, help="prompts for RL (prompts.jsonl)")
+    p.add_argument("--test", type=int, default=100, help="held-out prompts (test.jsonl)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    total = a.sft + a.rl + a.test
+    if min(a.sft, a.rl, a.test) < 1 or total > a.high ** 2:
+        raise config.ConfigError("--sft, --rl and --test must be >= 1 and add up to at most --high^2 = "
+                                 f"{a.high ** 2}")
+    problems, out = sums(total, a.seed, a.high), Path(a.out_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise config.ConfigError(f"--out-dir {out} exists and is not a folder")
+    with data.writing(out, out):
+        out.mkdir(parents=True, exist_ok=True)
+    worked = [{"messages": [{"role": "user", "content": s["prompt"]},
+                            {"role": "assistant", "content": f"{s['a']} + {s['b']} = {s['answer']}"}]}
+              for s in problems[:a.sft]]
+    C.write_jsonl(out / "sft.jsonl", worked)
+    C.write_jsonl(out / "prompts.jsonl", problems[a.sft:a.sft + a.rl])
+    C.write_jsonl(out / "test.jsonl", problems[a.sft + a.rl:])
+    print(json.dumps({"out_dir": str(out), "sft": a.sft, "rl": a.rl, "test": a.test}))
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -674,20 +642,6 @@ def check_flags(a):
                                      f"({refused[flag]})")
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["sums"]:
-        return sums_main(argv[1:])
-    if argv[:1] == ["eval"]:
-        return eval_main(argv[1:])
-    args = get_parser().parse_args(argv)
-    check_flags(args)
-    config.configure_process(args)
-    run = T.train(args, RL(args))
-    if run.mesh.world > 1:
-        torch.distributed.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------------------------------
 # rl.py eval: a model's greedy replies to prompts, scored
 
@@ -734,6 +688,55 @@ def eval_main(argv) -> int:
         out["accuracy"] = round(sum(correct) / len(prompts), 4)
     print(json.dumps(out), flush=True)
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = config.get_parser()
+    p.description = ("Reinforcement learning (GRPO or PPO) against a reward, from an SFT checkpoint. Also: "
+                     "`rl.py sums` writes the arithmetic task's files, `rl.py eval` scores greedy replies.")
+    g = p.add_argument_group("reinforcement learning")
+    g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
+    g.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="see the module docstring")
+    g.add_argument("--prompts", default=None, help="JSON/JSONL prompts (reward.py's read_prompts layouts; an "
+                                                    "\"answer\" field is what --reward-fn arithmetic checks)")
+    g.add_argument("--reward", default=None, help="a reward model (reward.py's --out-dir, or an HF folder)")
+    g.add_argument("--reward-fn", default=None,
+                   help="a rule instead: " + ", ".join(REWARD_FNS) + ", or FILE.py:FUNCTION taking (prompt "
+                        "record, reply text) and returning a number")
+    g.add_argument("--group", type=int, default=None, help="replies per prompt (default: grpo 8, ppo 1)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="the longest reply (cut there)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling of the rollouts")
+    g.add_argument("--kl-coef", type=float, default=None,
+                   help="beta, the KL penalty's weight (default: grpo 0.04, ppo 0.05; 0: no reference)")
+    g.add_argument("--clip-eps", type=float, default=0.2, help="the ratio's clip range")
+    g.add_argument("--gamma", type=float, default=1.0, help="PPO: discount")
+    g.add_argument("--lam", type=float, default=0.95, help="PPO: GAE's lambda")
+    g.add_argument("--vf-coef", type=float, default=0.1, help="PPO: the value loss's weight")
+    g.add_argument("--clip-value", type=float, default=0.2, help="PPO: the value's clip range")
+    g.add_argument("--val-fraction", type=float, default=0.1, help="share of prompts held out")
+    p.set_defaults(tokenizer=None, data=None, out_dir="out-rl", lr=1e-5, warmup=0, max_steps=100,
+                   eval_every=50, eval_batches=8, ckpt_every=100, log_every=10, seq_len=256, micro_batch=4,
+                   weight_decay=0.0)
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sums"]:
+        return sums_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        return eval_main(argv[1:])
+    args = get_parser().parse_args(argv)
+    check_flags(args)
+    config.configure_process(args)
+    run = T.train(args, RL(args))
+    if run.mesh.world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

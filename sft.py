@@ -8,7 +8,7 @@ The same training loop as train.py (its seven phases, flags, parallel layouts, c
 only its recipe differs (the SFT class):
   - the model: loaded from --init (a train.py/sft.py checkpoint folder, a Hugging Face folder, or a Meta
     folder); a tokenizer with more ids than the model grows its embedding and output rows;
-  - the data: conversations in the Llama 3 chat format (data.py), whose targets are the assistant's tokens
+  - the data: conversations in the Llama 3 chat format (chat.py), whose targets are the assistant's tokens
     and their <|eot_id|> only (everything else is IGNORE_INDEX), packed several to a sequence with
     attention and positions that never cross from one example into another (--no-pack: one per row);
   - nothing else: the loss is the same sum of token cross-entropies over the global count of target tokens,
@@ -22,47 +22,14 @@ from __future__ import annotations
 
 import argparse
 
-
 import chat
 import config
 import data
 import train as T
 
 
-def get_parser() -> argparse.ArgumentParser:
-    p = config.get_parser()
-    p.description = "Supervised fine-tuning on conversations (targets: the assistant's tokens)."
-    g = p.add_argument_group("fine-tuning")
-    g.add_argument("--init", default=None,
-                   help="start from: a train.py/sft.py --out-dir or step folder, a Hugging Face folder "
-                        "(config.json + *.safetensors) or a Meta folder (params.json + consolidated.*.pth)")
-    g.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                   help="pack several examples per sequence (attention never crosses examples)")
-    g.add_argument("--val-fraction", type=float, default=0.05, help="share of conversations held out")
-    g.add_argument("--sample-prompt", default="Give three tips for staying healthy.",
-                   help="a user message answered in chat mode at the end ('' to skip)")
-    p.set_defaults(tokenizer=None, data="alpaca_5000", out_dir="out-sft", lr=3e-4, warmup=20, max_steps=300,
-                   eval_every=100, eval_batches=20, ckpt_every=300, log_every=20, seq_len=256, micro_batch=8)
-    return p
-
-
 # ----------------------------------------------------------------------------------------------------
-# The model to start from
-
-
-# ----------------------------------------------------------------------------------------------------
-# The data: conversations in the Llama 3 chat format (chat.encode_chat), whose targets are what the
-# assistant says. A row of seq_len + 1 tokens gives seq_len (input, target) pairs, as in data.Loader; a
-# target that is not learned is IGNORE_INDEX, which cross_entropy skips. dpo.py reuses the length rule,
-# the split and the rows.
-
-
-# ----------------------------------------------------------------------------------------------------
-# The recipe: train.py's loop with this model and this data
-
-
-# ----------------------------------------------------------------------------------------------------
-# Chatting with the result
+# The recipe: train.py's loop with the model from --init and conversations as the data
 
 
 class SFT(T.FromInit):
@@ -85,8 +52,25 @@ class SFT(T.FromInit):
         train = make(train_ex, args.seed)
         if val_ex:  # (none with --val-fraction 0, which turns validation off)
             make(val_ex, 0)  # fail now, not at the first evaluation
-        return train, lambda: make(val_ex,
-                                   0), f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
+        desc = f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
+        return train, lambda: make(val_ex, 0), desc
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = config.get_parser()
+    p.description = "Supervised fine-tuning on conversations (targets: the assistant's tokens)."
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument("--init", default=None,
+                   help="start from: a train.py/sft.py --out-dir or step folder, a Hugging Face folder "
+                        "(config.json + *.safetensors) or a Meta folder (params.json + consolidated.*.pth)")
+    g.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                   help="pack several examples per sequence (attention never crosses examples)")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="share of conversations held out")
+    g.add_argument("--sample-prompt", default="Give three tips for staying healthy.",
+                   help="a user message answered in chat mode at the end ('' to skip)")
+    p.set_defaults(tokenizer=None, data="alpaca_5000", out_dir="out-sft", lr=3e-4, warmup=20, max_steps=300,
+                   eval_every=100, eval_batches=20, ckpt_every=300, log_every=20, seq_len=256, micro_batch=8)
+    return p
 
 
 def main(argv=None):
