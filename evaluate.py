@@ -15,7 +15,8 @@ Read top to bottom:
   3. Perplexity      token shards or raw text -> loss, perplexity, bits per byte
   4. Benchmarks      a small registry (URL, sha256, mirror path, as in data.py) and readers that turn a
                      generic JSONL, HellaSwag, PIQA and ARC into items {"context", "choices", "label"}
-  5. Multiple choice every choice scored by its log-likelihood after the context: acc, acc_norm, acc_token
+  5. Multiple choice every choice scored by its log-likelihood after the context: acc, acc_norm, acc_token;
+                     the same during training (train.py --eval-tasks), and a reward model's scores
   6. Generation      prompts from the command line or a file, plain or in the chat template
   7. Contamination   which benchmark items share an n-gram with the training data: hashed and streamed
   8. A run's picture --plot: train and validation loss against tokens, benchmarks scored during training,

@@ -1,4 +1,4 @@
-"""Tensor, context, pipeline and data parallelism written by hand on raw torch.distributed collectives.
+"""Tensor, context and pipeline parallelism written by hand on raw torch.distributed collectives.
 
 No DDP, FSDP, DTensor or torch's pipelining package: every byte that crosses a process boundary is sent
 by a function in this file, and counted. Contents, in reading order:
@@ -21,14 +21,11 @@ by a function in this file, and counted. Contents, in reading order:
                            interleaved 1F1B over model chunks (Narayanan et al. 2021)
   7. For all              work one rank does for the others: filling a cache first, gathering small objects
 
-Data parallelism and ZeRO, which reduce the gradients these layouts make, are zero.py's; joining the job,
-timeouts and failures (one CommError naming the op and the group) are launch.py's.
-
 model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline change a
 model built on the meta device, and materialize() fills each rank's pieces from one seed (each parameter
 from its own generator), so every layout starts from bit-identical weights and no rank ever holds the
-whole model. Checkpoints (each rank's shards under global names, loadable into any layout) are
-checkpoint.py's.
+whole model. Data parallelism and ZeRO are zero.py's; joining the job, timeouts and failures launch.py's;
+checkpoints (each rank's shards under global names, loadable into any layout) checkpoint.py's.
 """
 
 from __future__ import annotations

@@ -7,16 +7,17 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
   2 forward           tokens -> logits, one micro-batch at a time
   3 loss              sum of token losses / number of target tokens in the whole global batch
   4 backward          gradients accumulate, in fp32, in the optimizer's flat gradient buffer
-  5 gradient sync     the seam where data parallelism reduces gradients across replicas (parallel.py),
+  5 gradient sync     the seam where data parallelism reduces gradients across replicas (zero.py),
                       then the Tally: the step's numbers over the whole job, its one host-device sync
   6 optimizer step    unless the SkipGuard rejects the step: clip by global norm, AdamW on fp32 masters
   7 checkpoint        Checkpointer: atomic write to a step directory, `latest` pointer last
 
 Read in this order: train_step and train(), which checks the configuration, sets the run up and loops;
-the recipe (what is trained: Pretraining, LMTask); the pieces around the steps that each decide their own
-"when" (Meter, evaluate and the benchmarks, Checkpointer, StopFlag); setting up; the ramp's switch; the
-command line. The flags and their checks are config.py's, the measuring instruments costs.py's; sft.py
-and dpo.py bring their own recipes.
+the recipe (what is trained: Pretraining, LMTask; FromInit, the post-training recipes' start); the pieces
+around the steps that each decide their own "when" (validation, Checkpointer, StopFlag); setting up; the
+ramp's switch; the command line. The flags and their checks are config.py's, the log and its banner
+logs.py's, the measuring instruments costs.py's; sft.py, dpo.py, reward.py and rl.py bring their own
+recipes.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import model as M
 import optim as O
 import parallel as P
 import zero as Z
-
 
 
 class TrainingError(config.ConfigError):
@@ -731,12 +731,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
         config.enter_stage(args, config.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
-    per_step = loader.batch_size * args.grad_accum * mesh.dp
-    if len(loader) < per_step:  # every step would see the same sequences several times: surely a mistake
-        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len "
-                             f"{args.seq_len}, fewer than one global batch of {per_step:,} "
-                             f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
-                             f"dp {mesh.dp}); use more data or a smaller batch")
+    check_enough_data(loader, args, mesh)
     dtype, lazy = M.DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy, config.lora_of(args),
@@ -769,6 +764,17 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
             config.say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
     P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
     return run, start_step, data_desc
+
+
+def check_enough_data(loader, args, mesh):
+    """Less data than one global batch: every step would see the same sequences several times, surely a
+    mistake."""
+    per_step = loader.batch_size * args.grad_accum * mesh.dp
+    if len(loader) < per_step:
+        raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len "
+                             f"{args.seq_len}, fewer than one global batch of {per_step:,} "
+                             f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
+                             f"dp {mesh.dp}); use more data or a smaller batch")
 
 
 def partial_over_tp(names: list[str], model, mesh) -> list[int]:
