@@ -488,15 +488,15 @@ class PreferenceLoader(data.Positions):
         return rows_fingerprint(*self.chosen, *self.rejected)
 
 
-def preference_data(a, tok, mesh, with_index: bool = False, check=None):
+def preference_data(a, tok, mesh, with_index: bool = False, keep=None):
     """A recipe's data (train.Pretraining.data) for preference pairs: --data read, encoded and split,
     PreferenceLoaders of this dp rank for training and validation (the validation pairs' indices follow
-    the training pairs', for a cache by pair index), and a description. check(pairs, examples): the
-    recipe's own rule for them (reward.py's: the replies' ends)."""
+    the training pairs', for a cache by pair index), and a description. keep(pairs, examples) -> examples:
+    the recipe's own rule for them (reward.py's: the replies' ends)."""
     pairs = read_preferences(a.data, mirror=a.mirror)
     examples, counts = preference_examples(tok, pairs, a.seq_len)
-    if check is not None:
-        check(pairs, examples)
+    if keep is not None:
+        examples = keep(pairs, examples)
     train_ex, val_ex = split_and_report("preference pair", len(pairs), examples, counts, a, mesh)
     make = lambda ex, seed, offset: PreferenceLoader(
         ex, a.micro_batch, a.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=seed,

@@ -94,26 +94,25 @@ class RewardTask:
         return out
 
 
-def check_reply_ends(tok, pairs, examples, seq_len: int, context: int, say):
+def keep_reply_ends(tok, pairs, examples, seq_len: int, context: int, say) -> list:
     """The score is learned and read at a reply's <|eot_id|> (score_positions). A pair with a side of more
-    than seq_len tokens has it as a target at best, and its score is read before the reply ends: when that
-    is most pairs (more than half) the model would learn to score unfinished replies, and be used on
-    finished ones (reward.py score and sample, rl.py read each at its <|eot_id|>): refused; when some, said."""
-    lost = sum(any(len(ids) > seq_len for ids, _ in e.values()) for e in examples)
-    if not lost:
-        return
+    than seq_len tokens has it as a target at best, and its score would be read before the reply ends: the
+    model would learn to score unfinished replies, and be used on finished ones (reward.py score and sample,
+    rl.py read each at its <|eot_id|>). Such pairs are left out, said in one line; none left is refused."""
+    kept = [e for e in examples if all(len(ids) <= seq_len for ids, _ in e.values())]
+    if len(kept) == len(examples):
+        return kept
     lengths = [max(len(chat.encode_chat(tok, p["prompt"] + [{"role": "assistant", "content": p[side]}])[0])
                    for side in ("chosen", "rejected")) for p in pairs]  # each pair's longer side, whole
     fix = f"--seq-len {max(lengths):,} keeps every pair's end"
     if max(lengths) > context:
-        fix += (f", beyond the model's context ({context:,}), which keeps {sum(n <= context for n in lengths):,} "
-                f"of {len(pairs):,}: leave the long pairs out")
-    what = (f"{lost:,} of {len(examples):,} preference pairs have a side longer than --seq-len {seq_len:,} "
-            "tokens: the <|eot_id|> where the reward model reads its score is cut off, and the score is read "
-            "before the reply's end")
-    if 2 * lost > len(examples):
-        raise data.DataError(f"{what}; {fix}")
-    say(f"warning: {what}; {fix}")
+        fix += f", beyond the model's context ({context:,}), which keeps {sum(n <= context for n in lengths):,}"
+    what = (f"{len(examples) - len(kept):,} of {len(examples):,} preference pairs have a side longer than "
+            f"--seq-len {seq_len:,} tokens, which cuts off the <|eot_id|> where the reward model reads its score")
+    if not kept:
+        raise data.DataError(f"{what}: none is left; {fix}")
+    say(f"left out: {what}; {fix}")
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,9 +154,9 @@ class RewardModel(T.FromInit):
 
     def data(self, tok, mesh):
         say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
-        ends = lambda pairs, examples: check_reply_ends(tok, pairs, examples, self.args.seq_len,
-                                                        self.base.max_seq_len, say)
-        return chat.preference_data(self.args, tok, mesh, check=ends)
+        ends = lambda pairs, examples: keep_reply_ends(tok, pairs, examples, self.args.seq_len,
+                                                       self.base.max_seq_len, say)
+        return chat.preference_data(self.args, tok, mesh, keep=ends)
 
     def task(self, margs, mesh, device, dtype, model):
         return RewardTask(margs, mesh, self.args)
@@ -186,8 +185,8 @@ def score_main(argv) -> int:
     examples, _ = chat.preference_examples(tok, pairs, seq_len)
     if not examples:
         raise data.DataError(f"{a.data}: no preference pair fits --seq-len {seq_len}")
-    check_reply_ends(tok, pairs, examples, seq_len, model.args.max_seq_len,
-                     say=lambda msg: print(msg, file=sys.stderr))
+    examples = keep_reply_ends(tok, pairs, examples, seq_len, model.args.max_seq_len,
+                               say=lambda msg: print(msg, file=sys.stderr))
     loader = chat.PreferenceLoader(examples, a.micro_batch, seq_len, pad_id=data.pad_id(tok))
     print(json.dumps({"reward": str(a.reward), "data": str(a.data), **evaluate.score_pairs(model, loader,
                                                                                   a.micro_batch)}))

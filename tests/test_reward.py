@@ -324,24 +324,31 @@ def test_prompts_without_room_for_a_reply_are_left_out_and_counted(policy_and_re
     assert len(recs) >= 3 and [r["messages"][0]["content"] for r in recs] == asked[:len(recs)]
 
 
-def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path, capsys):
+def test_pairs_whose_reply_ends_a_reward_model_would_not_see_are_left_out(tmp_path, capsys):
     """A pair with a side longer than --seq-len has no <|eot_id|> input, where the score is learned and read
-    (exactly seq_len + 1 tokens: it is a target only). Most pairs so: reward.py and reward.py score refuse in
-    one line with the count and a --seq-len that keeps them, and write nothing; some: one warning line, and
-    the run goes on."""
+    (exactly seq_len + 1 tokens: it is a target only). reward.py and reward.py score leave such pairs out in
+    one line with the count and a --seq-len that keeps them; when none is left, they refuse in one line and
+    write nothing."""
     tok = data.get_tokenizer("byte")
     sides = lambda p: [len(chat.reply_example(tok, [{"role": "user", "content": p["prompt"]}], p[k], 512)[0][0])
                        for k in ("chosen", "rejected")]
     longest = [max(sides(p)) for p in PAIRS]
-    top = max(longest)
-    assert 0 < longest.count(top) < len(PAIRS) / 2  # (the pairs of two-digit numbers are the longest)
+    top, n_long = max(longest), longest.count(max(longest))
+    assert 0 < n_long < len(PAIRS) / 2  # (the pairs of two-digit numbers are the longest)
     pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
-    flags = ["--data", str(pairs), "--max-steps", "1", "--micro-batch", "2", "--val-fraction", "0.25"]
+    flags = ["--data", str(pairs), "--max-steps", "1", "--warmup", "1", "--micro-batch", "2",
+             "--val-fraction", "0.25"]
     reward.main(BASE + flags + ["--seq-len", str(top - 1), "--out-dir", str(tmp_path / "some")])
-    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
-    assert len(warned) == 1 and f"{longest.count(top)} of 16 preference pairs have a side longer than --seq-len " \
-        f"{top - 1} tokens" in warned[0] and f"--seq-len {top} keeps every pair's end" in warned[0]
+    out = capsys.readouterr().out.splitlines()
+    said = [line for line in out if line.startswith("left out")]
+    assert len(said) == 1 and f"{n_long} of 16 preference pairs have a side longer than --seq-len " \
+        f"{top - 1} tokens" in said[0] and f"--seq-len {top} keeps every pair's end" in said[0]
+    n_val = (len(PAIRS) - n_long) // 4  # the kept pairs, split
+    assert any(f"{len(PAIRS) - n_long - n_val} train / {n_val} val" in line for line in out), out
     assert records(tmp_path / "some")[-1]["step"] == 1
+    reward.main(["score", "--reward", str(tmp_path / "some"), "--data", str(pairs), "--seq-len", str(top - 1)])
+    got = capsys.readouterr()
+    assert json.loads(got.out)["pairs"] == len(PAIRS) - n_long and f"left out: {n_long} of 16" in got.err
     short = str(min(longest) - 1)
     for main, argv in ((reward.main, BASE + flags + ["--seq-len", short, "--out-dir", str(tmp_path / "o")]),
                        (reward.main, ["score", "--reward", str(tmp_path / "some"), "--data", str(pairs),
@@ -351,12 +358,12 @@ def test_a_reward_model_that_would_not_see_the_replies_ends_is_refused(tmp_path,
         err = capsys.readouterr().err
         assert stop.value.code == 1 and "Traceback" not in err, err
         assert f"16 of 16 preference pairs have a side longer than --seq-len {short} tokens" in err
-        assert f"--seq-len {top} keeps every pair's end" in err
+        assert f"none is left; --seq-len {top} keeps every pair's end" in err
     assert not (tmp_path / "o").exists()
     examples, _ = chat.preference_examples(tok, chat.read_preferences(pairs), int(short))
     with pytest.raises(data.DataError, match=f"beyond the model's context \\({top - 1}\\), which keeps "
-                                             f"{16 - longest.count(top)} of 16: leave the long pairs out"):
-        reward.check_reply_ends(tok, chat.read_preferences(pairs), examples, int(short), top - 1, print)
+                                             f"{16 - n_long}$"):
+        reward.keep_reply_ends(tok, chat.read_preferences(pairs), examples, int(short), top - 1, print)
 
 
 def test_rejection_samplings_seed_and_out_are_checked_before_any_model_is_loaded(tmp_path, capsys, monkeypatch):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import chat
 import checkpoint as C
 import config
 import dpo
@@ -520,7 +521,7 @@ def test_a_rollout_that_fills_the_room_is_scored_at_its_end(models):
     such a reply at its <|eot_id|>, as it reads a shorter one, not at the token before."""
     model, tok = evaluate.load_reward_model(models.rm, torch.device("cpu"))
     prompt, reply = [{"role": "user", "content": "What is 1 + 2?"}], "1 + 2 = 3"
-    n = len(reward.dpo.reply_example(tok, prompt, reply, 100)[0][0])  # prompt + reply, with its <|eot_id|>
+    n = len(chat.reply_example(tok, prompt, reply, 100)[0][0])  # prompt + reply, with its <|eot_id|>
     a = SimpleNamespace(reward=str(models.rm), mirror=None)
     score = rl.make_scorer(a, None, tok, torch.device("cpu"), torch.float32, P.Mesh(), n - 1)
     at_eot = evaluate.score_replies(model, tok, prompt, [reply], n)
