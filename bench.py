@@ -1,31 +1,31 @@
 """Measure speed, memory and communication on the machine at hand, and plan runs on machines we don't have.
 Numbers come from runs, never from timed unit tests; the README reports them with these commands.
 
-  python bench.py [--model mini --micro-batch 8 --seq-len 128 ...]      (or under torchrun with --tp/--pp)
-      train.py's own loop, timed: tokens/s (total and per device), step time split into the seven phases
-      (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against the device's
-      peak, peak memory beside costs.memory_estimate, and bytes sent per step for tp, cp, pp and dp
-      beside costs.comm_estimate.
+  python bench.py [--model mini --micro-batch 8 --seq-len 128 ...]   (torchrun for --tp/--pp)
+      train.py's own loop, timed: tokens/s (total and per device), step time split into the seven
+      phases (device-synchronized, warm-up steps excluded), MFU under both FLOP conventions against
+      the device's peak, peak memory beside costs.memory_estimate, and bytes sent per step for tp,
+      cp, pp and dp beside costs.comm_estimate.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1;act_ckpt=selective"
-      several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys: tp, cp,
-      pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic, attn).
+      several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys:
+      tp, cp, pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic, attn).
   python bench.py --compare-hf
-      the same model and batch trained by transformers.LlamaForCausalLM + torch.optim.AdamW in the same run,
-      alternating with ours, and the throughput ratio.
+      transformers.LlamaForCausalLM + torch.optim.AdamW on the same model and batch, alternating
+      with ours in the same run, and the throughput ratio.
   python bench.py --plan --model llama3-70b --gpus 16384 --tp 8 --pp 4 ...
-      no hardware: parameters, training FLOPs, per-GPU memory by kind, communication per step and its time
-      on NVLink or the network, bubble, step time and days at a stated MFU, whether it fits, and what the
-      run costs: GPU-hours, energy (--pue) and money (--usd-per-gpu-hour). --budget-flops C adds the model
-      size and tokens Chinchilla's fit would spend C on, beside what Llama 3 chose. --launch slurm|k8s
-      prints instead a batch script or a Kubernetes PyTorchJob that runs train.py at the planned layout.
+      no hardware: parameters, training FLOPs, per-GPU memory by kind, bytes sent per step and their
+      time on NVLink or the network, bubble, step time and days at a stated MFU, whether it fits,
+      and the cost (GPU-hours, energy by --pue, money by --usd-per-gpu-hour). --budget-flops C adds
+      the size and tokens Chinchilla's fit would spend C on, beside Llama 3's choice. With --launch
+      slurm|k8s it prints a batch script or Kubernetes PyTorchJob for that layout instead.
   torchrun --standalone --nproc_per_node=2 bench.py --dp-vs-ddp | --bubble
-      our data parallelism against torch's DistributedDataParallel; the pipeline bubble against its formula.
+      our data parallelism against torch's DistributedDataParallel; the bubble against its formula.
   torchrun --standalone --nproc_per_node=4 bench.py --trace DIR --tp 2 --pp 2 --grad-accum 4
-      one step after the warm-up on every rank: DIR/trace.json (a Chrome trace of the phases, micro-batches
-      and collectives) and DIR/step.png, with the bubble measured beside the formula's.
+      one step after the warm-up, traced on every rank: DIR/trace.json (a Chrome trace of phases,
+      micro-batches and collectives) and DIR/step.png, the bubble measured beside the formula's.
 
-Every mode prints a table, and with --json one JSON object (settings and versions included). torch's DDP
-and Hugging Face's model are used here, and only here, as baselines.
+Every mode prints a table, and with --json one JSON object (settings and versions included). torch's
+DDP and Hugging Face's model are used here, and only here, as baselines.
 """
 
 from __future__ import annotations
@@ -69,15 +69,13 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
          sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1,
          virtual: int = 1, loss_chunk: int = 1024, pue: float = 1.1, usd_per_gpu_hour: float = 2.0,
          lora: tuple | None = None) -> dict:
-    """A run on hardware we don't have: batch arithmetic, training FLOPs, the busiest rank's memory by kind
-    (under each of ZeRO 0 to 3 and activation checkpointing on/off, the chosen one marked), the bytes each
-    GPU sends per step and their time on its links, the bubble, the step time at a stated MFU and what the
-    run costs (costs.run_costs). The memory fits when it is at most the GPU's capacity less reserve_gb,
-    kept for what no tensor count sees: the CUDA context and kernels, NCCL's buffers (one set per process
-    group) and the allocator's fragmentation. lora (rank, targets): LoRA fine-tuning, the model frozen
-    (costs.memory_estimate) and its training FLOPs 4N + 12LdT, with no weight gradients."""
+    """A --plan run (see the module docstring), with its memory under each of ZeRO 0 to 3 and each
+    activation checkpointing mode (the chosen one marked). It fits within the GPU's capacity less
+    reserve_gb, kept for what no tensor count sees: the CUDA context and kernels, NCCL's buffers
+    (one set per process group), the allocator's fragmentation. lora (rank, targets): LoRA
+    fine-tuning: the model frozen (costs.memory_estimate), no weight gradients, FLOPs 4N + 12LdT."""
     margs = M.PRESETS[model]
-    config.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)  # as train.py
+    config.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)
     dp = gpus // (tp * cp * pp)
     n = costs.count_params(margs)
     tokens_micro = micro_batch * seq_len
@@ -180,8 +178,8 @@ def train_args(a, out_dir: str, **over) -> argparse.Namespace:
             "--cp", str(over.get("cp", a.cp)), "--zero", str(over.get("zero", a.zero)),
             "--bucket-mb", str(a.bucket_mb), "--loss-chunk", str(over.get("loss_chunk", a.loss_chunk)),
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
-            # one checkpoint, at the end: phase 7, timed apart (none in a census: on a CPU the gathered
-            # optimizer state would count as training's memory)
+            # one checkpoint, at the end: phase 7, timed apart (none in a census: on a CPU the
+            # gathered optimizer state would count as training's memory)
             "--ckpt-every", str(0 if a.memory_census else a.warmup_steps + a.steps),
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", out_dir,
             "--precision", a.precision, f"--data={a.data}"] + (["--device", a.device] if a.device else [])
@@ -199,12 +197,11 @@ def train_args(a, out_dir: str, **over) -> argparse.Namespace:
 
 
 def cpu_census(fn) -> tuple[object, int]:
-    """fn()'s result, and the most bytes of tensors alive at once while it ran, on a CPU: torch keeps no
-    allocator statistics there, but its profiler records every allocation and free. Counted: what fn
-    allocated, less what it freed, replayed in time order. Left out: tensors from before fn (their frees
-    too), and what a collective allocates inside its own op (gloo copies the buckets it reduces and holds
-    the copies while they are in flight, as many as timing has; NCCL keeps its buffers outside torch's
-    allocator). The census slows the run: its timings are not a plain run's."""
+    """fn()'s result and the peak bytes of tensors alive at once while it ran, on a CPU: torch keeps
+    no allocator statistics there, but its profiler records every allocation and free, replayed in
+    time order. Left out: tensors from before fn (and their frees), and what a collective allocates
+    in its own op (gloo holds copies of the buckets it reduces while in flight, as many as timing
+    has; NCCL's buffers are outside torch's allocator). The census slows the run's timings."""
     from torch.profiler import profile, ProfilerActivity
     from torch._C._profiler import _EventType
     gc.collect()  # an earlier run's garbage goes now, not during this census
@@ -238,12 +235,11 @@ def _in_collective(node) -> bool:
 
 
 def measure(a, timing: str = "phases", **over) -> dict:
-    """One timed train.py run; phases and step time are medians over the steps after the warm-up. timing
-    "phases" synchronizes the device after every phase to split the step; "steps" only at each step's end,
-    as a plain run does (costs.PhaseTimer). Peak memory: the CUDA allocator's, or on a CPU the process's
-    peak RSS, or with --memory-census the census of its tensors (cpu_census). The run's checkpoint and log
-    go to a temporary folder of each rank's, gone with the row (a checkpoint of 8B weights and their
-    optimizer state is about 100 GB)."""
+    """One timed train.py run: phases and step time are medians over the steps after the warm-up.
+    timing "phases" synchronizes the device after every phase to split the step, "steps" only at
+    each step's end, as a plain run does (costs.PhaseTimer). Peak memory: the CUDA allocator's, on
+    a CPU the process's peak RSS, or with --memory-census cpu_census's. Checkpoint and log go to a
+    temporary folder per rank, gone with the row (8B weights and their optimizer state: ~100 GB)."""
     with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
         return measure_in(out_dir, a, timing, **over)
 
@@ -255,9 +251,9 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
     census = a.memory_census and not torch.cuda.is_available()
     import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
     with contextlib.redirect_stdout(io.StringIO()):
-        config.configure_process(args)  # as train.py's command line does: seeds, TF32, --deterministic
+        config.configure_process(args)  # as train.py's command line does
         train = lambda: T.train(args, time_phases=timing)
-        if census:  # the device's peak FLOP/s measured outside the census: its matrices are not training's
+        if census:  # peak FLOP/s measured outside the census: its matrices are not training's
             costs.peak_flops(*config.pick_device_and_precision(args))
         run, peak = cpu_census(train) if census else (train(), None)
     mesh, margs = run.mesh, run.margs
@@ -297,8 +293,8 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
 
 
 def logged_comm(out_dir) -> dict | None:
-    """Bytes sent per step as the run's log has them (its last line covers every step and leaves out the
-    checkpoint, whose ZeRO gathers are no step's); None where there is no log (only rank 0 writes it)."""
+    """Bytes sent per step as the run's log has them (its last line covers every step but not the
+    checkpoint, whose ZeRO gathers are no step's); None without a log (only rank 0 writes one)."""
     log = Path(out_dir) / "metrics.jsonl"
     if not log.exists():
         return None
@@ -307,13 +303,12 @@ def logged_comm(out_dir) -> dict | None:
 
 
 class Table:
-    """The measured rows, printed as each finishes: one JSON line per row with --json (settings and versions
-    in each), else a table whose heading comes with the first measured row. A refused or failed setting is
-    a row that says why."""
+    """Measured rows, printed as each finishes: with --json a JSON line each (settings and versions
+    included), else a table headed at the first row; a refused or failed setting says why."""
 
     def __init__(self, a, versions: dict):
         self.a, self.versions, self.measured, self.failed = a, versions, 0, 0
-        self.quiet = int(os.environ.get("RANK", "0")) != 0  # one rank prints
+        self.quiet = int(os.environ.get("RANK", "0")) != 0
 
     def add(self, row: dict):
         self.failed += "error" in row
@@ -349,7 +344,7 @@ class Table:
 
 
 def row_line(r: dict) -> str:
-    """One measured row of the table (and the bytes it sent, beside the estimate, on a line below)."""
+    """One row of the table, and on a line below the bytes it sent beside the estimate."""
     ph = " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items())
     line = (f"  {r['tp']:2d} {r['cp']:2d} {r['pp']:2d} {r['dp']:2d} {r['micro_batch']:3d} "
             f"{ckpt_label(r['act_ckpt']):>4s} {1000 * r['step_s']:8.1f} {r['tokens_per_s']:9,.0f} "
@@ -358,7 +353,7 @@ def row_line(r: dict) -> str:
             f"{r['peak_memory_gb']:7.3f} {r['memory_estimate_gb']['total']:7.3f}  {ph}"
             + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
             + f"  attn {r['attn_kernel']}")
-    comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: a few bytes
+    comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: tiny
     if comm:
         est = r["comm_estimate_bytes"]
         line += "\n       bytes sent per step (estimate): " + ", ".join(
@@ -372,11 +367,10 @@ def setting_text(over: dict) -> str:
 
 
 def run_measured(a, versions: dict, argv: list[str]) -> int:
-    """Each setting (the flags' run, or each --sweep setting over them) measured on its own and printed as
-    it finishes; a refused or failed setting is a row that says why, and the sweep goes on. In one process a
-    sweep's settings each run in a process of their own (measure_apart): nothing of one row, its memory,
-    its compiled code or its failure, reaches the next. Under torchrun they run here, and a refusal (every
-    rank makes it alike, before anything runs) is a row. Returns 1 if a row failed, else 0."""
+    """Measure and print each setting (the flags' run, or each --sweep setting over them); a refused
+    or failed one is a row, and the sweep goes on. In one process each setting runs in its own child
+    (measure_apart), so nothing of one row (memory, compiled code, failure) reaches the next; under
+    torchrun they run here, and a refusal (alike on every rank, before anything runs) is a row."""
     settings = parse_sweep(a.sweep) if a.sweep is not None else [{}]
     apart = len(settings) > 1 and launch.launch_env()[1] == 1
     table = Table(a, versions)
@@ -389,8 +383,8 @@ def run_measured(a, versions: dict, argv: list[str]) -> int:
 
 
 def measure_here(a, over: dict) -> dict:
-    """One setting measured in this process: its row, or {"setting", "error"} for a refusal (or, in a process
-    of its own, any failure: there is nothing left to lose)."""
+    """One setting measured in this process: its row, or {"setting", "error"} for a refusal (or, in
+    a process of its own, any failure: there is nothing left to lose)."""
     alone = launch.launch_env()[1] == 1
     try:
         return {"setting": over, **measure(a, **over)}
@@ -404,8 +398,8 @@ def measure_here(a, over: dict) -> dict:
 
 
 def measure_apart(argv: list[str], over: dict) -> dict:
-    """One setting measured in a child process (this script, its flags, the one setting, --json): its row,
-    or {"setting", "error"} with the child's last line of errors."""
+    """One setting measured in a child process (this script, its flags, the one setting, --json):
+    its row, or {"setting", "error"} with the child's last line of errors."""
     flags, skip = [], False
     for arg in argv:  # the flags without the sweep (and --json, added back)
         if skip or arg in ("--sweep", "--json") or arg.startswith("--sweep="):
@@ -428,7 +422,7 @@ SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckp
 # what a --sweep key may be set to: its flag's rule (the others: at least 1)
 SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1, "full", "selective"), "compile": (0, 1),
                  "deterministic": (0, 1), "attn": tuple(M.ATTN_BACKENDS)}
-SWEEP_WORDS = {"act_ckpt": ("full", "selective"), "attn": tuple(M.ATTN_BACKENDS)}  # the keys not only numbers
+SWEEP_WORDS = {"act_ckpt": ("full", "selective"), "attn": tuple(M.ATTN_BACKENDS)}  # keys with words
 SWEEP_FORMAT = ("';'-separated settings of key=integer pairs (act_ckpt also full or selective; attn a train.py "
                 "--attn-backend), e.g. 'tp=2,mb=8;act_ckpt=selective;attn=flash'")
 
@@ -439,8 +433,8 @@ def refuse(message: str):
 
 
 def parse_sweep(text: str) -> list[dict]:
-    """'tp=2,mb=8;act_ckpt=1' -> [{'tp': 2, 'mb': 8}, {'act_ckpt': 1}]. An empty setting is refused, not
-    read as the flags' own setting: a stray ';' would otherwise measure the flags' run twice."""
+    """'tp=2,mb=8;act_ckpt=1' -> [{'tp': 2, 'mb': 8}, {'act_ckpt': 1}]. An empty setting is refused,
+    not read as the flags' own setting: a stray ';' would otherwise measure the flags' run twice."""
     return [parse_setting(item, text) for item in text.split(";")]
 
 
@@ -476,11 +470,10 @@ def parse_setting(item: str, text: str) -> dict:
 
 
 def compare_hf(a) -> dict:
-    """Ours and transformers' LlamaForCausalLM on the same model and batch, alternating (ours, theirs, ours,
-    theirs: both see the same machine load). Each side is built, timed and freed before the other starts, so
-    neither is measured in, or refused for, the other's memory. Both synchronize the device at each step's
-    end only (ours: timing "steps"), on one device, with the same AdamW settings; what each keeps in fp32
-    differs, and the result says so."""
+    """Ours and transformers' LlamaForCausalLM, alternating so both see the same machine load; each
+    side is built, timed and freed before the other starts, so neither is measured in, or refused
+    for, the other's memory. Both sync only at step ends (ours: timing "steps"), on one device, with
+    the same AdamW settings; what each keeps in fp32 differs, as the result says."""
     import transformers
     ours, theirs = [], []
     for _ in range(2):
@@ -489,7 +482,7 @@ def compare_hf(a) -> dict:
         theirs.append(hf_tokens_per_s(a))
         free_memory()
     precision = config.pick_device_and_precision(a)[1]
-    low = "fp32" if precision == "fp32" else "bf16"  # (no loss scaling for fp16 on their side: bf16 there)
+    low = "fp32" if precision == "fp32" else "bf16"  # (their side has no fp16 loss scaling: bf16)
     return {"ours_tokens_per_s": ours, "hf_tokens_per_s": theirs,
             "ratio_ours_over_hf": statistics.median(ours) / statistics.median(theirs),
             "transformers": transformers.__version__,
@@ -498,15 +491,15 @@ def compare_hf(a) -> dict:
 
 
 def free_memory():
-    """What the last measured side left behind, given back: its garbage, and the allocator's cached blocks."""
+    """Give back what the last measured side left: its garbage and the allocator's cached blocks."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def hf_tokens_per_s(a) -> float:
-    """transformers' LlamaForCausalLM + torch.optim.AdamW (same lr, betas, decay, clipping) on the measured
-    model's shape and one random batch: tokens/s, the median of --steps steps after --warmup-steps."""
+    """LlamaForCausalLM + torch.optim.AdamW (same lr, betas, decay, clipping) on the measured
+    model's shape and a random batch: tokens/s, the median of --steps after --warmup-steps."""
     import transformers
     margs = model_args(a)
     cfg = transformers.LlamaConfig(hidden_size=margs.dim, intermediate_size=margs.hidden_dim,
@@ -558,8 +551,7 @@ def timed_steps(step, n: int, device, warmup: int = 2) -> list[float]:
 
 
 def dp_vs_ddp(args, mesh, margs, device):
-    """Same seed, model, batch and optimizer settings, fp32, on this rank's device; ours and DDP alternate
-    in --blocks blocks."""
+    """Same seed, model, batch, AdamW settings, fp32; ours and DDP alternate in --blocks blocks."""
     torch.manual_seed(0)
     x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
     y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
@@ -588,7 +580,7 @@ def dp_vs_ddp(args, mesh, margs, device):
 
     def ddp_step():
         logits = ref(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # DDP averages over ranks
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # DDP: mean over ranks
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
@@ -604,15 +596,14 @@ def dp_vs_ddp(args, mesh, margs, device):
 
 
 def bubble_schedules(args) -> list[tuple[str, int]]:
-    """--schedule (1F1B or AFAB) and, with --virtual-stages V > 1, the interleaved schedule beside it."""
+    """--schedule (1F1B or AFAB), and beside it the interleaved one with --virtual-stages V > 1."""
     base = "afab" if args.schedule == "afab" else "1f1b"
     return [(base, 1)] + ([("interleaved", args.virtual_stages)] if args.virtual_stages > 1 else [])
 
 
 def bubble(args, mesh, margs, device):
-    """At pp = world, for each m: the bubble_schedules (the interleaved one where m is a multiple of pp):
-    step time, measured bubble and its formula (fp32, on this rank's device). The layouts were checked by
-    validate()."""
+    """At pp = world, each of bubble_schedules for each m (interleaved only where pp divides m):
+    step time, measured bubble and its formula, fp32. validate() checked the layouts."""
     rows = []
     for schedule, virtual in bubble_schedules(args):
         torch.manual_seed(0)
@@ -627,7 +618,7 @@ def bubble(args, mesh, margs, device):
 
 
 def measure_bubble(args, mesh, model, opt, m: int, schedule: str, virtual: int, device) -> dict:
-    """Median step time of m micro-batches, and each stage's bubble: 1 - its compute time / step time."""
+    """Median step time of m micro-batches and each stage's bubble, 1 - compute time / step time."""
     margs = model.args
     batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device),
                 torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device))
@@ -653,7 +644,7 @@ def measure_bubble(args, mesh, model, opt, m: int, schedule: str, virtual: int, 
 
 
 def gpu_name(text: str) -> str:
-    """--gpu in any case, with '-' or '_' for spaces: h100, h100-nvl -> the table's H100, H100 NVL."""
+    """--gpu in any case, '-' or '_' for spaces: h100, h100-nvl -> the table's H100, H100 NVL."""
     canonical = {name.lower(): name for name in costs.GPU_PEAK_TFLOPS}
     return canonical.get(text.strip().lower().replace("-", " ").replace("_", " "), text)
 
@@ -703,8 +694,7 @@ TRAIN_FLAGS = {"--data", "--seq-len", "--micro-batch", "--grad-accum", "--doc-ma
 
 
 def add_train_args(p: argparse.ArgumentParser):
-    """The settings of the run measured, as train.py's flags (config.py) name them; the shape flags for
-    measured runs (--plan plans the presets as they are)."""
+    """train.py's flags for the measured run (config.py); only measured runs take shape flags."""
     config.add_model_flags(p)
     for group in (config.add_data_flags, config.add_optimization_flags, config.add_memory_and_speed_flags,
                   config.add_parallel_flags, config.add_run_flags):
@@ -738,10 +728,9 @@ def add_plan_args(g):
 
 
 def validate(a):
-    """Every flag value bench.py cannot use, refused in one line before any work, as train.py's validate()
-    does: a count below 1, a float out of range (NaN fails every comparison below, so it is refused
-    wherever a range is), a malformed --micro-batches or --sweep, a layout that this run's processes
-    cannot hold. All flags, whichever mode reads them: a bad value is a mistake in any mode."""
+    """Every flag value bench.py cannot use, in any mode, refused in one line before any work as
+    config.validate does (NaN too): a count below 1, a float out of range, a malformed
+    --micro-batches or --sweep, a layout this run's processes cannot hold."""
     def need(ok: bool, name: str, rule: str):
         if not ok:
             refuse(f"--{name.replace('_', '-')} must be {rule}, got {getattr(a, name)}")
@@ -786,8 +775,8 @@ def validate(a):
 
 
 def model_args(a) -> M.ModelArgs:
-    """The measured model: --model with the shape flags over it, on the byte tokenizer's vocabulary (train.py's
-    default, which train_args keeps), as train.py makes it."""
+    """The measured model: --model with the shape flags over it, on the byte tokenizer's vocabulary
+    (train.py's default, which train_args keeps), as train.py makes it."""
     try:
         return config.model_args_from(a, data.get_tokenizer("byte").n_vocab)
     except config.ConfigError as e:
@@ -795,9 +784,9 @@ def model_args(a) -> M.ModelArgs:
 
 
 def check_launch_values(a):
-    """The free text that --launch writes into a script: an image reference never holds a space, and a --data
-    with a line break or another unprintable character, empty or starting with '-' is a mistake or would not
-    reach train.py as its value. What passes is quoted where it is written (shlex, yaml_string)."""
+    """Free text --launch writes into a script: an image reference never holds a space, and a --data
+    that is empty, starts with '-' or holds an unprintable character (a line break, say) is a
+    mistake or would not reach train.py. What passes is quoted (shlex, yaml_string)."""
     if not a.image or any(c.isspace() or not c.isprintable() for c in a.image):
         refuse(f"--image {a.image!r} must name a container image: not empty, no spaces or line breaks")
     if a.launch and (not a.data.isprintable() or a.data[:1] in ("", "-")):
@@ -817,9 +806,8 @@ def micro_batch_counts(text: str) -> list[int]:
 
 
 def check_measured_run(a, row: dict, world: int):
-    """One measured run (the flags, with a --sweep setting over them), refused as train.py's check_config
-    would refuse it, but before the first run starts, so that no setting is measured in vain before a
-    later one fails. A layout needing more processes than this run has says how to start them."""
+    """Refuse a measured run (the flags, with a --sweep setting over them) as config.check_config
+    would, before the first run, so that no setting is measured in vain before a later one fails."""
     tp, cp, pp = (row.get(k, getattr(a, k)) for k in ("tp", "cp", "pp"))
     seq_len = row.get("seq_len", a.seq_len)
     what = (f"--sweep setting {','.join(f'{k}={v}' for k, v in row.items())!r}" if row
@@ -839,8 +827,8 @@ def check_measured_run(a, row: dict, world: int):
 
 
 def check_comparison(a, world: int):
-    """--dp-vs-ddp and --bubble compare processes: 2 or more, and for --bubble one pipeline stage per
-    process under each schedule it measures."""
+    """--dp-vs-ddp and --bubble compare processes: 2 or more, and for --bubble one pipeline stage
+    per process under each schedule it measures."""
     mode = "--dp-vs-ddp" if a.dp_vs_ddp else "--bubble"
     if world < 2:
         refuse(f"{mode} needs 2 or more processes, this run has {world}: launch it with torchrun "
@@ -863,12 +851,12 @@ def main(argv=None) -> int:
                 else f"cpu x{os.cpu_count()}"}
     try:
         return run_mode(a, versions, argv)
-    except config.ConfigError as e:  # what train.py refuses and validate() cannot foresee (--device, memory)
+    except config.ConfigError as e:  # what train.py refuses beyond validate() (--device, memory)
         refuse(str(e))
 
 
 def run_mode(a, versions: dict, argv: list[str]) -> int:
-    """The mode the flags name; measuring train.py's loop when they name none. Returns the exit code."""
+    """Run the mode the flags name (none: measure train.py's loop); returns the exit code."""
     if a.plan:
         run_plan(a)
     elif a.dp_vs_ddp or a.bubble:
@@ -883,7 +871,7 @@ def run_mode(a, versions: dict, argv: list[str]) -> int:
 
 
 def run_trace(a):
-    """--trace DIR: the warm-up steps and one more, that one traced on every rank with its checkpoint
+    """--trace DIR: the warm-up steps and one more, traced on every rank with its checkpoint
     (train.py --trace-step); rank 0 moves the files into DIR and prints each rank's phases."""
     b = argparse.Namespace(**{**vars(a), "steps": 1, "memory_census": False})
     with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
@@ -922,7 +910,7 @@ def print_trace(trace: dict, folder: Path):
 
 
 def plan_lora(a) -> tuple | None:
-    """--lora-rank and --lora-targets as plan() takes them, (rank, targets), checked as sft.py checks them."""
+    """(rank, targets) of --lora-rank and --lora-targets for plan(), checked as sft.py does."""
     lora = config.lora_of(a)
     if lora is None:
         return None
@@ -956,16 +944,15 @@ def run_plan(a):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Launching the planned run: a Slurm batch script or a Kubernetes PyTorchJob. Slurm gives a job whole nodes
-# and runs one task on each (srun); Kubernetes schedules pods, one per node here, through Kubeflow's
-# training operator, which gives each pod the rendezvous torchrun needs (PET_* variables). Either way
-# torchrun on every node starts one process per GPU and they meet at the first node (c10d rendezvous).
+# Launching the planned run: a Slurm batch script or a Kubernetes PyTorchJob. Slurm gives a job
+# whole nodes and runs one task on each (srun); Kubernetes schedules pods, one per node here, via
+# Kubeflow's training operator, which gives each pod torchrun's rendezvous (PET_* variables). Either
+# way torchrun starts one process per GPU on every node; they meet at the first (c10d rendezvous).
 
 
 def nodes_of(a) -> tuple[int, int]:
-    """(nodes, GPUs a node) for --launch, or one line why the layout does not fit whole nodes: every tp
-    group must lie within one NVLink (or PCIe, Infinity Fabric) domain: a node, or a GB200 NVL72 rack,
-    whose NVLink spans its trays."""
+    """(nodes, GPUs a node) for --launch: --gpus must fill whole nodes and each tp group lie in one
+    NVLink (or PCIe, Infinity Fabric) domain, a node or a GB200 NVL72 rack (NVLink across trays)."""
     per_node, rack = a.gpus_per_node or (4 if a.gpu == "GB200" else 8), costs.SYSTEMS[a.gpu].domain
     domain = rack if rack > 8 else per_node  # (8: an HGX board, one node)
     if a.gpus % per_node:
@@ -1022,9 +1009,9 @@ srun torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-id=$SLURM_JOB_
 
 
 def yaml_string(text: str) -> str:
-    """`text` as a YAML double-quoted scalar that reads back as `text`: printable ASCII as JSON writes it
-    (with " and \\ escaped), any other character as \\uXXXX, or past U+FFFF as \\UXXXXXXXX (YAML reads JSON's
-    surrogate pair for it as two characters)."""
+    """`text` as a YAML double-quoted scalar that reads back as `text`: printable ASCII as JSON
+    writes it (with " and \\ escaped), any other character as \\uXXXX, or past U+FFFF as \\UXXXXXXXX
+    (YAML reads JSON's surrogate pair for it as two characters)."""
     return '"' + "".join(json.dumps(c)[1:-1] if " " <= c <= "~" else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF
                          else f"\\U{ord(c):08x}" for c in text) + '"'
 
@@ -1068,15 +1055,15 @@ spec:
 {pod}{workers}"""
 
 
-# What Llama 3 chose at its budget (Dubey et al. 2024): section 3.2's IsoFLOP fit put the flagship's 3.8e25
-# FLOPs at 402B parameters on 16.55T tokens, and the curves grow flat near their minimum, so 405B on 15.6T
-# tokens cost little; the introduction: the smaller models were trained "much longer than is
-# compute-optimal", and beat compute-optimal models at the same inference budget.
+# What Llama 3 chose at its budget (Dubey et al. 2024): section 3.2's IsoFLOP fit put the flagship's
+# 3.8e25 FLOPs at 402B parameters on 16.55T tokens, and the curves grow flat near their minimum, so
+# 405B on 15.6T tokens cost little; per the introduction, the smaller models were trained "much
+# longer than is compute-optimal", and beat compute-optimal models at the same inference budget.
 LLAMA3 = {"llama3.1-405b": 15.6e12, "llama3-70b": 15e12, "llama3-8b": 15e12}
 
 
 def sizing_for(flops: float) -> dict:
-    """--budget-flops: Chinchilla's compute-optimal size, and Llama 3's models' tokens per parameter."""
+    """--budget-flops: Chinchilla's compute-optimal size, and Llama 3's tokens per parameter."""
     parameters, tokens = costs.compute_optimal(flops)
     return {"budget_flops": flops, "parameters": parameters, "tokens": tokens,
             "tokens_per_parameter": costs.TOKENS_PER_PARAMETER,
@@ -1098,8 +1085,8 @@ def print_sizing(s: dict):
 
 
 def run_ramp_plan(a):
-    """--plan --ramp: one plan per stage (its sequence length, its accumulation, its share of --tokens) and
-    the run's totals; the largest stage's memory decides whether the layout fits."""
+    """--plan --ramp: one plan per stage (its sequence length, its accumulation, its share of
+    --tokens) and the run's totals; the largest stage's memory decides whether the layout fits."""
     try:
         config.check_ramp_flags(a, get_parser())
         stages = config.parse_ramp(a.ramp)

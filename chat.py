@@ -1,17 +1,17 @@
-"""Chat data: the Llama 3 chat format, the records fine-tuning reads (conversations, preference pairs,
-prompts), and the rows they become. sft.py, dpo.py, reward.py and rl.py read their data here.
+"""Chat data: the Llama 3 chat format, the records fine-tuning reads and the rows they become.
+sft.py, dpo.py, reward.py and rl.py read their data here.
 
-  1. The format   encode_chat: messages -> token ids and the mask of those the model learns to say (the
-                  assistant's content and the <|eot_id|> that ends it; an export's Jinja template says the
-                  same: weights.LLAMA3_CHAT_TEMPLATE); reply: a model's answer to a conversation
-  2. Records      what each layout of a record says: a conversation (Alpaca, Self-Instruct, {messages},
-                  {prompt, response}), a preference pair (prompt, chosen, rejected; HH-RLHF's dialogues), a
-                  prompt (any of these, up to its last user turn)
-  3. Rows         the length rule (an example keeps its first seq_len + 1 tokens if a learned token is
-                  among them), the split off a validation share, and the rows of seq_len + 1 tokens a
-                  loader serves: SFT's packed several to a row (attention never crosses from one example
-                  into another), a preference pair's two sides one each (PreferenceLoader)
-A row gives seq_len (input, target) pairs, as in data.Loader; a target that is not learned is
+  1. Format    encode_chat: messages -> token ids, and the mask of those the model learns to say
+               (each assistant message's content and its <|eot_id|>, as an export's Jinja template,
+               weights.LLAMA3_CHAT_TEMPLATE, has it too); reply: a model's answer to a conversation
+  2. Records   conversations (Alpaca, Self-Instruct, {messages}, {prompt, response}), preference
+               pairs (prompt, chosen, rejected; HH-RLHF dialogues), prompts (any of these, up to the
+               last user turn)
+  3. Rows      the length rule (keep an example's first seq_len + 1 tokens if a learned token is
+               among them, else drop it), the validation split, and the rows of seq_len + 1 tokens a
+               loader serves: SFT packs examples several to a row (attention never crosses between
+               them), a preference pair's two sides take a row each (PreferenceLoader)
+A row gives seq_len (input, target) pairs, as in data.Loader; an unlearned target is
 data.IGNORE_INDEX, which the loss skips.
 """
 
@@ -28,7 +28,7 @@ import data
 import model as M
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. The chat format
 
 
@@ -48,12 +48,10 @@ def check_messages(messages):
 
 
 def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:
-    """Messages -> (token ids, mask): mask[t] is True where token t is learned (assistant content + eot).
-
-    BOS is written here, once; do not add another. Content goes through encode_ordinary, so text such as
-    "<|eot_id|>" inside a message stays text. Header and content are encoded separately, as Meta's reference
-    does, so the tokens of one message never depend on its neighbours.
-    """
+    """Messages -> (token ids, mask): mask[t] is True where token t is learned. BOS is written
+    here, once; do not add another. Content goes through encode_ordinary, so "<|eot_id|>" inside a
+    message stays text. Header and content are encoded separately, as Meta's reference does, so one
+    message's tokens never depend on its neighbours."""
     check_messages(messages)
     start, end = enc.encode_single_token("<|start_header_id|>"), enc.encode_single_token("<|end_header_id|>")
     ids, mask = [data.bos_id(enc)], [False]
@@ -71,8 +69,7 @@ def encode_chat(enc, messages, add_generation_prompt=False) -> tuple:
 @torch.no_grad()
 def reply(model, tok, messages: list[dict], max_new_tokens: int = 200, temperature: float = 0.7,
          top_p: float | None = 0.9, seed: int = 0) -> str:
-    """The assistant's reply to a conversation: the chat template with the generation prompt, then
-    sampling until <|eot_id|>."""
+    """The assistant's reply, sampled after a generation prompt until <|eot_id|>."""
     ids, _ = encode_chat(tok, messages, add_generation_prompt=True)
     room = model.args.max_seq_len - len(ids)
     device = model.tok_embeddings.weight.device
@@ -84,7 +81,7 @@ def reply(model, tok, messages: list[dict], max_new_tokens: int = 200, temperatu
     return tok.decode(new)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. What a record says: a conversation, a preference pair, a prompt
 
 
@@ -102,7 +99,7 @@ def conversation(record) -> list:
     if isinstance(record, dict) and "messages" in record:
         messages = record["messages"]
     elif isinstance(record, dict) and "instances" in record and "instruction" in record:
-        # a Self-Instruct seed task: the instruction with its first instance's input, answered by its output
+        # a Self-Instruct seed task: the instruction and its first instance's input -> the output
         instances = record["instances"]
         if not (isinstance(instances, list) and instances and isinstance(instances[0], dict)):
             raise data.DataError("'instances' must be a non-empty list of {input, output}")
@@ -127,7 +124,7 @@ def conversation(record) -> list:
 
 
 def read_sft(path_or_name, mirror=None) -> list:
-    """A registered name (data.SFT_DATASETS) or a JSON array / JSONL file -> a list of conversations."""
+    """A registered name (data.SFT_DATASETS) or a JSON array / JSONL file -> conversations."""
     path = data.named_file(path_or_name, data.SFT_DATASETS, mirror)
     conversations = []
     for where, record in data.json_records(path):
@@ -144,8 +141,7 @@ _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 
 
 def _parse_hh(text) -> tuple:
-    """An HH-RLHF dialogue "\\n\\nHuman: ...\\n\\nAssistant: ..." -> (messages before the last reply, last
-    reply)."""
+    """An HH-RLHF dialogue -> (the messages before its last reply, the last reply)."""
     cut = text.rfind("\n\nAssistant:")
     if cut < 0:
         raise data.DataError('an HH-RLHF dialogue without "\\n\\nAssistant:"')
@@ -155,7 +151,7 @@ def _parse_hh(text) -> tuple:
     messages = []
     for speaker, content in zip(pieces[1::2], pieces[2::2]):
         role = "user" if speaker == "Human" else "assistant"
-        if messages and messages[-1]["role"] == role:  # a few dialogues hold two turns in a row: join them
+        if messages and messages[-1]["role"] == role:  # a few dialogues repeat a speaker: join them
             messages[-1]["content"] += "\n\n" + content.strip()
         else:
             messages.append({"role": role, "content": content.strip()})
@@ -167,8 +163,8 @@ NO_PROMPT = ('a pair needs a prompt: a "prompt" field (a string or messages), or
 
 
 def _preference_side(value, prompt) -> tuple:
-    """One of "chosen" / "rejected" -> (the conversation before the reply, the reply). A reply with no user
-    message before it has nothing it answers: refused (NO_PROMPT)."""
+    """A "chosen" or "rejected" value -> (the conversation before the reply, the reply). A reply
+    with no user message before it answers nothing: refused (NO_PROMPT)."""
     if isinstance(value, str):
         if prompt is None and "\n\nAssistant:" not in value:
             raise data.DataError(NO_PROMPT)
@@ -178,7 +174,7 @@ def _preference_side(value, prompt) -> tuple:
         if not value or value[-1]["role"] != "assistant":
             raise data.DataError("a chosen/rejected message list must end with an assistant message")
         prefix, prompt = value[:-1], prompt or []
-        # the list may repeat the prompt (chosen = [user, assistant]) or continue it (chosen = [assistant])
+        # the list may repeat the prompt ([user, assistant]) or continue it ([assistant])
         before, reply = (prefix if prefix[:len(prompt)] == prompt else prompt + prefix), value[-1]["content"]
     if not any(m["role"] == "user" for m in before):
         raise data.DataError(NO_PROMPT)
@@ -186,8 +182,8 @@ def _preference_side(value, prompt) -> tuple:
 
 
 def pair_sides(record) -> tuple:
-    """One preference record -> ((prompt, chosen reply), (prompt, rejected reply)), each prompt a message
-    list (a pair whose two prompts differ is the caller's to skip)."""
+    """A preference record -> ((prompt, chosen reply), (prompt, rejected reply)), each prompt a
+    message list; a pair whose two prompts differ is the caller's to skip."""
     if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
         fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
         raise data.DataError(f"unknown preference record {fields}: expected {{prompt, chosen, rejected}} or "
@@ -201,14 +197,10 @@ def pair_sides(record) -> tuple:
 
 
 def read_preferences(path_or_name, mirror=None) -> list:
-    """A registered name (data.PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages, "chosen",
-    "rejected"}].
-
-    Records: {"prompt", "chosen", "rejected"}, each a string (a prompt string is one user message) or a
-    message
-    list, or HH-RLHF's {"chosen", "rejected"} full dialogues. Pairs whose two prompts differ, with an empty
-    reply or with identical replies are skipped, and the counts printed (stderr).
-    """
+    """A registered name (data.PREFERENCE_DATASETS) or a JSONL file -> [{"prompt": messages,
+    "chosen", "rejected"}]. A record is {"prompt", "chosen", "rejected"}, each a string (a prompt
+    string is one user message) or a message list, or HH-RLHF's {"chosen", "rejected"} dialogues.
+    Pairs with differing prompts, an empty reply or identical replies are skipped, and counted."""
     path = data.named_file(path_or_name, data.PREFERENCE_DATASETS, mirror)
     pairs, skipped = [], {"different prompts": 0, "an empty reply": 0, "identical replies": 0}
     for where, record in data.json_records(path):
@@ -232,10 +224,9 @@ def read_preferences(path_or_name, mirror=None) -> list:
 
 
 def prompt_of(record) -> list:
-    """One record -> the messages of its prompt, ending with a user turn. A record is a string (one user
-    message), {"prompt": a string or messages}, a preference pair as py reads it (its prompt), or any
-    record py reads (its conversation up to its last user turn: a fine-tuning set's instructions are
-    prompts)."""
+    """One record -> its prompt's messages, ending with a user turn: a string (one user message),
+    {"prompt": a string or messages}, a preference pair (its prompt), or an SFT record (its
+    conversation up to the last user turn: a fine-tuning set's instructions are prompts)."""
     if isinstance(record, str):
         messages = [{"role": "user", "content": record}]
     elif isinstance(record, dict) and "chosen" in record:
@@ -267,9 +258,8 @@ def read_prompts(path_or_name, mirror=None) -> list[tuple[str, list]]:
 
 
 def with_room(prompts, tok, seq_len: int, say) -> list[int]:
-    """The indices of the prompts that leave a token for a reply under seq_len. The others are left out
-    and counted (the first named), as py and py drop what their length rule cannot keep; none left
-    is an error."""
+    """The indices of the prompts that leave a token for a reply under seq_len; the others are left
+    out and counted, the first named, as the length rule drops examples. None left is an error."""
     lengths = [len(encode_chat(tok, prompt, add_generation_prompt=True)[0]) for _, prompt in prompts]
     long = [(where, n) for (where, _), n in zip(prompts, lengths) if n >= seq_len]
     if long:
@@ -282,13 +272,12 @@ def with_room(prompts, tok, seq_len: int, say) -> list[int]:
     return [i for i, n in enumerate(lengths) if n < seq_len]
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. Examples and the rows they become
 
 
 def fit_example(ids, mask, seq_len):
-    """The length rule: keep the first seq_len + 1 tokens if a learned token is among them, else drop
-    (None)."""
+    """The length rule: (ids, mask) cut to seq_len + 1 tokens, or None if none is learned."""
     ids, mask = np.asarray(ids, dtype=np.int32)[:seq_len + 1], np.asarray(mask, dtype=bool)[:seq_len + 1]
     return (ids, mask) if mask.any() else None
 
@@ -300,9 +289,8 @@ def example_counts(kept, truncated, dropped) -> dict:
 
 
 def sft_examples(enc, conversations, seq_len) -> tuple:
-    """Conversations -> ([(ids int32, mask bool)], counts). An example longer than seq_len + 1 tokens keeps
-    its first seq_len + 1 if a learned token survives; it is dropped if none does, or if it has no assistant
-    message at all. counts: {"examples", "truncated", "dropped", "tokens", "target_tokens"}."""
+    """Conversations -> ([(ids int32, mask bool)], counts) by the length rule, which drops one with
+    no assistant message; counts: examples, truncated, dropped, tokens, target_tokens."""
     examples, truncated, dropped = [], 0, 0
     for conversation in conversations:
         ids, mask = encode_chat(enc, conversation)
@@ -316,9 +304,8 @@ def sft_examples(enc, conversations, seq_len) -> tuple:
 
 
 def reply_example(enc, prompt, reply, seq_len) -> tuple:
-    """A prompt (messages) and one reply -> ((ids, mask) by the SFT length rule, fit_example: None if no
-    reply token survives the cut to seq_len + 1 tokens; whether it was cut). The mask is on the reply and
-    its <|eot_id|> only: earlier assistant turns of the prompt are context here."""
+    """A prompt (messages) and a reply -> (fit_example's (ids, mask) or None, whether it was cut).
+    The mask covers the reply and its <|eot_id|> only: the prompt's assistant turns are context."""
     prompt_len = len(encode_chat(enc, prompt)[0])
     ids, mask = encode_chat(enc, prompt + [{"role": "assistant", "content": reply}])
     mask[:prompt_len] = [False] * prompt_len
@@ -326,12 +313,10 @@ def reply_example(enc, prompt, reply, seq_len) -> tuple:
 
 
 def preference_examples(enc, pairs, seq_len) -> tuple:
-    """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side encoded as
-    prompt + [assistant reply] with the mask on the reply (and its eot) only. The SFT length rule applies
-    to each side; a pair is dropped if either side is, and if its two sides are the same once cut to
-    seq_len + 1 tokens (replies that differ only after the cut: no preference is left to learn, and the
-    pair would only dilute the batch's mean). counts as in sft_examples, tokens over both sides, plus
-    "identical": the pairs dropped for that."""
+    """Pairs -> ([{"chosen": (ids, mask), "rejected": (ids, mask)}], counts), each side by
+    reply_example. A pair is dropped if either side is, or if its sides are the same once cut:
+    replies that differ only after the cut leave no preference to learn and would dilute the batch's
+    mean. counts: sft_examples', over both sides, plus "identical" (the pairs dropped so)."""
     examples, truncated, dropped, identical = [], 0, 0, 0
     for pair in pairs:
         sides = {key: reply_example(enc, pair["prompt"], pair[key], seq_len) for key in ("chosen", "rejected")}
@@ -350,7 +335,7 @@ def preference_examples(enc, pairs, seq_len) -> tuple:
 
 
 def split_examples(examples, val_fraction, seed) -> tuple:
-    """-> (train, val): a seeded random val_fraction of the examples validates (at least one if > 0)."""
+    """-> (train, val), val a seeded random val_fraction of the examples (at least one if > 0)."""
     if not 0 <= val_fraction < 1:
         raise data.DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n_val = max(1, int(len(examples) * val_fraction)) if val_fraction else 0
@@ -378,14 +363,10 @@ def split_and_report(what: str, n_read: int, examples, counts, args, mesh):
 
 
 def pack_rows(examples, seq_len, pad_id, pack) -> tuple:
-    """(ids, mask) examples -> inputs, targets, doc_ids arrays of shape (rows, seq_len), int32.
-
-    Each row holds seq_len + 1 tokens: whole examples one after another (all of them that fit, in the order
-    given, when packing; one otherwise), then padding. doc_ids number the examples of a row 0, 1, ... and give
-    the padding the next number. A target is the next token where that token is learned, else
-    data.IGNORE_INDEX;
-    BOS is never learned, so no target crosses from one example into the next.
-    """
+    """(ids, mask) examples -> inputs, targets, doc_ids arrays of shape (rows, seq_len), int32. A
+    row holds seq_len + 1 tokens: whole examples in the order given (as many as fit when packing,
+    else one), then padding. doc_ids number a row's examples 0, 1, ... and the padding next. Targets
+    follow the mask; BOS is never learned, so none crosses from one example into the next."""
     rows, row, used = [], [], 0
     for ids, mask in examples:
         if len(ids) > seq_len + 1:
@@ -409,7 +390,7 @@ def pack_rows(examples, seq_len, pad_id, pack) -> tuple:
             start = end
         doc[r, start:] = len(row)  # the padding: a document of its own
     targets = np.where(mask[:, 1:], ids[:, 1:], data.IGNORE_INDEX).astype(np.int32)
-    targets[doc[:, 1:] != doc[:, :-1]] = data.IGNORE_INDEX  # true already; kept for examples made elsewhere
+    targets[doc[:, 1:] != doc[:, :-1]] = data.IGNORE_INDEX  # a guard for examples made elsewhere
     return ids[:, :-1], targets, doc[:, :-1]
 
 
@@ -429,15 +410,12 @@ def rows_fingerprint(*arrays) -> str:
 
 
 class SFTLoader(data.Positions):
-    """(inputs, targets, doc_ids) int64 batches of shape (batch_size, seq_len) for one data-parallel rank.
-
-    pack=True: the examples, in an order drawn once from the seed, fill rows of seq_len + 1 tokens greedily;
-    an example that does not fit the current row starts the next, so none is ever split. pack=False: one
-    example per row. doc_ids tell the model where each example begins (attend within it, restart positions).
-    The list of rows is then fixed, and batches follow the Loader's scheme; state: consumed, seed, seq_len,
-    pack.
-    pad_id only fills the tails of rows (never a target, its own document): pass data.pad_id(enc).
-    """
+    """(inputs, targets, doc_ids) int64 batches of shape (batch_size, seq_len) for one dp rank.
+    pack=True: the examples, in an order drawn once from the seed, fill rows greedily and are never
+    split; pack=False: one example a row. doc_ids tell the model where each example begins (attend
+    within it, restart positions). The rows are then fixed and read in data.Positions' order; state:
+    consumed, seed, seq_len, pack. pad_id only fills row tails (never a target, its own document):
+    pass data.pad_id(enc)."""
 
     def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pack=True, pad_id=0):
         order = np.random.default_rng(seed).permutation(len(examples)) if pack else range(len(examples))
@@ -454,15 +432,14 @@ class SFTLoader(data.Positions):
         return {**super()._settings(), "pack": self.pack}
 
     def fingerprint(self) -> str:
-        """What identifies the data (a checkpoint records it; --resume refuses other data): its rows."""
+        """A digest of the rows: a checkpoint records it, and --resume refuses other data."""
         return rows_fingerprint(self.inputs, self.targets, self.doc_ids)
 
 
 class PreferenceLoader(data.Positions):
-    """(inputs, targets) int64 batches of shape (2 * batch_size, seq_len): rows 0..B-1 the chosen sequences,
-    rows B..2B-1 the rejected ones of the same pairs, one pair a row, padded at the end. Targets are
-    data.IGNORE_INDEX
-    outside the reply tokens. One global sequence is one pair; positions and state as in SFTLoader."""
+    """(inputs, targets) int64 batches of shape (2B, seq_len), B = batch_size: rows 0..B-1 hold B
+    pairs' chosen sides, rows B..2B-1 their rejected sides, each padded at the end. One global
+    sequence is one pair; positions and state as in SFTLoader."""
 
     def __init__(self, examples, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, pad_id=0,
                  with_index=False, index_offset=0):
@@ -477,22 +454,22 @@ class PreferenceLoader(data.Positions):
         return as_int64(inputs), as_int64(targets)
 
     def next(self):
-        """(inputs, targets), plus (B,) pair indices + index_offset with with_index (py's cached
-        reference log-probs are looked up by them)."""
+        """(inputs, targets), plus with with_index the (B,) pair indices + index_offset, by which
+        dpo.py looks up its cached reference log-probs."""
         rows, _ = self._next_items()
         batch = self.pairs(rows)
         return (*batch, torch.from_numpy(rows + self.index_offset)) if self.with_index else batch
 
     def fingerprint(self) -> str:
-        """What identifies the data (a checkpoint records it; --resume refuses other data): its rows."""
+        """As SFTLoader.fingerprint: a digest of the rows."""
         return rows_fingerprint(*self.chosen, *self.rejected)
 
 
 def preference_data(a, tok, mesh, with_index: bool = False, keep=None):
-    """A recipe's data (train.Pretraining.data) for preference pairs: --data read, encoded and split,
-    PreferenceLoaders of this dp rank for training and validation (the validation pairs' indices follow
-    the training pairs', for a cache by pair index), and a description. keep(pairs, examples) -> examples:
-    the recipe's own rule for them (reward.py's: the replies' ends)."""
+    """A recipe's data (train.Pretraining.data) for preference pairs: --data read, encoded and split
+    into this dp rank's training and validation PreferenceLoaders (validation's pair indices follow
+    training's, for a cache by pair index), and a description. keep(pairs, examples) -> examples is
+    the recipe's own filter (reward.py's: the replies' ends)."""
     pairs = read_preferences(a.data, mirror=a.mirror)
     examples, counts = preference_examples(tok, pairs, a.seq_len)
     if keep is not None:

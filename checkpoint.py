@@ -1,35 +1,29 @@
-"""Checkpoints on disk: what a run keeps in its --out-dir, written so that a crash, a full disk or a second
-run on the same folder never costs the last good state.
+"""Checkpoints on disk: what a run keeps in its --out-dir, written so that a crash, a full disk or a
+second run on the same folder never costs the last good state.
 
     <out-dir>/.lock           the run using this folder: host, pid, start time (one run at a time)
     <out-dir>/metrics.jsonl   one JSON record per log line, validation and skipped step
-    <out-dir>/step_000500/    a complete checkpoint: shard_ppXX_tpYY.pt per (pp, tp) rank (section 3)
-                              and meta.json (step, loader position, flags, model args, layout,
-                              tokenizer, chat or not, the recipe that wrote it, its data's fingerprint,
-                              and a manifest of every shard's size and sha256)
+    <out-dir>/step_000500/    a complete checkpoint: shard_ppXX_tpYY.pt per (pp, tp) rank, meta.json
+                              (step, loader position, flags, model args, layout, tokenizer, chat or
+                              not, recipe, data fingerprint, each shard's size and sha256)
     <out-dir>/latest          the name of the newest complete step directory
 
 Read in this order:
-  1. Names     step_name, step_dirs: steps sort by number (step_1000000 comes after step_999999)
-  2. Lock      RunLock: one run per out-dir; a lock left by a dead process on this host is taken over
-  3. Shards    save_shards, load_shards, read_full_state: each (pp, tp) rank's parameters under their
+  1. Names     step_name, step_dirs: steps sort by number (step_1000000 after step_999999)
+  2. Lock      RunLock: one run per out-dir; a dead process's lock on this host is taken over
+  3. Shards    save_shards, load_shards, read_full_state: each (pp, tp) rank's parameters under
                global names with their place in the full tensor, loadable into any layout
-  4. Saving    save(): every writer writes, hashes and fsyncs its shards in .tmp-step_N; when all agree
-               it worked, rank 0 writes meta.json with their manifest, renames the folder (replacing
-               whatever is under its name), replaces `latest`, then rotate()s while the others wait on
-               the "io" group. Any failure removes the partial folder; the previous checkpoint is never
-               touched.
-  5. Finding   read_latest, damage, find_latest, resolve: which checkpoint --resume or --init uses, verified
-               against its manifest (shared_check: every rank hashes a share of the files, at once); a
-               pointer out of the folder, a damaged step or a shard file outside the manifest (unlisted:
-               never read) is said out loud
-  6. Records   recorded, tokenizer_for: what an --init folder says about itself (its tokenizer above all);
-               load_init: its model args and weights, whichever of the three formats it is in (a LoRA
-               checkpoint's adapters merged into the model they adapt: checkpoint_state)
+  4. Saving    save(): each writer writes, hashes and fsyncs its shards in .tmp-step_N; rank 0
+               then writes meta.json with their manifest, renames the folder into place, replaces
+               `latest`, rotate()s. A failure removes the partial folder, never the last checkpoint.
+  5. Finding   read_latest, damage, find_latest, resolve: the checkpoint --resume or --init uses,
+               verified by its manifest; a `latest` pointing out of the folder, a damaged step or
+               an unlisted shard file (never read) is said out loud
+  6. Records   recorded, tokenizer_for: what an --init folder says about itself (above all, its
+               tokenizer); load_init: its model args and weights, in any of the three formats
   7. The folder  check_out_dir (before anything is written), clear_run (--overwrite)
-  8. Consolidation  consolidate (and `python checkpoint.py consolidate`): a checkpoint, or the mean of a run's
-               last few, as one Hugging Face folder; export_peft: a LoRA checkpoint's adapters alone, as
-               PEFT lays them out
+  8. Consolidation  consolidate (`python checkpoint.py consolidate`): a checkpoint, or the mean of
+               a run's last few, as a Hugging Face folder; export_peft: LoRA adapters, for PEFT
 """
 
 from __future__ import annotations
@@ -77,7 +71,7 @@ def step_number(d: Path) -> int:
 
 
 def step_dirs(out_dir: Path) -> list[Path]:
-    """The step directories of an out-dir, oldest first by number (as names, step_1000000 < step_999999)."""
+    """The step directories of an out-dir, oldest first by number."""
     found = [d for d in out_dir.glob("step_*") if STEP_RE.fullmatch(d.name) and d.is_dir()]
     return sorted(found, key=step_number)
 
@@ -87,10 +81,9 @@ def step_dirs(out_dir: Path) -> list[Path]:
 
 
 class RunLock:
-    """<out-dir>/.lock, created atomically (O_EXCL) by global rank 0 and removed when the run ends. A lock
-    whose process is gone (this host, pid not running: a crash or a kill) is taken over, saying so. A lock
-    held by a live process, or by one on another host (which cannot be checked from here), stops this run
-    before it writes anything; two runs would otherwise delete each other's temporary checkpoints."""
+    """<out-dir>/.lock, made atomically (O_EXCL) by global rank 0, removed when the run ends. A dead
+    process's lock on this host is taken over; a live one's, or another host's (uncheckable), stops
+    this run before it writes: two runs would delete each other's temporary checkpoints."""
 
     def __init__(self, out_dir: Path):
         self.out_dir, self.path = Path(out_dir), Path(out_dir) / ".lock"
@@ -155,8 +148,8 @@ class RunLock:
         return False
 
     def _take_over(self, stale: dict) -> bool:
-        """Move the stale lock aside under a name of our own: of two processes doing this at once, one rename
-        wins. If what was moved is not the lock judged stale (another run took it meanwhile), put it back."""
+        """Move the stale lock aside under a name of our own (of two processes doing this at once,
+        one rename wins); if what was moved is not that lock (another run took it), put it back."""
         aside = self.path.with_name(f".lock.stale-{self.me['pid']}")
         try:
             os.replace(self.path, aside)
@@ -181,7 +174,7 @@ class RunLock:
         self.held = False
         if self.made_dir:
             try:
-                self.out_dir.rmdir()  # only if empty: nothing was written
+                self.out_dir.rmdir()
             except OSError:
                 pass
 
@@ -202,17 +195,15 @@ def lock_out_dir(out_dir: Path, mesh, say=print) -> RunLock:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 3. The shard files: one per (pp, tp) rank, written by dp_cp rank 0, each parameter under its global name
-#    with its place in the full tensor, so a checkpoint loads into any layout. Model weights are not stored
-#    apart from the fp32 master weights: the model copy is always the master rounded to the training dtype.
+# 3. The shard files: fp32 masters only, as the model copy is always the master, rounded.
 
 def shard_file(mesh: P.Mesh) -> str:
     return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
 
 
 def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync, extra: dict) -> dict:
-    """Collective over dp_cp (ZeRO-1 gathers its state to its rank 0); dp_cp rank 0 of each (pp, tp) writes
-    one file and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
+    """Collective over dp_cp (ZeRO-1 gathers its state to its rank 0); dp_cp rank 0 of each (pp, tp)
+    writes one file and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
     if mesh.dp_cp_rank != 0:
         return {}
@@ -235,7 +226,7 @@ def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync, extra: dict) -> di
         hashing = HashingWriter(f)
         torch.save({"params": entries, "step": opt.step_count, **extra}, hashing)
         f.flush()
-        os.fsync(f.fileno())  # each writer makes its own bytes durable
+        os.fsync(f.fileno())
     return {shard_file(mesh): {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}}
 
 
@@ -274,8 +265,8 @@ def _assemble(parts: list[dict], keys=STATE_KEYS) -> dict[str, torch.Tensor]:
 
 
 def manifest_files(folder: Path) -> list[Path]:
-    """The shard files a checkpoint's meta.json lists (its manifest, which checkpoint.py verifies), and no
-    other: a stray file beside them, even one named like a shard, is never read."""
+    """The shard files a checkpoint's manifest (meta.json) lists, and no other: a stray file beside
+    them, even one named like a shard, is never read."""
     meta = json.loads((Path(folder) / "meta.json").read_text())
     names = sorted(meta["files"]) if isinstance(meta, dict) and isinstance(meta.get("files"), dict) else []
     if not names or not all(SHARD_RE.fullmatch(name) for name in names):
@@ -284,10 +275,9 @@ def manifest_files(folder: Path) -> list[Path]:
 
 
 def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[W.LazyState, dict]:
-    """The shard files of a checkpoint's manifest (memory-mapped) -> {name: {"master", "exp_avg",
-    "exp_avg_sq"}} (or only `keys`) as full tensors, each assembled when looked up, so loading into another
-    layout holds one full parameter at a time; plus the first file's extra fields. Works for any layout
-    the checkpoint was written in."""
+    """A checkpoint's shard files (memory-mapped) -> {name: {"master", "exp_avg", "exp_avg_sq"}} (or
+    only `keys`) as full tensors, each assembled when looked up, so loading into another layout
+    holds one full parameter at a time; plus the first file's extra fields."""
     shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in manifest_files(folder)]
     pieces: dict[str, list] = {}
     for s in shards:
@@ -300,9 +290,8 @@ def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[W.LazySt
 
 
 def load_shards(folder: Path, model, opt, mesh: P.Mesh):
-    """Load a checkpoint written under any layout into this rank's shards (optimizer state and weights).
-    One parameter at a time: its full state is assembled from the memory-mapped files, cut to this rank's
-    tp piece, copied into the optimizer's owned ranges, and dropped."""
+    """Load a checkpoint of any layout into this rank's shards, one parameter at a time: assembled,
+    cut to this rank's tp piece, copied into the optimizer's owned ranges, dropped."""
     full, extra = read_full_state(folder, set(opt.names))
     placement = model.tp_placement
     missing = [name for name in opt.names if name not in full]
@@ -324,8 +313,8 @@ def load_shards(folder: Path, model, opt, mesh: P.Mesh):
 
 
 def rng_state(device) -> dict:
-    """The random states a resume restores: torch's on the CPU, Python's, and this process's own GPU's
-    (one GPU per process: every visible GPU's state would not load where a process sees fewer)."""
+    """The random states a resume restores: torch's CPU one, Python's, and this process's GPU's
+    (every visible GPU's would not load where a process sees fewer)."""
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -348,12 +337,10 @@ def restore_rng(rng: dict, device):
 
 def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int, last_good: Path | None = None):
     """Phase 7, on every rank. write_shards(folder) writes this rank's files (save_shards) and
-    returns their manifest entries; `meta` (step, loader, args, ...) goes into meta.json with the manifest.
-    Raises CheckpointError, on every rank, if any write failed anywhere; the partial folder is then gone,
-    `latest` is untouched, and the message names `last_good` (the checkpoint the run resumed from or last
-    wrote: after a fallback past a damaged step, `latest` names the damaged one). Every wait for other
-    ranks' disk work, rank 0's deletions included, is on the "io" group (--io-timeout): writing or deleting
-    hundreds of GB takes longer than any collective should."""
+    returns their manifest entries; `meta` joins them in meta.json. If any write fails, every rank
+    raises CheckpointError naming `last_good` (resumed from or last written: after a fallback past
+    a damaged step, `latest` names the damaged one). Waits on other ranks' disk work, rank 0's
+    deletions included, use the "io" group (--io-timeout): hundreds of GB outlast any collective."""
     name = step_name(step)
     tmp, final = out_dir / f".tmp-{name}", out_dir / name
     failure, _ = _agreed(mesh, lambda: _fresh_folder(out_dir, tmp), everyone=False)
@@ -374,10 +361,9 @@ def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int, la
 
 
 def _agreed(mesh, write, everyone: bool) -> tuple[str | None, list]:
-    """Run `write` (on every rank, or on rank 0) and agree across ranks whether it worked. Returns (None,
-    or why not -- the first failing rank's reason --, every rank's result in rank order). A full disk, a
-    quota, a vanished mount, a read-only folder: OSError from Python, RuntimeError from torch.save's
-    writer. A failed collective (CommError) or out-of-memory is not a write failure and propagates."""
+    """Run `write` (on every rank, or rank 0) and agree whether it worked: (None or the first
+    failing rank's reason, every rank's result in rank order). A full disk, quota or vanished mount
+    raises OSError (torch.save: RuntimeError); a failed collective or out-of-memory propagates."""
     reason, result = None, None
     if everyone or mesh.rank == 0:
         try:
@@ -395,8 +381,8 @@ def _agreed(mesh, write, everyone: bool) -> tuple[str | None, list]:
 
 
 def write_error(e: Exception) -> str:
-    """What went wrong in a write, in the operating system's words where there are some: torch.save raises
-    'unexpected pos ...' when the disk fills up, with the OSError as its context."""
+    """What went wrong in a write, in the operating system's words where there are some: torch.save
+    raises 'unexpected pos ...' when the disk fills up, with the OSError as its context."""
     cause = e
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -413,8 +399,7 @@ def _fresh_folder(out_dir: Path, tmp: Path):
 
 
 def remove(path: Path):
-    """Delete whatever is at `path`: a folder with its contents; a file, a link (never what it points
-    to), a FIFO or anything else in the way, such as a file where a step folder should be."""
+    """Delete whatever is at `path`: a folder with its contents, or a file, link or FIFO."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.is_symlink() or path.exists():
@@ -422,12 +407,9 @@ def remove(path: Path):
 
 
 def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict, manifest: dict):
-    """Rank 0, once every writer has written and fsynced its shards: meta.json with the writers' manifest,
-    fsynced; the rename; then `latest` (replaced atomically)."""
     write_durably(tmp / "meta.json", json.dumps({**meta, "files": dict(sorted(manifest.items()))}, indent=1))
     _fsync_dir(tmp)
-    # an earlier attempt at this step (a resume from an older checkpoint), or anything else under its name,
-    # is replaced
+    # an earlier attempt at this step (resumed from an older checkpoint), or whatever else is there
     remove(final)
     os.replace(tmp, final)
     try:
@@ -469,9 +451,8 @@ def _fsync_dir(d: Path):
 
 
 def rotate(out_dir: Path, newest: Path, keep: int):
-    """Keep `newest` and the keep - 1 step directories numbered just below it; delete older ones. Steps
-    numbered above `newest` are left alone: only a resume from an older checkpoint (the newer ones being
-    damaged) leaves such, and the run replaces each when it gets there."""
+    """Keep `newest` and the keep - 1 step directories just below it; delete older ones. Newer ones
+    (left only by a resume past damaged ones) stay: the run replaces each when it gets there."""
     older = [d for d in step_dirs(out_dir) if step_number(d) < step_number(newest)]
     for d in older[:max(0, len(older) - (keep - 1))]:
         try:
@@ -485,8 +466,8 @@ def rotate(out_dir: Path, newest: Path, keep: int):
 
 
 def read_latest(out_dir: Path) -> Path | None:
-    """The step directory `latest` names (which may be missing), or None if there is no `latest`. It must
-    name a step directory of this out-dir: a path into another run's folder is refused, not followed."""
+    """The step directory `latest` names (maybe missing), or None without `latest`. A path into
+    another run's folder, not a step directory of this out-dir, is refused, not followed."""
     pointer = Path(out_dir) / "latest"
     if not pointer.exists():
         return None
@@ -530,7 +511,7 @@ def _meta_problem(meta) -> str | None:
     consumed = meta["loader"].get("consumed")
     if meta["step"] < 0 or not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
         return "'step' or the loader's 'consumed' is not a count"
-    for key in ("recipe", "data"):  # (absent in checkpoints written before they were recorded)
+    for key in ("recipe", "data"):  # (older checkpoints lack them)
         if key in meta and not isinstance(meta[key], str):
             return f"{key!r} is {meta[key]!r:.60}, not a string"
     layout = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
@@ -548,9 +529,8 @@ def _meta_problem(meta) -> str | None:
 
 
 def damage(d: Path, check=None) -> str | None:
-    """Why a step directory cannot be used (None: it is intact): meta.json unreadable or malformed, or a
-    shard missing, truncated or altered according to the manifest of sizes and checksums written with it.
-    check(d, files): how the files are checked (default file_problem; shared_check splits it over ranks)."""
+    """Why a step directory cannot be used (None: intact): meta.json unreadable or malformed, or a
+    shard missing, truncated or altered per its manifest. check: file_problem or shared_check."""
     meta, why = _load_meta(d)
     if why:
         return why
@@ -558,8 +538,7 @@ def damage(d: Path, check=None) -> str | None:
 
 
 def file_problem(d: Path, files: dict) -> str | None:
-    """The first of these manifest entries {name: {bytes, sha256}} whose file is missing, not a regular
-    file, of another size or another checksum; None if all match."""
+    """The problem of the first file failing its manifest entry {name: {bytes, sha256}}, or None."""
     for name, info in sorted(files.items()):
         f = d / name
         if not f.is_file():  # (a FIFO or a folder under a shard's name: reading it would hang or fail)
@@ -572,10 +551,9 @@ def file_problem(d: Path, files: dict) -> str | None:
 
 
 def shared_check(mesh):
-    """file_problem with the work split over the job's ranks, for --resume and --init at scale (405B's
-    checkpoint is ~4.9 TB: one rank hashing it would take hours): rank r checks the files r, r + world,
-    r + 2 world, ... in name order, all at once, and every rank gets the first problem any rank found.
-    Collective: every rank must call it on the same folder."""
+    """file_problem split over the job's ranks, for --resume and --init at scale (405B's checkpoint
+    is ~4.9 TB: one rank would hash it for hours): rank r checks files r, r + world, ... in name
+    order, and every rank gets the first problem found. Collective, on the same folder."""
     if mesh.world == 1:
         return file_problem
 
@@ -587,17 +565,15 @@ def shared_check(mesh):
 
 
 def unlisted(d: Path) -> list[str]:
-    """Shard files in a step directory that its manifest does not name: never read (parallel.py reads the
-    manifest's files, exactly), but said, since someone put them there."""
+    """Shard files in a step directory its manifest does not name: never read, but said aloud."""
     meta, why = _load_meta(d)
     listed = meta["files"] if not why else {}
     return sorted(f.name for f in Path(d).glob("shard_pp*_tp*.pt") if f.name not in listed)
 
 
 def find_latest(out_dir: Path, verify: bool = True, check=None) -> tuple[Path | None, list[tuple[str, str]]]:
-    """The newest usable checkpoint -- the one `latest` names, else the newest step directory that passes
-    its manifest -- and (name, why) for every newer one passed over: damaged, or named by `latest` but
-    missing. verify=False skips the checksums (cheap, for reading settings only); check: see damage."""
+    """The newest usable checkpoint (`latest`'s, else the newest intact step directory) and
+    (name, why) for each newer one passed over. verify=False skips checksums; check: see damage."""
     out_dir = Path(out_dir)
     skipped, seen = [], set()
     named = read_latest(out_dir)
@@ -626,11 +602,9 @@ def is_checkpoint(path) -> bool:
 
 
 def resolve(path, say=print, verify: bool = True, check=None) -> Path:
-    """--init, evaluate.py or consolidate's checkpoint argument -> a verified step directory: the folder
-    itself if it is one, else the out-dir's newest intact checkpoint (as --resume picks it, saying which
-    damaged ones it passed over). Refuses a damaged one, as --resume does. verify=False reads meta.json
-    alone, no checksums: the step a verified resolve picks too when nothing is damaged. check: how the
-    shards are checked (damage); a job passes shared_check(mesh) and calls this on every rank."""
+    """--init, evaluate.py or consolidate's checkpoint argument -> a verified step directory: the
+    folder itself, or the out-dir's newest intact one as --resume picks it. verify=False reads
+    meta.json alone (the same step if nothing is damaged); check: see damage."""
     path = Path(path)
     if (path / "meta.json").is_file():
         why = damage(path, check) if verify else _load_meta(path)[1]
@@ -650,9 +624,8 @@ def resolve(path, say=print, verify: bool = True, check=None) -> Path:
 
 
 def last_intact(out_dir, n: int, say=print) -> list[Path]:
-    """The newest n intact checkpoints of an out-dir, newest first (damaged ones passed over and said): the
-    ones checkpoint averaging takes. They must be one run's: the same model, tokenizer, recipe, data and
-    seed, or it is refused."""
+    """The newest n intact checkpoints of an out-dir, newest first (damaged ones passed over and
+    said), for averaging: they must be one run's (run_of), or it is refused."""
     out_dir = Path(out_dir)
     if not is_checkpoint(out_dir) or (out_dir / "meta.json").is_file():
         raise CheckpointError(f"{out_dir} is not an out-dir of checkpoints (averaging reads several of them)")
@@ -687,10 +660,9 @@ def say_unlisted(d: Path, say):
 
 
 def resume_point(out_dir: Path, args, margs, mesh, say=print) -> tuple[Path | None, dict | None]:
-    """The checkpoint this run continues from and its meta.json (None, None: a fresh start), on every
-    rank: the checkpoints' shards are checked against their manifests by all the ranks at once, each a
-    share of the files (shared_check). A fresh run never mixes into an earlier one's folder:
-    that takes --resume (continue it) or --overwrite (remove it first)."""
+    """The checkpoint this run continues from and its meta.json (None, None: a fresh start), on
+    every rank, all ranks verifying it at once (shared_check). A fresh run never mixes into an
+    earlier one's folder: that takes --resume (continue it) or --overwrite (remove it first)."""
     verify = args.resume  # (without --resume only whether something is there matters: no checksums)
     ckpt, skipped = find_latest(out_dir, verify, shared_check(mesh)) if out_dir.is_dir() else (None, [])
     earlier = earlier_run(out_dir)
@@ -728,17 +700,13 @@ def meta_for(ckpt: Path, margs: M.ModelArgs) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 6. What a model folder records: the tokenizer its ids belong to, the sequence length it was trained at,
-#    and whether it speaks the chat format. Read from a checkpoint's meta.json, from an export's
-#    config.json (checkpoint.py consolidate --hf writes "tokenizer" there) or a Meta folder's params.json.
-#    And its weights: load_init reads any of the three, growing the vocabulary where the tokenizer has
-#    more ids (sft.py's chat tokens).
+# 6. What a model folder records (tokenizer, seq_len, chat or not), and its weights
 
 
 def recorded(path) -> dict:
-    """{"tokenizer", "seq_len", "vocab_size", "chat", "num_labels"}, each where the folder says it (a
-    checkpoint's own tokenizer record, else its --tokenizer flag; an export's "tokenizer"; num_labels: a
-    scoring head's outputs, absent for a language model). Reads no weights."""
+    """{"tokenizer", "seq_len", "vocab_size", "chat", "num_labels"}, each where the folder says it
+    (a checkpoint's tokenizer record, else its --tokenizer flag; the "tokenizer" consolidate --hf
+    writes in config.json; num_labels: a scoring head's outputs, absent for a language model)."""
     path = Path(path)
     if is_checkpoint(path):  # an out-dir: its newest checkpoint (the one loaded is verified when it is read)
         path = resolve(path, say=lambda msg: None, verify=False)
@@ -767,10 +735,9 @@ def recorded(path) -> dict:
 
 
 def check_head(path, flag: str, reward: bool = False):
-    """The kind of model the caller needs, from what `path` (given as `flag`) records, before any weight is
-    read: a language model (reward False: it writes replies, or its tokens are scored), or a reward model
-    (a head of one output, ModelArgs.num_labels 1). The other kind would run and give nonsense: a scoring
-    head's one column sampled as token 0, a vocabulary's logits read as a score."""
+    """Check, before any weight is read, that `path` (given as `flag`) is a language model, or with
+    `reward` a reward model (ModelArgs.num_labels 1). The other kind would run and give nonsense: a
+    scoring head's one column sampled as token 0, a vocabulary's logits read as a score."""
     labels = recorded(path).get("num_labels")
     if reward and labels != 1:
         what = "a language model" if labels is None else f"a head of {labels} outputs"
@@ -782,11 +749,10 @@ def check_head(path, flag: str, reward: bool = False):
 
 
 def tokenizer_for(path, requested: str | None, mirror=None, grows: bool = False):
-    """The tokenizer of the model in `path`: the one it records; `requested` (--tokenizer) only if it is the
-    same one, or if the folder records none. Ids that mean other text than the model learned would give
-    numbers that look right and are not, so anything else is refused: a requested tokenizer that differs,
-    a folder that records none and is not Llama 3's vocabulary, or (unless the caller `grows` the
-    embedding, as sft.py does) a tokenizer with more ids than the model has rows."""
+    """The tokenizer of the model in `path`: the one it records, or `requested` if it records none.
+    Ids meaning other text than the model learned give numbers that look right and are not, so this
+    refuses a differing request, an unrecorded tokenizer for a vocabulary not Llama 3's, and (unless
+    the caller `grows` the embedding, as sft.py does) more ids than the model has rows."""
     found = recorded(path)
     name, rows = found.get("tokenizer"), found.get("vocab_size")
     if name is not None and name not in data.TOKENIZERS and Path(name).expanduser().is_file():
@@ -813,8 +779,8 @@ def tokenizer_for(path, requested: str | None, mirror=None, grows: bool = False)
 
 
 def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
-    """--init -> (model args, full state dict), from any of the three formats. A checkpoint is verified
-    against its manifest, as --resume does, unless verify=False: for a job whose ranks have verified it."""
+    """--init -> (model args, full state dict), from any of the three formats. A checkpoint is
+    verified as --resume does, unless verify=False: for a job whose ranks have verified it."""
     path = Path(path)
     if is_checkpoint(path):
         path = resolve(path, verify=verify)
@@ -839,14 +805,13 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
 
 
 def checkpoint_args(step: Path) -> M.ModelArgs:
-    """A checkpoint's model args, from its meta.json alone."""
     return M.ModelArgs.from_dict(read_meta(step)["model_args"])
 
 
 def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.ModelArgs, W.LazyState]:
-    """A checkpoint's model args and weights (its fp32 masters, each read when looked up), without what only
-    training keeps (M.TRAINING_ONLY). A LoRA checkpoint holds its adapters alone: each adapted weight is
-    then the model it adapts (lora_base) merged with them, W + (alpha / r) B A."""
+    """A checkpoint's model args and weights (fp32 masters, each read when looked up), without what
+    only training keeps (M.TRAINING_ONLY). A LoRA checkpoint holds its adapters alone: each adapted
+    weight is then the model it adapts (lora_base) merged with them, W + (alpha / r) B A."""
     margs, lora = checkpoint_args(step), read_meta(step).get("lora")
     full, _ = read_full_state(step, keys=("master",))
     master = lambda name: (lambda: full[name]["master"])
@@ -868,9 +833,8 @@ def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.Model
 
 
 def lora_record(lora: tuple | None, base: Path | None, seed: int) -> dict | None:
-    """What a LoRA checkpoint needs to become a model again (checkpoint_state): its adapters' settings and
-    the model they adapt: `base` (the --init folder, a checkpoint's own step folder, as an absolute path)
-    and its fingerprint, or with none the model --seed draws."""
+    """What a LoRA checkpoint needs to become a model again (checkpoint_state): its adapters'
+    settings and the model they adapt: `base` (absolute, fingerprinted), or the one --seed draws."""
     if lora is None:
         return None
     rank, alpha, targets = lora
@@ -880,8 +844,8 @@ def lora_record(lora: tuple | None, base: Path | None, seed: int) -> dict | None
 
 
 def fingerprint(folder: Path) -> str:
-    """What identifies the weights in a model folder without reading them: a checkpoint's manifest (each
-    shard's sha256), else the name, size and modification time of each weight file."""
+    """What identifies the weights in a model folder without reading them: a checkpoint's manifest
+    (each shard's sha256), else the name, size and modification time of each weight file."""
     folder = Path(folder)
     if (folder / "meta.json").is_file():
         listed = read_meta(folder)["files"]
@@ -892,9 +856,8 @@ def fingerprint(folder: Path) -> str:
 
 
 def unchanged_base(lora: dict) -> Path | None:
-    """The folder a LoRA checkpoint adapts (None: the model drawn from its seed), refused in one line if it
-    is gone or its weight files have changed since training: the adapters belong to the model that was
-    there."""
+    """The folder a LoRA checkpoint adapts (None: the model drawn from its seed), refused if it is
+    gone or its weight files have changed since training."""
     if lora["base"] is None:
         return None
     base = Path(lora["base"])
@@ -920,16 +883,16 @@ def lora_base(lora: dict, margs: M.ModelArgs, tok, verify: bool):
 
 
 def with_room_for(margs: M.ModelArgs, n_vocab: int) -> M.ModelArgs:
-    """The model args with a row for every id of a tokenizer with n_vocab ids (rounded up to 64 rows)."""
+    """The model args with a row for each of n_vocab ids (rounded up to 64 rows)."""
     if n_vocab <= margs.vocab_size:
         return margs
     return replace(margs, vocab_size=64 * ((n_vocab + 63) // 64))
 
 
 def grow_vocab(margs: M.ModelArgs, state: dict, n_vocab: int) -> tuple[M.ModelArgs, dict]:
-    """Add embedding and output rows for ids the model has never seen (e.g. chat tokens appended to a base
-    vocabulary). New rows start at the mean of the existing rows (Hewitt 2021): a new token begins as an
-    'average' token, and its logit as the mean logit, rather than as noise of an unrelated scale."""
+    """Add embedding and output rows for ids the model has never seen (e.g. sft.py's chat tokens).
+    New rows start at the mean of the existing rows (Hewitt 2021): a new token begins as an
+    'average' token, and its logit as the mean logit, not as noise of an unrelated scale."""
     grown = with_room_for(margs, n_vocab)
     state = collections.ChainMap({}, state)  # the grown tensors over the rest (a lazy state stays lazy)
     for name in ("tok_embeddings.weight", "output.weight")[:1 if margs.num_labels else 2]:  # (not a score)
@@ -949,8 +912,7 @@ RUN_FILES = ("latest", "metrics.jsonl", ".latest.tmp")
 
 
 def check_out_dir(out_dir: Path):
-    """Before anything is written: the out-dir must be a folder (or creatable), and the names a run writes
-    must not be taken by something else (a folder called metrics.jsonl or latest)."""
+    """Before writing: refuse a non-folder out-dir, or a non-file where a run file goes."""
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"--out-dir {out_dir} exists and is not a folder")
     for name in RUN_FILES + (".lock",):
@@ -960,7 +922,7 @@ def check_out_dir(out_dir: Path):
 
 
 def earlier_run(out_dir: Path) -> str | None:
-    """What an earlier run left here, in a few words (None if nothing): a fresh run must not mix into it."""
+    """What an earlier run left here, in a few words, or None: a fresh run must not mix into it."""
     steps = step_dirs(out_dir) if out_dir.is_dir() else []
     if steps:
         return f"checkpoint {steps[-1].name}"
@@ -973,9 +935,8 @@ def earlier_run(out_dir: Path) -> str | None:
 
 
 def clear_run(out_dir: Path) -> list[str]:
-    """--overwrite: remove what an earlier run left (its step directories, unfinished ones, `latest`,
-    metrics.jsonl), so nothing of it is resumed, rotated in with the new steps or mixed into the new
-    metrics. Other files in the folder are kept. Returns the names removed."""
+    """--overwrite: remove an earlier run's step directories (finished or not), `latest` and
+    metrics.jsonl, so none is resumed, rotated in or mixed into new metrics; returns their names."""
     gone = [*step_dirs(out_dir), *out_dir.glob(".tmp-step_*")]
     gone += [out_dir / n for n in RUN_FILES if (out_dir / n).is_file()]
     for p in gone:
@@ -988,12 +949,9 @@ def clear_run(out_dir: Path) -> list[str]:
 
 
 def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, average: list[Path] = ()):
-    """A sharded checkpoint -> a Hugging Face folder, which every --init reads, as transformers does; with
-    `tokenizer` (the tiktoken Encoding it was trained with), the folder records it and its special ids
-    (W.hf_tokens) and carries it as a Hugging Face tokenizer (W.hf_tokenizer_files). With
-    `average` (other checkpoints of the same run), each weight is the element-wise mean of `folder`'s and
-    theirs (Polyak averaging), in fp32, read one parameter at a time: never N models in memory. A LoRA
-    checkpoint is written merged (checkpoint_state)."""
+    """A sharded checkpoint -> a Hugging Face folder (read by --init, as by transformers), recording
+    and carrying its `tokenizer`. With `average` (other checkpoints of the run), each weight is the
+    fp32 mean of all (Polyak averaging), a parameter at a time: never N models in memory."""
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     states = [checkpoint_state(f, tokenizer, verify=False)[1] for f in [folder, *average]]
@@ -1014,11 +972,11 @@ PEFT_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w
 
 
 def export_peft(folder: Path, out: Path):
-    """A LoRA checkpoint's adapters alone, as PEFT saves them (adapter_model.safetensors: the Hugging Face
-    module's name, then lora_A.weight (r, in) and lora_B.weight (out, r); adapter_config.json), for
-    PeftModel.from_pretrained(base, out) on the Hugging Face export of the model they adapt. Its
-    base_model_name_or_path names that model where PEFT can load it, a Hugging Face folder; a checkpoint of
-    ours, or a Meta folder, it cannot: then none (the README: export the base with --hf first)."""
+    """A LoRA checkpoint's adapters alone, as PEFT saves them (adapter_model.safetensors: the
+    Hugging Face module's name, then lora_A.weight (r, in) and lora_B.weight (out, r);
+    adapter_config.json), for PeftModel.from_pretrained(base, out) on the Hugging Face export of the
+    model they adapt. base_model_name_or_path names that model if it is a Hugging Face folder (PEFT
+    loads no other); else none (the README: export the base with --hf first)."""
     meta, (full, _) = read_meta(folder), read_full_state(folder, keys=("master",))
     lora = meta.get("lora")
     if not lora:

@@ -1,12 +1,12 @@
 """A run's configuration: the command line's flags, their checks, the device and the process.
 
-train.py, sft.py, dpo.py, reward.py and rl.py share one parser (get_parser; each script adds its own flags)
-and one gate, check_config: every bad input (a flag out of range, a tokenizer larger than the model, a
-layout that does not divide the world or the heads, a model too large for the device's memory) is refused
-here on every rank, in one line, before any process talks and before the output folder is touched. Then
-configure_process makes the process-wide settings (seeds, the GPU, TF32, --deterministic) once, from the
-command line, never from a library function. --ramp's stages (Llama 3's growing batch and sequence length)
-are parsed and checked here too; the loop switches between them (train.switch_stage).
+train.py, sft.py, dpo.py, reward.py and rl.py share one parser (get_parser; each script adds its own
+flags) and one gate, check_config, which refuses every bad input (a flag out of range, a tokenizer
+larger than the model, a layout that does not divide the world or the heads, a model too large for
+the device's memory) on every rank, in one line, before any process talks or the output folder is
+touched. configure_process then makes the process-wide settings once, from the command line, never
+from a library function. --ramp's stages (Llama 3's growing batch and sequence length) are parsed
+and checked here too; train.switch_stage moves between them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class ConfigError(Exception):
 
 
 class ResourceError(ConfigError):
-    """This process's machine cannot run the job (too little memory): said by every rank that finds it."""
+    """This machine cannot run the job (too little memory): every rank that finds it says so."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -61,8 +61,8 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def flag_group(p: argparse.ArgumentParser, title: str, only=None):
-    """A group's add_argument; with only (a set of flags), one that adds those alone, as train.py has them:
-    bench.py takes the flags of train.py it passes on from here."""
+    """A group's add_argument; with only (a set of flags), one that adds just those, as train.py has
+    them: bench.py takes the train.py flags it passes on from here."""
     g = p.add_argument_group(title)
     return lambda flag, **kw: g.add_argument(flag, **kw) if only is None or flag in only else None
 
@@ -132,8 +132,7 @@ def add_lora_flags(p: argparse.ArgumentParser, only=None):
 
 
 def lora_of(args) -> tuple[int, float, tuple[str, ...]] | None:
-    """(rank, alpha, targets) of --lora-rank, --lora-alpha, --lora-targets; None without --lora-rank, where
-    the other two may not be given (they would do nothing)."""
+    """(rank, alpha, targets), or None without --lora-rank (then the other two are refused)."""
     if args.lora_rank is None:
         if args.lora_alpha is not None or args.lora_targets != ",".join(M.LORA_TARGETS):
             raise ConfigError("--lora-alpha and --lora-targets shape LoRA's updates: they need --lora-rank R")
@@ -250,8 +249,8 @@ def add_run_flags(p: argparse.ArgumentParser, only=None):
 
 
 def model_args_from(args, vocab_size: int) -> M.ModelArgs:
-    """Preset + overrides. The small presets adapt their vocabulary to the tokenizer (rounded up to a multiple
-    of 64 for efficient matmuls); the published Llama 3 presets keep theirs."""
+    """Preset + overrides. The small presets adapt their vocabulary to the tokenizer (rounded up to
+    a multiple of 64 for efficient matmuls); the published Llama 3 presets keep theirs."""
     presets = M.PRESETS
     if args.model not in presets:
         raise ConfigError(f"unknown model preset {args.model!r}; choose from {', '.join(presets)}")
@@ -276,9 +275,8 @@ SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
 
 
 def init_model_args(args, margs: M.ModelArgs) -> M.ModelArgs:
-    """The model args of --init with what the command line may change of them: --rope-scaling, which changes
-    no weight (fine-tuning for a longer context is where it is set). The shape flags would change the
-    weights themselves: refused."""
+    """--init's model args with --rope-scaling, which changes no weight (fine-tuning for a longer
+    context is where it is set); the shape flags would change the weights, so they are refused."""
     given = [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is not None]
     if given:
         raise ConfigError(f"{', '.join(given)}: the model's shape is --init {args.init}'s; leave the shape "
@@ -290,8 +288,8 @@ def init_model_args(args, margs: M.ModelArgs) -> M.ModelArgs:
 
 
 def with_rope_scaling(margs: M.ModelArgs, text: str | None) -> M.ModelArgs:
-    """--rope-scaling applied (None: as it is). The context grows to factor x the original one, if that is
-    longer than the model's: what the scaling is for."""
+    """--rope-scaling applied (None: unchanged). The context grows to factor x the original one
+    where that is longer than the model's: what the scaling is for."""
     if text is None:
         return margs
     scaling = parse_rope_scaling(text)
@@ -300,7 +298,7 @@ def with_rope_scaling(margs: M.ModelArgs, text: str | None) -> M.ModelArgs:
 
 
 def parse_rope_scaling(text: str) -> dict | None:
-    """--rope-scaling "8:1:4:8192" -> ModelArgs.rope_scaling (checked for sense there); "none" -> None."""
+    """--rope-scaling "8:1:4:8192" -> ModelArgs.rope_scaling (checked there); "none" -> None."""
     if text.strip().lower() == "none":
         return None
     try:
@@ -322,8 +320,7 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
 
 
 def anneal_start(args, dp: int) -> int | None:
-    """The step where --anneal-tokens' annealing starts (None without it): the run's last steps that hold
-    that many tokens, rounded up to whole steps."""
+    """Annealing's first step (None: off): the run's last --anneal-tokens tokens, in whole steps."""
     if not args.anneal_tokens:
         return None
     return args.max_steps - math.ceil(args.anneal_tokens / (args.micro_batch * args.grad_accum * dp *
@@ -335,8 +332,7 @@ def anneal_start(args, dp: int) -> int | None:
 
 
 def validate(args):
-    """Every flag value a run cannot use is refused here, before anything is read or written. NaN fails
-    every comparison below, so it is refused wherever a range is."""
+    """Every flag value a run cannot use; NaN fails every comparison below, so ranges refuse it."""
     def need(ok: bool, name: str, rule: str):
         if not ok:
             raise ConfigError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
@@ -383,8 +379,8 @@ def validate(args):
 
 
 def eval_tasks(spec: str) -> list[tuple[str, int | None]]:
-    """--eval-tasks "hellaswag:200,piqa" -> [("hellaswag", 200), ("piqa", None)]: a benchmark (or a file of
-    items) and how many of its first items to score (None: all)."""
+    """--eval-tasks "hellaswag:200,piqa" -> [("hellaswag", 200), ("piqa", None)]: a benchmark (or a
+    file of items) and how many of its first items to score (None: all)."""
     tasks = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, limit = part.rpartition(":") if re.fullmatch(r".+:\w*", part) else (part, "", "")
@@ -401,8 +397,7 @@ NAME_MAX = 255  # bytes in one file or folder name, on every common file system
 
 
 def check_path_lengths(args):
-    """A path with a component longer than a file system allows makes every look at it fail (even
-    Path.exists raises): refused here, by flag, instead."""
+    """A path component over NAME_MAX makes every look at it fail (even Path.exists raises)."""
     paths = [(flag, getattr(args, flag, None)) for flag in ("out_dir", "init", "tokenizer", "mirror",
                                                              "tensorboard")]
     paths += [(flag, part) for flag in ("data", "anneal_data")
@@ -418,14 +413,14 @@ TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> what `pip
 
 
 def check_trackers(args):
-    """A tracker flag whose package is missing is refused before the run starts (logs.Trackers imports it)."""
+    """A tracker flag without its package, refused before the run (logs.Trackers imports it)."""
     for flag, package in TRACKERS.items():
         if getattr(args, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"--{flag} needs the {package} package: pip install {package}")
 
 
 class Spec(NamedTuple):
-    """What check_config found: the run's device, precision, tokenizer and model shape, and --ramp's stages."""
+    """What check_config found: device, precision, tokenizer, model shape and --ramp's stages."""
     device: torch.device
     precision: str
     tok: object  # a tiktoken Encoding
@@ -435,8 +430,7 @@ class Spec(NamedTuple):
 
 
 def check_config(args, recipe) -> Spec:
-    """Everything that can be wrong, refused before any process talks and before --out-dir is touched:
-    the flags, the device, the tokenizer against the model, the parallel layout, the memory."""
+    """The module docstring's gate: the flags, the device, the tokenizer, the layout, the memory."""
     validate(args)
     for flag, why in recipe.unused_flags.items():  # given all the same, they would do nothing
         value = getattr(args, flag)
@@ -467,8 +461,7 @@ def check_config(args, recipe) -> Spec:
 
 
 def check_shape(args, world: int, margs, device, precision: str, recipe, masked: bool = False):
-    """The sequence length against the model, the parallel layout and the memory, for these settings
-    (masked: whether the attention is, check_attention)."""
+    """Sequence length, layout and memory for these settings (masked: check_attention's verdict)."""
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
     split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
@@ -485,9 +478,8 @@ def check_shape(args, world: int, margs, device, precision: str, recipe, masked:
 
 
 def check_attention(args, device, masked: str | None) -> str | None:
-    """--attn-backend against the device and the mask: a kernel this device lacks, or one the run's attention
-    never reaches (masked in every batch: why, from the recipe, or --cp's positions) is refused. Returns why
-    the attention is masked (None: it is the plain causal one)."""
+    """Refuse an --attn-backend this device lacks, or one a masked attention (by the recipe or --cp)
+    never reaches. Returns why it is masked (None: plain causal)."""
     backend = args.attn_backend
     masked = masked or ("--cp gives each rank's queries their keys by a mask" if args.cp > 1 else None)
     if backend in ("cudnn", "efficient") and device.type != "cuda":
@@ -500,9 +492,8 @@ def check_attention(args, device, masked: str | None) -> str | None:
 
 
 def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: str | None) -> str:
-    """The kernel that will compute the run's attention, asked of the model's own dispatch
-    (model.attention_kernel) with this rank's heads at up to 1,024 positions: flex wherever it is masked on
-    a GPU. A --attn-backend that cannot compute it (not in this precision, say) is refused."""
+    """The run's attention kernel, asked of model.attention_kernel with this rank's heads at up to
+    1,024 positions (flex where masked on a GPU); refuses an --attn-backend that cannot run it."""
     if masked and device.type in M.BLOCK_MASK_DEVICES:
         return "flex"
     T, dtype = min(args.seq_len, 1024), M.DTYPES[precision]
@@ -518,8 +509,8 @@ def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: s
 
 def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
                  seq_len: int, sp: bool = False, cp: int = 1, virtual: int = 1):
-    """Every reason a layout cannot work, as one message naming the numbers. Pure arithmetic: each rank
-    reaches the same verdict without talking to the others."""
+    """Every reason a layout cannot work, in one message naming the numbers. Pure arithmetic: each
+    rank reaches the same verdict without talking to the others."""
     errors = []
     if tp < 1 or pp < 1 or cp < 1:
         errors.append(f"--tp {tp}, --cp {cp} and --pp {pp} must be at least 1")
@@ -562,11 +553,10 @@ def ramp_stage(args) -> str:
 
 def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
                  frozen_copies: int = 0, chunk: int = 0, masked: bool = False):
-    """Refuse a model that cannot fit before any of it is allocated: the estimate of what one process holds
-    (model states, activations and temporaries of its busiest pipeline stage, costs.memory_estimate, for
-    micro-batches of rows_per_example rows an example, as this device's kernels keep them: costs.kept_by;
-    plus frozen copies of its weights, DPO's reference), or what it holds while the model is built
-    (costs.build_bytes) if that is more, against what its device has free."""
+    """Refuse a model that cannot fit, before any of it is allocated: one process's busiest pipeline
+    stage (costs.memory_estimate, rows_per_example rows an example, kept as costs.kept_by says; plus
+    frozen copies of its weights, DPO's reference), or the model while built (costs.build_bytes) if
+    that is more, against what the device has free."""
     split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
     rows = args.micro_batch * rows_per_example
     dp = world // (args.tp * args.cp * args.pp)
@@ -595,8 +585,8 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
 
 
 def check_overwrite(args):
-    """--overwrite deletes an earlier run's checkpoints and metrics in --out-dir: never what this run reads.
-    A model to start from (--init) or data (--data, --anneal-data) inside the out-dir is refused."""
+    """--overwrite deletes an earlier run's checkpoints and metrics in --out-dir, so what this run
+    reads (--init, --data, --anneal-data) may not lie inside it."""
     if not args.overwrite:
         return
     out = Path(args.out_dir).expanduser().resolve()
@@ -624,13 +614,13 @@ def check_anneal(args, dp: int):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began with
-# 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to 16M after
-# 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); the step's loss is normalized over
-# its own targets as always; the learning rate follows steps, as the paper gives its schedule (8,000
-# warmup steps, cosine over 1.2M steps), and a stage's steps are fixed by the ramp, so the schedule is
-# known from the start. At a stage's first step the loaders are made anew for its length, the training
-# one as far into its epochs as the run has read (switch_stage).
+# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began
+# with 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to
+# 16M after 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); each step's loss
+# is normalized over its own targets. The learning rate follows steps, as the paper's schedule does
+# (8,000 warmup steps, cosine over 1.2M), and the ramp fixes each stage's steps, so the schedule is
+# known from the start. At a stage's first step, switch_stage makes the loaders anew for its length,
+# the training one as far into its epochs as the run has read.
 
 
 class Stage(NamedTuple):
@@ -694,8 +684,7 @@ def enter_stage(args, stage: Stage, dp: int):
 
 
 def check_ramp_flags(args, parser: argparse.ArgumentParser):
-    """--seq-len or --grad-accum given beside --ramp, which sets both stage by stage: refused (the parser
-    knows the defaults)."""
+    """Refuse --seq-len or --grad-accum beside --ramp (the parser knows their defaults)."""
     given = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in ("seq_len", "grad_accum")
              if getattr(args, f) != parser.get_default(f)]
     if given:
@@ -704,7 +693,7 @@ def check_ramp_flags(args, parser: argparse.ArgumentParser):
 
 
 def check_ramp(args, dp: int) -> list[Stage]:
-    """The ramp, every stage checked against the flags (the layout and memory per stage: check_config)."""
+    """--ramp's stages, each checked against the flags (its layout and memory: check_config)."""
     check_ramp_flags(args, get_parser())
     stages = parse_ramp(args.ramp)
     beyond = [s for s in stages if s.start >= args.max_steps]
@@ -748,18 +737,17 @@ def pick_device_and_precision(args):
 
 
 def configure_process(args):
-    """The process-wide settings, made once by the command line before train(): seeds, this process's GPU,
-    TF32 matmuls on CUDA, --deterministic, and (under torchrun) an exit when the agent dies.
-
-    --deterministic: deterministic CUDA kernels where torch has them (an error where it has none), cuBLAS
-    with a fixed workspace, no cuDNN autotuning. On an x86 CPU, runs repeat bit for bit without it on one
-    kind of CPU, but MKL and ATen choose kernels by the host's vector unit (AVX-512, AVX2), and other
-    kernels sum in another order: the flag pins both to AVX2. Both read these variables at their first
-    use: effective in a fresh process, as the command line is."""
+    """Before train(): seeds, this process's GPU, TF32 matmuls on CUDA, --deterministic, and (under
+    torchrun) an exit when the agent dies. --deterministic means deterministic CUDA kernels where
+    torch has them (an error where it has none), cuBLAS with a fixed workspace, no cuDNN autotuning.
+    x86 runs repeat bit for bit without it on one kind of CPU, but MKL and ATen choose kernels by
+    the host's vector unit (AVX-512, AVX2), and other kernels sum in another order: the flag pins
+    both to AVX2. Both read their variables at first use, so this works in a fresh process, as the
+    command line is."""
     validate(args)
     launch.launch_env()
     device, _ = pick_device_and_precision(args)
-    launch.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+    launch.exit_with_agent()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if device.type == "cuda":
@@ -784,8 +772,8 @@ def configure_process(args):
 
 
 def env_rank() -> int:
-    """This process's global rank (torchrun's RANK) for deciding who prints: 0 when RANK is unset or not a
-    number (check_config refuses the latter, in a line that this lets through)."""
+    """torchrun's RANK, for deciding who prints: 0 when unset or not a number (which check_config
+    refuses, in a line this lets through)."""
     text = os.environ.get("RANK", "0").strip()
     return int(text) if text.isdigit() else 0
 
@@ -797,8 +785,8 @@ def say(msg: str):
 
 
 def run(main_fn, argv=None):
-    """main_fn() with user errors as one line on stderr (from rank 0, or from the rank whose own input is
-    bad, or from each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
+    """main_fn() with user errors as one line on stderr (from rank 0, the rank whose input is bad,
+    or each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
     rank = env_rank()
     try:
         main_fn(argv)

@@ -1,15 +1,15 @@
 """What a run costs: estimated from the shapes alone, and measured on the device at hand.
 
-  Counting    count_params and flops_per_token (PaLM's and Megatron's conventions) of any model's shapes
-  Estimates   memory_estimate (the bytes one rank holds at its peak, by kind), build_bytes (while the model
-              is built) and comm_estimate (the bytes it sends per step, per dimension), for any model and
-              layout. config.py's memory check refuses a run that cannot fit before it allocates anything;
-              bench.py sets them beside what a run measures and plans runs on machines we don't have.
-  Instruments the device's peak FLOP/s (a datasheet table for GPUs, measured elsewhere) for MFU, peak
-              memory, the memory still available, and PhaseTimer, the seven phases' seconds.
+  Counting    count_params and flops_per_token (PaLM's and Megatron's conventions)
+  Estimates   memory_estimate (one rank's peak bytes, by kind), build_bytes (its peak while the
+              model is built), comm_estimate (bytes sent per step, per dimension), for any model
+              and layout: config.py's memory check refuses a run that cannot fit before allocating;
+              bench.py sets them beside a run's measurements and plans runs on machines we lack.
+  Instruments peak FLOP/s for MFU (a datasheet table for GPUs, else measured), peak and available
+              memory, and PhaseTimer, the seven phases' seconds.
 
-Each estimate's terms are buffers this code allocates; tests/test_memory.py holds the totals against a
-census of a CPU run's allocations and the bytes against the collectives' own count (parallel.py, section 2).
+Each estimate's terms are buffers this code allocates; tests/test_memory.py holds the totals against
+a CPU run's allocations and the bytes against the collectives' own count (parallel.py, section 2).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def count_params(args: M.ModelArgs, embedding: bool = True) -> int:
-    """Exact parameter count of model.Transformer(args), from the shapes alone (no model is built)."""
+    """Exact parameter count of model.Transformer(args), without building it."""
     d, hd, L, V = args.dim, args.head_dim, args.n_layers, args.vocab_size
     attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo + wk, wv
     ffn = 3 * d * args.hidden_dim
@@ -51,12 +51,11 @@ def count_params(args: M.ModelArgs, embedding: bool = True) -> int:
 
 
 def flops_per_token(args: M.ModelArgs, seq_len: int, frozen: bool = False) -> dict[str, float]:
-    """Training FLOPs per token (forward + backward = 3x forward) under the two conventions in use:
-    'palm' (PaLM appendix B, nanoGPT, torchtitan): 6*N_matmul + 12*L*d*T, attention scores counted in full;
-    'megatron' (Megatron-LM, llm.c): the attention term halved, since causal masking skips half of it.
-    N_matmul counts every weight that takes part in a matmul: all but the embedding table, the output head
-    included (when tied, the shared matrix is still used once as the head). frozen (LoRA): the weights get
-    no gradient, so 4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
+    """Training FLOPs per token (forward + backward = 3x forward), by two conventions: 'palm' (PaLM
+    appendix B, nanoGPT, torchtitan) 6*N_matmul + 12*L*d*T; 'megatron' (Megatron-LM, llm.c) halves
+    the attention term, as causal masking skips half. N_matmul: every weight in a matmul, all but
+    the embedding table, the head included (a tied matrix counts once, as the head). frozen (LoRA):
+    no weight gradients, so 4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
     n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings
                                                       else 0)
     attn, matmuls = 12 * args.n_layers * args.dim * seq_len, (4 if frozen else 6) * n_matmul
@@ -71,9 +70,9 @@ def rank_layers(n_layers: int, pp: int, stage: int, split=None, virtual: int = 1
 
 def unit_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
                 split: list[int] | None = None, virtual: int = 1) -> list[int]:
-    """Parameters one rank of pipeline stage `stage` holds, unit by unit in forward order (unit_of): the
-    embedding on the first stage, its layers (linears split over tp, norms whole), the final norm and the
-    head on the last (vocab padded to tp; a tied head is the embedding's unit)."""
+    """Parameters one rank of pipeline stage `stage` holds, unit by unit in forward order (unit_of):
+    the embedding on the first stage, its layers (linears split over tp, norms whole), the final
+    norm and the head on the last (vocab padded to tp; a tied head is the embedding's unit)."""
     d, hd, V = args.dim, args.head_dim, P.padded_vocab(args.vocab_size, tp)
     per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd
                  + 3 * d * args.hidden_dim) // tp + 2 * d
@@ -99,7 +98,7 @@ def lora_shapes(args: M.ModelArgs) -> dict[str, tuple[int, int]]:
 
 
 def lora_params(args: M.ModelArgs, rank: int, targets, tp: int = 1) -> int:
-    """LoRA's parameters in one block on one tp rank: r (in + out) per targeted linear, the side that tp
+    """LoRA's parameters in one block on one tp rank: r (in + out) per targeted linear, the side tp
     splits (a column-parallel linear's outputs, a row-parallel one's inputs) divided by tp."""
     rows = ("wo", "w2")
     return sum(rank * (i // tp + o if t in rows else i + o // tp)
@@ -107,17 +106,15 @@ def lora_params(args: M.ModelArgs, rank: int, targets, tp: int = 1) -> int:
 
 
 class Kept(NamedTuple):
-    """How a run's blocks keep their activations for backward, beyond the shapes: the kernels the run uses
-    (kept_by: the device, the attention kernel and --compile)."""
+    """How a run's kernels change what its blocks keep for backward (kept_by sets it)."""
     compiled: bool = False  # --compile: inductor's partition keeps a block's inputs, recomputes norms, SiLU
     grouped_kv: bool = True  # attention keeps K and V at n_kv_heads (a GPU's kernels) or repeated to n_heads
     fp32_attention: bool = False  # attention computed in fp32 (bf16 on a CPU: model.sdpa_inputs)
 
 
 def kept_by(device_type: str, precision: str, backend: str, masked: bool, compiled: bool) -> Kept:
-    """The Kept of a run on this device with this --attn-backend: a masked attention (packed documents) is
-    FlexAttention's on a GPU, which keeps K and V grouped, and SDPA's with a dense mask elsewhere, which
-    repeats them; an unmasked one groups them where model.groups_kv says SDPA gets them so."""
+    """A run's Kept: masked attention (packed documents) keeps K and V grouped on a GPU
+    (FlexAttention), repeated elsewhere (SDPA, dense mask); unmasked, as model.groups_kv says."""
     cuda = device_type == "cuda"
     grouped = cuda if masked else M.groups_kv(backend, cuda)
     return Kept(compiled, grouped, device_type == "cpu" and precision == "bf16")
@@ -125,23 +122,21 @@ def kept_by(device_type: str, precision: str, backend: str, masked: bool, compil
 
 def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
                      cp: int = 1, loss_chunk: int = 0, kept: Kept = Kept()) -> dict:
-    """Bytes of one micro-batch of `tokens` tokens (this rank's: under cp, 1/cp of each sequence), as
-    model.py's forward and the loss keep them (b bytes per number in the compute precision; V the
-    vocabulary rows of one TP rank):
-      layer: what backward keeps of one block (layer_bytes).
-      layer_input: the block's input alone (what activation checkpointing keeps).
-      layer_selective: what selective checkpointing keeps (model.KEPT_OPS): the input, and the outputs of
-        the seven matmuls (q, k, v, w1 x, w3 x: split over tp; wo's and w2's: whole) and of attention
-        (the output, split over tp, and its log-sum-exp), and under cp the gathered k and v, under SP the
-        gathered inputs of the linears and the scattered outputs.
-      head: the final norm and the head's input. logits: b per row. loss_saved: what the loss keeps for
-        backward, fp32 per row (the log-softmax; the vocab-parallel loss: the softmax).
-      loss_forward / loss_backward: what the loss holds on top of that while it runs: an fp32 copy of the
-        logits (bf16, or the vocab-parallel loss on a rank with padding), the vocab-parallel loss's shifted
+    """Bytes of one micro-batch of `tokens` tokens (under cp, 1/cp of each sequence) as the forward
+    and the loss keep them; b bytes per number in the compute precision, V one TP rank's vocab rows:
+      layer: what backward keeps of one block (layer_bytes); layer_input: its input alone (what
+        activation checkpointing keeps).
+      layer_selective: what selective checkpointing keeps (model.KEPT_OPS): the input, the outputs
+        of the seven matmuls (q, k, v, w1 x, w3 x split over tp; wo's and w2's whole) and of
+        attention (the output, split over tp, and its log-sum-exp); under cp the gathered k and v,
+        under SP the linears' gathered inputs and the scattered outputs.
+      head: the final norm and the head's input. logits: b per row. loss_saved: fp32 per row, kept
+        for backward (the log-softmax; vocab-parallel: the softmax).
+      loss_forward / loss_backward: what the loss holds on top while it runs: an fp32 copy of the
+        logits (bf16, or vocab-parallel on a rank with padding), the vocab-parallel loss's shifted
         logits and their exponentials; in backward two fp32 gradients (one and a cast under TP).
       layer_backward: one block's backward (3 hidden-sized gradients).
-      weight_grad: the embedding's or the head's weight gradient, made whole before it joins the fp32
-        buffer.
+      weight_grad: the embedding's or head's weight gradient, whole before it joins the fp32 buffer.
     With loss_chunk, the loss's terms are chunked_loss_bytes'."""
     d, b, s = args.dim, BYTES[precision], tp if sp else 1
     V = P.padded_vocab(args.vocab_size, tp) // tp
@@ -164,14 +159,14 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
 
 
 def layer_bytes(args: M.ModelArgs, tokens: int, b: int, tp: int, sp: bool, cp: int, kept: Kept) -> float:
-    """What backward keeps of one block, per its `tokens` tokens. Attention: q and the output (dim each),
-    k and v (grouped: n_kv_heads wide; else repeated to dim) of every cp rank's tokens, in the attention's
-    precision (fp32 on a CPU in bf16, whose wo then keeps its own b-byte copy of the output), all split over
-    tp, and the fp32 log-sum-exp per head. Eager: each RMSNorm's input in fp32 and its normalized values,
-    (4 + b) per number (split over tp under SP), the linears' two normalized inputs (whole, or gathered
-    under SP), and SwiGLU's w1 x, silu(w1 x), w3 x and their product, 4 * hidden split over tp. Compiled
-    (inductor's min-cut partition, measured by bench.py --memory-census): the norms and the SiLU are
-    recomputed in backward from the block's input and the residual after attention, b each, and w1 x."""
+    """What backward keeps of one block for `tokens` tokens. Attention: q and the output (dim each),
+    k and v (n_kv_heads wide if grouped, else dim) of every cp rank's tokens, in the attention's
+    precision (fp32 on a CPU in bf16, where wo keeps a b-byte copy of the output), all split over
+    tp, and an fp32 log-sum-exp per head. Eager: each RMSNorm's fp32 input and normalized values,
+    4 + b a number (split over tp under SP); the linears' two normalized inputs (whole, or gathered
+    under SP); SwiGLU's w1 x, silu(w1 x), w3 x and product, 4 * hidden split over tp. Compiled
+    (inductor's min-cut partition, as bench.py --memory-census measures): norms and SiLU are
+    recomputed in backward from the block's input and post-attention residual, b each, and w1 x."""
     d, s, heads = args.dim, tp if sp else 1, args.n_heads // tp
     ab = 4 if kept.fp32_attention else b
     kv = args.n_kv_heads * args.head_dim if kept.grouped_kv else d
@@ -185,10 +180,10 @@ def layer_bytes(args: M.ModelArgs, tokens: int, b: int, tp: int, sp: bool, cp: i
 
 def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, sp: bool, cp: int,
                        loss_chunk: int) -> dict:
-    """activation_bytes' loss terms with loss_chunk (head_loss_sum, at fewer tokens than the micro-batch
-    has): no logits are held; the loss keeps the fp32 gradients of the head's input and weight, and while
-    it runs makes one chunk's logits, their loss as above and that chunk's gradients in the compute
-    precision; backward casts the kept gradients to it (bf16, fp16)."""
+    """activation_bytes' loss terms with loss_chunk (head_loss_sum, at fewer tokens than the
+    micro-batch): no logits held; the loss keeps fp32 gradients of the head's input and weight, and
+    while it runs makes one chunk's logits, their loss as above and that chunk's gradients in the
+    compute precision, which backward casts the kept ones to (bf16, fp16)."""
     d, b, V = args.dim, BYTES[precision], P.padded_vocab(args.vocab_size, tp) // tp
     c, rows_c = activation_bytes(args, loss_chunk, precision, tp, sp, cp), loss_chunk * V
     made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
@@ -198,8 +193,7 @@ def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, 
 
 
 def ckpt_mode(act_ckpt) -> str | None:
-    """train.py's --act-ckpt as the estimates read it: None, "full" (or any other true value) or
-    "selective"."""
+    """--act-ckpt as the estimates read it: None, "selective", or "full" (any other true value)."""
     return None if not act_ckpt else "selective" if act_ckpt == "selective" else "full"
 
 
@@ -209,29 +203,24 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
                     split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
                     virtual: int = 1, loss_chunk: int = 0, lora: tuple | None = None,
                     kept: Kept = Kept()) -> dict[str, float]:
-    """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None: the
-    busiest). Model states (optim.AdamW, GradSync): the model's weights (b bytes each; padded to a multiple
-    of dp x cp), the fp32 gradient buffer, the fp32 master weights (none in fp32 unless ZeRO shards them:
-    the weights are the master) and AdamW's m and v (fp32; its fused update needs no temporary), these
-    divided over dp x cp under ZeRO-1, which also keeps its reduced gradient pieces, packed (fp32); ZeRO-2
-    divides the gradient buffer too and keeps instead three buckets of bucket_mb being filled or reduced
-    (and two pieces); ZeRO-3 divides the weights too (sharded_weights_bytes). Under cp a rank holds the
-    activations of seq_len / cp tokens (and every rank's K and V per layer).
-    activations (activation_bytes): for every micro-batch a pipeline schedule has in flight on this stage
-    (1F1B: pp - stage at most; AFAB: all; one without a pipeline) its layers (with activation checkpointing
-    their inputs only) and on the last stage the head and what the loss keeps; without a pipeline the
-    training loop also holds the logits until backward. The interleaved schedule holds up to its warm-up
-    plus one chunk forwards, each of 1/virtual of the rank's layers.
-    temporaries: what comes and goes on top of them at the peak: the largest of the loss's, a layer's
-    backward (with the layer recomputed under checkpointing) and the embedding's or head's weight gradient
-    (the optimizer step and ZeRO's all-gathers allocate nothing).
-    Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps a
-    reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (one byte per
-    parameter), the attention mask of packed documents (B x T x T booleans) and DPO's frozen reference.
-    loss_chunk: train.py's --loss-chunk as the next-token loss uses it (loss_chunk there; 0: whole logits).
-    lora: (rank, targets) of LoRA: the model's weights frozen (b bytes each, nothing else), the model
-    states above for the adapters alone, and no weight gradient of the embedding or the head; LoRA's own
-    activations (r numbers a token for each adapted linear) are left out."""
+    """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None:
+    the busiest); under cp, activations of seq_len / cp tokens (and every rank's K and V per layer).
+    Model states (optim.AdamW, GradSync): weights, b bytes each (padded to a multiple of dp x cp);
+    grads, the fp32 gradient buffer; master, fp32 (in fp32 none unless ZeRO shards it: the weights
+    are the master); optimizer, AdamW's fp32 m and v (its fused update needs no temporary). ZeRO-1
+    divides master, m and v over dp x cp and keeps its reduced gradient pieces (zero_buffers: fp32,
+    packed); ZeRO-2 divides the gradients too and keeps instead three buckets of bucket_mb being
+    filled or reduced (and two pieces); ZeRO-3 divides the weights too (sharded_weights_bytes).
+    activations (held_activations): per micro-batch in flight, its layers' (checkpointed: inputs
+    only), on the last stage the head's and the loss's; without a pipeline the logits too.
+    temporaries: the largest of the loss's, a layer's backward (checkpointed: recomputed first) and
+    the embedding's or head's weight gradient (the step and ZeRO's all-gathers add none).
+    Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps
+    a reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (a byte
+    per parameter), packed documents' attention mask (B x T x T booleans), DPO's frozen reference.
+    loss_chunk: train.py's --loss-chunk (0: whole logits). lora (rank, targets): the weights frozen
+    (b bytes each, nothing else), the model states above for the adapters alone, no weight gradient
+    of the embedding or head; LoRA's own activations (r a token per adapted linear) left out."""
     if stage is None:
         layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
                       schedule=schedule, split=split, cp=cp, bucket_mb=bucket_mb, virtual=virtual,
@@ -256,8 +245,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
 
 def model_state_bytes(args: M.ModelArgs, precision: str, tp: int, pp: int, dp: int, zero: int, stage: int,
                       split, bucket_mb: float, virtual: int, lora: tuple | None = None) -> dict:
-    """memory_estimate's model states on one rank of stage `stage`, dp the ranks holding the same weights
-    (dp x cp: ZeRO shards over all of them); with lora, those of the adapters beside the frozen weights."""
+    """memory_estimate's model states on a rank of stage `stage`; dp: the ranks holding the same
+    weights (dp x cp, which ZeRO shards over); with lora, the adapters'."""
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
     n, frozen = stage_params(args, tp, pp, stage, split, virtual), 0
     if lora:
@@ -277,14 +266,13 @@ def model_state_bytes(args: M.ModelArgs, precision: str, tp: int, pp: int, dp: i
 def build_bytes(args: M.ModelArgs, precision: str = "bf16", *, tp: int = 1, pp: int = 1, dp: int = 1,
                 zero: int = 0, stage: int = 0, split: list[int] | None = None, cp: int = 1,
                 virtual: int = 1, lora: tuple | None = None) -> float:
-    """The most one rank of pipeline stage `stage` holds while train.py builds its model and optimizer,
-    before the optimizer's state exists (the steady state after that is memory_estimate's). Each parameter
-    is drawn or read whole in fp32, one at a time, and cut to this rank's tp piece (another fp32 copy
-    when tp cuts it). Without ZeRO-3 the pieces make the model (b bytes each), which AdamW then copies into
-    its flat buffer beside the fp32 gradient buffer: for a moment both copies exist. ZeRO-3 over dp x cp
+    """One rank's peak bytes at stage `stage` while train.py builds its model and optimizer. Each
+    parameter is drawn or read whole in fp32, one at a time, and cut to its tp piece (another fp32
+    copy if tp cuts). Without ZeRO-3 the pieces make the model (b bytes each), which AdamW copies
+    into its flat buffer beside the fp32 gradients: for a moment both exist. ZeRO-3 over dp x cp
     writes each piece straight into this rank's 1/dp share of the model copy (materialize_empty,
-    AdamW(initial=)): the share, beside one parameter or one unit's buffer (made and released once).
-    lora (rank, targets): the optimizer takes the adapters alone; the frozen model stays as built."""
+    AdamW(initial=)): the share beside one parameter or unit's buffer (made and released once).
+    lora: the optimizer takes the adapters alone; the frozen model stays as built."""
     dp, b = dp * cp, BYTES[precision]
     n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
     if lora:
@@ -302,10 +290,9 @@ def build_bytes(args: M.ModelArgs, precision: str = "bf16", *, tp: int = 1, pp: 
 
 def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, grad_accum: int, virtual: int,
                      act_ckpt: str | None) -> float:
-    """The activations (activation_bytes `a`) a schedule holds at its peak on pipeline rank `stage` of its
-    `layers` layers: 1F1B pp - stage micro-batches at most, AFAB all, the interleaved schedule its warm-up's
-    chunk forwards + 1 (each 1/virtual of the layers); the last stage also the head's, and without a
-    pipeline the logits the training loop holds until backward."""
+    """memory_estimate's activations on pipeline rank `stage` over its `layers` layers (`a`:
+    activation_bytes) at the schedule's peak: one micro-batch without a pipeline, 1F1B pp - stage at
+    most, AFAB all, interleaved its warm-up's chunk forwards + 1 (each 1/virtual of the layers)."""
     per_layer = {"full": a["layer_input"], "selective": a["layer_selective"]}.get(act_ckpt, a["layer"])
     head = a["head"] + a["loss_saved"] if stage == pp - 1 else 0.0
     if schedule == "interleaved" and pp > 1:
@@ -317,12 +304,11 @@ def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, g
 
 def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: int, split, dp: int,
                           virtual: int = 1) -> dict:
-    """ZeRO-3's model states on one rank: each unit padded to a multiple of dp (x cp), 1/dp of everything
-    (the model copy's b bytes a parameter, the fp32 master unless the model copy in fp32 is it, gradients,
-    m and v), and whole weights for two neighbouring units at once (the one
-    computing, the one prefetched), three with a tied head (the embedding stays whole from the head's
-    backward to its own); the gradients of up to three units being staged or reduce-scattered (two in
-    flight, GradSync._launch), with the pieces of two."""
+    """ZeRO-3's model states on one rank, each unit padded to a multiple of dp (x cp): 1/dp of the
+    model copy, master (unless the fp32 model copy is it), gradients, m and v; two neighbouring
+    units' whole weights (one computing, one prefetched), three with a tied head (the embedding
+    stays whole from the head's backward to its own); up to three units' gradients being staged or
+    reduce-scattered (two in flight, GradSync._launch), with two units' pieces."""
     units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
     n, first, last = sum(units), stage == 0, stage == pp - 1
     whole = max([u + v for u, v in zip(units, units[1:])] or units)
@@ -336,21 +322,19 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
                   act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                   sp: bool = False, grad_accum: int = 1, stage: int | None = None,
                   split: list[int] | None = None, cp: int = 1, virtual: int = 1) -> dict[str, float]:
-    """Bytes one rank sends per optimizer step, per dimension, counted as section 2 counts them (a ring
-    all-reduce sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage`
-    (None: per dimension, the most any stage sends). Scalars (the loss normalizer over dp, train.py's step
-    tally over the world) are left out.
-      tp: per layer and micro-batch, 2 all-reduces of the residual stream forward (after wo and w2) and 2
-          backward (the norms' f); one for the embedding (first stage), one for the head (last) and the
-          vocab-parallel cross-entropy's 3 of one fp32 number per token. Sequence parallelism swaps each
-          all-reduce for an all-gather and a reduce-scatter (the same bytes) and adds, once per step, the
-          norm weights' gradients. Activation checkpointing recomputes a block only as far as its last
-          saved tensor, w2's input (torch's checkpoint stops early): wo's all-reduce runs again, w2's does
-          not; under SP that is the two norms' all-gathers and wo's reduce-scatter.
-      cp: per layer and micro-batch, the all-gather of K and V (every rank's tokens, this rank's kv heads)
-          and the reduce-scatter of their gradients; once more where activation checkpointing recomputes.
-          Everything else then carries seq_len / cp tokens.
-      pp: each micro-batch's activations to the next stage and their gradient back (sequence-split under SP).
+    """Bytes one rank sends per step, per dimension, as section 2 counts them (a ring all-reduce
+    sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage` (None:
+    the most any stage sends); scalars (the loss normalizer, train.py's step tally) left out.
+      tp: per layer and micro-batch, 2 all-reduces of the residual stream forward (after wo and w2)
+        and 2 backward (the norms' f); one for the embedding (first stage), one for the head (last)
+        and the vocab-parallel cross-entropy's 3 of one fp32 number per token. Sequence parallelism
+        swaps each all-reduce for an all-gather and a reduce-scatter (the same bytes) and adds, once
+        per step, the norm weights' gradients. Activation checkpointing recomputes a block only up
+        to its last saved tensor, w2's input (torch's checkpoint stops early): wo's all-reduce runs
+        again, w2's not; under SP the norms' all-gathers and wo's reduce-scatter.
+      cp: per layer and micro-batch, K and V all-gathered (all ranks' tokens, this rank's kv heads),
+        their gradients reduce-scattered, again on recompute; all else carries seq_len / cp tokens.
+      pp: each micro-batch's activations to the next stage, their gradient back (split under SP).
       dp: dp_bytes."""
     if stage is None:  # per dimension, the most any stage sends
         layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
@@ -361,8 +345,8 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     stream = tokens * args.dim * b  # one micro-batch of the residual stream
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     ring = lambda n: (n - 1) / n
-    # what a block's recomputation sends again, in all-reduces' worth of bytes: selective checkpointing keeps
-    # the gathered and scattered sequences (SP, and cp's K and V) but runs the all-reduces again
+    # what recomputing a block sends again, in all-reduces' worth of bytes: selective checkpointing
+    # keeps the gathered and scattered sequences (SP, cp's K and V) but reruns the all-reduces
     act_ckpt, sequence = ckpt_mode(act_ckpt), sp and tp > 1
     recomputed = {"full": 1.5 if sequence else 1, "selective": 0 if sequence else 1}.get(act_ckpt, 0)
     all_reduces = layers * (4 + recomputed) + first + last
@@ -381,11 +365,10 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
 
 def dp_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, dp: int, zero: int, grad_accum: int, stage: int,
              split, virtual: int) -> float:
-    """comm_estimate's dp bytes, over the dp ranks holding the same weights (dp x cp): the fp32 gradients
-    all-reduced; under ZeRO-1 reduce-scattered, then the updated weights all-gathered in the training
-    precision (0.75 of an all-reduce in bf16); ZeRO-2 reduce-scatters every micro-batch's gradients (its
-    buffer cannot hold the sum); ZeRO-3 adds to that two all-gathers of the weights per micro-batch
-    (forward and backward) and none after the step."""
+    """comm_estimate's dp bytes over the dp x cp replicas: fp32 gradients all-reduced; ZeRO-1
+    reduce-scatters them, then all-gathers the updated weights (training precision: 0.75 of an
+    all-reduce in bf16); ZeRO-2 reduce-scatters each micro-batch's (its buffer cannot hold the sum);
+    ZeRO-3 adds two weight all-gathers per micro-batch (forward, backward), none after the step."""
     if dp == 1:
         return 0.0
     ring = (dp - 1) / dp
@@ -403,9 +386,9 @@ def dp_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, dp: int, zero: int, gr
 
 
 class System(NamedTuple):
-    """One GPU as a cluster holds it (datasheets): memory, board power, the link that joins it to the GPUs
-    of its server or rack (NVLink, AMD's Infinity Fabric, or plain PCIe) and its bandwidth each way, how
-    many GPUs that link joins, and its share of the scale-out network (InfiniBand, Ethernet) each way."""
+    """One GPU as a cluster holds it (datasheets): memory, board power, the link to its server's or
+    rack's GPUs (NVLink, AMD's Infinity Fabric, or PCIe), its bandwidth each way and how many GPUs
+    it joins, and its share of the scale-out network (InfiniBand, Ethernet) each way."""
     memory_gb: float
     watts: float
     link: str
@@ -414,13 +397,13 @@ class System(NamedTuple):
     network_gbs: float
 
 
-# HGX boards join 8 GPUs by NVLink: 600 GB/s both ways on an A100 (NVLink 3), 900 on an H100 or H200 (NVLink 4),
-# 1.8 TB/s on a B200 (NVLink 5); the PCIe and NVL cards are joined in pairs by a bridge; a GB200 NVL72 rack
-# joins 72 GPUs in one NVLink domain (so TP or EP up to 72). An MI300X platform joins 8 by Infinity Fabric,
-# 7 links of 64 GB/s each way, one to each peer. Cards without either (L4, L40S, A10, A10G, GeForce) talk over
-# PCIe inside a server of 8: 32 GB/s each way on Gen4, 64 on Gen5. The network: one InfiniBand NIC per GPU,
-# HDR 200 Gb/s (A100), NDR 400 Gb/s (H100, H200, MI300X), XDR 800 Gb/s (B200, GB200); for the PCIe cards a
-# 100 Gb/s Ethernet share per GPU, what such clusters vary most in. A B200 holds 180 GB (the first datasheet
+# HGX boards join 8 GPUs by NVLink: 600 GB/s both ways on an A100 (NVLink 3), 900 on an H100 or H200
+# (NVLink 4), 1.8 TB/s on a B200 (NVLink 5); PCIe and NVL cards are bridged in pairs; a GB200 NVL72
+# rack is one NVLink domain of 72 (TP or EP up to 72). MI300X platforms join 8 by Infinity Fabric: 7
+# links of 64 GB/s each way, one per peer. Cards without either (L4, L40S, A10, A10G, GeForce) use
+# PCIe in a server of 8: 32 GB/s each way on Gen4, 64 on Gen5. Network: an InfiniBand NIC per GPU,
+# HDR 200 Gb/s (A100), NDR 400 (H100, H200, MI300X), XDR 800 (B200, GB200); for PCIe cards a
+# 100 Gb/s Ethernet share, what such clusters vary most in. A B200 holds 180 GB (the first datasheet
 # said 192), a GB200's GPU 186.
 SYSTEMS = {"RTX 4090": System(24, 450, "PCIe", 32, 8, 12.5), "RTX 5090": System(32, 575, "PCIe", 64, 8, 12.5),
            "L4": System(24, 72, "PCIe", 32, 8, 12.5), "L40S": System(48, 350, "PCIe", 32, 8, 12.5),
@@ -434,25 +417,24 @@ SYSTEMS = {"RTX 4090": System(24, 450, "PCIe", 32, 8, 12.5), "RTX 5090": System(
 
 
 def run_costs(gpu: str, gpus: int, seconds: float, pue: float, usd_per_gpu_hour: float) -> dict:
-    """A run of `seconds` on `gpus` GPUs: GPU-hours, days, energy (the GPUs' board power times the
-    facility's PUE, its power over the IT equipment's: cooling, conversion; the CPUs, network and storage
-    are left out) and money at a price per GPU-hour."""
+    """`gpus` GPUs for `seconds`: GPU-hours, days, energy (board power times the facility's PUE, its
+    power over the IT equipment's: cooling, conversion; CPUs, network, storage left out), money."""
     gpu_hours = gpus * seconds / 3600
     return {"gpu_hours": gpu_hours, "days": seconds / 86400, "pue": pue, "usd_per_gpu_hour": usd_per_gpu_hour,
             "energy_mwh": gpu_hours * SYSTEMS[gpu].watts * pue / 1e6, "usd": gpu_hours * usd_per_gpu_hour}
 
 
 def links(gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict[str, str]:
-    """The link each dimension's groups use: the GPU's own link ("NVLink", "PCIe", ...) where a group lies
-    in one of its domains, else "network". The mesh puts tp innermost, then cp, pp and dp
-    (parallel.init_mesh), so a group spans the product of the sizes up to its own."""
+    """Each dimension's link: the GPU's own ("NVLink", "PCIe", ...) where a group lies in one of its
+    domains, else "network". The mesh puts tp innermost, then cp, pp, dp (parallel.init_mesh), so a
+    group spans the product of the sizes up to its own."""
     span = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": gpus}
     return {dim: SYSTEMS[gpu].link if n <= SYSTEMS[gpu].domain else "network" for dim, n in span.items()}
 
 
 def comm_seconds(comm: dict, gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict:
-    """Seconds per step that each dimension's bytes (comm_estimate's, sent by one GPU) take on its link:
-    bytes over bandwidth each way, all of it exposed (latency, and overlap with compute, left out)."""
+    """Seconds per step each dimension's bytes (comm_estimate's, sent by one GPU) take on its link:
+    bytes over bandwidth each way, all exposed (latency and overlap with compute left out)."""
     system, link = SYSTEMS[gpu], links(gpu, tp, cp, pp, gpus)
     return {dim: sent / 1e9 / (system.network_gbs if link[dim] == "network" else system.link_gbs)
             for dim, sent in comm.items()}
@@ -462,10 +444,10 @@ TOKENS_PER_PARAMETER = 20  # Chinchilla's own shape: 70B parameters on 1.4T toke
 
 
 def compute_optimal(flops: float) -> tuple[float, float]:
-    """(parameters, tokens) that a budget of `flops` = 6 N D trains to the lowest loss by Chinchilla's
-    approaches 1 and 2 (Hoffmann et al. 2022, Table 3): N and D both grow as C^0.5, about 20 tokens per
-    parameter. (Its approach 3, the parametric loss fit, puts more tokens per parameter at large budgets;
-    its published constants are rounded, and Besiroglu et al. 2024 found them at odds with the other two.)"""
+    """(parameters, tokens) that `flops` = 6 N D trains to the lowest loss by Chinchilla's
+    approaches 1 and 2 (Hoffmann et al. 2022, Table 3): N and D grow as C^0.5, about 20 tokens per
+    parameter. Approach 3, the parametric fit, puts more tokens per parameter at large budgets; its
+    published constants are rounded, and Besiroglu et al. 2024 found it at odds with 1 and 2."""
     parameters = math.sqrt(flops / (6 * TOKENS_PER_PARAMETER))
     return parameters, TOKENS_PER_PARAMETER * parameters
 
@@ -475,16 +457,16 @@ def compute_optimal(flops: float) -> tuple[float, float]:
 
 
 class Peak(NamedTuple):
-    """A GPU's dense tensor-core peak in TFLOP/s: bf16 (and fp16), and TF32, which is what fp32 matmuls run
-    on here (train() allows TF32); and where the figures come from."""
+    """A GPU's dense tensor-core peak in TFLOP/s: bf16 (and fp16), and TF32, which fp32 matmuls run
+    on here (train() allows TF32); and the figures' source."""
     bf16: float
     tf32: float
     source: str
 
 
-# Without sparsity: the datasheets' headline figures assume 2:4 sparsity (an asterisk), and are halved here.
-# NVL parts run at lower clocks than SXM ones; a GB200's B200 at more. GeForce cards multiply bf16 with an
-# fp32 accumulator (what training uses) at half their fp16-accumulate rate: the whitepapers list both.
+# Dense figures: the datasheets' headlines assume 2:4 sparsity (an asterisk), halved here. NVL parts
+# clock lower than SXM ones, a GB200's B200 higher. GeForce cards multiply bf16 with an fp32
+# accumulator (what training uses) at half their fp16-accumulate rate; the whitepapers list both.
 GPU_PEAK_TFLOPS = {
     "RTX 4090": Peak(165.2, 82.6, "NVIDIA Ada Lovelace architecture whitepaper, appendix A: bf16 with fp32 "
                                   "accumulate 165.2, TF32 82.6"),
@@ -493,8 +475,8 @@ GPU_PEAK_TFLOPS = {
     "L4": Peak(121, 60, "NVIDIA L4 datasheet: 242 / 120 with sparsity"),
     "L40S": Peak(362.05, 183, "NVIDIA L40S datasheet: 733 / 366 with sparsity"),
     "A10": Peak(125, 62.5, "NVIDIA A10 datasheet: 250 / 125 with sparsity"),
-    # no datasheet: AWS's GA102 for its G5 instances, fp32 accumulate at half rate as on GeForce parts; a
-    # published GEMM benchmark measured 69.5 / 34.7
+    # no datasheet: AWS's GA102 for its G5 instances, fp32 accumulate at half rate as on GeForce
+    # parts; a published GEMM benchmark measured 69.5 / 34.7
     "A10G": Peak(70, 35, "derived: 80 SMs x 1.71 GHz x 512 bf16 FLOP per clock (no NVIDIA datasheet)"),
     "A100": Peak(312, 156, "NVIDIA A100 datasheet (40 and 80 GB, SXM and PCIe): 624 / 312 with sparsity"),
     "A100 40GB": Peak(312, 156, "NVIDIA A100 datasheet: 624 / 312 with sparsity"),
@@ -510,9 +492,9 @@ GPU_PEAK_TFLOPS = {
 
 
 def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
-    """(FLOP/s, which figure and its source) for a GPU named like torch.cuda.get_device_name() ("NVIDIA
-    A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"), or None if unknown. A key matches as a whole word: "L4"
-    is not an L40 and "H200" not a GH200. The longest first: "H100 NVL" before "H100"."""
+    """(FLOP/s, which figure and its source) for a GPU named as torch.cuda.get_device_name() names
+    it ("NVIDIA A100-SXM4-80GB"), or None if unknown. Keys match as whole words ("L4" is not an L40,
+    "H200" not a GH200), the longest first ("H100 NVL" before "H100")."""
     for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
             kind = "tf32" if precision == "fp32" else "bf16"
@@ -524,10 +506,9 @@ def gpu_peak(name: str, precision: str) -> tuple[float, str] | None:
 
 @functools.lru_cache(maxsize=None)
 def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
-    """Peak dense FLOP/s of the device in the run's precision: the table above for known GPUs, else measured
-    (measured_peak) once per process, so every run in it (bench.py's sweep) has the same denominator. The
-    description says so when the precision runs at under half of fp32's speed on this device (a CPU
-    without native bf16 kernels): that run would be faster in fp32."""
+    """Peak dense FLOP/s in the run's precision: the table for known GPUs, else measured_peak, once
+    per process so bench.py's sweep shares one denominator. The description flags a precision at
+    under half of fp32's speed (a CPU without native bf16 kernels): fp32 would train faster."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     known = gpu_peak(name, precision) if device.type == "cuda" else None
     if known:
@@ -544,10 +525,10 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """The best FLOP/s of a few square matmuls through F.linear, the kernel the model's matmuls run (on a
-    CPU without native bf16, `a @ b` in bf16 is 10x slower than F.linear, so it would understate the peak
-    and overstate the MFU). The best over three sizes, two tries each and more while under 0.3 s in all:
-    the machine may be shared, and a CPU without fp16 kernels takes seconds for one fp16 matmul."""
+    """The best FLOP/s of square matmuls through F.linear, the model's kernel (on a CPU without
+    native bf16, `a @ b` in bf16 is 10x slower, understating the peak and overstating MFU): three
+    sizes, two tries each, more while under 0.3 s in all, as the machine may be shared and a CPU
+    without fp16 kernels takes seconds per fp16 matmul."""
     best, t_start = 0.0, time.perf_counter()
     for n in ((256, 512, 1024) if device.type == "cpu" else (4096, 8192)):
         a = torch.randn(n, n, device=device, dtype=dtype)
@@ -580,10 +561,10 @@ def peak_memory_gb(device) -> float:
 
 
 def available_memory(device) -> float | None:
-    """Bytes this process may still use: on a GPU its free memory plus what this process's caching allocator
-    holds without using it (a second run in one process, bench.py's, finds the first one's blocks cached:
-    free to it, though the device counts them as taken); on a CPU the host's available memory shared by the
-    processes torchrun started on it (None where it cannot be read)."""
+    """Bytes this process may still use: on a GPU the free memory plus what its caching allocator
+    holds unused (bench.py's second run in a process finds the first's blocks cached: free to it,
+    though the device counts them taken); on a CPU the host's available memory shared by torchrun's
+    processes on it (None if unreadable)."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return float(torch.cuda.mem_get_info(device)[0] + cached)
@@ -596,10 +577,9 @@ def available_memory(device) -> float | None:
 
 
 class PhaseTimer:
-    """Seconds per phase of every step. mode "phases": measured between device synchronizations, one after
-    each phase (which costs throughput); "steps": the device is synchronized only at each step's start and
-    end, so the phases' sum is the step's time as a plain run spends it (the split between them is then
-    host time); None: off. With a tracer (--trace-step), one step's phases also go to its trace."""
+    """Seconds per phase of every step. mode "phases": between device syncs, one after each phase
+    (costing throughput); "steps": synced only at a step's start and end, so the phases sum to the
+    step's time as a plain run spends it (their split is host time); None: off."""
 
     def __init__(self, device, mode: str | None = None, tracer: StepTracer | None = None):
         if mode not in (None, "phases", "steps"):
@@ -631,7 +611,7 @@ class PhaseTimer:
             self.t = now
 
     def end(self, phase: str):
-        """The step's last phase. When timing, in either mode, the device is synchronized first, so the
+        """The step's last phase. When timing (either mode) the device is synced first, so the
         phases add up to the step's time (an untimed run does not wait here: see Tally)."""
         if self.mode:
             sync_device(self.device)
@@ -643,13 +623,13 @@ class PhaseTimer:
 
 
 class StepTrace:
-    """One step on one rank as Chrome trace events (ui.perfetto.dev or chrome://tracing open the file):
-    the phases and each micro-batch's forward and backward as slices on the rank's own track (a process
-    per rank), every collective as an async slice with its op, group (tp, cp, pp, dp, world, io) and the
-    bytes it sends. Microseconds of host time from a barrier every rank passed; on a GPU the device is
-    synchronized where each slice ends, so slices are device time too (and the traced step overlaps
-    less). A collective ends when it completes: on a CPU at its future's callback, on a GPU where it is
-    waited for (launch.Work), the device synchronized."""
+    """One step on one rank as Chrome trace events (ui.perfetto.dev, chrome://tracing): phases and
+    micro-batches' forward and backward slices on the rank's track (a process per rank); collectives
+    as async slices with op, group (tp, cp, pp, dp, world, io) and bytes sent. Host microseconds
+    since a barrier all ranks passed; on a GPU each slice ends with a device sync, so it is device
+    time too (and the traced step overlaps less). A collective's slice ends when it completes: at
+    its future's callback on a CPU; on a GPU where it is waited for (launch.Work), the device
+    synced."""
 
     def __init__(self, rank: int, device):
         self.rank, self.device, self.events, self.ids = rank, device, [], iter(range(10 ** 9))
@@ -677,7 +657,7 @@ class StepTrace:
         self.add(name, start, 1)
 
     def collective(self, op: str, dim: str, sent: float):
-        """A collective launched now; the function returned ends its slice (once, from any thread)."""
+        """A collective launched now; the returned function ends its slice (once, any thread)."""
         k, start, ended = next(self.ids), self.now(), []
 
         def done():
@@ -691,10 +671,10 @@ class StepTrace:
 
 
 class StepTracer:
-    """Records step `step` (0-based) on every rank: at its start a barrier, then a StepTrace hung on the mesh
-    (the collectives record into it) and the PhaseTimer (the phases do); at the next step's start, or the
-    run's end, the ranks' events are gathered and rank 0 writes `path` (.json) and, with matplotlib, the
-    picture beside it (.png). `layout`: what the files say of the run (tp, pp, micro-batches, ...)."""
+    """Records step `step` (0-based) on every rank: at its start a barrier, a StepTrace hung on the
+    mesh (for the collectives) and on the PhaseTimer; at the next step's start or the run's end,
+    rank 0 gathers the events and writes `path` (.json) and, with matplotlib, its picture (.png).
+    `layout`: what the files say of the run (tp, pp, micro-batches, ...)."""
 
     def __init__(self, step: int, path: Path, mesh, device, layout: dict):
         self.step, self.path, self.mesh, self.device, self.layout = step, Path(path), mesh, device, layout
@@ -723,9 +703,9 @@ class StepTracer:
 
 
 def write_trace(path: Path, ranks: list[list[dict]], info: dict):
-    """The Chrome trace (path.json) of every rank's events, each rank a process named by its place in the
-    mesh, with the measured bubble beside the formula's; and the picture (path.png) if matplotlib is
-    installed (one line says so when it is not)."""
+    """The Chrome trace (path.json) of all ranks' events, a process per rank named by its mesh
+    place, with the measured bubble beside the formula's; and the picture (path.png) if matplotlib
+    is installed (else one line says so)."""
     tp, cp, pp = info["tp"], info["cp"], info["pp"]
     names = {0: "phases", 1: "micro-batches", 2: "collectives"}
     meta = []
@@ -745,9 +725,9 @@ def write_trace(path: Path, ranks: list[list[dict]], info: dict):
 
 
 def bubble(ranks: list[list[dict]], info: dict) -> dict:
-    """The pipeline's idle share: measured, each rank's time in the schedule (its "2-4 pipeline" phase) not
-    spent on a micro-batch's forward or backward, averaged over the ranks; and the formula's,
-    (p - 1) / (v m + p - 1) (p stages, m micro-batches, v chunks per rank)."""
+    """The pipeline's idle share: measured, each rank's time in the schedule (its "2-4 pipeline"
+    phase) not spent on a micro-batch's forward or backward, averaged over the ranks; and by the
+    formula, (p - 1) / (v m + p - 1) (p stages, m micro-batches, v chunks per rank)."""
     p, m, v = info["pp"], info["micro_batches"], info.get("virtual", 1)
     idle = []
     for events in ranks:
@@ -759,8 +739,8 @@ def bubble(ranks: list[list[dict]], info: dict) -> dict:
 
 
 def plot_trace(path: Path, ranks: list[list[dict]], info: dict):
-    """The ranks' timelines one above another: phases as wide pale bars, each micro-batch's forward and
-    backward over them, collectives as thin bars beneath, coloured by group."""
+    """The ranks' timelines one above another: phases as wide pale bars, micro-batches' forwards and
+    backwards over them, collectives as thin bars beneath, coloured by group."""
     from matplotlib.figure import Figure  # no pyplot: no window, no process-wide backend
     from matplotlib.patches import Patch
     fig = Figure(figsize=(12, 1.4 + 0.75 * len(ranks)))
@@ -800,7 +780,7 @@ def plot_trace(path: Path, ranks: list[list[dict]], info: dict):
 
 
 def tracer_for(args, mesh, device) -> StepTracer | None:
-    """--trace-step N's tracer (None without it): step N as the logs number it, written to the out-dir."""
+    """--trace-step N's tracer (None without it): step N as the logs number it, into the out-dir."""
     if args.trace_step is None:
         return None
     layout = {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batches": args.grad_accum,

@@ -1,25 +1,22 @@
-"""data.py: from a URL to batches.
+"""data.py: from a URL to batches, in the order the bytes travel through this file.
 
-The data path of the project, in the order the bytes travel through this file:
-
-  1. Sources     DATASETS names a few public files (URL, sha256, license, path in the offline mirror).
-                 download() fetches one into the cache: streamed, retried, resumed, checksummed, atomic.
-                 With DATA_MIRROR (or mirror=/--mirror) it copies from a local mirror folder instead.
-  2. Tokenizers  get_tokenizer(): byte, gpt2, cl100k_base, o200k_base and llama3 as tiktoken Encodings,
-                 all carrying the Llama 3 special tokens (<|begin_of_text|>, <|end_of_text|>, ...).
-  3. Documents   read_documents(): a .txt file is one document, a .jsonl file one document per line.
+  1. Sources     DATASETS names a few public files (URL, sha256, license, mirror path); download()
+                 fetches one into the cache (streamed, retried, resumed, checksummed, atomic), or
+                 copies it from a local mirror folder (DATA_MIRROR, mirror=, --mirror).
+  2. Tokenizers  get_tokenizer(): byte, gpt2, cl100k_base, o200k_base and llama3 as tiktoken
+                 Encodings, all with the Llama 3 special tokens (<|begin_of_text|>, ...).
+  3. Documents   read_documents(): a .txt file is one document, a .jsonl file one per line.
   4. Shards      write_shard() / read_shard(): a 256-byte header, then uint16 or uint32 tokens.
-  5. prepare()   documents -> BOS + tokens + EOS -> train_*.bin, val_*.bin, and meta.json written last
-                 as the completion marker. resolve_data() is what train.py calls with its --data value.
-  6. Loader      Positions: the order every loader reads its items in, one global counter as the whole
-                 position, so a run resumes exactly under any dp. Loader: shards -> windows -> (inputs,
-                 targets) for each data-parallel rank. MixtureLoader: several sources, each its share of
-                 the sequences (parse_mixture, MixtureSchedule), and annealing's switch to another mix.
-  7. Records     json_records, named_file: the JSON and JSONL files chat.py reads its records from.
-  8. Failures    every failure a user can cause ends in DataError, one line saying what to do: a file a
-                 user names is checked to be a regular file before it is opened (regular_file), JSON goes
-                 through load_json, writes into the cache through writing() (a read-only folder, a full
-                 disk), and prepare() turns SIGTERM into KeyboardInterrupt so that it cleans up.
+  5. prepare()   documents -> BOS + tokens + EOS -> train_*.bin, val_*.bin, then meta.json, the
+                 completion marker. resolve_data() is what train.py calls with its --data.
+  6. Loader      Positions: the order every loader reads its items in; one global counter is the
+                 whole position, so a run resumes exactly under any dp. Loader: shards -> windows
+                 -> (inputs, targets) per dp rank. MixtureLoader: several sources, each its share
+                 (parse_mixture, MixtureSchedule), and annealing's switch to another mix.
+  7. Records     json_records, named_file: the JSON and JSONL files chat.py reads records from.
+  8. Failures    a failure a user causes is a one-line DataError saying what to do: regular_file
+                 checks a named file before it is opened, JSON goes through load_json, cache writes
+                 through writing(), and prepare() cleans up on SIGTERM (as KeyboardInterrupt).
   9. CLI         python data.py prepare | download | info
 """
 import argparse
@@ -55,10 +52,9 @@ class DataError(Exception):
 
 
 # ======== 1. Sources and download =================================================================
-# Each entry: a public URL, the sha256 that URL must deliver, the license, where the same file lies in
-# a local mirror folder (DATA_MIRROR), and how to cut it into documents.
-# URLs are pinned to commits, so the content (and its hash) cannot drift; the
-# TinyShakespeare file has never changed on char-rnn's master branch.
+# Each entry: a public URL, the sha256 it must deliver, the license, the same file's path in a local
+# mirror folder (DATA_MIRROR) and how to cut it into documents. URLs are pinned to commits, so the
+# content (and its hash) cannot drift; TinyShakespeare has never changed on char-rnn's master.
 
 _GH = "https://raw.githubusercontent.com"
 _LLAMA_FACTORY = f"{_GH}/hiyouga/LLaMA-Factory/ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30/data"
@@ -78,7 +74,7 @@ DATASETS = {
         sha256="f51528081ef22279f2840c02c4cd7cdfc372138be0817c5b8714d200af692b78",
         license="ODC-BY 1.0 (C4)", mirror="text/c4_demo.jsonl"),
 }
-DATASETS.update({  # Project Gutenberg books from a repository snapshot: Windows-1252 text, CRLF, PG header
+DATASETS.update({  # Project Gutenberg books, from a repository snapshot: cp1252, CRLF, PG header
     name: dict(url=f"{_GUTENBERG}/{book}.txt", sha256=sha256, format="text", encoding="cp1252",
                license="public domain in the USA", mirror=f"text/gutenberg/{book}.txt")
     for name, book, sha256 in [
@@ -86,9 +82,9 @@ DATASETS.update({  # Project Gutenberg books from a repository snapshot: Windows
         ("moby_dick", "pg2701", "eb1a1ca16369a025021459cf71bf5c4de1e05852bc1d83160c08484adffab73f"),
         ("frankenstein", "pg84", "4eaa0bd8cf407530e42d99ed95b61b9a4bb8492a3a9c0c9a41cd017bfed7bcd7")]})
 
-# Chat data: read by chat.read_sft and chat.read_preferences, not by prepare (they are not plain text).
+# Chat data: read by chat.read_sft and chat.read_preferences, not by prepare (not plain text).
 SFT_DATASETS = {
-    "alpaca_5000": dict(  # a random 5,000 of Alpaca's 52k, from a pull request of the Alpaca repository
+    "alpaca_5000": dict(  # a random 5,000 of Alpaca's 52k, from a pull request to its repository
         url=f"{_GH}/tatsu-lab/stanford_alpaca/5e69c50054c48cd3b919c46d13bb2d92a62f4498/data/alpaca_5000.json",
         sha256="fc1add24c93c9fbbe585a64a6c9bf6165eb110225f4470efbff382a913558ec0",
         license="CC BY-NC 4.0 (non-commercial; outputs of text-davinci-003)", mirror="sft/alpaca_5000.json"),
@@ -98,10 +94,10 @@ SFT_DATASETS = {
         license="Apache-2.0", mirror="sft/self_instruct_seed_tasks.jsonl"),
 }
 PREFERENCE_DATASETS = {
-    "hh_rlhf_harmless_test": dict(  # red-teaming dialogues: offensive requests by design, paired replies
+    "hh_rlhf_harmless_test": dict(  # red-teaming dialogues, offensive by design; paired replies
         url=f"{_GH}/anthropics/hh-rlhf/354e5c3cb8960630860dd5774a6ac2a58313bf4d/harmless-base/test.jsonl.gz",
-        gzip_sha256="ebfaaed21162a4de120ae85366075b34425e2a6303fac59b99555002f7016f03",  # what the URL serves
-        # unpacked, as in the mirror
+        gzip_sha256="ebfaaed21162a4de120ae85366075b34425e2a6303fac59b99555002f7016f03",
+        # gzip_sha256: the .gz the URL serves; sha256: the file unpacked, as in the mirror and cache
         sha256="14d765196c9f18d84f9bb3a78bac608c8f2915110ebcbd74ec95db7b7198b008",
         license="MIT (Anthropic)", mirror="dpo/hh_rlhf_harmless_base_test.jsonl"),
 }
@@ -145,7 +141,6 @@ def fetch(name: str, mirror=None) -> Path:
     root = _mirror_root(mirror)
     in_mirror = root is not None and os.path.exists(root / entry["mirror"])
     if "gzip_sha256" in entry and not os.path.exists(dest) and not in_mirror:
-        # the URL serves a .gz; the cache (like the mirror) keeps the unpacked file, checked against sha256
         packed = download(entry["url"], entry["gzip_sha256"], dest.with_name(dest.name + ".gz"))
         part = dest.with_name(dest.name + ".part")
         with writing(dest.parent, dest, cleanup=[part]), gzip.open(packed, "rb") as src, \
@@ -158,15 +153,13 @@ def fetch(name: str, mirror=None) -> Path:
 
 def download(url, sha256, dest, mirror=None, mirror_path=None, *, retries=4, timeout=30.0, backoff=1.0,
              allow_http=False) -> Path:
-    """Put the file at `url` (or `mirror/mirror_path`) into `dest`, verified against `sha256`.
-
-    Only a complete, verified file is ever renamed to `dest`, so an existing `dest` is a cache hit.
-    Bytes arrive in `dest.part`; a later call resumes it with an HTTP Range request.
-    """
+    """Put the file at `url` (or `mirror/mirror_path`) into `dest`, verified against `sha256`. Only
+    a complete, verified file is ever renamed to `dest`, so an existing `dest` is a cache hit. Bytes
+    arrive in `dest.part`; a later call resumes it with an HTTP Range request."""
     if not (url.startswith("https://") or allow_http):
         raise DataError(f"refusing to download {url}: only https URLs are accepted")
     dest = Path(dest)
-    if os.path.exists(dest):  # only a verified file is ever put there
+    if os.path.exists(dest):
         return regular_file(dest, "cached download")
     part = dest.with_name(dest.name + ".part")
     if os.path.exists(part):  # open() of a FIFO there would wait forever
@@ -174,7 +167,6 @@ def download(url, sha256, dest, mirror=None, mirror_path=None, *, retries=4, tim
     root = _mirror_root(mirror)
     wanted = mirror_path or dest.name
     hint = f"to work offline, set DATA_MIRROR or --mirror to a folder holding {wanted}"
-    # a full disk or a read-only cache is one line, and leaves no partial file behind
     with writing(dest.parent, dest, cleanup=[part]):
         dest.parent.mkdir(parents=True, exist_ok=True)
         if root is not None and mirror_path:
@@ -198,14 +190,14 @@ def _fetch_url(url, part, retries, timeout, backoff, hint):
         if attempt:
             time.sleep(backoff * 2 ** (attempt - 1))
         have = part.stat().st_size if part.exists() else 0
-        # identity encoding: byte ranges and Content-Length must count the bytes we store, not gzip bytes
+        # identity encoding: Range and Content-Length must count the bytes we store, not gzip bytes
         headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
         try:
             with requests.get(url, headers=headers, stream=True, timeout=timeout) as r:
-                if r.status_code == 416 and have:  # nothing left to send: the partial file is complete
+                if r.status_code == 416 and have:  # nothing left to send: the partial file is whole
                     return
                 if r.status_code not in (200, 206):
-                    if r.status_code < 500 and r.status_code not in (408, 429):  # retrying will not help
+                    if r.status_code < 500 and r.status_code not in (408, 429):  # no use retrying
                         raise DataError(f"could not download {url}: HTTP {r.status_code}; {hint}")
                     raise requests.HTTPError(f"HTTP {r.status_code}")
                 if r.status_code == 200:  # the server ignored the Range header: start over
@@ -245,7 +237,7 @@ def _verify_and_place(part, dest, sha256, origin, hint):
 
 # ======== 2. Tokenizers ===========================================================================
 # Every tokenizer speaks the same special tokens, so the rest of the code only knows their names.
-# Llama 3 has 256 of them above its 128,000 ranks; the others get the first 12 above their own vocab.
+# Llama 3 has 256 of them above its 128,000 ranks; the others get the first 12 above their own.
 
 SPECIAL_TOKENS = [
     "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
@@ -263,18 +255,18 @@ TOKENIZERS = ("byte", "gpt2", "cl100k_base", "o200k_base", "llama3")
 
 @functools.lru_cache(maxsize=16)
 def get_tokenizer(name_or_path, mirror=None) -> tiktoken.Encoding:
-    """byte | gpt2 | cl100k_base | o200k_base | llama3 | a path to a Llama 3 tokenizer.model. The name of
-    the Encoding (stored in shard headers, part of the shard cache's folder name) says what it encodes:
-    'llama3' for the official ranks from any file, 'llama3-<digest>' for other ranks."""
+    """A TOKENIZERS name or a path to a Llama 3 tokenizer.model. The Encoding's name (in shard
+    headers and the shard cache's folder name) says what it encodes: 'llama3' for the official ranks
+    from any file, 'llama3-<digest>' for others."""
     name = str(name_or_path)
-    if name == "byte":  # 256 single-byte ranks and no merges: a character-level model for UTF-8 bytes
+    if name == "byte":  # 256 single-byte ranks, no merges: a character-level model for UTF-8 bytes
         return _with_specials("byte", {bytes([i]): i for i in range(256)}, GPT2_PAT, {})
     if name in ("gpt2", "cl100k_base", "o200k_base"):
         base = _openai_encoding(name, mirror)
         return _with_specials(name, base._mergeable_ranks, base._pat_str, base._special_tokens)
     if name == "llama3":
         path = fetch("llama3", mirror)
-    elif os.path.exists(Path(name).expanduser()):  # a folder or FIFO there is refused in _read_rank_file
+    elif os.path.exists(Path(name).expanduser()):  # a folder or FIFO: refused by _read_rank_file
         path = Path(name).expanduser()
     else:
         raise DataError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)} "
@@ -302,8 +294,8 @@ def _with_specials(name, ranks, pat_str, own_specials):
 
 
 def _openai_encoding(name, mirror):
-    # tiktoken reads its rank files from TIKTOKEN_CACHE_DIR (read-only is fine for get_encoding); if that
-    # is unset but a mirror is configured, borrow the mirror's copy of tiktoken's cache for this call.
+    # tiktoken reads its rank files from TIKTOKEN_CACHE_DIR (read-only is fine for get_encoding); if
+    # that is unset, this call borrows a configured mirror's copy of tiktoken's cache.
     unset = "TIKTOKEN_CACHE_DIR" not in os.environ
     root = _mirror_root(mirror)
     if unset and root is not None and os.path.isdir(root / "tiktoken_cache"):
@@ -320,8 +312,8 @@ def _openai_encoding(name, mirror):
 
 
 def _read_rank_file(path) -> dict:
-    # Parsed by hand: tiktoken.load.load_tiktoken_bpe(local_path) writes a copy into TIKTOKEN_CACHE_DIR,
-    # which fails when that folder is read-only (a shared mirror, a CI's read-only data).
+    # Parsed by hand: tiktoken.load.load_tiktoken_bpe(local_path) writes a copy into
+    # TIKTOKEN_CACHE_DIR, which fails when that folder is read-only (a shared mirror, a CI's data).
     raw = regular_file(path, "tokenizer file").read_bytes()
     official = hashlib.sha256(raw).hexdigest() == LLAMA3_SHA256
     ranks = {}
@@ -364,7 +356,7 @@ def format_ids(enc) -> list[int]:
 # ======== 3. Documents ============================================================================
 
 def resolve_source(source, mirror=None) -> list:
-    """A registry name, a file, a folder or a glob -> [(path, format, encoding)]; format: text|lines|jsonl."""
+    """A registry name, file, folder or glob -> [(path, text|lines|jsonl, encoding)]."""
     source = str(source)
     if source in DATASETS:
         entry = DATASETS[source]
@@ -376,7 +368,7 @@ def resolve_source(source, mirror=None) -> list:
         found = [path]
     else:
         found = [Path(p) for p in glob.glob(str(path), recursive=True)]
-    # folders are skipped (rglob looks inside them); a FIFO, device or socket is refused, not read or skipped
+    # folders are skipped (rglob looks inside them); a FIFO, device or socket is refused
     files = sorted(regular_file(p, "document file") for p in found if not os.path.isdir(p))
     if not files:
         raise DataError(f"no data found at {source!r}: not a dataset name ({', '.join(DATASETS)}), "
@@ -385,17 +377,15 @@ def resolve_source(source, mirror=None) -> list:
 
 
 def read_documents(path, fmt="text", text_field="text", encoding="utf-8") -> list:
-    """text: the whole file is one document; lines: one per non-empty line; jsonl: record[text_field].
-
-    Read in text mode, like nanoGPT, so CRLF and CR line ends become "\n".
-    """
+    """text: the whole file is one document; lines: each non-empty line; jsonl: record[text_field].
+    Read in text mode, like nanoGPT, so CRLF and CR line ends become "\n"."""
     try:
         text = regular_file(path, "document file").read_text(encoding=encoding)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not {encoding} text ({e.reason} at byte {e.start:,})") from None
     if fmt == "text":
         return [text] if text else []
-    lines = text.split("\n")  # not splitlines(): it also breaks at U+2028, which JSON strings may hold raw
+    lines = text.split("\n")  # not splitlines(): it also splits at U+2028, which JSON may hold raw
     if fmt == "lines":
         return [line for line in lines if line.strip()]
     docs = []
@@ -417,8 +407,7 @@ def read_documents(path, fmt="text", text_field="text", encoding="utf-8") -> lis
 
 
 def jsonl_error(path, lineno, line, text, e: json.JSONDecodeError) -> DataError:
-    """A JSON Lines line that does not parse: where and why, or what the file is instead when a pretty-
-    printer spread its records over several lines."""
+    """A JSONL line that does not parse: where and why, or that the file is pretty-printed JSON."""
     try:
         whole = load_json(text)
     except json.JSONDecodeError:
@@ -431,7 +420,7 @@ def jsonl_error(path, lineno, line, text, e: json.JSONDecodeError) -> DataError:
 
 
 def split_documents(docs, val_fraction):
-    """-> (train_docs, val_docs). One document: split its text like nanoGPT; many: the last ones validate."""
+    """-> (train_docs, val_docs). One document is cut in two; of several, the last validate."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if val_fraction == 0:
@@ -449,9 +438,9 @@ def split_documents(docs, val_fraction):
 #   offset  8  uint32   format version (2; version 1 is read too)
 #   offset 12  uint32   token itemsize / dtype code: 2 = uint16, 4 = uint32
 #   offset 16  uint64   token count
-#   offset 24  64 bytes tokenizer name, utf-8, zero padded (byte, gpt2, cl100k_base, o200k_base, llama3)
-#   offset 88  uint64   the largest token id (version 2; 0 for an empty shard), so a shard whose ids do not
-#                       fit the tokenizer is refused before training instead of failing inside the embedding
+#   offset 24  64 bytes the tokenizer's Encoding name (llama3, gpt2, ...), utf-8, zero padded
+#   offset 88  uint64   the largest token id (version 2; 0 for an empty shard), so a shard whose
+#                       ids the tokenizer lacks is refused before training, not inside the embedding
 #   offset 96  zeros up to 256 (reserved; also keeps the token array aligned)
 
 SHARD_MAGIC = b"L3TOKENS"
@@ -462,7 +451,7 @@ _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 def write_shard(path, tokens, tokenizer_name, vocab_size=None) -> Path:
-    """uint16 when every id fits (vocab_size <= 65,536, else the largest token decides), else uint32."""
+    """uint16 if every id fits (by vocab_size <= 65,536, else by the largest token), else uint32."""
     path, tokens = Path(path), np.asarray(tokens)
     top = vocab_size - 1 if vocab_size else int(tokens.max(initial=0))
     dtype = _DTYPES[2] if top <= 0xFFFF else _DTYPES[4]
@@ -476,7 +465,7 @@ def write_shard(path, tokens, tokenizer_name, vocab_size=None) -> Path:
                           int(tokens.max(initial=0))).ljust(HEADER_BYTES, b"\0")
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:  # a crash leaves a .tmp file, never a short shard under the real name
+        with open(tmp, "wb") as f:  # a crash leaves a .tmp, never a short shard under the real name
             f.write(header)
             tokens.astype(dtype, copy=False).tofile(f)
         os.replace(tmp, path)
@@ -488,12 +477,11 @@ def write_shard(path, tokens, tokenizer_name, vocab_size=None) -> Path:
 
 
 def shard_info(path) -> dict:
-    """Read and check a shard header: {"tokenizer", "tokens", "dtype", "version", "max_id"} (max_id: None
-    in a version 1 shard)."""
+    """Read and check a shard header -> {"tokenizer", "tokens", "dtype", "version", "max_id"}."""
     path = regular_file(path, "token shard")
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
-    if head[:8] != SHARD_MAGIC[:len(head)]:  # (a file shorter than the magic is checked as far as it goes)
+    if head[:8] != SHARD_MAGIC[:len(head)]:  # a file shorter than the magic is checked that far
         raise DataError(f"{path} is not a token shard (bad magic {head[:8]!r}, expected {SHARD_MAGIC!r})")
     if len(head) < HEADER_BYTES:  # what there is of the magic is right: the file was cut short
         raise DataError(f"{path} is cut short: it holds {len(head)} of the {HEADER_BYTES} bytes of a shard "
@@ -510,9 +498,9 @@ def shard_info(path) -> dict:
 
 
 def read_shard(path, tokenizer_name=None, n_vocab=None) -> np.memmap:
-    """Memory-map a shard's tokens, refusing it if it was written with another tokenizer or (given n_vocab)
-    its header's largest id is one the tokenizer does not have. The header is trusted here (reading every id
-    would read the whole shard); whoever hands the ids on checks those it reads (check_token_ids)."""
+    """Memory-map a shard's tokens, refused if written with another tokenizer or if (given n_vocab)
+    its header's largest id is one the tokenizer lacks. The header is trusted here (checking every
+    id would read the whole shard); the ids are checked as they are read (check_token_ids)."""
     info = shard_info(path)
     if tokenizer_name is not None and info["tokenizer"] != tokenizer_name:
         raise DataError(f"{path} was tokenized with {info['tokenizer']!r}, but {tokenizer_name!r} is "
@@ -527,11 +515,11 @@ def read_shard(path, tokenizer_name=None, n_vocab=None) -> np.memmap:
 
 
 def check_token_ids(ids: np.ndarray, path, tokenizer: str, n_vocab=None, max_id=None) -> None:
-    """Refuse ids read from the shard at `path` that the tokenizer (of n_vocab ids) does not have, or that lie
-    above the largest id its header records (max_id; then the data behind an intact header is damaged).
-    One max over the ids read: a Loader does it for every batch. Under tensor parallelism an id past the
-    vocabulary would train silently (each rank looks up only its own slice of the embedding): it is caught
-    here, where the shard can be named (parallel.py's vocab-parallel layers refuse it too, nameless)."""
+    """Refuse ids read from the shard at `path` that the tokenizer (n_vocab ids) lacks, or above its
+    header's max_id (then the data behind an intact header is damaged). One max: cheap enough for
+    every batch. Under tensor parallelism an id past the vocabulary would train silently (each rank
+    looks up only its slice of the embedding); here the shard can be named (parallel.py's
+    vocab-parallel layers refuse it too, nameless)."""
     top = int(ids.max(initial=0))
     if n_vocab is not None and top >= n_vocab:
         raise DataError(f"{path} holds token id {top:,}, but the {tokenizer} tokenizer has {n_vocab:,} ids "
@@ -545,18 +533,16 @@ def check_token_ids(ids: np.ndarray, path, tokenizer: str, n_vocab=None, max_id=
 # ======== 5. prepare: documents -> shards =========================================================
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB (uint16) or 400 MB (uint32) per shard
-PIECE_CHARS = 1 << 20  # long documents are cut into pieces of about this size so threads can share them
+PIECE_CHARS = 1 << 20  # long documents are cut into pieces of about this size, for threads to share
 PARALLEL_BYTES = 1 << 20  # below this, one thread is faster than starting several
 
 
 def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, workers=None, text_field="text",
             shard_tokens=DEFAULT_SHARD_TOKENS) -> Path:
-    """Tokenize a source into <out_dir>/train_*.bin, val_*.bin, meta.json; a finished folder is reused.
-
-    Everything is read and checked, and the new shards written into a temporary folder inside out_dir,
-    before the old ones are touched: a bad setting or source leaves a prepared folder as it was. A failure
-    or an interrupt (Ctrl-C, or SIGTERM, which raises KeyboardInterrupt in here) removes the folders this
-    call made; an interrupt says on stderr what it stopped, then goes on up as KeyboardInterrupt."""
+    """Tokenize a source into <out_dir>/train_*.bin, val_*.bin, meta.json, reusing a finished
+    folder. All is read, checked and written into a temporary folder in out_dir first, so a bad
+    setting or source leaves a prepared folder as it was. A failure or interrupt removes the folders
+    this call made; an interrupt says on stderr what it stopped, then goes on up."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -597,9 +583,9 @@ def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, work
 
 
 def _input_records(source, inputs) -> list:
-    """What the reuse test compares of the inputs. A registry dataset is its name and sha256 (fetch checked
-    the file against it), not its path: a cache moved or copied elsewhere is still prepared. A user's file
-    is its path, size and mtime: an edited file is prepared again."""
+    """What the reuse test compares: a registry dataset's name and sha256 (fetch checked the file),
+    not its path, so a moved or copied cache is still prepared; a user file's path, size and mtime,
+    so an edited file is prepared again."""
     if str(source) in DATASETS:
         return [{"dataset": str(source), "sha256": DATASETS[str(source)]["sha256"]}]
     return [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
@@ -613,8 +599,8 @@ def _input_sha256(source, inputs) -> dict:
 
 
 def _prepared(out, settings) -> bool:
-    """Whether `out` holds a finished preparation with these settings: its meta.json (written last) says so,
-    and every shard it lists is there."""
+    """Whether `out` holds a finished preparation with these settings: its meta.json (written last)
+    says so, and every shard it lists is there."""
     old = _read_json_object(out / "meta.json", "meta.json of a prepared folder")
     if any(old.get(key) != value for key, value in settings.items()):
         return False
@@ -622,16 +608,16 @@ def _prepared(out, settings) -> bool:
         return isinstance(old["n_vocab"], int) and all(
             isinstance(split["tokens"], int) and isinstance(split["documents"], int)
             and all((out / name).is_file() for name in split["shards"]) for split in old["splits"].values())
-    except (KeyError, TypeError, AttributeError, OSError, ValueError):  # a damaged meta.json: prepared again
+    except (KeyError, TypeError, AttributeError, OSError, ValueError):  # a damaged meta.json: redo
         return False
 
 
 @contextlib.contextmanager
 def _scratch_folder(out):
-    """A fresh temporary folder inside `out`, which is made (parents too) if missing. The temporary folder
-    is removed on the way out; after a failure or an interrupt, so are the folders made for it, if still
-    empty. It lies beside the old shards, so the swap is a rename; it is named by host and pid, so two jobs
-    preparing into one shared cache at once never write into the same folder."""
+    """A fresh temporary folder inside `out` (made, with parents, if missing), removed on the way
+    out; after a failure or an interrupt, so are the folders made for it, if still empty. It lies
+    beside the old shards, so the swap is a rename, and is named by host and pid, so two jobs
+    preparing into one shared cache never share it."""
     made = [folder for folder in [out, *out.parents] if not os.path.exists(folder)]  # innermost first
     tmp = out / f".prepare-{socket.gethostname()}-{os.getpid()}"
     try:
@@ -642,7 +628,7 @@ def _scratch_folder(out):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for folder in made:
-            with contextlib.suppress(OSError):  # rmdir removes only an empty folder: another job's stays
+            with contextlib.suppress(OSError):  # only an empty folder goes: another job's stays
                 folder.rmdir()
         raise
     finally:
@@ -660,8 +646,8 @@ def _swap_in(tmp, out):
 
 
 def _read_json_object(path, what="JSON file") -> dict:
-    """A JSON object from a file; {} when it is missing, unreadable or not an object (then it is redone).
-    Anything but a regular file there is refused, before open() (of a FIFO it would wait forever)."""
+    """A JSON object from a file; {} when it is missing, unreadable or not an object (then it is
+    redone). Anything but a regular file there is refused (regular_file)."""
     if not os.path.exists(path):
         return {}
     try:
@@ -694,8 +680,7 @@ def _tokenize_split(docs, enc, out, split, workers, shard_tokens) -> dict:
         shards.append(write_shard(path, flat[:n], enc.name, vocab_size=enc.n_vocab).name)
         buffer, buffered = [flat[n:]], len(flat) - n
 
-    # a document becomes BOS + its tokens + EOS; encode_ordinary never turns "<|...|>" in raw text into a
-    # special
+    # encode_ordinary never turns "<|...|>" in raw text into a special token
     for first, last, ids in _encode_pieces(docs, enc, workers, progress):
         for tokens in ([bos] if first else []) + [np.asarray(ids, np.uint32)] + ([eos] if last else []):
             buffer.append(tokens)
@@ -710,12 +695,10 @@ def _tokenize_split(docs, enc, out, split, workers, shard_tokens) -> dict:
 
 
 def _encode_pieces(docs, enc, workers, progress):
-    """Yield (is_first_piece, is_last_piece, token ids) for every piece of every document, in order.
-
-    tiktoken releases the GIL while it encodes, so a thread pool (encode_ordinary_batch) keeps all cores
-    busy without copying the tokenizer into other processes. Pieces go out in batches of about
-    workers * PIECE_CHARS characters, which bounds the memory held as Python lists of ids.
-    """
+    """Yield (is_first_piece, is_last_piece, ids) for every piece of every document, in order.
+    tiktoken releases the GIL while it encodes, so a thread pool (encode_ordinary_batch) keeps all
+    cores busy without copying the tokenizer into other processes. Batches of about
+    workers * PIECE_CHARS characters bound the memory held as Python lists of ids."""
     batch, chars = [], 0
     for doc in docs:
         pieces = split_text(doc)
@@ -740,9 +723,9 @@ def _encode_batch(batch, enc, workers, progress):
 
 
 def split_text(text, size=None) -> list:
-    """Cut text into pieces of about `size` characters, only right after a newline that sits between two
-    non-space characters ("x\\n|y"). Every supported pat_str ends a pre-token there and starts a new one,
-    so encoding the pieces one by one gives exactly the tokens of encoding the whole text."""
+    """Cut text into pieces of about `size` characters, only right after a newline between two
+    non-space characters ("x\\n|y"). Every supported pat_str ends a pre-token there, so the pieces
+    encode to exactly the tokens of the whole text."""
     size = size or PIECE_CHARS
     pieces, start = [], 0
     while len(text) - start > size:
@@ -790,7 +773,7 @@ def _tokenizer_name(tokenizer):
 
 
 def resolve_data(data, tokenizer, mirror=None, **prepare_kwargs) -> Path:
-    """train.py's --data: a folder of prepared shards is checked and used as is; anything else is prepared."""
+    """train.py's --data: a prepared folder is checked and used as is; anything else is prepared."""
     name, folder = _tokenizer_name(tokenizer), Path(str(data)).expanduser()
     shards = sorted(folder.glob("train_*.bin")) + sorted(folder.glob("val_*.bin")) if os.path.isdir(folder) \
         else []
@@ -807,8 +790,8 @@ def resolve_data(data, tokenizer, mirror=None, **prepare_kwargs) -> Path:
 # ======== 6. Loader: shards -> batches ============================================================
 
 def _ends_sha256(path, size=1 << 12) -> str:
-    """sha256 of a file's first and last `size` bytes (of the whole file, once, when it is shorter than 2 *
-    size): cheap, and it sees the header and both ends of a shard."""
+    """sha256 of a file's first and last `size` bytes (of the whole file, once, when shorter than
+    2 * size): cheap, and it sees the header and both ends of a shard."""
     h = hashlib.sha256()
     with open(regular_file(path, "token shard"), "rb") as f:
         length = os.fstat(f.fileno()).st_size
@@ -820,13 +803,12 @@ def _ends_sha256(path, size=1 << 12) -> str:
 
 
 class Positions:
-    """Where every loader is in its data: n items (windows of a token stream, or fixed rows) read in an
-    order drawn per epoch. Global sequence i is item perm_e[i % n] of epoch e = i // n, perm_e a
-    permutation seeded by (seed, e). Rank r reads global sequences consumed + r*batch_size +
-    arange(batch_size); after every next() on every rank, consumed += batch_size * dp_size. So an optimizer
-    step covers the same global sequences whatever the split into dp ranks and micro-batches, and
-    {"consumed", "seed", "seq_len"} (plus a subclass's settings) is the whole, rank-independent position:
-    a checkpoint resumes it under any other dp split."""
+    """A loader's position in its n items (token windows, or fixed rows), read in an order drawn per
+    epoch: global sequence i is item perm_e[i % n] of epoch e = i // n, perm_e seeded by (seed, e).
+    Rank r reads global sequences consumed + r*batch_size + arange(batch_size); every next() on
+    every rank adds batch_size * dp_size to consumed. So an optimizer step covers the same sequences
+    however dp ranks and micro-batches split it, and {"consumed", "seed", "seq_len"} plus a
+    subclass's settings is the whole position: a checkpoint resumes it under any dp."""
 
     def __init__(self, n, batch_size, seq_len, dp_rank, dp_size, seed, empty: str):
         if not 0 <= dp_rank < dp_size:
@@ -856,13 +838,12 @@ class Positions:
         return self._epochs[epoch]
 
     def _next_seqs(self) -> np.ndarray:
-        """This rank's next batch_size global sequence numbers; every rank moves on by the global batch."""
+        """This rank's next batch_size global sequences; every rank moves on by the global batch."""
         seqs = self.consumed + self.dp_rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
         self.consumed += self.batch_size * self.dp_size
         return seqs
 
     def _next_items(self) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's next batch_size global sequences, as (item index, epoch) arrays."""
         return self._items(self._next_seqs())
 
     def _items(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -896,25 +877,21 @@ class Positions:
 
 
 class Loader(Positions):
-    """(inputs, targets) batches of shape (batch_size, seq_len) for one data-parallel rank.
-
-    The items are windows of seq_len + 1 tokens:
-      * A shard of n tokens holds c = max(n // seq_len - 1, 1) windows (0 if n <= seq_len), placed with
-        stride seq_len: window j covers tokens [shift + j*seq_len, shift + (j+1)*seq_len], the last token of
-        one window being the first of the next, so each token is a target once per epoch (bar < 2*seq_len
-        at a shard's ends). Windows never cross shard ends. The shift is drawn per (epoch, shard) in
-        [0, min(slack, seq_len - 1)], c leaving a full seq_len of slack where the shard is long enough, so
-        every epoch sees other context boundaries.
-      * The windows of all shards share one index space of len(self) windows, read in the order Positions
-        gives (8 bytes a window: 1B tokens at seq_len 1024 take 8 MB).
-      * Every read is checked (check_token_ids): an id the tokenizer does not have (given an Encoding) or one
-        above the largest id its shard's header records is refused, naming the shard.
-    fingerprint() names the data's content cheaply, for resume checks: a 16-digit hex digest of each
-    shard's file name, token count, tokenizer and the sha256 of its first and last 4 KiB. A copy of the
-    folder (a moved or copied cache) gives the same fingerprint, other data another (a change in the middle
-    of a shard that keeps its size goes unseen: every rank reads this at the start, so for the 150,000
-    shards of 15T tokens it reads 1.2 GB, never the shards themselves). Computed once.
-    """
+    """(inputs, targets) batches of shape (batch_size, seq_len) for one dp rank. The items are
+    windows of seq_len + 1 tokens:
+      * A shard of n tokens holds c = max(n // seq_len - 1, 1) windows (0 if n <= seq_len) at stride
+        seq_len: window j covers tokens [shift + j*seq_len, shift + (j+1)*seq_len], its last token
+        the next one's first, so each token is a target once per epoch (bar < 2*seq_len at a shard's
+        ends). Windows never cross shard ends. The shift is drawn per (epoch, shard) in
+        [0, min(slack, seq_len - 1)], c leaving a full seq_len of slack where the shard is long
+        enough, so every epoch sees other context boundaries.
+      * All shards' windows share one index space of len(self), read in Positions' order (8 bytes a
+        window: 1B tokens at seq_len 1024 take 8 MB).
+      * Every read is checked by check_token_ids, which names the shard.
+    fingerprint(), for resume checks and computed once: a 16-digit hex digest of each shard's file
+    name, token count, tokenizer and _ends_sha256. A moved or copied cache gives the same one, other
+    data another; a change mid-shard that keeps its size goes unseen, the price of reading only
+    8 KiB a shard at every rank's start (1.2 GB for the 150,000 shards of 15T tokens)."""
 
     def __init__(self, data_dir, split, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, tokenizer=None):
         """tokenizer: a name, or an Encoding (then every id must also be below its n_vocab)."""
@@ -925,11 +902,11 @@ class Loader(Positions):
         name = _tokenizer_name(tokenizer)
         self.n_vocab = tokenizer.n_vocab if isinstance(tokenizer, tiktoken.Encoding) else None
         self.paths, self.shards = paths, [read_shard(p, name, self.n_vocab) for p in paths]
-        self.infos = [shard_info(p) for p in paths]  # for check_token_ids: tokenizer, max_id
+        self.infos = [shard_info(p) for p in paths]
         n = np.array([len(s) for s in self.shards], dtype=np.int64)
         counts = np.where(n > seq_len, np.maximum(n // seq_len - 1, 1), 0)
         self.max_shift = np.clip(np.minimum(n - 1 - counts * seq_len, seq_len - 1), 0, None)
-        self.offsets = np.concatenate([[0], np.cumsum(counts)])  # window index where each shard starts
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])  # each shard's first window index
         self.num_tokens = int(n.sum())
         super().__init__(int(self.offsets[-1]), batch_size, seq_len, dp_rank, dp_size, seed, empty=(
             f"the {split} split in {data_dir} has {self.num_tokens:,} tokens (largest shard "
@@ -938,20 +915,20 @@ class Loader(Positions):
         self._cols = np.arange(seq_len + 1)
 
     def _draw(self, rng) -> tuple:
-        return rng.permutation(self.n), rng.integers(0, self.max_shift + 1)  # order, then a shift per shard
+        return rng.permutation(self.n), rng.integers(0, self.max_shift + 1)  # order, shard shifts
 
     def next(self):
         return self.batch_at(self._next_seqs())
 
     def batch_at(self, seqs: np.ndarray):
-        """The (inputs, targets) rows of these global sequence numbers (a mixture reads a source this way)."""
+        """(inputs, targets) rows of these global sequences (how a mixture reads a source)."""
         window, epochs = self._items(seqs)
         shard = np.searchsorted(self.offsets, window, side="right") - 1
         start = (window - self.offsets[shard]) * self.seq_len
         for e in np.unique(epochs):
             start[epochs == e] += self._epoch(int(e))[1][shard[epochs == e]]
         batch = np.empty((len(seqs), self.seq_len + 1), dtype=np.int64)
-        for k in np.unique(shard):  # one fancy-indexing read per shard touched, and one max of what it read
+        for k in np.unique(shard):  # one fancy-indexing read per shard touched, one max over it
             rows = shard == k
             ids = self.shards[k][start[rows, None] + self._cols]
             info = self.infos[k]
@@ -967,30 +944,25 @@ class Loader(Positions):
         return h.hexdigest()[:16]
 
     def fingerprint(self) -> str:
-        """A short hex digest of the shards' content (see the class docstring); never reads whole shards."""
         return self._fingerprint
 
 
 # ======== 6b. Mixtures: several sources, each its share of the sequences ==========================
 # Llama 3 pretrained on a mix (about half general text, a quarter math and reasoning, 17% code, 8%
-# multilingual) and annealed on a higher-quality mix at the end. Here a mixture is "name:weight,...":
-# global sequence i comes from the source the schedule gives it, and is that source's own next sequence,
-# read by its own Loader, so each source goes through its epochs at its own pace.
+# multilingual) and annealed on a higher-quality mix at the end; MixtureLoader does both.
 
 
 def parse_mixture(spec) -> list[tuple[str, float]]:
-    """--data "c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2" -> [(source, weight)], weights summing to 1.
-    A source is anything resolve_data takes (a name, file, glob or shard folder). Each comma-separated part
-    is, in this order:
-      * an existing file or folder, if the whole part names one: that source, weight 1 (a file named
-        "x:2" is that file, never x at weight 2);
-      * else, if the text after its last ":" reads as a number, the source before it with that weight (so
-        the file "x:2" at weight 0.5 is "x:2:0.5");
+    """--data "c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2" -> [(source, weight)], weights summing
+    to 1; a source is anything resolve_data takes (a name, file, glob or shard folder). Each
+    comma-separated part is, by the first rule that fits:
+      * a whole part naming an existing file or folder: it, weight 1 ("x:2" is that file, never x);
+      * a part whose text after the last ":" reads as a number: the source before it at that weight
+        (the file "x:2" at weight 0.5 is "x:2:0.5");
       * else the whole part, weight 1 (C:\\data, https://...).
-    Two parts naming one source are refused: the same name twice, or two spellings of one existing file or
-    folder (./x.txt and x.txt, a symlink and its target, a relative and an absolute path). A weight must be
-    a positive finite number, large enough that its source gets some of every MixtureSchedule.BLOCK
-    sequences."""
+    Two parts naming one source are refused: one name twice, or two spellings of one existing path
+    (./x.txt and x.txt, a symlink and its target, relative and absolute). A weight must be positive,
+    finite and large enough to give its source some of every MixtureSchedule.BLOCK sequences."""
     parts = [part.strip() for part in str(spec).split(",") if part.strip()]
     if not parts:
         raise DataError(f"--data {spec!r} names no source")
@@ -998,7 +970,7 @@ def parse_mixture(spec) -> list[tuple[str, float]]:
     _refuse_repeats(spec, [source for source, _ in mixture])
     weights = [w for _, w in mixture]
     total = sum(weights)
-    if not np.isfinite(total):  # each finite, their sum not (1e308 + 1e308): the largest becomes 1 first
+    if not np.isfinite(total):  # each finite, their sum not (1e308 + 1e308): scale the largest to 1
         weights = [w / max(weights) for w in weights]
         total = sum(weights)
     shares = [w / total for w in weights]
@@ -1028,8 +1000,7 @@ def _mixture_part(spec, part) -> tuple[str, float]:
 
 
 def _refuse_repeats(spec, sources):
-    """Refuse a mixture naming one source twice: the same name, or two spellings of one path (compared
-    resolved where the file or folder exists, else normalized)."""
+    """parse_mixture's repeat rule; paths compare resolved where they exist, else normalized."""
     seen = {}
     for source in sources:
         path = Path(source).expanduser()
@@ -1046,10 +1017,10 @@ def _refuse_repeats(spec, sources):
 
 
 class MixtureSchedule:
-    """Which source each global sequence comes from, in blocks of BLOCK sequences: every block holds each
-    source's share (largest remainders, so shares are exact to 1/BLOCK), in an order drawn from (seed,
-    block). So where sequence i comes from, and how many sequences each source gave before it, take one
-    block's draw to compute: nothing is stored, and the loader's position stays one number."""
+    """Which source each global sequence comes from, in blocks of BLOCK sequences: every block holds
+    each source's share (largest remainders, exact to 1/BLOCK) in an order drawn from (seed, block).
+    So the source of sequence i, and how many sequences each source gave before it, take one block's
+    draw: nothing is stored, and the loader's position stays one number."""
 
     BLOCK = 1000
 
@@ -1067,7 +1038,6 @@ class MixtureSchedule:
         return self._block[1]
 
     def source(self, i: int) -> int:
-        """The source of sequence i."""
         return int(self._order(i // self.BLOCK)[i % self.BLOCK])
 
     def before(self, i: int) -> np.ndarray:
@@ -1077,13 +1047,11 @@ class MixtureSchedule:
 
 
 class MixtureLoader(Positions):
-    """(inputs, targets) batches from a mixture of prepared sources, for one dp rank. Global sequence i
-    (numbered as Positions numbers them, so dp ranks read disjoint sequences whose union is the
-    single-process order) comes from source s = schedule.source(i) and is that source's sequence j = how
-    many sequences s gave before i, read by s's own Loader: each source goes through its epochs at its own
-    pace. With anneal = (i0, weights), sequences from i0 on follow a second schedule, and each source goes
-    on from where the first one left it. The position is still the one number `consumed`. fingerprint():
-    as Loader's, over the sources' names, weights and fingerprints."""
+    """(inputs, targets) batches from a mixture of prepared sources, for one dp rank. Global
+    sequence i (numbered as in Positions) is sequence j of source s = schedule.source(i), j = how
+    many sequences s gave before i, read by s's own Loader: each source goes through its epochs at
+    its own pace. With anneal = (i0, weights), sequences from i0 on follow a second schedule, each
+    source going on from where the first left it; the position is still `consumed`."""
 
     def __init__(self, sources: list[tuple[str, Path]], weights: list[float], split: str, batch_size: int,
                  seq_len: int, dp_rank=0, dp_size=1, seed=0, tokenizer=None, anneal=None):
@@ -1116,8 +1084,8 @@ class MixtureLoader(Positions):
         return {name: int(n) * self.seq_len for name, n in zip(self.names, self.counts(self.consumed))}
 
     def fingerprint(self) -> str:
-        """A short hex digest of the mixture's content: each source's name, weight and Loader.fingerprint().
-        Never reads whole shards. (The annealing switch is a setting, checked by load_state_dict.)"""
+        """A short hex digest of each source's name, weight and Loader.fingerprint(); never reads
+        whole shards. (The annealing switch is a setting, checked by load_state_dict.)"""
         sources = [[name, float(weight), loader.fingerprint()]
                    for name, weight, loader in zip(self.names, self.weights, self.loaders)]
         return hashlib.sha256(json.dumps(sources).encode()).hexdigest()[:16]
@@ -1134,11 +1102,9 @@ class MixtureLoader(Positions):
         return inputs, targets
 
 
-# ======== 7. Records: the JSON and JSONL files a recipe names ======================================
-# chat.py reads conversations, preference pairs and prompts from them; a target a recipe does not learn is
-# IGNORE_INDEX.
+# ======== 7. Records: the JSON and JSONL files a recipe names =====================================
 
-IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+IGNORE_INDEX = -100  # an unlearned target: torch.nn.functional.cross_entropy's default ignore_index
 
 
 def named_file(path_or_name, registered, mirror) -> Path:
@@ -1152,7 +1118,7 @@ def named_file(path_or_name, registered, mirror) -> Path:
 
 
 def json_records(path) -> list:
-    """A JSON array or a JSONL file -> [(where, record)], where = "file:line" or "file: record i" (from 0)."""
+    """A JSON array or JSONL file -> [(where, record)]: "file:line" or "file: record i" (from 0)."""
     try:
         text = regular_file(path, "data file").read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -1177,9 +1143,9 @@ def json_records(path) -> list:
 # ======== 8. Failures a user can cause, each said in one line =====================================
 
 def one_line(error) -> str:
-    """An exception's whole message on one line (its type's name if it has none). A pickle refused by
-    torch.load(weights_only=True) is said in those words, with torch's reason and without its advice to
-    load the file unsafely."""
+    """An exception's message on one line (its type's name if it has none). A pickle refused by
+    torch.load(weights_only=True) is said so, with torch's reason but not its advice to load the
+    file unsafely."""
     text = str(error)
     if text.startswith("Weights only load failed"):
         # torch's reason follows its advice; the marker before it differs between torch versions.
@@ -1196,13 +1162,13 @@ _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFDIR: "a folder", stat.S_
 
 
 def regular_file(path, what: str) -> Path:
-    """`path` if it is a regular file (or a symlink to one), else DataError saying what it is instead.
-    Checked before every file a user names is opened: open() on a FIFO waits forever for a writer, and a
-    folder, device or socket is no data either. (Where this file probes a path a user gave, it asks
-    os.path.exists / isdir: they say False for a name too long or with a NUL byte, where pathlib raises.)"""
+    """`path` if it is a regular file (or a symlink to one), else DataError saying what it is.
+    Checked before opening any file a user names: open() on a FIFO waits forever for a writer, and a
+    folder, device or socket is no data. (Elsewhere this file probes a user's path with
+    os.path.exists / isdir: False for a name too long or with a NUL byte, where pathlib raises.)"""
     path = Path(path)
     try:
-        mode = path.stat().st_mode  # follows symlinks: a link to a regular file is one
+        mode = path.stat().st_mode
     except FileNotFoundError:
         dangling = " (a symlink to nothing)" if path.is_symlink() else ""
         raise DataError(f"no {what} at {path}{dangling}") from None
@@ -1216,9 +1182,9 @@ def regular_file(path, what: str) -> Path:
 
 
 def load_json(text: str):
-    """json.loads, failing only with json.JSONDecodeError: json itself raises RecursionError for nesting
-    deeper than the interpreter's recursion limit ([[[[...]]]]) and a plain ValueError for an integer of more
-    than sys.get_int_max_str_digits() digits. Those two carry no position (lineno and colno are None)."""
+    """json.loads, failing only with json.JSONDecodeError, where json raises RecursionError for
+    nesting past the recursion limit ([[[[...]]]]) and ValueError for an integer of more than
+    sys.get_int_max_str_digits() digits; those two carry no position (lineno and colno are None)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -1234,20 +1200,19 @@ def load_json(text: str):
 
 
 def json_reason(e: json.JSONDecodeError) -> str:
-    """What is wrong with some JSON, and where in its line when that is known."""
     return f"{e.msg} at column {e.colno}" if e.colno else e.msg
 
 
-# read-only or not ours; a full disk or quota; a path that cannot be a folder (too long, a file on the way)
+# read-only, not ours, disk or quota full, or no folder possible (name too long, a file in the way)
 _WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG,
                  errno.ENOTDIR}
 
 
 @contextlib.contextmanager
 def writing(folder, target, cleanup=()):
-    """Turns the write failures a user must fix outside the program (_WRITE_ERRNOS: a read-only folder, a
-    full disk, ...) into one DataError line naming `folder`, or `target` for a full disk. First removes
-    `cleanup` (partial files, temporary folders), so nothing half-written stays behind."""
+    """Turns the write failures a user must fix outside the program (_WRITE_ERRNOS: a read-only
+    folder, a full disk, ...) into one DataError line naming `folder`, or `target` for a full disk,
+    after removing `cleanup` (partial files, temporary folders) so nothing half-written stays."""
     try:
         yield
     except OSError as e:
@@ -1267,10 +1232,10 @@ def writing(folder, target, cleanup=()):
 
 @contextlib.contextmanager
 def sigterm_raises_keyboard_interrupt():
-    """Within it, SIGTERM (what `kill` and schedulers send) raises KeyboardInterrupt as Ctrl-C does, so
-    `finally` blocks clean up before the process ends; the previous handler is back afterwards. Only in
-    the main thread (the only one Python lets set handlers) and only while SIGTERM has its default action:
-    a handler someone else installed (train.py's preemption flag) is left alone."""
+    """Within it, SIGTERM (what `kill` and schedulers send) raises KeyboardInterrupt as Ctrl-C does,
+    so `finally` blocks clean up; the previous handler is restored afterwards. Only in the main
+    thread (the only one Python lets set handlers) and while SIGTERM has its default action: a
+    handler someone else installed (train.py's preemption flag) is left alone."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield
@@ -1291,7 +1256,7 @@ def sigterm_raises_keyboard_interrupt():
 def _print_info(path):
     path = Path(path)
     if not os.path.exists(path):
-        raise DataError(f"no file or folder {path}")  # a FIFO or device there: refused by shard_info
+        raise DataError(f"no file or folder {path}")  # a FIFO or device: refused by shard_info
     shards = sorted(path.glob("*.bin")) if os.path.isdir(path) else [path]
     if not shards:
         raise DataError(f"{path} holds no token shards (*.bin)")

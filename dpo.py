@@ -10,25 +10,23 @@ with the policy/reference log-ratios r_c (chosen) and r_r (rejected) and margin 
     ipo                (r_c - r_r - 1 / (2 beta))^2, log-probs per response token (Azar et al. 2023)
     ipo-sum            the same on the summed log-probs (the paper's Eq. 17 as written)
     hinge              max(0, 1 - m)                                         (SLiC, Zhao et al. 2023)
-averaged over the pairs of the global batch. The IPO authors' results, and TRL's "ipo", divide each
-sequence's log-prob by its response length first, so a published beta means the same here (summed, beta
-would have to shrink with the length). cDPO applies --label-smoothing as written above; TRL 1.16's
-"sigmoid" silently ignores label_smoothing (it trains plain DPO), so the two agree only at 0. Logged with
-TRL's names and meanings, whatever the loss, from the summed log-probs: rewards/chosen = beta * r_c,
-rewards/rejected = beta * r_r, rewards/accuracies (share with r_c > r_r), rewards/margins, logps/chosen,
-logps/rejected; under ipo the same of the per-token log-probs the loss uses, as rewards_per_token/... and
-logps_per_token/....
+averaged over the pairs of the global batch. ipo divides each log-prob by its response length first,
+as the IPO authors and TRL's "ipo" do, so a published beta carries over (summed, beta would have to
+shrink with the length). TRL 1.16's "sigmoid" silently ignores label_smoothing, so it matches cDPO
+only at 0. Metrics keep TRL's names and meanings and use the summed log-probs whatever the loss:
+rewards/chosen = beta * r_c, rewards/rejected = beta * r_r, rewards/accuracies (share with
+r_c > r_r), rewards/margins, logps/chosen, logps/rejected; under ipo also rewards_per_token/... and
+logps_per_token/... from the per-token log-probs the loss uses.
 
-Llama 3's two changes (Dubey et al. 2024, section 4.1.4), both off by default: --mask-format-tokens leaves
-the chat format's tokens (headers and <|eot_id|>: the same in both replies, so their log-probs only add
-noise to the margin) out of every DPO log-prob, the rewards and logps metrics included; --nll-coef c adds c
-times the chosen reply's negative log-likelihood per token (its length-normalized NLL, as in Pang et al.
-2024's RPO, on every learned token, <|eot_id|> included), averaged over the pairs, logged as nll_loss.
+Llama 3's two changes (Dubey et al. 2024, section 4.1.4), both off by default: --mask-format-tokens
+leaves the chat format's tokens (headers, <|eot_id|>: alike in both replies, they only add noise to
+the margin) out of the DPO log-probs and the rewards and logps metrics; --nll-coef c adds c times
+the chosen reply's NLL per token (as in Pang et al. 2024's RPO, over every learned token, <|eot_id|>
+included), logged as nll_loss.
 
-It is train.py's loop with another task: each micro-batch holds B pairs as 2B rows (chosen rows first), and
-the task's prepare() adds the reference log-probs to it, either computed alongside by the reference model
-(default) or, with --precompute-ref, computed once for the whole dataset before training (split over the
-dp replicas), cached in <out-dir>/ref_logps.pt, and the reference freed.
+It is train.py's loop with another task: a micro-batch holds B pairs as 2B rows (chosen first), and
+prepare() adds the reference log-probs, computed alongside or, with --precompute-ref, once before
+training (split over dp) and cached in <out-dir>/ref_logps.pt, so that the reference can be freed.
 """
 
 from __future__ import annotations
@@ -92,11 +90,10 @@ def reference_logps(reference, batches, mesh, args, skip=None) -> list:
 
 
 def precompute_reference(reference, loaders, mesh, args, device, skip=None) -> torch.Tensor:
-    """Score every pair of every loader once: a (pairs, 2) tensor of (chosen, rejected) log-probs, indexed
-    by the loaders' pair indices (their index_offset keeps them apart). The micro-batches are dealt out
-    over the dp replicas; each pair is scored by one replica, zeros stand elsewhere, and a sum over dp
-    (x + 0 is exact) gives every replica the whole table. Stages other than the last hold zeros: only the
-    last one computes the loss."""
+    """Score every loader's pairs once: a (pairs, 2) tensor of (chosen, rejected) log-probs by pair
+    index (index_offset keeps loaders apart). Micro-batches are dealt out over dp; each replica
+    holds zeros where others scored, and a sum over dp (x + 0 is exact) gives every replica the
+    whole table. Stages but the last hold zeros (only the last computes the loss)."""
     chunks = [(loader, lo) for loader in loaders for lo in range(0, len(loader), args.micro_batch)]
     out = torch.zeros(sum(len(loader) for loader in loaders), 2, device=device)
     for j, (loader, lo) in enumerate(chunks):
@@ -125,8 +122,8 @@ def read_cache(path: Path, key: dict) -> torch.Tensor | None:
 
 
 class DPOTask:
-    """The loss of train.py's loop for preference pairs; see the module docstring. skip: the token ids left
-    out of the DPO log-probs (--mask-format-tokens), or None."""
+    """train.py's task for preference pairs (see the module docstring); skip: the ids left out of
+    the DPO log-probs (--mask-format-tokens), or None."""
 
     rows_per_example = 2  # a pair: its chosen and its rejected row (train.py counts tokens and FLOPs by rows)
     takes_hidden = False  # the loss is given the logits
@@ -192,12 +189,10 @@ class DPOTask:
 
 
 def cached_reference(reference, loaders, mesh, args, device, tokenizer: str, skip=None) -> torch.Tensor:
-    """--precompute-ref: the reference's log-probs of every pair, from <out-dir>/ref_logps.pt when it holds
-    them for exactly these sequences, weights, tokenizer, precision and left-out tokens (skip), else
-    computed (collectively) and written there, whole, then renamed."""
+    """--precompute-ref: every pair's reference log-probs, read from <out-dir>/ref_logps.pt if made
+    for the same `key`, else computed (collectively) and written there whole, then renamed."""
     cache = Path(args.out_dir) / "ref_logps.pt"
-    # the rows the reference scores, with where their pair indices start (another seed's split, seq_len or
-    # tokenizer gives other rows)
+    # the rows scored and where their pair indices start (the seed, seq_len and tokenizer pick them)
     key = {"rows": [(loader.index_offset, loader.fingerprint()) for loader in loaders],
            "weights": weights_digest(reference, mesh), "tokenizer": tokenizer,
            "dtype": str(next(reference.parameters()).dtype),
@@ -216,9 +211,9 @@ def cached_reference(reference, loaders, mesh, args, device, tokenizer: str, ski
 
 
 def weights_digest(model, mesh) -> str:
-    """sha256 of the model's weights as every rank holds them (its tp shard of its pp stage's layers):
-    each rank hashes its own, and the job hashes the list. The same weights cut another way give another
-    digest, which only costs a recomputation."""
+    """sha256 of the weights as every rank holds them (its tp shard of its pp stage's layers), each
+    rank's digest hashed again over ranks. The same weights cut another way give another digest,
+    which only costs a recomputation."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         if M.is_lora(name):  # the reference is the model without them
@@ -237,8 +232,7 @@ def weights_digest(model, mesh) -> str:
 
 
 class DPO(T.FromInit):
-    """train.py's recipe with SFT's model (from --init), preference pairs as the data, and DPOTask as the
-    loss, against a frozen reference built from the same initial weights."""
+    """The policy from --init and a frozen reference built from the same initial weights."""
 
     kind = "dpo"
     rows_per_example = DPOTask.rows_per_example
@@ -249,8 +243,7 @@ class DPO(T.FromInit):
 
     def __init__(self, args):
         super().__init__(args)
-        # the reference (with --precompute-ref too: it lives while its log-probs are computed); under LoRA
-        # it is the policy's frozen model itself, its adapters off (M.without_lora)
+        # a reference (with --precompute-ref too, while it scores); none under LoRA (M.without_lora)
         self.frozen_copies = 0 if config.lora_of(args) else 1
 
     def weights(self, mesh) -> dict | None:

@@ -9,25 +9,23 @@
     python evaluate.py --diff out out-sft --diff-plot sft.png          # what SFT changed in the weights
 
 Read top to bottom:
-  1. Model           --init (a train/sft/dpo checkpoint, a Hugging Face or a Meta folder) -> an
-                     eval-mode Transformer
-  2. Log-likelihood  token_logprobs: log p(each token | the tokens before it), the primitive of 3 and 5
+  1. Model           --init (a checkpoint, Hugging Face or Meta folder) -> an eval-mode Transformer
+  2. Log-likelihood  token_logprobs: log p(token | the tokens before it), the primitive of 3 and 5
   3. Perplexity      token shards or raw text -> loss, perplexity, bits per byte
-  4. Benchmarks      a small registry (URL, sha256, mirror path, as in data.py) and readers that turn a
-                     generic JSONL, HellaSwag, PIQA and ARC into items {"context", "choices", "label"}
-  5. Multiple choice every choice scored by its log-likelihood after the context: acc, acc_norm, acc_token;
-                     the same during training (train.py --eval-tasks), and a reward model's scores
+  4. Benchmarks      a small registry (URL, sha256, mirror path, as in data.py) and readers: generic
+                     JSONL, HellaSwag, PIQA and ARC -> items {"context", "choices", "label"}
+  5. Multiple choice every choice scored by its log-likelihood after the context: acc, acc_norm,
+                     acc_token; also in training (train.py --eval-tasks); reward models' scores
   6. Generation      prompts from the command line or a file, plain or in the chat template
-  7. Contamination   which benchmark items share an n-gram with the training data: hashed and streamed
-  8. A run's picture --plot: train and validation loss against tokens, benchmarks scored during training,
-                     and the learning rate, as a PNG
-  9. Weight changes  --diff A B: how far each matrix moved between two checkpoints of one model, and in
-                     how many directions (the effective rank of the difference)
+  7. Contamination   which benchmark items share an n-gram with the training data (hashed, streamed)
+  8. A run's picture --plot: a PNG of train and validation loss against tokens, the benchmarks
+                     scored during training and the learning rate
+  9. Weight changes  --diff A B: how far each matrix moved between two checkpoints of one model, and
+                     in how many directions (the effective rank of the difference)
  10. Command line    every task prints a summary; --json prints one JSON object per task instead
 
-Sections 3 and 5 split their work over data-parallel ranks (torchrun): rank r takes the windows or items
-i with i % world == r and the sums are all-reduced, so any number of processes gives the same numbers.
-"""
+Sections 3 and 5 split their work over data-parallel ranks (torchrun): rank r takes the windows
+or items i with i % world == r; all-reduced sums make any process count give the same numbers."""
 
 from __future__ import annotations
 
@@ -61,12 +59,11 @@ import parallel as P
 
 
 def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
-    """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off. A checkpoint is verified
-    against its manifest by all the ranks at once, each a share of its shards."""
+    """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off."""
     # load_init may report a grown vocabulary; stdout is for results
     with contextlib.redirect_stdout(sys.stderr):
         if C.is_checkpoint(path):
-            # every rank checks a share of the shards, rank 0 says what it passed over
+            # each rank verifies a share of the shards; rank 0 says what it passed over
             path = C.resolve(path, say=lambda msg: print(msg) if mesh.rank == 0 else None,
                              check=C.shared_check(mesh))
         margs, state = C.load_init(path, tok, verify=False)
@@ -84,13 +81,11 @@ def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
 
 @torch.no_grad()
 def token_logprobs(model, seqs, last: list[int] | None = None) -> list[np.ndarray]:
-    """Token sequences -> for each, log p(seq[t] | seq[:t]) for t = 1 .. len - 1, as float64 arrays; with
-    `last`, only for its last last[i] tokens.
-
-    The sequences are right-padded to the longest: a causal model's output at a position never depends on
-    later positions, so the padding changes nothing that is read back. The output layer and the softmax
-    over the vocabulary, the costliest part of a small model with a large vocabulary, run only at the
-    positions read back."""
+    """Token sequences -> for each, log p(seq[t] | seq[:t]) for t = 1 .. len - 1, as float64 arrays;
+    with `last`, only for its last last[i] tokens. Sequences are right-padded to the longest: a
+    causal model's output at a position never depends on later ones, so padding changes nothing read
+    back. The output layer and the softmax over the vocabulary, the costliest part of a small model
+    with a large vocabulary, run only at the positions read back."""
     width = max(len(s) for s in seqs)
     batch = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -102,7 +97,7 @@ def token_logprobs(model, seqs, last: list[int] | None = None) -> list[np.ndarra
     h = model.norm(model.run_layers(h, cos, sin))
     rows = torch.tensor([i for i, n in enumerate(last) for _ in range(n)], device=batch.device)
     cols = torch.tensor([len(s) - n - 1 + j for s, n in zip(seqs, last) for j in range(n)],
-                        device=batch.device)  # the positions that predict each sequence's last n tokens
+                        device=batch.device)  # positions predicting each sequence's last n tokens
     logits = model.output(h[rows, cols])  # (scored tokens, vocab)
     logp = -P.token_losses(logits, batch[rows, cols + 1], model.args.vocab_size, P.Mesh())  # fp32
     return np.split(logp.double().cpu().numpy(), np.cumsum(last)[:-1])
@@ -117,12 +112,11 @@ def _all_reduce(values: list[float], mesh, device) -> list[float]:
 # ----------------------------------------------------------------------------------------------------
 # 3. Perplexity and bits per byte
 #
-# Windows of seq_len + 1 tokens at stride seq_len (the last one shorter), so every token but each array's
-# first is predicted exactly once, from the tokens before it in its window, as in training.
-# Loss and perplexity average over every target token, as train.py's validation loss does.
-# Bits per byte is the tokenizer-independent measure: the loss in nats of the targets that stand for text,
-# divided by ln 2 and by the number of UTF-8 bytes those targets decode to. Special tokens (BOS, EOS, ...)
-# are markup, not text: they add no bytes, and the losses of predicting them are left out as well.
+# Windows of seq_len + 1 tokens at stride seq_len: every token but each array's first is predicted
+# once, from the tokens before it in its window, as in training. Loss and perplexity average over
+# every target token, as train.py's validation loss does. Bits per byte, the tokenizer-independent
+# measure, is (loss in nats of the targets that stand for text) / (ln 2 * the UTF-8 bytes they
+# decode to). Special tokens (BOS, EOS, ...) are markup: no bytes, and their losses are left out.
 
 
 @functools.lru_cache(maxsize=4)
@@ -179,8 +173,8 @@ def perplexity(model, tok, arrays, seq_len, batch_size, mesh, limit=None) -> dic
 
 
 def position_buckets(by_pos: np.ndarray) -> dict:
-    """Loss and count per target position -> {"first-last": mean loss} over positions 0, 1-2, 3-6, 7-14, ...
-    (a target at position t has t + 1 tokens of context): does the model use the far context?"""
+    """Per-position loss and count -> {"first-last": mean loss} over positions 0, 1-2, 3-6, 7-14,
+    ... (a target at position t has t + 1 tokens of context): does the model use far context?"""
     out, lo = {}, 0
     while lo < by_pos.shape[1]:
         hi = min(2 * lo + 1, by_pos.shape[1])
@@ -228,22 +222,22 @@ def _arc(r):  # {question: {stem, choices: [{text, label}]}, answerKey}; the key
             keys.index(r["answerKey"]) if r["answerKey"] in keys else None)
 
 
-def _hellaswag(r):  # rowanz/hellaswag's jsonl: its two context fragments joined as lm-evaluation-harness does
+def _hellaswag(r):  # rowanz/hellaswag's jsonl, its context joined as lm-evaluation-harness does
     context = f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"
     return _unmarked(context), [_unmarked(e) for e in r["endings"]], r.get("label")
 
 
 def _unmarked(text: str) -> str:
-    """HellaSwag's WikiHow markup removed as lm-evaluation-harness removes it: ' [title]' becomes '. ',
-    any other [tag] goes, double spaces become one."""
+    """HellaSwag's WikiHow markup removed as lm-evaluation-harness removes it: ' [title]' becomes
+    '. ', any other [tag] goes, double spaces become one."""
     text = re.sub(r"\[.*?\]", "", text.strip().replace(" [title]", ". "))
     return text.replace("  ", " ")
 
 
-# The fields that identify a format -> (context, choices, label) of one record, the first that fits.
-# Prompts are written as lm-evaluation-harness writes them; the choice follows the context after a space
-# (section 5). HellaSwag's text form (the registry's) and jsonl with a single "ctx" hold the context as one
-# string, its second fragment's first letter as written; rowanz's jsonl (ctx_a, ctx_b) gives lm-eval's.
+# The fields that identify a format -> (context, choices, label) of one record; the first that fits
+# wins. Prompts are written as lm-evaluation-harness writes them. HellaSwag's text form (the
+# registry's) and jsonl with one "ctx" hold the context as one string, its second fragment's first
+# letter as written; rowanz's jsonl (ctx_a, ctx_b) gives lm-eval's.
 FORMATS = {
     ("context", "choices", "label"): lambda r: (r["context"], r["choices"], r["label"]),
     ("activity_label", "ctx_a", "ctx_b", "endings"): _hellaswag,
@@ -265,7 +259,7 @@ def _item(context, choices, label, where) -> dict:
 
 
 def read_items(task, mirror=None) -> list[dict]:
-    """A benchmark name, or a JSON(L) file in one of FORMATS (or HellaSwag's .bz2 text form) -> items."""
+    """A benchmark name, a JSON(L) file in one of FORMATS or HellaSwag's .bz2 text form -> items."""
     if task in BENCHMARKS:
         entry = BENCHMARKS[task]
         path = fetch_benchmark(entry, mirror)
@@ -305,11 +299,10 @@ def read_items(task, mirror=None) -> list[dict]:
 
 
 def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
-    """--task -> ("multiple_choice", items) or ("perplexity", token arrays).
-
-    A benchmark name or a benchmark file gives items. A dataset name (data.DATASETS) gives the validation
-    shards that training on it used (prepared on first use); a folder of shards its val_*.bin (every *.bin
-    if it has none); a .bin shard, a .txt file (one document) or a .jsonl of {"text"} records their tokens."""
+    """--task -> ("multiple_choice", items) or ("perplexity", token arrays): a benchmark name or
+    file gives items; a dataset name (data.DATASETS) the validation shards that training on it used
+    (prepared on first use); a folder of shards its val_*.bin (every *.bin if it has none); a .bin
+    shard, a .txt file (one document) or a .jsonl of {"text"} records their tokens."""
     path = Path(task).expanduser()
     if task == "needle":
         return "needle", None
@@ -335,18 +328,17 @@ def resolve_task(task, tok, mirror=None) -> tuple[str, list]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 4b. Needle in a haystack: pass-key retrieval (Mohtashami & Jaggi 2023), one of the tests Llama 3 moved
-#     its long-context stages on with. A 5-digit key stated once at a given depth of filler text, asked
-#     for at the end; scored by whether greedy decoding gives it back, and by the log-probability of its
-#     tokens (which a model too small to retrieve still moves).
+# 4b. Needle in a haystack: pass-key retrieval (Mohtashami & Jaggi 2023), one of the tests Llama 3
+#     moved its long-context stages on with. A 5-digit key stated once at a given depth of filler
+#     text, asked for at the end; scored by whether greedy decoding gives it back, and by its
+#     tokens' log-probability (which a model too small to retrieve still moves).
 
 NEEDLE_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def needle_prompt(tok, length: int, depth: float, key: str) -> tuple[list[int], list[int]]:
-    """(prompt ids, key ids): BOS, filler, "The pass key is KEY. Remember it. KEY is the pass key." at
-    `depth` (0: first, 1: last) of the filler, more filler, then "What is the pass key? The pass key is";
-    the prompt and key together are `length` tokens (filler cut to fit)."""
+    """(prompt ids, key ids): BOS, filler with the needle at `depth` (0: first, 1: last), more
+    filler, the question; prompt and key total `length` tokens (the filler cut to fit)."""
     needle = tok.encode_ordinary(f" The pass key is {key}. Remember it. {key} is the pass key. ")
     question = tok.encode_ordinary(" What is the pass key? The pass key is")
     answer = tok.encode_ordinary(f" {key}")
@@ -361,7 +353,7 @@ def needle_prompt(tok, length: int, depth: float, key: str) -> tuple[list[int], 
 
 @torch.no_grad()
 def needle(model, tok, length: int, depth: float, trials: int, seed: int) -> dict:
-    """Pass-key retrieval over `trials` random keys: {"accuracy", "key_logprob" (mean per key token)}."""
+    """Pass-key retrieval over `trials` keys: {"accuracy", "key_logprob" (mean per key token)}."""
     rng, hits, logp = np.random.default_rng(seed), 0, []
     for _ in range(trials):
         key = str(rng.integers(10000, 100000))
@@ -376,19 +368,17 @@ def needle(model, tok, length: int, depth: float, trials: int, seed: int) -> dic
 # ----------------------------------------------------------------------------------------------------
 # 5. Multiple choice by log-likelihood
 #
-# The context is BOS + encode_ordinary(context); a choice is encode_ordinary(" " + choice), scored after it.
-# Encoding the two apart keeps the choice's tokens the same whatever the context (and with a space in
-# front, a choice's first word is tokenized the way it is inside running text). A sequence longer than
-# seq_len + 1 tokens loses tokens from the left (the context's first); a choice longer than seq_len keeps
-# its last seq_len tokens, and the run says how many items had one (lm-evaluation-harness refuses them).
-# Scores, as lm-evaluation-harness:
+# The context is BOS + encode_ordinary(context), the choice encode_ordinary(" " + choice) after it:
+# encoded apart, the choice's tokens are the same whatever the context (and with a space in front,
+# its first word is tokenized as in running text). A sequence over seq_len + 1 tokens loses its
+# first (context) tokens; a choice over seq_len keeps its last seq_len tokens, and the run says how
+# many items had one (lm-evaluation-harness refuses them). Scores, as lm-evaluation-harness:
 #   acc        argmax of the summed log-probability of the choice's tokens
 #   acc_norm   the same divided by the number of characters of the choice (not counting the space)
 #   acc_token  the same divided by the number of its tokens (the mean log-probability per token)
 
 
 def multiple_choice(model, tok, items, seq_len, batch_size, mesh, name="") -> dict:
-    """Rank r scores the items i with i % dp == r; the counts are summed over the ranks (choice_result)."""
     mine = range(mesh.dp_rank, len(items), mesh.dp)
     requests, cut = choice_requests(tok, items, mine, seq_len)
     scores = score_by_length(model, requests, batch_size, Progress(name, len(requests), mesh))
@@ -400,9 +390,8 @@ def multiple_choice(model, tok, items, seq_len, batch_size, mesh, name="") -> di
 
 
 def choice_requests(tok, items, mine, seq_len) -> tuple[list, int]:
-    """Every choice of the items `mine` as a request (tokens, the number of choice tokens at their end), and
-    how many of those items have a choice longer than seq_len. train.py scores the same requests in the
-    middle of a run, through its own layout (request_logprobs)."""
+    """Every choice of the items `mine` as a request (tokens, the number of choice tokens at their
+    end), and how many of those items have a choice longer than seq_len."""
     requests, cut = [], 0
     for i in mine:
         context = [data.bos_id(tok)] + tok.encode_ordinary(items[i]["context"])
@@ -413,8 +402,8 @@ def choice_requests(tok, items, mine, seq_len) -> tuple[list, int]:
 
 
 def choice_tally(items, mine, requests, scores, cut) -> list[float]:
-    """Each request's summed log-prob (`scores`) -> [items right by acc, by acc_norm, by acc_token, items,
-    items with a choice cut short]: the sums choice_result turns into accuracies."""
+    """Each request's summed log-prob (`scores`) -> [items right by acc, by acc_norm, by acc_token,
+    items, items with a choice cut short]: the sums choice_result turns into accuracies."""
     sums, k = np.zeros(5), 0
     for i in mine:
         choices, label = items[i]["choices"], items[i]["label"]
@@ -436,16 +425,14 @@ def choice_result(sums, seq_len, mesh, device) -> dict:
 
 
 def say_cut(name: str, cut: int, n: int, seq_len: int):
-    """lm-evaluation-harness refuses items with a choice longer than the window; here they count, and the
-    log says how many."""
     if cut:
         print(f"{name}: {cut:,} of {n:,} items have a choice longer than the {seq_len}-token window; each such "
               f"choice is scored on its last {seq_len} tokens only", file=sys.stderr, flush=True)
 
 
 def score_by_length(model, requests, batch_size, progress) -> list[float]:
-    """The summed log-prob of each request's last n tokens. Scored longest first, batch_size at a time, so
-    each batch holds sequences of about one length and little padding (as lm-evaluation-harness does)."""
+    """The summed log-prob of each request's last n tokens, scored longest first, batch_size at a
+    time: batches of about one length need little padding (as lm-evaluation-harness does)."""
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][0]))
     scores = [0.0] * len(requests)
     for k in range(0, len(order), batch_size):
@@ -458,7 +445,7 @@ def score_by_length(model, requests, batch_size, progress) -> list[float]:
 
 
 class Progress:
-    """A line on stderr (rank 0) every `every` seconds of a long scoring run: silent on short ones."""
+    """Rank 0's line on stderr every `every` seconds of a long scoring run: silent on short ones."""
 
     def __init__(self, name: str, total: int, mesh, every: float = 30.0):
         self.name, self.total, self.every, self.quiet = name, total, every, mesh.rank != 0
@@ -476,14 +463,13 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5b. Benchmarks during training (train.py --eval-tasks): section 5's multiple-choice scoring (the same
-#     requests and tallies), run through the training run's own layout, since under tp, cp and pp no rank
-#     holds the whole model. `run` is train.py's Run.
+# 5b. Benchmarks during training (train.py --eval-tasks): section 5's multiple-choice scoring (the
+#     same requests and tallies), run through the training run's own layout, since under tp, cp and
+#     pp no rank holds the whole model. `run` is train.py's Run.
 
 
 def check_benchmarks(args, kind: str):
-    """--eval-tasks names benchmarks or files of items, for a language model: refused before any process
-    talks."""
+    """Check --eval-tasks (benchmarks or item files, for a language model) before processes talk."""
     if args.eval_tasks and kind == "reward":
         raise config.ConfigError("--eval-tasks scores the choices of a language model; a reward model's head "
                                  "has one output: score its pairs instead (reward.py score)")
@@ -494,8 +480,8 @@ def check_benchmarks(args, kind: str):
 
 
 def load_benchmarks(args, tok, mesh) -> list[tuple[str, list]]:
-    """[(name, its first N items)], read by rank 0 first (a download fills a cache folder); rank 0 says
-    how many have a choice cut to the window, once."""
+    """[(name, its first N items)], read by rank 0 first (a download fills a cache folder); rank 0
+    says once how many have a choice cut to the window."""
     read = lambda: [(name, read_items(name, args.mirror)[:limit])
                     for name, limit in config.eval_tasks(args.eval_tasks)]
     tasks = P.on_rank0_first(read, mesh) if args.eval_tasks else []
@@ -506,8 +492,8 @@ def load_benchmarks(args, tok, mesh) -> list[tuple[str, list]]:
 
 
 def benchmarks(run) -> dict:
-    """Each --eval-tasks benchmark's acc and acc_norm ({"hellaswag/acc": ...}): the items i with
-    i % dp == dp_rank go to each replica, whose ranks score them together; the counts are summed over dp."""
+    """Each --eval-tasks benchmark's acc and acc_norm ({"hellaswag/acc": ...}): each replica's ranks
+    score its items (i % dp == dp_rank) together; the counts are summed over dp."""
     results, mesh = {}, run.mesh
     for name, items in run.benchmarks:
         mine = range(mesh.dp_rank, len(items), mesh.dp)
@@ -520,10 +506,10 @@ def benchmarks(run) -> dict:
 
 @torch.no_grad()
 def request_logprobs(run, requests: list) -> list[float]:
-    """The summed log-prob of each request's last n tokens ((tokens, n): evaluate.choice_requests), through
-    the pipeline: the requests packed into rows of seq_len, each its own document (the mask and RoPE's
-    positions restart, so it scores as it would alone), micro_batch rows at a time; the head runs only at
-    the scored positions. Every dp rank runs as many micro-batches (ZeRO-3 gathers weights over dp)."""
+    """The summed log-prob of each request's last n tokens (choice_requests), through the pipeline:
+    requests packed into rows of seq_len, each its own document (mask and RoPE positions restart, so
+    it scores as it would alone), micro_batch rows at a time; the head runs only at the scored
+    positions. Every dp rank runs as many micro-batches (ZeRO-3 gathers weights over dp)."""
     mesh, args, device, B = run.mesh, run.args, run.device, run.args.micro_batch
     rows = pack_requests(requests, args.seq_len, data.pad_id(run.tok))  # (4, rows, T)
     n = torch.tensor([math.ceil(rows.shape[1] / B)], device=device)
@@ -533,7 +519,7 @@ def request_logprobs(run, requests: list) -> list[float]:
     batches = [P.context_chunks((inputs[i:i + B], targets[i:i + B], docs[i:i + B]), mesh)
                for i in range(0, len(inputs), B)]
     pos = P.context_positions(args.seq_len, mesh.cp, mesh.cp_rank, device) if mesh.cp > 1 else slice(None)
-    at = iter([index[i:i + B, pos] for i in range(0, len(inputs), B)])  # each micro-batch's, in order
+    at = iter([index[i:i + B, pos] for i in range(0, len(inputs), B)])  # per micro-batch, in order
     scores = torch.zeros(len(requests), dtype=torch.float64, device=device)
 
     def score(h, targets):  # h: (B, T/cp, dim), the final norm's output on the last stage
@@ -551,10 +537,10 @@ def request_logprobs(run, requests: list) -> list[float]:
 
 
 def pack_requests(requests: list, seq_len: int, pad: int, empty: int = 0) -> torch.Tensor:
-    """Requests (tokens, n) -> (4, rows, seq_len): inputs, targets, document ids, request index. Each
-    request gives its tokens but the last as inputs, its last n as targets (the rest data.IGNORE_INDEX), its own
-    document id, and its index at each of its positions (-1 in padding, whose document comes last). Filled
-    in order, a request to a row while it fits; then `empty` rows of padding."""
+    """Requests (tokens, n) -> (4, rows, seq_len): inputs, targets, document ids, request index. A
+    request's tokens but the last are inputs and its last n targets (the rest data.IGNORE_INDEX); it
+    has its own document id, and its index at each position (-1 in padding, whose document comes
+    last). Filled in order, a request to a row while it fits; then `empty` rows of padding."""
     blank = lambda: torch.tensor([pad, data.IGNORE_INDEX, seq_len, -1])[:, None].repeat(1, seq_len)  # (4, T)
     rows, used, doc = [], seq_len, 0
     for r, (seq, n) in enumerate(requests):
@@ -572,22 +558,22 @@ def pack_requests(requests: list, seq_len: int, pad: int, empty: int = 0) -> tor
 
 
 # ----------------------------------------------------------------------------------------------------
-# 5c. Reward models (reward.py): the score of a conversation, read at its reply's end, and what scores say
-#     of preference pairs. reward.py trains on these scores; rl.py rewards rollouts with them.
+# 5c. Reward models (reward.py): a conversation's score, read at its reply's end, and what scores
+#     say of preference pairs. reward.py trains on these scores; rl.py rewards rollouts with them.
 
 PAIR_METRICS = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")  # means over pairs
 
 
 def score_positions(targets: torch.Tensor) -> torch.Tensor:
-    """(rows, T) targets -> (rows,) the input position that holds each row's last token: one past the last
-    learned target (which is the reply's <|eot_id|>), or the last position for a row cut by seq_len."""
+    """(rows, T) targets -> (rows,) the input position holding each row's last token: one past the
+    last learned target (the reply's <|eot_id|>), or the last position for a row cut by seq_len."""
     T = targets.shape[-1]
     after = (targets != data.IGNORE_INDEX).long() * torch.arange(1, T + 1, device=targets.device)  # t + 1
     return after.max(dim=-1).values.clamp(max=T - 1)
 
 
 def scores(logits, targets, mesh) -> torch.Tensor:
-    """A reward model's logits (rows, T, its head's columns on this tp rank) -> (rows,) scores r(x, y)."""
+    """A reward model's logits (rows, T, its head's columns on this tp rank) -> (rows,) r(x, y)."""
     out = P.head_outputs(logits, 1, mesh)[..., 0].float()  # (rows, T): the score after every token
     return out.gather(1, score_positions(targets)[:, None])[:, 0]
 
@@ -599,8 +585,8 @@ def pair_sums(r_chosen, r_rejected) -> torch.Tensor:
 
 
 def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None):
-    """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode, its tokenizer).
-    Under a job (mesh), its ranks check a checkpoint's shards together."""
+    """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode,
+    tokenizer). Under a job (mesh), its ranks check a checkpoint's shards together."""
     C.check_head(path, "--reward", reward=True)
     tok = C.tokenizer_for(path, None, mirror)
     return load_model(path, tok, device, dtype, mesh or P.Mesh()), tok
@@ -608,11 +594,11 @@ def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None)
 
 @torch.no_grad()
 def score_replies(reward_model, tok, prompt, replies: list[str], seq_len: int) -> torch.Tensor:
-    """(K,) scores r(prompt, reply), each read as training and reward.py score read it (chat.reply_example's
-    rows, the score at the reply's <|eot_id|>), all K in one batch padded to the longest. A row holds as many
-    input positions as the longest example has tokens, so that its <|eot_id|> is an input, not only a
-    target; at most seq_len: an example of seq_len + 1 tokens (or one cut there) is read at its last input
-    token, as a PreferenceLoader's rows of seq_len read it."""
+    """(K,) scores r(prompt, reply), read as training and reward.py score read them
+    (chat.reply_example's rows, the score at the reply's <|eot_id|>), all K in one batch padded to
+    the longest. A row has as many input positions as the longest example has tokens, so its
+    <|eot_id|> is an input, not only a target; at most seq_len: an example of seq_len + 1 tokens (or
+    cut there) is read at its last input token, as a PreferenceLoader's rows of seq_len read it."""
     examples = [chat.reply_example(tok, prompt, reply, seq_len)[0] for reply in replies]
     width = min(max(len(ids) for ids, _ in examples), seq_len)
     x, y, _ = chat.pack_rows(examples, width, data.pad_id(tok), pack=False)
@@ -623,7 +609,7 @@ def score_replies(reward_model, tok, prompt, replies: list[str], seq_len: int) -
 
 @torch.no_grad()
 def score_pairs(model, loader: chat.PreferenceLoader, batch_size: int) -> dict:
-    """Every pair of a loader, in order: {"pairs", "accuracy", "margin", "rewards/chosen", ...} (means)."""
+    """Every pair of a loader: {"pairs", "accuracy", "margin", "rewards/chosen", ...} (means)."""
     device, sums = model.tok_embeddings.weight.device, torch.zeros(4)
     for lo in range(0, len(loader), batch_size):
         x, y = (t.to(device) for t in loader.pairs(list(range(lo, min(lo + batch_size, len(loader))))))
@@ -637,8 +623,8 @@ def score_pairs(model, loader: chat.PreferenceLoader, batch_size: int) -> dict:
 
 
 def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, **sampling) -> dict:
-    """A prompt's continuation. Plain: BOS + the prompt, until <|end_of_text|>. Chat: the prompt as a user
-    message in the chat template with the assistant's header after it, until <|eot_id|>."""
+    """A prompt's continuation. Plain: BOS + the prompt, until <|end_of_text|>. Chat: the prompt as
+    a user message in the chat template with the assistant's header after it, until <|eot_id|>."""
     if chat:
         ids, _ = chat.encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
@@ -659,13 +645,13 @@ def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, *
 # ----------------------------------------------------------------------------------------------------
 # 7. Contamination: which benchmark items share an n-gram with the training data
 #
-# An item's text is its context and its right answer. Each n-gram of words (lowercased \w+ runs) and of
-# tokens is hashed to 64 bits: ids are mixed (splitmix64), then combined by a polynomial rolling hash mod
-# 2^64 (uint64 arithmetic wraps). The benchmark's hashes are a small sorted array; the training data
-# streams past in pieces, each piece's hashes are looked up in it (searchsorted) and dropped, so gigabytes
-# of training data never hold their n-grams in memory. An item is contaminated if any of its n-grams occurs.
+# An item's text is its context and right answer. Each n-gram of words (lowercased \w+ runs) and of
+# tokens is hashed to 64 bits: ids mixed (splitmix64), then combined by a polynomial rolling hash
+# mod 2^64 (uint64 arithmetic wraps). The benchmark's hashes form a small sorted array; the training
+# data streams past in pieces whose hashes are looked up in it (searchsorted) and dropped, so its
+# n-grams are never all in memory. An item is contaminated if any of its n-grams occurs.
 
-CHUNK = 1 << 20  # tokens (shards) or characters (text) per piece of training data: bounds the memory used
+CHUNK = 1 << 20  # tokens (shards) or characters (text) per training piece: bounds the memory used
 _BASE = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -696,7 +682,7 @@ def word_ids(text: str) -> np.ndarray:
 
 
 class NgramIndex:
-    """The n-gram hashes of every benchmark item, and which of them the training stream has shown."""
+    """The n-gram hashes of every benchmark item, and which ones the training stream has shown."""
 
     def __init__(self, sequences, n):
         grams = [np.unique(ngram_hashes(s, n)) for s in sequences]
@@ -707,7 +693,7 @@ class NgramIndex:
         self.n, self.carry = n, np.zeros(0, dtype=np.uint64)
 
     def feed(self, ids):
-        """The next piece of the stream; the last n - 1 ids are kept so n-grams across pieces count too."""
+        """The next piece of the stream; its last n - 1 ids are kept for n-grams across pieces."""
         ids = np.concatenate([self.carry, np.asarray(ids, dtype=np.uint64)])
         self.carry = ids[max(len(ids) - self.n + 1, 0):]
         if len(self.table):
@@ -725,9 +711,8 @@ class NgramIndex:
 
 def training_pieces(source, tok, mirror=None):
     """Training data -> (token ids, text) pieces of about CHUNK tokens or characters, in order.
-
-    Shards are cut just before a token that starts with whitespace (or is special), so no word is split
-    between pieces; specials become newlines in the text. Text files are cut at line ends."""
+    Shards are cut just before a token that starts with whitespace (or is special), so no word is
+    split between pieces; specials become newlines in the text. Text files are cut at line ends."""
     shards = shard_paths(source)
     if shards:
         table = token_bytes(tok)
@@ -772,13 +757,13 @@ def contamination(items, source, tok, n_words=13, n_tokens=8, examples=3, mirror
 
 
 # ----------------------------------------------------------------------------------------------------
-# 8. A picture of a run, from the records train.py, sft.py and dpo.py write to <out-dir>/metrics.jsonl
+# 8. A picture of a run, from the records train.py, sft.py and dpo.py write to metrics.jsonl
 
 
 def plot_run(out_dir) -> Path:
     """<out-dir>/loss.png (run_figure). matplotlib is needed for this alone."""
     try:
-        from matplotlib.figure import Figure  # no pyplot: no window, no process-wide backend to choose
+        from matplotlib.figure import Figure  # no pyplot: no window, no global backend to pick
     except ImportError:
         raise config.ConfigError("--plot needs matplotlib: pip install matplotlib") from None
     path = Path(out_dir) / "metrics.jsonl"
@@ -794,8 +779,8 @@ def plot_run(out_dir) -> Path:
 
 
 def run_figure(fig, records: list[dict], title: str):
-    """Train and validation loss against the tokens trained on (against steps for runs that did not record
-    tokens); beneath, the --eval-tasks benchmarks' acc_norm if the run scored any; the learning rate last."""
+    """Train and validation loss against tokens (steps for runs that did not record tokens); below,
+    the --eval-tasks benchmarks' acc_norm if any were scored; the learning rate last."""
     train, val = [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
     tasks = sorted({k.removesuffix("/acc_norm") for r in val for k in r if k.endswith("/acc_norm")})
     x = "tokens" if all("tokens" in r for r in train + val) else "step"
@@ -819,31 +804,31 @@ def run_figure(fig, records: list[dict], title: str):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 9. What training changed in the weights. Post-training moves a pretrained model a little, and in few
-#    directions (the premise of LoRA, Hu et al. 2021): for each matrix, ||B - A|| / ||A|| and the number of
-#    singular directions of B - A that carry 90% of its squared norm.
+# 9. What training changed in the weights. Post-training moves a pretrained model a little, and in
+#    few directions (the premise of LoRA, Hu et al. 2021): for each matrix, ||B - A|| / ||A|| and
+#    the number of singular directions of B - A that carry 90% of its squared norm.
 
 
 ENERGY = 0.9  # the share of a difference's squared norm its effective rank's directions carry
 
 
 def kind_of(name: str) -> str:
-    """A parameter's kind: "layers.3.attention.wq.weight" -> "attention.wq", "tok_embeddings.weight" ->
-    "tok_embeddings"."""
+    """A parameter's kind: "layers.3.attention.wq.weight" -> "attention.wq", "tok_embeddings.weight"
+    -> "tok_embeddings"."""
     parts = name.split(".")[:-1]
     return ".".join(parts[2:] if parts[0] == "layers" else parts)
 
 
 def spectrum(delta: torch.Tensor) -> torch.Tensor:
-    """The squared singular values of a matrix, largest first: the eigenvalues of its Gram matrix on the
-    smaller side, in fp64 (an embedding's (V, dim) needs only a (dim, dim) one)."""
+    """The squared singular values of a matrix, largest first: the eigenvalues of its Gram matrix on
+    the smaller side, in fp64 (an embedding's (V, dim) needs only a (dim, dim) one)."""
     small = (delta if delta.shape[0] <= delta.shape[1] else delta.T).double()
     return torch.linalg.eigvalsh(small @ small.T).clamp(min=0).flip(0)
 
 
 def matrix_change(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """How far b is from a: relative change, and for a matrix the difference's rank (singular values above
-    numpy's default tolerance) and effective rank (how many directions carry ENERGY of its squared norm)."""
+    """The relative change, and for a matrix the difference's rank (singular values above numpy's
+    default tolerance) and effective rank (how many directions carry ENERGY of its squared norm)."""
     delta = b.float() - a.float()
     out = {"shape": list(a.shape),
            "relative_change": (delta.norm() / a.float().norm().clamp(min=1e-30)).item()}
@@ -857,8 +842,8 @@ def matrix_change(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def weight_diff(a_path, b_path, mirror=None) -> dict:
-    """--diff A B for two checkpoints (or exports) of one model: each parameter's change, and which layers
-    and kinds moved most. A is read with B's tokenizer: where B's training grew the vocabulary (SFT's chat
+    """--diff A B, two checkpoints or exports of one model: each parameter's change and the layers
+    and kinds that moved most. A is read with B's tokenizer: where B grew the vocabulary (SFT's chat
     tokens), A's new rows are what B started from (their mean, checkpoint.grow_vocab)."""
     tok_a, tok_b = (C.tokenizer_for(p, None, mirror, grows=True) for p in (a_path, b_path))
     if tok_a.name != tok_b.name:
@@ -866,7 +851,7 @@ def weight_diff(a_path, b_path, mirror=None) -> dict:
                                  f"{tok_b.name}: their rows mean different tokens")
     with contextlib.redirect_stdout(sys.stderr):
         (margs_a, a), (margs_b, b) = C.load_init(a_path, tok_b), C.load_init(b_path, tok_b)
-    # compared by what shapes the weights: a preset's FFN rule and an export's explicit size are one model
+    # compare what shapes the weights: a preset's FFN rule and an export's hidden_dim are one model
     shaping = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "tie_embeddings",
                "num_labels")
     differ = ", ".join(f"{k} {getattr(margs_a, k)} vs {getattr(margs_b, k)}" for k in shaping
@@ -892,7 +877,7 @@ def grouped(rows: dict, key) -> dict[str, list[float]]:
 
 
 def plot_diff(r: dict, path) -> Path:
-    """--diff-plot FILE: each layer's relative change and effective rank, one line per kind of matrix."""
+    """--diff-plot FILE: relative change and effective rank by layer, a line per kind of matrix."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1060,7 +1045,7 @@ def run_task(task: str, kind: str, payload, model, tok, seq_len: int, args, mesh
 
 
 def seq_len_for(args, recorded: dict, model) -> int:
-    """--seq-len, else the length the model was trained at (as far as it records one), at most its own."""
+    """--seq-len, else the length the model was trained at (if recorded), at most its own."""
     seq_len = args.seq_len or min(recorded.get("seq_len") or model.args.max_seq_len, model.args.max_seq_len)
     if seq_len > model.args.max_seq_len:
         raise config.ConfigError(f"--seq-len {seq_len} exceeds the model's max_seq_len "
@@ -1097,10 +1082,10 @@ def main(argv=None):
                 print(describe(result), file=sys.stderr, flush=True)
 
     if args.task or prompts:
-        launch.exit_with_agent()  # a worker whose torchrun agent was killed ends too
+        launch.exit_with_agent()
         device, precision = config.pick_device_and_precision(args)
         if device.type == "cuda":
-            torch.cuda.set_device(device)  # this rank's GPU: kernels, NCCL and new tensors default to it
+            torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to this GPU
         dtype = M.DTYPES[precision]
         mesh = P.init_mesh(device=device)
         tasks = P.on_rank0_first(lambda: {task: resolve_task(task, tok, args.mirror) for task in args.task},

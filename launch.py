@@ -1,13 +1,13 @@
-"""Joining a job and living in it: the plumbing every distributed script shares, and which a learner may
+"""Joining a job and living in it: the plumbing every distributed script shares, which a learner may
 skip. It imports no file of the project.
 
-  launch_env        RANK, WORLD_SIZE, MASTER_ADDR... as torchrun sets them, checked (LaunchError, one line)
+  launch_env        torchrun's RANK, WORLD_SIZE, MASTER_ADDR..., checked (LaunchError, one line)
   join_job          the job's process group through the rendezvous: NCCL on a GPU, gloo on a CPU
-  set_timeout       how long collectives wait; patient() lets the first step (which every rank compiles at
-                    its own speed) wait as long as the disk waits do
-  run_collective    a collective launched so that its failure is one CommError naming the op, the group,
-                    its ranks and how long it waited, and (Work) its asynchronous handle, whose wait does
-                    the same; a traced step records its span (costs.StepTrace)
+  set_timeout       how long collectives wait; patient() lets the first step (which every rank
+                    compiles at its own speed) wait as long as the disk waits do
+  run_collective    a collective whose failure is one CommError (the op, the group, its ranks, how
+                    long it waited), and (Work) its asynchronous handle, whose wait does the same; a
+                    traced step records its span (costs.StepTrace)
   exit_with_agent   a worker whose torchrun agent was killed ends too, freeing its GPU
 """
 
@@ -26,17 +26,16 @@ import torch
 import torch.distributed as dist
 
 class LaunchError(RuntimeError):
-    """This process was not started as part of a job (torchrun's variables wrong or missing): said by every
-    rank that finds it, since its rank may not be known."""
+    """Not started as part of a job (torchrun's variables wrong or missing): said by every rank that
+    finds it, since its rank may not be known."""
 
     def __init__(self, why: str):
         super().__init__(f"cannot join the job: {why}")
 
 
 def launch_env() -> tuple[int, int]:
-    """(rank, world size) from the variables torchrun sets, checked: a wrong or missing one would otherwise
-    be a ValueError traceback, or a wait for peers that never come. Without WORLD_SIZE: one process.
-    Raises LaunchError, whose message says which variable is wrong and how to launch instead."""
+    """(rank, world size) from torchrun's variables, checked, since a wrong or missing one would be
+    a ValueError traceback or a wait for peers that never come. No WORLD_SIZE: one process."""
     def whole(name: str, default: int | None) -> int | None:
         text = os.environ.get(name)
         if text is None or not text.strip():
@@ -65,16 +64,16 @@ def launch_env() -> tuple[int, int]:
 
 
 def join_job(rank: int, world: int, device, timeout_s: float):
-    """The process group of the whole job, through the rendezvous at MASTER_ADDR:MASTER_PORT. A peer that
-    never comes (a wrong address or port, a rank not started) fails after timeout_s as one CommError."""
+    """The job's process group, through the rendezvous at MASTER_ADDR:MASTER_PORT. A peer that never
+    comes (a wrong address or port, a rank not started) fails after timeout_s as one CommError."""
     options = process_group_options(device, timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     try:
         if restart is None:
             dist.init_process_group(**options)
         else:
-            # Under torchrun the rendezvous store outlives a restart: keys from the failed attempt (peers'
-            # addresses for every group) would be read by the new one. A prefix per attempt keeps them apart.
+            # torchrun's rendezvous store outlives a restart: without a prefix per attempt, the new
+            # attempt would read the failed one's keys (peers' addresses for every group).
             agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                   is_master=not agent_hosts and rank == 0, timeout=options["timeout"])
@@ -87,9 +86,8 @@ def join_job(rank: int, world: int, device, timeout_s: float):
 
 
 def process_group_options(device: torch.device | None, timeout_s: float) -> dict:
-    """NCCL on CUDA, bound to this process's GPU from the start (device_id): without it NCCL guesses the GPU
-    from the rank for its first collective, which is wrong wherever ranks and GPUs are not numbered alike.
-    gloo on CPU."""
+    """gloo on CPU; NCCL on CUDA, bound to this process's GPU from the start (device_id): otherwise
+    NCCL guesses the GPU from the rank, wrongly wherever ranks and GPUs are numbered differently."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device is not None and device.type == "cuda":
         return {"backend": "nccl", "device_id": device, "timeout": timeout}
@@ -97,9 +95,9 @@ def process_group_options(device: torch.device | None, timeout_s: float) -> dict
 
 
 def set_timeout(mesh, seconds: float):
-    """How long every group's collectives but the io group's may wait from now on. ProcessGroup.set_timeout
-    sets it in each of the group's backends (torch 2.14's torch.distributed.set_timeout calls it, and
-    deprecates the private _set_pg_timeout, which torch 2.5 has alone)."""
+    """How long every group's collectives but the io group's may wait from now on.
+    ProcessGroup.set_timeout sets it in each of the group's backends (torch 2.14's dist.set_timeout
+    calls it and deprecates the private _set_pg_timeout, the only one torch 2.5 has)."""
     timeout = datetime.timedelta(seconds=seconds)
     for group in [dist.group.WORLD] + [g for dim, g in mesh.groups.items() if dim != "io"]:
         if hasattr(group, "set_timeout"):
@@ -110,10 +108,9 @@ def set_timeout(mesh, seconds: float):
 
 @contextmanager
 def patient(mesh):
-    """Inside, every collective may wait as long as the io group's (--io-timeout), not --dist-timeout: for
-    the first step, which each rank compiles as it first runs it (--compile's graphs, the GPU's kernels).
-    A rank that compiles slower, or misses a cache its peers hit, keeps the others waiting at the first
-    collective for minutes, and that is not a stall."""
+    """Inside, collectives may wait --io-timeout, not --dist-timeout: in the first step, which each
+    rank compiles as it runs it (--compile's graphs, GPU kernels), a rank that compiles slower or
+    misses a cache its peers hit can keep the others waiting minutes, which is not a stall."""
     if mesh.world == 1 or mesh.patient:
         yield
         return
@@ -127,16 +124,15 @@ def patient(mesh):
 
 
 class CommError(RuntimeError):
-    """A collective or transfer that failed: a peer stalled past the timeout, or died. Names the op, the
-    group and its ranks, so the log says where the job stopped instead of only that it did. (With gloo the
-    failing call raises, and this names it. NCCL reports a timeout from its watchdog thread, which ends the
-    process with the op and the group's name, tp / pp / dp, given to new_group.)"""
+    """A failed collective or transfer (a peer stalled past the timeout, or died), naming the op,
+    the group and its ranks: the log says where the job stopped, not only that it did. Under gloo
+    the failing call raises it; on a timeout NCCL's watchdog thread ends the process, naming the op
+    and the group (its new_group name: tp / pp / dp)."""
 
 
 def raise_comm_error(e: Exception, what, mesh, dim: str, t0: float):
-    """Raise CommError for `e`, raised by a collective. what: (op, tensor or None), described only now that
-    it failed (the hot path formats nothing). Out of memory is not a communication failure: re-raised
-    as is."""
+    """Raise CommError for `e`. what: (op, tensor or None), described only on failure, so the hot
+    path formats nothing. Out of memory, not a communication failure, is re-raised as is."""
     if isinstance(e, torch.OutOfMemoryError):
         raise e
     op, t = what
@@ -156,9 +152,9 @@ def raise_comm_error(e: Exception, what, mesh, dim: str, t0: float):
 
 
 class Work:
-    """An asynchronous op's handle whose wait() raises CommError, like the synchronous ops. In a traced
-    step, `done` ends the op's span: on gloo when its future's callback runs, as the op completes; on NCCL
-    (whose futures complete once the op is queued) at the wait, with the device synchronized."""
+    """An asynchronous op's handle whose wait() raises CommError as the synchronous ops do. In a
+    traced step `done` ends the op's span: on gloo in its future's callback, as the op completes; on
+    NCCL (whose futures complete once queued) at the wait, with the device synchronized."""
 
     def __init__(self, work, what: tuple, mesh, dim: str, t0: float, done=None):
         self.work, self.what, self.mesh, self.dim, self.t0, self.done = work, what, mesh, dim, t0, done
@@ -188,11 +184,10 @@ def run_collective(what: tuple, mesh, dim: str, fn, async_op: bool = False, nbyt
 
 
 def exit_with_agent(poll_s: float = 1.0):
-    """Under torchrun, end this process when its agent, the parent that started it, is gone. An agent
-    killed without warning (SIGKILL, the OOM killer) cannot stop its workers; they would wait in a
-    collective or in the store connect until their own timeouts, holding memory (GPU memory on a GPU
-    node) that the restarted job needs. A daemon thread checks the parent every poll_s seconds. Called by
-    the command lines (configure_process, evaluate.py, bench.py), as a process-wide setting."""
+    """Under torchrun, end this process once its agent (the parent that started it) is gone: an
+    agent killed without warning (SIGKILL, the OOM killer) cannot stop its workers, which would wait
+    in a collective or the store connect until their own timeouts, holding (GPU) memory the
+    restarted job needs. The command lines call it (configure_process, evaluate.py, bench.py)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or any(t.name == "exit-with-agent"
                                                      for t in threading.enumerate()):
         return  # not started by torchrun, or watched already

@@ -1,8 +1,6 @@
-"""What a run logs, an appendix: the console and <out-dir>/metrics.jsonl (Meter), sent on to Weights & Biases
-and TensorBoard when asked (Trackers), and the run's banner. train.py's loop hands the Meter each finished
-step and validation; the Meter decides when to write, and measures tokens/s and MFU (costs.py's peaks and
-FLOP counts) on a clock that stops while validation and checkpoints run.
-"""
+"""What a run logs, an appendix: the console and metrics.jsonl (Meter), sent to Weights & Biases and
+TensorBoard if asked (Trackers), and the run's banner. train.py's loop feeds the Meter each step and
+validation; it measures tokens/s and MFU (costs.py's peaks and FLOP counts)."""
 
 from __future__ import annotations
 
@@ -45,10 +43,10 @@ def banner(run, meter: Meter, name: str, data_desc: str):
 
 
 class Meter:
-    """The console and <out-dir>/metrics.jsonl, written by rank 0. Every --log-every steps and at the last
-    it logs the mean loss (and the task's metrics) since the previous line, the last gradient norm,
-    tokens/s and MFU, peak memory and the bytes sent per step. Its clock stops while paused: validation
-    and checkpoints are not training time, and their bytes are not a step's."""
+    """The console and <out-dir>/metrics.jsonl, written by rank 0. Every --log-every steps and at
+    the last it logs the mean loss (and the task's metrics) since the previous line, the last
+    gradient norm, tokens/s and MFU, peak memory and the bytes sent per step. Its clock stops while
+    paused: validation and checkpoints are not training time, and their bytes are not a step's."""
 
     def __init__(self, run, stop):
         self.run, self.args, self.mesh, self.stop = run, run.args, run.mesh, stop
@@ -65,13 +63,13 @@ class Meter:
         self.restart()
 
     def restage(self):
-        """Tokens per step and model FLOPs per token, for the run's settings (a --ramp stage changes them)."""
+        """Recompute tokens per step and model FLOPs per token (a --ramp stage changes them)."""
         self.tokens_per_step = step_tokens(self.run.args, self.run.task, self.run.mesh)
         self.flops_per_token = model_flops_per_token(self.run.margs, self.run.args.seq_len, self.run.task,
                                                      config.lora_of(self.run.args) is not None)
 
     def restart(self):
-        """A new window: the steps, tokens, loss and metric sums, time and bytes since the last line."""
+        """A new window: steps, tokens, loss and metric sums, time and bytes since the last line."""
         self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
         self.tokens, self.loss, self.metrics = 0, 0.0, [0.0] * len(self.run.task.metric_names)
 
@@ -100,10 +98,9 @@ class Meter:
             self.trackers.log(record)
 
     def append(self, line: bytes):
-        """One record onto metrics.jsonl, fsynced: a full disk or a lost mount is found at this record, not
-        at the end of the run (some file systems report it only when the data is flushed). Then the
-        partial record is cut off, the log closed, and the run stops at the next step with a checkpoint
-        (StopFlag.fail), as for any write that fails."""
+        """One record, fsynced, so a full disk or a lost mount shows at this record, not at the end
+        of the run (some file systems report it only on flush). On failure the log closes and the
+        run stops at the next step with a checkpoint (StopFlag.fail), as for any failed write."""
         at = os.fstat(self.file.fileno()).st_size
         try:
             view = memoryview(line)
@@ -134,8 +131,8 @@ class Meter:
             self.restart()
 
     def log(self, step: int, result):
-        # Host numbers only (the steps' tallies): logging costs no synchronization. The clock is read at
-        # the same point of every step (after its tally), so a window's time is its steps' time.
+        # Host numbers only (the steps' tallies), so logging never synchronizes. The clock is read
+        # at one point of each step (after its tally), so a window's time is its steps' time.
         n, now, mesh = self.steps, self.clock(), self.mesh
         tps = self.tokens / (now - self.window_start)
         comm = {k: (v - self.comm_at[k]) / n for k, v in mesh.comm_bytes.items()}
@@ -154,8 +151,8 @@ class Meter:
         self.write(rec)
 
     def validation(self, step: int, loss: float, metrics: list, by_source: dict, scores: dict):
-        """Log a validation (called while paused: the pause so far is its time); by_source: a mixture's
-        loss on each source's own validation split; scores: the --eval-tasks benchmarks' accuracies."""
+        """Log a validation (called while paused: the pause so far is its time). by_source: a
+        mixture's loss on each source's validation split; scores: --eval-tasks accuracies."""
         by_source = {f"val_loss/{k}": v for k, v in by_source.items()}
         extra = {**self.named(metrics, "val_"), **by_source, **scores}
         config.say(f"step {step:6d} | val loss {loss:.4f}"
@@ -172,9 +169,9 @@ class Meter:
 
 
 class Trackers:
-    """--wandb PROJECT and --tensorboard DIR: metrics.jsonl's records, sent on by rank 0 as they are
-    written, nested values flattened (comm_bytes_per_step/dp). Each package is imported only when its flag
-    asks for it; config.check_trackers refuses a flag whose package is missing, before the run starts."""
+    """--wandb PROJECT and --tensorboard DIR: rank 0 sends on each metrics.jsonl record as written,
+    nested values flattened (comm_bytes_per_step/dp). Each package is imported only if its flag
+    asks; config.check_trackers refuses a flag whose package is missing before the run starts."""
 
     def __init__(self, args):
         self.wandb = self.tensorboard = None
@@ -203,14 +200,14 @@ class Trackers:
 
 
 def step_tokens(args, task, mesh) -> int:
-    """Tokens the model trains on per optimizer step: every row of every micro-batch on every dp rank."""
+    """Tokens trained on per optimizer step: every row of every micro-batch on every dp rank."""
     return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
 
 
 def model_flops_per_token(margs, seq_len: int, task, lora: bool = False) -> float:
-    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a third of
-    that for each forward of a frozen reference model the task runs alongside (DPO without a cache). Under
-    LoRA the frozen weights get no gradient: 4N + 12LdT."""
+    """Model FLOPs per trained token (PaLM convention, 6N + 12LdT for forward and backward), plus a
+    third of that for each forward of a frozen reference model the task runs alongside (DPO without
+    a cache). Under LoRA the frozen weights get no gradient: 4N + 12LdT."""
     forward = costs.flops_per_token(margs, seq_len)["palm"] / 3
     return costs.flops_per_token(margs, seq_len, frozen=lora)["palm"] + task.reference_forwards * forward
 

@@ -1,24 +1,19 @@
 """The Llama 3 architecture in one file, free of distributed code.
 
 Read top to bottom:
-  1. ModelArgs and PRESETS        the hyperparameters of every Llama 3 size, from a CPU toy to 405B; every
-                                 value a model cannot be built from refused where ModelArgs is made
-  2. RMSNorm, RoPE                normalization and rotary positions with the Llama 3.1 frequency scaling
-  3. Attention, FeedForward       grouped-query attention (SDPA) and the SwiGLU MLP; packed documents (a
-                                 dense mask, or FlexAttention's block mask on CUDA)
-  4. Transformer                  embedding -> n_layers x Block -> norm -> output head; LoRA's low-rank
-                                 updates on the linears (add_lora, merge_lora)
+  1. ModelArgs and PRESETS        every Llama 3 size, from a CPU toy to 405B, and their checks (1b)
+  2. RMSNorm, RoPE                normalization; rotary positions with Llama 3.1's frequency scaling
+  3. Attention, FeedForward       grouped-query attention (SDPA), SwiGLU MLP, packed-document masks
+  4. Transformer                  embedding -> Blocks -> norm -> head; LoRA (add_lora, merge_lora)
   5. Generation                   sampling with a KV cache (temperature, top-k, top-p; 0 = greedy), and K
                                  replies to one prompt in one batch (sample)
-  6. Counting                     parameters and FLOPs per token (the memory and bytes a layout costs:
-                                 costs.py)
+  6. Counting                     `python model.py` lists parameter counts; FLOPs, memory: costs.py
 
-Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from the
-outside (swapping linears for sharded ones, dropping other stages' layers). To make that possible the
-layers live in a ModuleDict keyed by their *global* index ("0", "1", ...), so parameter names do not depend
-on which layers a pipeline stage keeps, and attention infers its local head count from the tensors it sees.
-Parameter names follow Meta's reference (tok_embeddings, layers.N.attention.wq, feed_forward.w1, ...);
-RoPE uses Hugging Face's "rotate half" layout (weights.py converts Meta's and Hugging Face's checkpoints).
+Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from
+the outside (sharding linears, dropping other stages' layers). So layers are keyed by *global* index
+("0", "1", ...), and parameter names do not depend on which a stage keeps; attention infers its
+local head count from its tensors. Names follow Meta's code (tok_embeddings, layers.N.attention.wq,
+feed_forward.w1, ...); RoPE uses Hugging Face's "rotate half" layout (weights.py converts both).
 """
 
 from __future__ import annotations
@@ -80,8 +75,6 @@ class ModelArgs:
 
     @property
     def output_size(self) -> int:
-        """Outputs of the model's head: num_labels for a reward (or classification) head, else the
-        vocabulary's logits."""
         return self.num_labels or self.vocab_size
 
     @property
@@ -100,10 +93,9 @@ class ModelArgs:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 1b. Checks: every value a model cannot be built from, refused where ModelArgs is made
+# 1b. Checks
 
-# Far past any real size or context; a 5000-digit one from a JSON file would otherwise reach torch, whose
-# int64 sizes overflow with an error that says nothing about which field was wrong.
+# Far past any real size; a larger one (from JSON) would overflow torch's int64, naming no field.
 _MAX_SIZE = 2 ** 31 - 1
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
 
@@ -128,9 +120,8 @@ def show(v, limit: int = 60) -> str:
 
 
 def check_rope_scaling(s):
-    """Llama 3.1's frequency scaling needs all four numbers, with high_freq_factor > low_freq_factor (it
-    divides by their difference) and factor >= 1: anything else gives NaN or infinite frequencies, and a run
-    would train on with a NaN loss. None means no scaling."""
+    """None or Llama 3.1's four numbers, high_freq_factor > low_freq_factor (it divides by their
+    difference), factor >= 1: else NaN or infinite frequencies; a run trains on with a NaN loss."""
     if s is None:
         return
     if not isinstance(s, dict):
@@ -190,9 +181,8 @@ def check_args(a: ModelArgs):
 
 
 def check_record(d, known: list[str]):
-    """A record of model args (ModelArgs.from_dict) refused, one readable line: anything but a dict, keys
-    ModelArgs does not have (a file from another version or another program: named, so the reader knows
-    which), a missing size the weights depend on (the defaults are a toy model's)."""
+    """Refuse (one line) model args that are not a dict, have keys ModelArgs lacks (named: from
+    another version or program) or miss a size the weights need (the defaults are a toy's)."""
     if not isinstance(d, dict):
         raise ValueError(f"model args must be an object of named values, got {show(d)}")
     unknown = [show(k) for k in d if k not in known]
@@ -211,9 +201,8 @@ _8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, m
 _70B = dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
             ffn_dim_multiplier=1.3)
 
-# The published models (Meta's params.json), then small presets for CPU work. The small ones use the
-# byte tokenizer's vocabulary (256 bytes + 12 specials, padded to 320); train.py resizes vocab_size to
-# the tokenizer it is given. `python model.py` lists every preset with its parameter count.
+# The published models (Meta's params.json), then CPU-sized ones on the byte tokenizer's vocabulary
+# (256 bytes + 12 specials, padded to 320; train.py resizes vocab_size to its tokenizer).
 PRESETS: dict[str, ModelArgs] = {
     "llama3-8b": ModelArgs(**_8B, max_seq_len=8192),
     "llama3-70b": ModelArgs(**_70B, max_seq_len=8192),
@@ -228,7 +217,6 @@ PRESETS: dict[str, ModelArgs] = {
     "llama3.2-3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
                              multiple_of=256, ffn_dim_multiplier=1.0, max_seq_len=131072,
                              rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
-    # CPU-sized: same architecture (GQA, SwiGLU, RoPE), a byte-level vocabulary, short context.
     "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=256),
     # mini is train.py's default: the best of a sweep for ~100 s of training on 2 CPU cores (README).
     "mini": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=512,
@@ -257,10 +245,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d) for i < head_dim/2, with Llama 3.1's long-context scaling:
-    wavelengths longer than the original context are slowed down by `factor`, short ones kept, and the band
-    in between interpolated smoothly. Always fp32 (recomputed per forward: a few tiny ops, and it can never
-    be cast to bf16 by model.to())."""
+    """Inverse frequencies theta^(-2i/d), i < head_dim/2, with Llama 3.1's long-context scaling:
+    wavelengths past the original context slowed by `factor`, short ones kept, the band between
+    interpolated. fp32, recomputed per forward (a few tiny ops) so model.to() never casts it."""
     hd = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
     s = args.rope_scaling
@@ -298,15 +285,13 @@ BLOCK_MASK_DEVICES = ("cuda",)
 
 def document_mask(doc_ids: torch.Tensor | None, q_pos: torch.Tensor | None = None,
                   kv_pos: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
-    """Causal attention inside each packed document: query i sees key j iff j <= i and both lie in the same
-    document (doc_ids (B, T); None: one document per row). By default the queries and the keys are the
-    whole sequence, in order; q_pos and kv_pos (1-D) say which positions they are instead, in their order
-    (parallel.py's context parallelism: a rank's own T/cp queries against the keys of every rank).
+    """Causal attention within packed documents: query i sees key j iff j <= i in the same document
+    (doc_ids (B, T); None: one per row). q_pos, kv_pos (1-D; default: the whole sequence) name the
+    queries' and keys' positions (context parallelism: a rank's T/cp queries, every rank's keys).
 
-    On CUDA a FlexAttention BlockMask: it records per 128 x 128 tile whether the tile is empty, full or
-    partial, the kernel skips the empty ones (most of them when documents are short) and the (B, T, T)
-    mask never exists. Elsewhere a boolean (B or 1, 1, Tq, Tkv) mask for SDPA: B*T^2 bytes (2 GB for 8
-    sequences of 16K tokens), which only SDPA's memory-efficient and math kernels take."""
+    On CUDA a FlexAttention BlockMask: the kernel skips empty 128 x 128 tiles (most, for short
+    documents) and no (B, T, T) mask exists. Elsewhere a boolean (B or 1, 1, Tq, Tkv) mask of B*T^2
+    bytes (2 GB for 8 x 16K tokens), which only SDPA's memory-efficient and math kernels take."""
     device = (doc_ids if doc_ids is not None else kv_pos).device
     if q_pos is None:
         q_pos = kv_pos = torch.arange(doc_ids.shape[1], device=device)
@@ -338,9 +323,8 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of one layer for generation: (B, kv heads, max_len, head_dim), filled in order. The
-    buffers take their head count, dtype and device from the first keys written: under tensor parallelism
-    a rank holds only its own heads (parallel.py)."""
+    """One layer's keys and values, (B, kv heads, max_len, head_dim), filled in order; head count,
+    dtype and device come from the first keys (a tp rank holds only its own heads)."""
 
     def __init__(self, max_len: int):
         self.max_len, self.k, self.v = max_len, None, None
@@ -373,9 +357,8 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (Ainslie et al. 2023).
-    backend: which kernel computes it (ATTN_BACKENDS; set_attn_backend)."""
-    backend = "auto"
+    """GQA (Ainslie et al. 2023): n_heads query heads share n_kv_heads key/value heads."""
+    backend = "auto"  # the kernel that computes it (ATTN_BACKENDS; set_attn_backend)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -387,9 +370,8 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim)
 
     def project(self, x, cos, sin):
-        """x (B, T, dim) -> q (B, T, n_heads, head_dim), k and v (B, T, n_kv_heads, head_dim), RoPE applied
-        to q and k. Head counts come from the tensors, not from args: under tensor parallelism wq/wk/wv
-        hold only this rank's heads."""
+        """x (B, T, dim) -> q (B, T, n_heads, head_dim), k and v (B, T, n_kv_heads, head_dim), RoPE
+        on q and k. Head counts come from the tensors: under tp, wq/wk/wv hold this rank's heads."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
@@ -409,30 +391,27 @@ class Attention(nn.Module):
         return self.wo(y)
 
 
-# The kernels SDPA may be held to for the causal attention, none of which changes the result beyond float
-# rounding. auto: SDPA's own choice, fed grouped K and V on CUDA (FlashAttention-2 takes them as they are)
-# and repeated ones on the CPU; flash: FlashAttention-2 (Dao 2023), grouped; cudnn: cuDNN's fused
-# attention (CUDA only; faster than flash on H100, and it wants K and V repeated to n_heads); efficient: the
-# memory-efficient kernel (Rabe & Staats 2021; CUDA only); math: the unfused reference. A masked attention
-# (packed documents, context parallelism) is FlexAttention's on a GPU (document_mask) and SDPA's own choice
-# of its masked kernels elsewhere: the flag does not reach it (config.check_attention refuses it there).
+# The kernels SDPA may be held to for causal attention, all equal up to float rounding. auto: SDPA's
+# choice, fed K and V grouped on CUDA (FlashAttention-2 takes them so), repeated on the CPU; flash:
+# FlashAttention-2 (Dao 2023), grouped; cudnn: cuDNN's fused attention (CUDA; faster than flash on
+# H100; K and V repeated); efficient: memory-efficient (Rabe & Staats 2021; CUDA); math: the unfused
+# reference. Masked attention (packed documents, CP) is FlexAttention's on a GPU (document_mask),
+# SDPA's choice elsewhere: the flag does not reach it (config.check_attention refuses it).
 ATTN_BACKENDS = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 SDPA_KERNELS = {int(b): name for name, b in ATTN_BACKENDS.items() if b is not None}  # (torch's numbering)
 
 
 def set_attn_backend(model: nn.Module, backend: str):
-    """Every attention layer of the model computes with this kernel (ATTN_BACKENDS)."""
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend = backend
 
 
 def attention(q, k, v, mask, is_causal: bool, backend: str = "auto"):
-    """SDPA for q (B, n_heads, T, head_dim) and k, v (B, n_kv_heads, S, head_dim); under GQA each key/value
-    head serves n_heads / n_kv_heads query heads. Without a mask, the kernel `backend` names (see
-    ATTN_BACKENDS); with one (a prefill on a cache, packed documents off the GPU), SDPA's own choice. A
-    BlockMask (packed documents on CUDA, see document_mask) goes to FlexAttention, which groups by itself."""
+    """q (B, n_heads, T, head_dim), k and v (B, n_kv_heads, S, head_dim); each key/value head serves
+    n_heads / n_kv_heads query heads. Kernel: ATTN_BACKENDS; a BlockMask (document_mask) goes to
+    FlexAttention, which groups by itself."""
     if isinstance(mask, BlockMask):
         # compiled once on its own; inside a compiled block (--compile) the block's compilation fuses it
         flex = flex_attention if torch.compiler.is_compiling() or not q.is_cuda else compiled_flex_attention()
@@ -445,21 +424,19 @@ def attention(q, k, v, mask, is_causal: bool, backend: str = "auto"):
 
 
 def held_to(backend: str, mask):
-    """SDPA held to `backend`'s kernel, for the causal attention (a masked one: SDPA's own choice)."""
     held = mask is None and backend != "auto"
     return sdpa_kernel([ATTN_BACKENDS[backend]]) if held else contextlib.nullcontext()
 
 
 def groups_kv(backend: str, cuda: bool) -> bool:
-    """Whether SDPA gets an unmasked attention's K and V grouped: for flash, and for its own choice on CUDA."""
+    """Whether SDPA gets an unmasked attention's K and V grouped: for flash, and auto on CUDA."""
     return backend == "flash" or backend == "auto" and cuda
 
 
 def sdpa_inputs(q, k, v, mask, backend: str):
-    """q, k, v as SDPA gets them: K and V grouped (enable_gqa, not copied) for the kernels that take them so
-    (flash; auto on CUDA), else repeated to n_heads (the kernels that take a mask do not all group, and one
-    that cannot serves the call in the slow math path); bf16 on a CPU as fp32, whose kernels are faster
-    there (the flash kernel's backward above all)."""
+    """q, k, v as SDPA gets them: K and V grouped (enable_gqa, no copy) where groups_kv says, else
+    repeated to n_heads (masked kernels do not all group; where one cannot, the call falls to the
+    slow math path); bf16 on a CPU as fp32, faster there (the flash backward above all)."""
     if k.shape[1] != q.shape[1] and not (mask is None and groups_kv(backend, q.is_cuda)):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
@@ -469,9 +446,8 @@ def sdpa_inputs(q, k, v, mask, backend: str):
 
 
 def attention_kernel(q, k, v, mask, is_causal: bool, backend: str = "auto") -> str:
-    """The kernel attention() computes these inputs with: flex for a BlockMask, else the one SDPA picks
-    under `backend`, asked of SDPA itself. ValueError with SDPA's reasons where `backend` cannot compute
-    them (a precision, a mask or shapes its kernel does not take)."""
+    """The kernel attention() uses on these inputs: flex for a BlockMask, else SDPA's own pick under
+    `backend`. ValueError with SDPA's reasons where `backend` cannot take them."""
     if isinstance(mask, BlockMask):
         return "flex"
     q, k, v = sdpa_inputs(q, k, v, mask, backend)
@@ -489,8 +465,7 @@ def attention_kernel(q, k, v, mask, is_causal: bool, backend: str = "auto") -> s
 
 @functools.cache
 def compiled_flex_attention():
-    """FlexAttention compiled into one fused kernel, once per process (run as is, it computes the whole
-    (T, T) score matrix)."""
+    """FlexAttention compiled once per process (uncompiled, it computes the whole (T, T) scores)."""
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -527,13 +502,12 @@ class Block(nn.Module):
 
 
 def init_tensor(args: ModelArgs, name: str, shape, seed: int, device="cpu") -> torch.Tensor:
-    """The initial value of parameter `name` (its full, unsharded shape), fp32. Every linear and the
-    embedding ~ N(0, 0.02); the two projections that write into the residual stream (wo, w2) ~
-    N(0, 0.02 / sqrt(2 * n_layers)) so the residual's variance does not grow with depth (GPT-2); norms = 1.
-    Each parameter draws from its own generator, seeded by (seed, name): a process can make any one
-    parameter without making the others, so a tensor- or pipeline-parallel rank builds only its own pieces
-    and still holds exactly the weights the whole model would have (parallel.materialize). Drawn on the
-    CPU by default, so a seed gives the same model on any device."""
+    """The initial value of parameter `name` (full, unsharded shape), fp32. Linears and the
+    embedding ~ N(0, 0.02); wo and w2, which write into the residual stream, ~
+    N(0, 0.02 / sqrt(2 * n_layers)) so the residual's variance does not grow with depth (GPT-2);
+    norms = 1. Each parameter's generator is seeded by (seed, name), so a tp or pp rank builds only
+    its own pieces yet holds exactly the whole model's weights (parallel.materialize). Drawn on the
+    CPU by default: one seed, one model on any device."""
     if name.endswith(("norm.weight", "lora_B")):  # (LoRA's B: zero, so training starts from the model)
         return torch.full(shape, float(name.endswith("norm.weight")), device=device)
     g = torch.Generator(device=device)  # seeded by a digest: the same in every process (unlike hash())
@@ -557,7 +531,6 @@ class Transformer(nn.Module):
         # device nn.Embedding's own normal_ would import torch's compiler stack: a second of start-up
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
                                            _weight=torch.empty(args.vocab_size, args.dim))
-        # Keyed by global layer index so names survive pipeline stages dropping layers (parallel.py).
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.output_size, bias=False)
@@ -588,10 +561,9 @@ class Transformer(nn.Module):
                 caches: list[KVCache] | None = None, start_pos: int = 0) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab_size).
 
-        doc_ids (B, T), optional: non-decreasing document ids of packed sequences. Attention then never
-        crosses a document boundary and RoPE positions restart at 0 for each document.
-        caches / start_pos: generation with a KV cache; tokens sit at positions start_pos.. start_pos+T-1.
-        A pipeline stage (parallel.py) runs the same three parts, skipping the ones it does not own.
+        doc_ids (B, T), optional: non-decreasing ids of packed documents; attention stays inside
+        each and RoPE positions restart at 0 in each. caches, start_pos: KV-cached generation at
+        positions start_pos .. start_pos+T-1. A pipeline stage (parallel.py) runs the parts it owns.
         """
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         cos, sin, mask = self.attention_inputs(tokens.shape[1], tokens.device, doc_ids, caches, start_pos)
@@ -613,8 +585,7 @@ class Transformer(nn.Module):
         return cos, sin, mask
 
     def run_layers(self, h, cos, sin, mask=None, caches=None, start_pos: int = 0, keys=None):
-        """The residual stream h (B, T, dim) through every block this module holds (or those of `keys`), in
-        global order."""
+        """h (B, T, dim) through this module's blocks (or those of `keys`), in global order."""
         for key in self.layers if keys is None else keys:
             layer = self.layers[key]
             cache = caches[int(key)] if caches is not None else None
@@ -629,10 +600,9 @@ class Transformer(nn.Module):
         return h
 
 
-# What selective activation checkpointing keeps of a block: the outputs of its matmuls and of attention
-# (the FLOPs), and of the collectives that gather a sequence (the bytes, under SP and CP: parallel.py's custom
-# ops, looked up by name so this file stays free of distributed code). Everything else, the norms, RoPE,
-# SiLU and the products, costs a few passes over memory to recompute and is not kept.
+# Selective activation checkpointing keeps a block's matmul and attention outputs (the FLOPs) and
+# its SP/CP sequence gathers (the bytes; parallel.py's ops, listed by name so this file stays free
+# of distributed code); norms, RoPE, SiLU and products cost a few memory passes to recompute.
 KEPT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention",
             "aten::_scaled_dot_product_flash_attention_for_cpu",
             "aten::_scaled_dot_product_efficient_attention",
@@ -650,10 +620,9 @@ def selective_recompute():
 
 
 # ----------------------------------------------------------------------------------------------------
-# 4b. LoRA (Hu et al. 2021): fine-tuning that trains, beside each chosen linear's frozen W, a low-rank update
-#     (alpha / r) B A: A (r, in) drawn as a linear's weight is, B (out, r) zero, so training starts from the
-#     model itself. Only A and B are trained: no gradient, fp32 master or optimizer state for W, a
-#     fraction of a percent of the parameters. A merged model (merge_lora) is the plain architecture again.
+# 4b. LoRA (Hu et al. 2021): beside each chosen linear's frozen W, a trained low-rank update
+#     (alpha / r) B A; B starts at zero, so training starts from the model. W has no gradient, fp32
+#     master or optimizer state: under 1% of the parameters train. merge_lora gives the plain model.
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
@@ -666,12 +635,11 @@ def lora_linears(model: Transformer) -> list[tuple[str, Linear]]:
 
 
 def add_lora(model: Transformer, rank: int, alpha: float, targets, train=()):
-    """Freeze every parameter but those whose names start with one of `train` (a new head), and give each
-    targeted linear (by short name: wq ... w3) factors A (r, in) and B (out, r) of its shape here,
-    uninitialized (init_tensor draws them). Under tensor parallelism (model.tp_placement) a column-parallel
-    linear's B is split with its rows and a row-parallel one's A with its columns; the other factor is
-    whole on every rank, and its gradient a partial sum over tp (each rank sees its own slice of the
-    linear's outputs or inputs)."""
+    """Freeze all parameters but those whose names start with one of `train` (a new head); give each
+    targeted linear (wq ... w3) factors A (r, in) and B (out, r) of its local shape, left for
+    init_tensor to draw. Under tp (model.tp_placement) a column-parallel linear's B is split with
+    its rows, a row-parallel one's A with its columns; the other factor is whole on every rank, its
+    gradient a partial sum over tp (each rank sees its slice of the linear's outputs or inputs)."""
     model.requires_grad_(False)
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith(tuple(train)))
@@ -697,8 +665,7 @@ def merge_lora(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
 
 @contextlib.contextmanager
 def without_lora(model: Transformer):
-    """The model without its LoRA updates inside the block: the base it adapts (dpo.py's and rl.py's
-    reference, so no second copy of the model is held)."""
+    """The base model, LoRA off, inside the block (dpo.py's and rl.py's reference: no copy)."""
     adapted = [linear for _, linear in lora_linears(model) if linear.lora_A is not None]
     for linear in adapted:
         linear.lora_on = False
@@ -734,8 +701,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
-    """Settings that would sample nothing or nonsense are refused: top_p 0 keeps no token, a negative
-    temperature turns the distribution upside down."""
+    """Refuse settings that sample nothing (top_p 0) or upside down (a negative temperature)."""
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -751,12 +717,11 @@ def generate(model: Transformer, prompt_tokens, max_new_tokens: int, temperature
              whole_vocab=None) -> torch.Tensor:
     """Continue prompts (B, T) (or one list of ids) by up to max_new_tokens; returns the new tokens (B, n).
 
-    The prompt is run once (prefill) to fill each layer's KV cache; every later step feeds only the newest
-    token, attending to the cached keys and values, so a step costs O(T) instead of O(T^2). Stops early
-    once every row has produced eos_id. n_vocab: sample only ids below it (the embedding table may be
-    padded past the tokenizer's vocabulary; padded rows are never valid tokens). whole_vocab: a function
-    from the model's logits (B, its columns) to the whole vocabulary's (tensor parallelism: each rank
-    holds a slice; all ranks then draw the same tokens from the same generator state).
+    The prompt runs once (prefill) to fill each layer's KV cache; each later step feeds only the
+    newest token, so it costs O(T), not O(T^2). Stops once every row has produced eos_id. n_vocab:
+    sample only ids below it (rows padding the embedding past the tokenizer's vocabulary are no
+    tokens). whole_vocab: the model's logits (B, its columns) -> the whole vocabulary's (tp: each
+    rank holds a slice; all then draw the same tokens from the same generator state).
     """
     check_sampling(temperature, top_k, top_p)
     was_training = model.training
@@ -798,9 +763,8 @@ def replies_stream(seed: int, index: int, device) -> torch.Generator:
 @torch.no_grad()
 def sample(model: Transformer, ids: list[int], k: int, max_new_tokens: int, generator, eos: int, n_vocab: int,
            temperature: float = 1.0, top_p: float | None = None, whole_vocab=None) -> list[list[int]]:
-    """K continuations of the token ids `ids`, sampled as one batch (K copies: one prefill shape, one KV
-    cache) -> each one's new tokens, up to and with its eos when it finished within max_new_tokens.
-    whole_vocab: as generate's (under tensor parallelism every rank draws the same tokens)."""
+    """K continuations of `ids` in one batch (one prefill shape, one KV cache) -> each one's new
+    tokens, with its eos if it finished within max_new_tokens. whole_vocab: as generate's."""
     new = generate(model, [ids] * k, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=eos,
                    generator=generator, n_vocab=n_vocab, whole_vocab=whole_vocab)
     return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]

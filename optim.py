@@ -1,24 +1,18 @@
-"""The optimizer side of a training step: AdamW on fp32 master weights, the learning-rate schedule, global
-gradient-norm clipping, and dynamic loss scaling for fp16.
+"""The optimizer side of a training step: AdamW on fp32 master weights, the learning-rate schedule,
+global gradient-norm clipping, and dynamic loss scaling for fp16.
 
 How the pieces connect:
-  - `AdamW(model.named_parameters(), ...)` flattens every parameter into one fp32 *master* buffer, one
-    fp32 *gradient* buffer and two fp32 moment buffers (m, v). Model parameters become views into a flat
-    buffer of their own dtype: in fp32 that buffer *is* the master, in bf16/fp16 it is a low-precision copy
-    refreshed after every step with one `copy_`. Flat buffers make the update a handful of vectorized ops,
-    make gradient buckets for data parallelism plain slices (zero.py), and let ZeRO-1 shard the
-    optimizer state by cutting ranges. FlatParams holds the layout and the buffers of the model's side;
-    AdamW, built on it, the state and the update.
-  - Gradients: fp32 parameters' `.grad` are views into the fp32 gradient buffer, so autograd accumulates
-    there in place; for bf16/fp16 parameters a post-accumulate hook adds each fresh `.grad` into the fp32
-    buffer and frees it, so micro-batch accumulation happens in fp32 even when compute is bf16.
+  - FlatParams makes each parameter a view into one flat buffer of the model's dtype, the gradients
+    one flat fp32 buffer; AdamW adds fp32 *master* weights and the moments m, v. In fp32 the model's
+    buffer *is* the master; in bf16/fp16, a copy refreshed by one `copy_` per step. Flat buffers
+    make the update a handful of vectorized ops, data parallelism's gradient buckets plain slices
+    (zero.py), and ZeRO's shards plain ranges.
+  - Micro-batch gradients accumulate in fp32 even when compute is bf16 (FlatParams' hook).
     `on_grad_ready` is the seam where data parallelism launches its bucketed all-reduce.
-  - Weight decay is decoupled (Loshchilov & Hutter 2019) and applied to matrices only: never to norm
-    weights (a scale that should stay near 1) nor to the embedding table (rows of rare tokens would be
-    pulled to zero between their rare updates).
-  - `lr_at` is linear warmup then cosine decay to a floor; `clip_scale` is the factor that clips the
-    gradients to the true global norm, applied as the update reads them; `LossScaler` keeps fp16
-    gradients inside fp16's range.
+  - Weight decay is decoupled (Loshchilov & Hutter 2019), on matrices only: not norm weights (scales
+    meant to stay near 1) nor the embedding (rare tokens' rows would decay to zero between updates).
+  - `lr_at`: warmup, then cosine decay to a floor. `clip_scale`: clips the gradients to the true
+    global norm as the update reads them. `LossScaler`: keeps fp16 gradients in range.
 """
 
 from __future__ import annotations
@@ -31,10 +25,9 @@ import torch
 
 def lr_at(step: int, max_lr: float, warmup: int, max_steps: int, min_lr_ratio: float = 0.1,
           anneal_from: int | None = None) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup over `warmup` steps, then cosine
-    decay to min_lr_ratio * max_lr at max_steps, flat after that. With anneal_from (Llama 3's annealing):
-    from that step on, a straight line from wherever the schedule was there down to 0 at the last step,
-    max_steps - 1."""
+    """Learning rate at optimizer step `step` (0-based): linear warmup over `warmup` steps, cosine
+    decay to min_lr_ratio * max_lr at max_steps, flat after. anneal_from (Llama 3's annealing): from
+    that step on, a straight line from the schedule's value there to 0 at max_steps - 1."""
     if anneal_from is not None and step >= anneal_from:
         last = max_steps - 1
         return lr_at(anneal_from, max_lr, warmup, max_steps, min_lr_ratio) * (last - step) / max(1, last -
@@ -51,12 +44,11 @@ VECTOR = 16  # fp32 numbers in one AVX-512 register, the widest the fused AdamW 
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
-    """Weight decay applies to the linear layers' matrices; not to norms (1-D) nor the embedding table."""
     return p.dim() >= 2 and "tok_embeddings" not in name
 
 
 def pack(ranges: list[tuple[int, int]], full: torch.Tensor, compact: torch.Tensor):
-    """Copy `ranges` of a full-length tensor into a compact one, one after another (converting its dtype)."""
+    """Copy `ranges` of `full` into `compact`, one after another (converting the dtype)."""
     c = 0
     for lo, hi in ranges:
         compact[c:c + hi - lo].copy_(full[lo:hi])
@@ -64,8 +56,7 @@ def pack(ranges: list[tuple[int, int]], full: torch.Tensor, compact: torch.Tenso
 
 
 def unpack(ranges: list[tuple[int, int]], compact: torch.Tensor, full: torch.Tensor):
-    """Write a compact tensor back into `ranges` of a full-length one (converting its dtype): one foreach
-    copy, however many ranges."""
+    """pack's inverse, as one foreach copy however many ranges."""
     starts = [0]
     for lo, hi in ranges:
         starts.append(starts[-1] + hi - lo)
@@ -74,8 +65,8 @@ def unpack(ranges: list[tuple[int, int]], compact: torch.Tensor, full: torch.Ten
 
 
 def load_range(ranges: list[tuple[int, int]], compact: torch.Tensor, lo: int, values: torch.Tensor):
-    """Write `values`, which belong at flat positions [lo, lo + len), into the parts of them in `ranges` of
-    a tensor that holds those ranges packed."""
+    """Write the parts of `values` (flat positions [lo, lo + len)) that lie in `ranges` into
+    `compact`, which holds those ranges packed."""
     hi, c = lo + values.numel(), 0
     for rlo, rhi in ranges:
         a, b = max(lo, rlo), min(hi, rhi)
@@ -85,9 +76,9 @@ def load_range(ranges: list[tuple[int, int]], compact: torch.Tensor, lo: int, va
 
 
 def lay_out(uniq: list, decide, pad_to: int, unit_of) -> tuple[list[int], list, list, int]:
-    """Where each (name, parameter) of `uniq` lives in the flat buffers (offsets), the [lo, hi) flat ranges
-    that decay (decide), neighbours merged, with unit_of each unit's [lo, hi), and the length: units and
-    length padded to multiples of pad_to (the padding: zero gradients, never read back)."""
+    """`uniq`'s flat layout: each parameter's offset, the [lo, hi) ranges that decay (`decide`,
+    neighbours merged), with unit_of each unit's [lo, hi), and the length. Units and length are
+    padded to multiples of pad_to (the padding: zero gradients, never read back)."""
     offsets, decay_ranges, units, off = [], [], [], 0
     for k, (n, p) in enumerate(uniq):
         if unit_of and (k == 0 or unit_of(n) != unit_of(uniq[k - 1][0])):  # a unit starts here
@@ -118,24 +109,20 @@ def packed_overlaps(ranges: list[tuple[int, int]], spans: list[tuple[int, int]])
 
 
 def clip_scale(max_norm: float, norm: torch.Tensor) -> torch.Tensor | None:
-    """What AdamW.step(grad_scale=) divides the gradients by to clip them to max_norm: max(1, norm /
-    max_norm), the inverse of min(1, max_norm / norm) (None: max_norm 0, no clipping). On the device, like the
-    norm."""
+    """AdamW.step's grad_scale, which clips the gradients to max_norm: max(1, norm / max_norm), the
+    inverse of min(1, max_norm / norm), on norm's device; None (no clipping) when max_norm is 0."""
     return torch.clamp((norm + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
 
 
 class FlatParams:
-    """A model's parameters (any dtype) as views into one flat buffer, and their gradients as views into one
-    flat fp32 buffer: the storage AdamW updates, and whose slices data parallelism reduces (zero.py).
-
-    Build it after the model is on its device and in its training dtype: that is the storage it takes over.
-    Parameters are laid out in reverse model order, the flat length padded to a multiple of 16 pad_to
-    (parallel.py cuts buckets into dp equal pieces). full_grad=False (ZeRO-2): no full-length gradient
-    buffer; each parameter's fresh gradient goes only to `on_grad_ready`. `unit_of` (ZeRO-3) lays out the
-    parameters of one unit (a block, say) together and pads each unit's span to a multiple of 16 pad_to.
-    With `initial` (ZeRO-3 at scale) the parameters hold no values yet (parallel.materialize_empty) and no
-    full-length model copy is ever made. shard_grads and shard_weights (ZeRO-2 and 3) keep only a rank's
-    ranges of the gradient buffer and of the model copy (`model_ranges`: the flat ranges it holds)."""
+    """Flat parameter and gradient buffers. Build it once the model is on its device in its training
+    dtype: it takes that storage over. Layout: reverse model order, the length padded to a multiple
+    of 16 pad_to (parallel.py cuts buckets into dp equal pieces); `unit_of` (ZeRO-3) keeps each
+    unit's parameters (a block, say) together, its span padded likewise. full_grad=False (ZeRO-2):
+    no full-length gradient buffer; fresh gradients go only to `on_grad_ready`. `initial` (ZeRO-3 at
+    scale): the parameters hold no values yet (parallel.materialize_empty) and no full-length model
+    copy is ever made. shard_grads and shard_weights (ZeRO-2, 3) keep only a rank's ranges of the
+    gradient buffer and of the model copy (`model_ranges`)."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
@@ -147,20 +134,16 @@ class FlatParams:
                 seen.add(id(p))
                 uniq.append((name, p))
         decide = (lambda n, p: not no_decay(n, p)) if no_decay else decays
-        # Reverse model order: backward produces gradients roughly from the output back to the embedding,
-        # so data-parallel buckets (slices of the flat buffer) fill front to back and can be sent early.
+        # reversed: gradients come output first, so dp buckets fill front to back and go out early
         uniq.reverse()
         self.names = [n for n, _ in uniq]
         self.params = [p for _, p in uniq]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        # 16 elements per dp piece: the fused update's vector loop then covers every element of a rank's
-        # shard. A remainder would take its scalar path, whose rounding differs (fused multiply-adds), and a
-        # ZeRO shard would no longer update bit for bit as the same numbers do in one full-length buffer.
+        # 16 elements per dp piece: the fused update's vector loop covers a rank's whole shard, so
+        # ZeRO matches one full buffer bit for bit (a scalar remainder rounds differently: FMAs).
         self.offsets, self.decay_ranges, self.units, self.numel = lay_out(uniq, decide, VECTOR * pad_to,
                                                                           unit_of)
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
-        # Full-length flat buffers: the gradient (fp32; under ZeRO-2 only the owned pieces: shard_grads) and
-        # the model's own copy of the weights (with `initial`, none until shard_weights makes the compact one)
         self.grads_sharded, self.initial = not full_grad, initial
         self.grad = torch.zeros(self.numel if full_grad else 0, dtype=torch.float32, device=self.device)
         self.model_flat = None if initial else torch.zeros(self.numel, dtype=self.dtype, device=self.device)
@@ -184,8 +167,7 @@ class FlatParams:
         return self._index[id(p)]
 
     def shard_grads(self, ranges: list[tuple[int, int]]):
-        """ZeRO-2: the gradient buffer holds only `ranges`, packed (fp32 parameters' .grad views into a
-        full-length buffer, if one was made, are dropped)."""
+        """ZeRO-2: the gradient buffer holds only `ranges`, packed; fp32 .grad views are dropped."""
         size = sum(hi - lo for lo, hi in ranges)
         self.grads_sharded, self.grad = True, torch.zeros(size, dtype=torch.float32, device=self.device)
         for p in self.params:
@@ -193,9 +175,9 @@ class FlatParams:
 
     @torch.no_grad()
     def shard_weights(self, ranges: list[tuple[int, int]]):
-        """ZeRO-3: the model's copy holds only `ranges`, packed: from initial(name, shape), one parameter's
-        value at a time and only those that overlap them, else cut from the full copy (whoever shards it
-        must first have moved the parameters' storage elsewhere). Units' padding stays 0."""
+        """ZeRO-3: the model's copy holds only `ranges`, packed: from initial(name, shape), one
+        overlapping parameter at a time, else cut from the full copy (the caller must first have
+        moved the parameters' storage elsewhere). Units' padding stays 0."""
         compact, c = torch.zeros(sum(hi - lo for lo, hi in ranges), dtype=self.dtype, device=self.device), 0
         for lo, hi in ranges if self.initial else []:
             for i, off in enumerate(self.offsets):
@@ -215,9 +197,8 @@ class FlatParams:
         view = None if self.grads_sharded else self.grad_view(i)  # made once, not per backward
 
         def hook(p):
-            # fp32 parameters: .grad *is* the flat buffer's view and autograd accumulated into it in place.
-            # Otherwise (bf16/fp16, or someone replaced .grad): add it into the fp32 buffer. With sharded
-            # gradients (ZeRO-2) there is no such buffer: on_grad_ready takes p.grad.
+            # fp32: .grad *is* the buffer's view, accumulated in place. Otherwise (bf16/fp16, or
+            # .grad replaced) add it in; ZeRO-2 has no such buffer: on_grad_ready takes p.grad.
             if not self.grads_sharded and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.add_(p.grad)
                 p.grad = view if p.dtype == torch.float32 else None
@@ -234,14 +215,13 @@ class FlatParams:
 
 
 class AdamW(FlatParams):
-    """AdamW over the flat buffers of FlatParams: fp32 master weights and moments, one fused update.
+    """AdamW over FlatParams' buffers: fp32 master weights and moments, one fused update.
 
-    `shard(ranges)` makes this rank own, and keep state for, only those ranges of the flat buffers (ZeRO);
-    by default it owns everything. Under ZeRO pass `allocate_state=False` and let shard() allocate, so the
-    full-length state (12 bytes per parameter: master, m and v) never exists on a rank even for a moment.
-    A rank that owns a part reads its gradient from `grad_shard` (packed; zero.py's reduce-scatters write
-    it) and writes its updated weights into its ranges of the model copy, whence zero.py all-gathers them.
-    Which stage shards what is zero.py's GradSync classes' to say."""
+    `shard(ranges)` makes this rank own, and keep state for, only those ranges (ZeRO; by default
+    all): it updates their weights in the model copy from `grad_shard`, for zero.py to all-gather
+    (its GradSync classes say which stage shards what). Under ZeRO pass `allocate_state=False` and
+    let shard() allocate, so the full-length state (12 bytes per parameter: master, m, v) never
+    exists on a rank, even briefly."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
@@ -256,15 +236,14 @@ class AdamW(FlatParams):
             self.shard([(0, self.numel)])
 
     def shard(self, ranges: list[tuple[int, int]]):
-        """Own only `ranges` of the flat buffers: master weights and moments are kept for them alone, packed
-        one after another ("compact" layout). Where the model copy holds just these ranges (everything, or
-        ZeRO-3's) in fp32, the master *is* the model copy."""
+        """Keep master weights and moments for `ranges` alone, packed ("compact"). Where the model
+        copy holds just these ranges (all, or ZeRO-3's) in fp32, the master *is* the model copy."""
         if self.model_flat is None:
             raise ValueError("an optimizer built with initial= holds its model copy sharded: shard_weights "
                              "first")
         self.ranges, size = ranges, sum(hi - lo for lo, hi in ranges)
-        # the owned gradient, packed, as the update reads it: the gradient buffer itself when it holds just
-        # that; under ZeRO-1 a buffer of its own, which GradSync's reduce-scatters write
+        # the owned gradient, packed: the gradient buffer itself when it holds just that; under
+        # ZeRO-1 a buffer of its own, which GradSync's reduce-scatters write
         self.grad_shard = self.grad if self.grad.numel() == size else torch.zeros(size, device=self.device)
         self.master = self.exp_avg = self.exp_avg_sq = None  # free any earlier state first
         self.packed_model = self.model_ranges == ranges
@@ -279,20 +258,19 @@ class AdamW(FlatParams):
         self._step = torch.zeros((), dtype=torch.float32, device=self.device)  # the fused kernel reads it
 
     def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines it across ranks)."""
+        """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines the ranks')."""
         return torch.linalg.vector_norm(self.grad_shard)
 
     @torch.no_grad()
     def step(self, lr: float | None = None, grad_scale: torch.Tensor | None = None):
-        """One AdamW update of the owned master weights from the owned gradient, then the model copy's owned
-        ranges refreshed from them (rounded to the training dtype). The decoupled decay first, on the
-        decayed segments (one foreach op); then torch's fused AdamW kernel in one pass over the whole of
-        master, gradient, m and v (the same arithmetic as m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g,
-        value=1 - b2); w.addcdiv_(m, sqrt(v / bc2) + eps, value=-lr / bc1), which unfused are seven passes
-        and a temporary as large as v). One tensor, not a list of segments: the kernel's vector loop covers
-        the same elements under ZeRO as without (VECTOR). grad_scale (a one-element tensor, clip_scale): the
-        kernel divides the gradients by it as it reads them, so clipping needs no pass of its own over the
-        gradient buffer. Four launches in all, the refresh included, however many parameters or ranges."""
+        """One AdamW update of the owned master weights, then the model copy's owned ranges
+        refreshed from them. First the decoupled decay (one foreach op), then torch's fused AdamW
+        kernel in one pass over master, gradient, m and v; unfused, its m.lerp_(g, 1 - b1);
+        v.mul_(b2).addcmul_(g, g, value=1 - b2); w.addcdiv_(m, sqrt(v / bc2) + eps, value=-lr / bc1)
+        takes seven passes and a temporary as large as v. One tensor, not a list of segments, so its
+        vector loop covers the same elements under ZeRO as without (VECTOR). It divides the
+        gradients by grad_scale (clip_scale's) as it reads them: clipping takes no pass of its own.
+        Four launches in all, the refresh included, however many parameters or ranges."""
         lr = self.lr if lr is None else lr
         self.step_count += 1
         self._step.fill_(self.step_count)  # the bias corrections' step, on the device
@@ -307,10 +285,10 @@ class AdamW(FlatParams):
         elif self.master is not self.model_flat:
             unpack(self.ranges, self.master, self.model_flat)  # round to bf16/fp16 once, for the next forward
 
-    # Checkpoints keep state per parameter name, so they do not depend on the flat layout (nor on how
-    # tensor/pipeline parallelism cut the model, nor on ZeRO: parallel.py gathers full buffers first).
+    # Checkpoints keep state per parameter name: independent of the flat layout, of how tensor and
+    # pipeline parallelism cut the model, and of ZeRO (parallel.py gathers full buffers first).
     def full_state(self) -> dict[str, torch.Tensor]:
-        """master, exp_avg, exp_avg_sq as full-length flat tensors; only valid when owning everything."""
+        """master, exp_avg, exp_avg_sq as full-length flat tensors (only when owning everything)."""
         if self.ranges != [(0, self.numel)]:
             raise RuntimeError("this optimizer owns a shard; gather the full state first (parallel.py)")
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -325,8 +303,8 @@ class AdamW(FlatParams):
 
     @torch.no_grad()
     def load_state_dict(self, state: dict):
-        """Per-parameter state (any device) -> the owned ranges, one parameter at a time: no full-length
-        buffer is made, so a ZeRO-1 rank never holds more than its shard plus one parameter's state."""
+        """Per-parameter state (any device) -> the owned ranges, one parameter at a time: no
+        full-length buffer, so a ZeRO-1 rank never holds more than its shard and one parameter's."""
         missing = set(self.names) - set(state["params"])
         if missing:
             raise ValueError(f"optimizer state lacks {sorted(missing)[:4]}")
@@ -340,28 +318,25 @@ class AdamW(FlatParams):
                     raise ValueError(f"optimizer state for {name} has shape {tuple(t.shape)}, "
                                      f"the model has {tuple(self.params[i].shape)}")
                 load_range(self.ranges, getattr(self, key), lo, t.reshape(-1))
-            # every rank's model copy gets every parameter it holds, owned or not (rounded to the training
-            # dtype): all of them, or under ZeRO-3 the owned ranges only
+            # every parameter the model copy holds, owned or not (rounded to the training dtype)
             load_range(self.model_ranges, self.model_flat, lo, entry["master"].reshape(-1))
 
 
 class LossScaler:
-    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018): multiply the loss by `scale` so small
-    gradients stay representable; if any gradient overflowed, skip the step and halve the scale; after
-    `growth_interval` clean steps, double it. bf16 has fp32's exponent range and needs none of this."""
+    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018): the loss times `scale` keeps small
+    gradients representable; an overflow skips the step and halves the scale, `growth_interval`
+    clean steps double it. bf16 has fp32's exponent range and needs none of this."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 1000):
         self.scale, self.growth_interval, self.good_steps = init_scale, growth_interval, 0
 
     def unscale(self, opt: AdamW):
-        """Divide the gradients by the scale (on the device: whether they overflowed is read by the caller,
-        with its other numbers, train.py's step tally)."""
+        """Divide the gradients by the scale (no sync: train.py's step tally reads the overflow)."""
         opt.grad_shard.mul_(1.0 / self.scale)
 
     def update(self, finite: bool) -> bool:
-        """After unscale(): finite says whether every rank's gradients are (one overflow anywhere skips the
-        step everywhere). Halve the scale on an overflow, double it after growth_interval clean steps;
-        returns finite (whether the step may proceed)."""
+        """After unscale(), with `finite` true if every rank's gradients are (one overflow anywhere
+        skips the step everywhere): adjusts the scale and returns finite."""
         if not finite:
             self.scale /= 2
             self.good_steps = 0

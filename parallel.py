@@ -1,7 +1,7 @@
 """Tensor, context and pipeline parallelism written by hand on raw torch.distributed collectives.
 
-No DDP, FSDP, DTensor or torch's pipelining package: every byte that crosses a process boundary is sent
-by a function in this file, and counted. Contents, in reading order:
+No DDP, FSDP, DTensor or torch's pipelining package: every byte that crosses a process boundary is
+sent by a function in this file, and counted. Contents, in reading order:
 
   1. Mesh                  world = dp x pp x cp x tp, TP innermost (one NVLink domain), then CP, PP, DP;
                            each rank makes the process groups it is in
@@ -21,11 +21,11 @@ by a function in this file, and counted. Contents, in reading order:
                            interleaved 1F1B over model chunks (Narayanan et al. 2021)
   7. For all              work one rank does for the others: filling a cache first, gathering small objects
 
-model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline change a
-model built on the meta device, and materialize() fills each rank's pieces from one seed (each parameter
-from its own generator), so every layout starts from bit-identical weights and no rank ever holds the
-whole model. Data parallelism and ZeRO are zero.py's; joining the job, timeouts and failures launch.py's;
-checkpoints (each rank's shards under global names, loadable into any layout) checkpoint.py's.
+model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline
+change a model built on the meta device, and materialize() fills each rank's pieces from one seed
+(each parameter from its own generator), so every layout starts from bit-identical weights. Data
+parallelism and ZeRO are zero.py's; joining the job, timeouts and failures launch.py's; checkpoints
+(each rank's shards under global names, loadable into any layout) checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import model as M
 # ====================================================================================================
 # 1. Mesh
 
-# Every live Mesh by its key. The collectives that run inside compiled blocks are torch custom ops (section
-# 3), and a custom op takes tensors, numbers and strings, not objects: it is handed the mesh's key.
+# Every live Mesh by its key: the collectives in compiled blocks are torch custom ops (section 3),
+# and a custom op takes tensors, numbers and strings, not objects: it is handed the mesh's key.
 MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _mesh_keys = itertools.count()
 
@@ -68,8 +68,7 @@ class Mesh:
     dp_rank: int = 0
     cp: int = 1  # context parallelism: each sequence cut along its length over cp ranks
     cp_rank: int = 0
-    # "tp" / "cp" / "pp" / "dp" / "dp_cp" -> ProcessGroup (absent when size 1). "dp_cp", made under cp
-    # only: every rank holding the same pieces of the weights (dp replicas x cp ranks), see grad_dim
+    # "tp" / "cp" / "pp" / "dp" / "dp_cp" (under cp only: see dp_cp) -> ProcessGroup, if size > 1
     groups: dict = field(default_factory=dict)
     pp_peers: list = field(default_factory=list)  # global ranks of my pipeline, stage order
     sp: bool = False  # sequence parallelism inside the TP group
@@ -79,13 +78,13 @@ class Mesh:
     # ... and the "io" group's waits for one rank's disk work (data, checkpoints)
     io_timeout_s: float = 3600.0
     patient: bool = False  # every group waits io_timeout_s for now (the first step: see patient())
-    device: torch.device = torch.device("cpu")  # where small flags live for a collective (NCCL: the GPU)
+    device: torch.device = torch.device("cpu")  # for a collective's small flags (NCCL: the GPU)
     # bytes sent, per dimension ("dp": the gradients' reduction over dp_cp); "world": the step's tally
     # (train.py), a few numbers over every rank at once
     comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0,
                                                       "world": 0.0})
-    key: int = field(default_factory=lambda: next(_mesh_keys))  # its name for the custom ops (section 3)
-    trace: object = None  # while a step is traced (costs.StepTrace): every collective records its span
+    key: int = field(default_factory=lambda: next(_mesh_keys))  # its name in custom ops (section 3)
+    trace: object = None  # in a traced step (costs.StepTrace), every collective records its span
 
     def __post_init__(self):
         MESHES[self.key] = self
@@ -136,13 +135,12 @@ class LayoutError(ValueError):
 
 def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
               timeout_s: float = 300.0, io_timeout_s: float = 3600.0, cp: int = 1) -> Mesh:
-    """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and create the
-    groups from one grid: ranks = arange(world).view(dp, pp, cp, tp), TP innermost (the heaviest traffic,
-    inside one NVLink domain), then CP (an all-gather per layer), then PP (point-to-point between
-    neighbours), DP outermost (once per step, overlapped). NCCL on CUDA, gloo on CPU. Collectives
-    give up after timeout_s instead of hanging forever (the first step after io_timeout_s: patient());
-    the "io" group (every rank, on gloo) is for the waits that are long by nature -- ranks waiting while
-    others prepare data or write a checkpoint -- and gives up after io_timeout_s."""
+    """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and make the
+    groups from one grid: ranks = arange(world).view(dp, pp, cp, tp), TP innermost (the heaviest
+    traffic, inside one NVLink domain), then CP (an all-gather per layer), then PP (point-to-point
+    between neighbours), DP outermost (once per step, overlapped). NCCL on CUDA, gloo on CPU.
+    Collectives give up after timeout_s rather than hang (the first step after io_timeout_s:
+    patient()); the "io" group's waits for disk work, long by nature, after io_timeout_s."""
     rank, world = launch.launch_env()
     dp = world // (tp * cp * pp)
     mesh = Mesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
@@ -161,10 +159,10 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
              "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp), "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp)}
     if cp > 1:
         lines["dp_cp"] = grid.permute(1, 3, 0, 2).reshape(-1, dp * cp)
-    # Only the groups this rank is in, of the dimensions larger than 1, each agreed on by its own members
-    # alone (use_local_synchronization): a rank makes 3 or 4 groups, not one per line of every dimension of
-    # the job (over a thousand splits of the world at a thousand GPUs). Each group needs the timeout itself
-    # (a new group does not inherit the world's); its name shows up in NCCL's watchdog messages.
+    # Only the groups this rank is in, of dimensions larger than 1, each agreed on by its members
+    # alone (use_local_synchronization): a rank makes 3 or 4 groups, not one per line of every
+    # dimension (a thousand splits of the world at a thousand GPUs). Each group needs its own
+    # timeout (a new group does not inherit the world's); NCCL's watchdog messages show its name.
     for dim, dim_lines in lines.items():
         ranks = next(r for r in dim_lines.tolist() if rank in r)
         if len(ranks) > 1:
@@ -191,8 +189,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _count(mesh: Mesh, dim: str, nbytes: float) -> float:
-    """Bytes sent on a group, counted under its dimension; the gradients' reduction over dp_cp is data
-    parallelism's traffic (it is the dp group when cp is 1)."""
+    """Bytes sent on a group, counted under its dimension (dp_cp's as "dp": see Mesh.comm_bytes)."""
     mesh.comm_bytes["dp" if dim == "dp_cp" else dim] += nbytes
     return nbytes
 
@@ -221,7 +218,7 @@ def all_gather_many(outs: list[torch.Tensor], inps: list[torch.Tensor], mesh: Me
     sent = sum(_count(mesh, dim, (mesh.size(dim) - 1) / mesh.size(dim) * out.numel() * out.element_size())
                for out in outs)
 
-    def gather():  # (torch's coalescing manager: private, as Megatron-LM uses it, and on gloo one op too)
+    def gather():  # (torch's coalescing manager: private, used by Megatron-LM; one op on gloo too)
         with dist._coalescing_manager(group=mesh.groups[dim], async_ops=True) as many:
             for out, inp in zip(outs, inps):
                 _all_gather_single(out, inp, group=mesh.groups[dim])
@@ -238,8 +235,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, a
 
 
 def barrier(mesh: Mesh, long: bool = False):
-    """Every rank of the job waits here for all the others. long=True: on the "io" group, for a wait that
-    is long by nature (others preparing data or writing a checkpoint), bounded by --io-timeout."""
+    """Every rank waits here for all the others. long=True: on the "io" group, for a wait long by
+    nature (others preparing data or writing a checkpoint), bounded by --io-timeout."""
     if mesh.world > 1:
         dim = "io" if long else "world"
         launch.run_collective(("barrier", None), mesh, dim, lambda: dist.barrier(group=mesh.groups.get(dim)))
@@ -249,13 +246,13 @@ def barrier(mesh: Mesh, long: bool = False):
 # 3. Tensor-parallel communication as autograd functions. Each is its own conjugate's transpose:
 #    f: forward identity, backward all-reduce   (enters a TP region: every rank needs the whole input)
 #    g: forward all-reduce, backward identity   (leaves it: partial sums from each rank are added)
-#    With sequence parallelism the activations between TP regions are split along the sequence, and the
-#    pair becomes gather (forward all-gather, backward reduce-scatter) / scatter (the reverse).
+#    With sequence parallelism the activations between TP regions are split along the sequence, and
+#    the pair becomes gather (forward all-gather, backward reduce-scatter) / scatter (the reverse).
 #
-#    These run inside the blocks that --compile compiles, so each collective is a torch custom op: one
-#    opaque node of the compiled graph, whose body (section 2's wrapper: the byte count, the timing, the
-#    CommError) runs as plain Python at every call. Called directly, that body would break the graph (the
-#    clock cannot be traced) and recompile each call (the byte counter's value would become a guard).
+#    These run inside the blocks --compile compiles, so each collective is a torch custom op: one
+#    opaque graph node whose body (section 2's wrapper: the byte count, the timing, the CommError)
+#    runs as plain Python at every call. Called directly, that body would break the graph (the clock
+#    cannot be traced) and recompile each call (the byte counter's value would become a guard).
 
 
 @torch.library.custom_op("llama3::all_reduce_", mutates_args=("t",))
@@ -321,10 +318,10 @@ class _ReduceFromTP(torch.autograd.Function):  # g
 
 def _gather_seq(x, mesh, dim: str = "tp"):
     """(B, T/n, ...) on each rank of the group -> (B, T, ...), the ranks' pieces in rank order."""
-    xt = x.transpose(0, 1).contiguous()  # collectives concatenate along dim 0: put the sequence there
+    xt = x.transpose(0, 1).contiguous()  # collectives concatenate on dim 0: put the sequence there
     out = _all_gather_op(xt, mesh.key, dim)
-    # contiguous once, here: a transposed view would be copied by each linear that reads it (wq, wk and wv;
-    # w1 and w3), and every copy kept for backward
+    # contiguous once, here: a transposed view would be copied by each linear reading it (wq, wk and
+    # wv; w1 and w3), and every copy kept for backward
     return out.transpose(0, 1).contiguous()
 
 
@@ -424,12 +421,12 @@ def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str):
-    """Refuse ids outside [0, vocab_size) (data.IGNORE_INDEX targets aside), as one process's F.embedding and
-    F.cross_entropy do. The vocab-parallel layers below treat an id outside a rank's rows as another rank's,
-    so without this an id outside every rank's rows (or in the padding) would silently become a zero
-    embedding, or a target scored as if it had the largest logit. The check is asynchronous (on a GPU a
-    device-side assert: the step's one host sync stays its only one; on a CPU a RuntimeError at once), so
-    it cannot say which id; train.py's data loader has already named the shard and the id."""
+    """Refuse ids outside [0, vocab_size) (data.IGNORE_INDEX targets aside), as one process's
+    F.embedding and F.cross_entropy do. The vocab-parallel layers below take an id outside a rank's
+    rows for another rank's, so an id outside every rank's rows (or in the padding) would silently
+    become a zero embedding, or a target scored as if it had the largest logit. The check is
+    asynchronous (on a GPU a device-side assert, adding no host sync; on a CPU a RuntimeError at
+    once), so it cannot name the id; train.py's data loader already named it and its shard."""
     bad = ((ids < 0) | (ids >= vocab_size)) & (ids != data.IGNORE_INDEX if what == "target" else True)
     torch._assert_async(~bad.any(), f"a {what} id is outside the vocabulary [0, {vocab_size})")
 
@@ -484,8 +481,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local, mine, ignore = ctx.saved_tensors
-        # - onehot(target) on the rows whose target is this rank's; a scatter of 0 elsewhere (local is 0
-        # there). Boolean-mask indexing would make the host wait for the GPU to count the rows.
+        # - onehot(target) on the rows whose target is this rank's; a scatter of 0 elsewhere (local
+        # is 0 there). Boolean-mask indexing would make the host wait for the GPU to count the rows.
         grad = softmax.scatter_add(1, local[:, None], -mine.to(softmax.dtype)[:, None])
         grad *= grad_loss.masked_fill(ignore, 0.0)[:, None]
         return grad, None, None, None, None
@@ -519,13 +516,13 @@ def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum over rows of loss_fn(head(h), targets), the logits made `chunk` rows at a time: each chunk's
-    logits, loss and gradients (of h and of the head's weight) are made together in forward and the logits
-    dropped, so the (N, V) logits never exist whole (the "fused linear cross-entropy" of Liger-Kernel, in
-    plain torch). The logits come from calls of the head module itself, so its forward hooks run (ZeRO-1
-    and 2 wait there for the all-gather of its updated weights). Kept for backward: the gradients, h's
-    (N, dim) and the weight's (V, dim) in fp32; backward only scales them by the incoming gradient, so the
-    result must be used linearly (a sum, divided by a count). A frozen head (LoRA) gets no gradient."""
+    """sum over rows of loss_fn(head(h), targets), `chunk` rows at a time: forward makes each
+    chunk's logits, loss and gradients (of h and of the head's weight) together and drops the
+    logits, so the (N, V) logits never exist whole (Liger-Kernel's "fused linear cross-entropy", in
+    plain torch). The logits come from calls of the head module itself, so its forward hooks run
+    (ZeRO-1 and 2 wait there for its updated weights' all-gather). Backward only scales the kept
+    fp32 gradients, h's (N, dim) and the weight's (V, dim), by the incoming gradient, so the result
+    must be used linearly (a sum, divided by a count). A frozen head (LoRA) gets no gradient."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, loss_fn, head):
@@ -573,10 +570,9 @@ def loss_chunk_used(chunk: int, tokens: int, zero: int) -> int:
     return 0 if zero == 3 or tokens <= chunk else chunk
 
 
-# A block's tensor-parallel layout, one line per module (torchtitan's apply_tp writes its plan so): a
-# column-parallel linear cuts its weight's rows (dim 0: its outputs, this rank's heads or hidden units), a
-# row-parallel one its columns (dim 1: its inputs; g adds the partial products), a parallel norm is
-# replicated and enters the TP region after it (f). The swap and the placement both follow from it.
+# A block's tensor-parallel layout (torchtitan's apply_tp writes its plan so), from which the swap
+# and the placement follow: a column-parallel linear cuts its weight's rows (dim 0: outputs), a
+# row-parallel one its columns (dim 1: inputs), and a norm is replicated, f applied after it.
 TP_PLAN = {"attention.wq": "column", "attention.wk": "column", "attention.wv": "column", "attention.wo": "row",
            "feed_forward.w1": "column", "feed_forward.w3": "column", "feed_forward.w2": "row",
            "attention_norm": "norm", "ffn_norm": "norm"}
@@ -604,7 +600,7 @@ def apply_tensor_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
         head.weight = model.tok_embeddings.weight
     else:
         head.weight = nn.Parameter(_vocab_shard(model.output.weight, mesh))
-    model.output = head  # column-parallel over its outputs; its input is in the TP region (model.norm's f)
+    model.output = head  # column-parallel; its input is in the TP region (model.norm's f)
     model.tp_placement.update({"tok_embeddings.weight": (0, model.args.vocab_size), "output.weight": (0, out)})
     return model
 
@@ -638,19 +634,18 @@ def gather_vocab(logits, mesh: Mesh) -> torch.Tensor:
 # ====================================================================================================
 # 5. Context parallelism: each sequence cut along its length over the cp ranks
 #
-# The Llama 3 way (Dubey et al. 2024, section 3.3.2), not the ring: each rank projects its own tokens' Q, K
-# and V, then one all-gather per layer over cp brings it every rank's K and V, and its queries attend to
-# all of them; backward reduce-scatters the keys' and values' gradients to the ranks whose tokens made
-# them. Under GQA K and V are small (8 KV heads against 128 query heads in 405B: each 1/16 of Q), so
-# gathering them costs little beside the attention it feeds, and any mask works unchanged -- packed
-# documents included -- where a ring (Liu et al. 2023) must pass K/V blocks around cp times and merge
-# partial softmaxes, and skip blocks per mask. The price is holding the whole sequence's K and V for a
-# layer at a time.
+# The Llama 3 way (Dubey et al. 2024, section 3.3.2), not the ring: each rank projects its own
+# tokens' Q, K and V, all-gathers every rank's K and V over cp once per layer, and attends to all of
+# them; backward reduce-scatters the K/V gradients to the ranks whose tokens made them. Under GQA K
+# and V are small (8 KV heads against 128 query heads in 405B: each 1/16 of Q), so gathering them
+# costs little beside the attention it feeds, and any mask works unchanged (packed documents
+# included), where a ring (Liu et al. 2023) must pass K/V blocks around cp times, merge partial
+# softmaxes and skip blocks per mask. The price: the whole sequence's K and V, a layer at a time.
 #
-# Causal attention makes later tokens costlier (query i reads i keys): with cp contiguous pieces the last
-# rank would do 2cp-1 times the first one's work. So the sequence is cut into 2cp chunks and rank r holds
-# chunks r and 2cp-1-r: every rank then has the same work. Positions stay global: RoPE rotates each token
-# by its place in the whole sequence (or in its document), and the mask compares global positions.
+# Causal attention makes later tokens costlier (query i reads i keys): with cp contiguous pieces the
+# last rank would do 2cp-1 times the first one's work, so the sequence is cut into 2cp chunks and
+# rank r holds chunks r and 2cp-1-r, evening out the work. Positions stay global: RoPE rotates each
+# token by its place in the sequence (or its document); the mask compares global positions.
 
 
 def context_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -683,9 +678,8 @@ def attention_inputs(model: M.Transformer, mesh: Mesh, seq_len: int, device, doc
 
 
 class ContextParallelAttention(M.Attention):
-    """Attention of this rank's T/cp queries against the keys and values of the whole sequence. K and V
-    travel together, one all-gather over cp per layer (backward: one reduce-scatter). For training and
-    evaluation: generation runs unsharded."""
+    """This rank's T/cp queries against the whole sequence's keys and values, K and V in one
+    all-gather over cp. For training and evaluation: generation runs unsharded."""
 
     def __init__(self, att: M.Attention, mesh: Mesh):
         nn.Module.__init__(self)
@@ -779,20 +773,19 @@ def local_value(model: M.Transformer, mesh: Mesh, full_value, name: str, shape) 
 
 @torch.no_grad()
 def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Transformer:
-    """Give a model built on the meta device, and already sharded and cut by the two functions above (and
-    cast to its training dtype), real storage for this rank's parameters only: each is this rank's piece
-    of full_value(name, full shape) (local_value). One full parameter exists at a time, so a rank of a
+    """Give a meta-device model, already sharded and cut (apply_tensor_parallel, apply_pipeline) and
+    cast to its training dtype, real storage for this rank's parameters only, each its piece of
+    full_value(name, full shape) (local_value). One full parameter exists at a time, so a rank of a
     405B model never holds more than its shards plus the largest single weight (in fp32)."""
     with_storage(model, device)
     for name, p in model.named_parameters():
-        p.copy_(local_value(model, mesh, full_value, name, p.shape))  # (cast to p's dtype as it is copied)
+        p.copy_(local_value(model, mesh, full_value, name, p.shape))  # (copy_ casts to p's dtype)
     return model
 
 
 def with_storage(model: M.Transformer, device) -> M.Transformer:
-    """Storage, uninitialized, for a model built on the meta device (whole, or a parallel layout's piece of
-    it), the head tied back to the embedding where the model ties them: to_empty gives every parameter
-    storage of its own."""
+    """Uninitialized storage for a meta-device model (whole, or a parallel layout's piece), a tied
+    head re-tied to the embedding (to_empty gives every parameter storage of its own)."""
     model.to_empty(device=device)
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
@@ -800,11 +793,11 @@ def with_storage(model: M.Transformer, device) -> M.Transformer:
 
 
 def materialize_empty(model: M.Transformer, device) -> M.Transformer:
-    """ZeRO-3's start (with dp x cp > 1): every parameter becomes a tensor on `device` that holds no storage
-    at all, its values to be written straight into this rank's pieces of the optimizer's flat buffers
-    (optim.AdamW(initial=), GradSync), so the build never holds this rank's whole model: at 70B on one GPU
-    that would be 140 GB in bf16. One parameter is allocated at a time, and freed at once."""
-    made = {}  # id of the meta parameter -> its replacement (a tied weight is one parameter in two places)
+    """ZeRO-3's start (with dp x cp > 1): every parameter becomes a tensor on `device` without
+    storage, its values to be written straight into this rank's pieces of the optimizer's flat
+    buffers (optim.AdamW(initial=), GradSync), so the build never holds this rank's whole model (at
+    70B on one GPU, 140 GB in bf16). One parameter is allocated at a time, and freed at once."""
+    made = {}  # id(meta parameter) -> replacement (a tied weight is one parameter in two places)
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) not in made:
@@ -826,12 +819,12 @@ def chunk_ends(model: M.Transformer, mesh: Mesh, layers=None) -> tuple[bool, boo
 
 def local_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None, layers=None,
                   head: bool = True):
-    """This rank's part of Transformer.forward: its pipeline stage's layers (or one model chunk's, `layers`
-    = (start, end)), on its chunks of each sequence (cp). Token ids (the first layers) or the previous
-    stage's residual stream (B, mesh.local_seq_len(seq_len), dim) in; logits (the last layers,
-    vocab-sharded under TP) or the residual stream out. With pp = cp = 1 it is exactly model.forward.
-    head=False: the last layers end at the final norm (B, T / cp, dim), for a loss that applies the head
-    itself (head_loss_sum)."""
+    """This rank's part of Transformer.forward: its pipeline stage's layers (or one model chunk's,
+    `layers` = (start, end)), on its chunks of each sequence (cp). In: token ids (the first layers)
+    or the previous stage's residual stream (B, mesh.local_seq_len(seq_len), dim); out: logits (the
+    last layers, vocab-sharded under TP) or the residual stream. With pp = cp = 1 it is exactly
+    model.forward. head=False: the last layers end at the final norm (B, T / cp, dim), for a loss
+    that applies the head itself (head_loss_sum)."""
     first, last = chunk_ends(model, mesh, layers)
     h = model.tok_embeddings(inputs) if first else inputs
     cos, sin, mask = attention_inputs(model, mesh, seq_len, h.device, doc_ids)
@@ -847,8 +840,8 @@ def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=N
     deadlocking when two neighbours both send before they receive."""
     ops = []
     nxt, prev = mesh.pp_peers[(mesh.pp_rank + 1) % mesh.pp], mesh.pp_peers[mesh.pp_rank - 1]  # a ring
-    # Activations before gradients, in the sends and in the receives: with pp 2 (interleaved) both go to
-    # the same peer, and NCCL matches one pair's sends and receives by their order alone, not by tag.
+    # Activations before gradients, in sends and receives alike: with pp 2 (interleaved) both go to
+    # the same peer, and NCCL matches a pair's sends and receives by their order alone, not by tag.
     if send_next is not None:
         ops.append(dist.P2POp(dist.isend, send_next.contiguous(), nxt))
         mesh.comm_bytes["pp"] += send_next.numel() * send_next.element_size()
@@ -884,7 +877,7 @@ def _free(t: torch.Tensor):
 def _backward(output: torch.Tensor, grad: torch.Tensor):
     if output.numel() == grad.numel():
         torch.autograd.backward(output, grad)
-    else:  # the output's storage was freed: call the engine directly, as torch.autograd.backward would
+    else:  # output's storage freed: call the engine directly, as torch.autograd.backward would
         torch.autograd.Variable._execution_engine.run_backward(
             tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
             allow_unreachable=True, accumulate_grad=True)
@@ -893,20 +886,19 @@ def _backward(output: torch.Tensor, grad: torch.Tensor):
 def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, schedule: str = "1f1b",
                   before_last_backward=None, dtype=torch.float32, stats: dict | None = None,
                   virtual: int = 1, head: bool = True) -> torch.Tensor:
-    """Phases 2-4 of one step on this stage: forward and backward of every micro-batch, interleaved with
-    the other stages. batches: [(inputs, targets)] for all micro-batches (every stage loads them: the first
-    needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's loss as it enters
-    backward (already divided by the global target count, and scaled for fp16). Returns the summed loss on
-    the last stage, 0 elsewhere. head=False: loss_fn gets the final norm's output instead of the logits.
+    """Phases 2-4 of one step on this stage: every micro-batch's forward and backward, interleaved
+    with the other stages. batches: [(inputs, targets)] for all micro-batches (every stage loads
+    them: the first needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's
+    loss as it enters backward (already divided by the global target count, scaled for fp16);
+    head=False passes it the final norm's output instead of the logits. Returns the summed loss on
+    the last stage, 0 elsewhere. stats, if given, accumulates "busy_s", the seconds this stage
+    computed rather than waited (bench.py measures the bubble with it).
 
-    AFAB runs all m forwards, then all m backwards: up to m micro-batches of activations alive at once.
-    1F1B runs p-1-stage warm-up forwards, then alternates one forward with one backward, then drains: at
-    most p micro-batches alive on the first stage. Both have the same bubble, (p-1)/(m+p-1) of the time.
-    Interleaved 1F1B gives each rank `virtual` model chunks (chunk_layers) and cuts the bubble to
-    (p-1)/(virtual*m + p-1), for more transfers and more activations in flight.
-    stats, if given, accumulates "busy_s": the seconds this stage computed rather than waited (bench.py
-    measures the bubble with it).
-    """
+    AFAB runs all m forwards, then all m backwards: up to m micro-batches alive at once. 1F1B runs
+    p-1-stage warm-up forwards, alternates one forward with one backward, then drains: at most p
+    micro-batches alive on the first stage. Both have the same bubble, (p-1)/(m+p-1) of the time.
+    Interleaved 1F1B gives each rank `virtual` model chunks (chunk_layers), cutting the bubble to
+    (p-1)/(virtual*m + p-1) for more transfers and more activations in flight."""
     chunks = chunk_layers(model.args.n_layers, mesh, virtual) if virtual > 1 else [None]
     stage = PipelineStage(model, batches, mesh, seq_len, dim, loss_fn, before_last_backward, dtype, stats,
                           chunks, head)
@@ -931,7 +923,7 @@ def _one_f_one_b(s: PipelineStage):
     for j in range(steady):
         out = s.forward(warmup + j, x)
         grad = None
-        if not mesh.last_stage:  # send this output, receive the gradient of the oldest one, together
+        if not mesh.last_stage:  # send this output and receive the oldest one's gradient, together
             grad = s.empty()
             _p2p(mesh, send_next=out, recv_next=grad)
             _free(out)
@@ -984,9 +976,8 @@ def _interleaved(s: PipelineStage):
 
 
 class PipelineStage:
-    """One step's work on this stage: the forward and the backward of micro-batch i (on model chunk v,
-    under the interleaved schedule), and the transfers around them. The schedules above only decide their
-    order."""
+    """One step's work on this stage: micro-batch i's forward and backward (on model chunk v under
+    the interleaved schedule) and the transfers around them; the schedules above only order them."""
 
     def __init__(self, model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, before_last_backward,
                  dtype, stats: dict | None, chunks: list | None = None, head: bool = True):
@@ -995,7 +986,7 @@ class PipelineStage:
         self.before_last_backward, self.dtype, self.stats = before_last_backward, dtype, stats
         self.m, self.device = len(batches), batches[0][0].device
         self.chunks = chunks or [None]  # each chunk's layer range (None: the stage's layers)
-        # what crosses between stages: the residual stream, (B, T / cp, dim), (B, T / cp / tp, dim) under SP
+        # between stages: the residual stream, (B, T / cp, dim), (B, T / cp / tp, dim) under SP
         self.shape = (batches[0][0].shape[0], mesh.local_seq_len(seq_len), dim)
         self.inputs, self.outputs = {}, {}  # by (micro-batch, chunk)
         self.total = torch.zeros((), device=self.device)
@@ -1048,7 +1039,7 @@ class PipelineStage:
         the gradient of its input (None for the embedding's chunk)."""
         with self.busy("backward", i, v):
             if i == self.m - 1 and v == 0 and self.before_last_backward is not None:
-                self.before_last_backward()  # e.g. let data parallelism reduce gradients as they are produced
+                self.before_last_backward()  # e.g. data parallelism reducing gradients as they come
             out = self.outputs.pop((i, v))
             _backward(out, grad) if grad is not None else out.backward()
             x = self.inputs.pop((i, v))  # nothing of micro-batch i in chunk v is needed any more

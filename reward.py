@@ -5,26 +5,26 @@
     python reward.py sample --reward out-rm --policy out-sft --prompts FILE --k 8 --out best.jsonl
                                                           # rejection sampling: the best of 8 replies, for SFT
 
-RLHF (Ouyang et al. 2022, "InstructGPT") and Llama 2 and 3's post-training (Touvron et al. 2023; Dubey et
-al. 2024, section 4.1.2) train a reward model on comparisons before they optimize a policy against it:
-  - the model: the SFT model, its vocabulary head replaced by a head of one output (model.ModelArgs
-    num_labels 1, Hugging Face's LlamaForSequenceClassification), freshly initialized;
-  - the score r(x, y) of a prompt and reply: that output at the reply's last token, the <|eot_id|> that
-    ends it (there the whole conversation has been read; transformers reads the last non-padding token,
-    the same one); a reply cut by --seq-len is scored at its last token;
-  - the loss, Bradley-Terry: -log sigmoid(r_chosen - r_rejected - m), averaged over the pairs of the
-    global batch; m is --margin, Llama 2's margin term (a constant here: its ratings are not in these
-    datasets), which Llama 3 dropped (m = 0, the default);
-  - the metrics: accuracy (share of pairs with r_chosen > r_rejected), margin (mean r_chosen - r_rejected),
-    rewards/chosen and rewards/rejected (mean scores), each also at every validation (val_accuracy, ...).
+RLHF (Ouyang et al. 2022, "InstructGPT") and Llama 2 and 3 (Touvron et al. 2023; Dubey et al. 2024,
+section 4.1.2) train a reward model on comparisons before optimizing a policy against it:
+  - the model: the SFT model with a fresh one-output head in place of the vocabulary's
+    (model.ModelArgs num_labels 1, as Hugging Face's LlamaForSequenceClassification);
+  - the score r(x, y): that output at the <|eot_id|> ending the reply, where the whole conversation
+    has been read (transformers reads the same last non-padding token); a reply cut by --seq-len is
+    scored at its last token;
+  - the loss, Bradley-Terry: -log sigmoid(r_chosen - r_rejected - m) averaged over the global
+    batch's pairs; m is --margin, Llama 2's margin (a constant: these datasets lack its ratings),
+    which Llama 3 dropped (m = 0, the default);
+  - the metrics: accuracy (share with r_chosen > r_rejected), margin (mean r_chosen - r_rejected),
+    rewards/chosen and rewards/rejected (mean scores), also at every validation (val_accuracy, ...).
 
-It is train.py's loop with another recipe (RewardModel: the model from --init, preference pairs as dpo.py
-reads them) and loss (RewardTask): the same phases, flags, layouts (tp, pp, dp, ZeRO; not cp: a score
-needs the whole sequence), checkpoints and --resume. `python checkpoint.py consolidate` writes it as a
-LlamaForSequenceClassification folder, and such a folder is an --init or a --reward here.
+It is train.py's loop with another recipe (RewardModel) and loss (RewardTask), in every layout but
+cp (a score needs the whole sequence). `python checkpoint.py consolidate` writes it as a
+LlamaForSequenceClassification folder, which is an --init or a --reward here.
 
-`reward.py sample` is Llama 3's rejection sampling (its section below says how): the reward model picks the
-best of K replies of the policy to each prompt, and those conversations are the next round's SFT data.
+`reward.py sample` is Llama 2 and 3's rejection sampling (Dubey et al. 2024, section 4.2.2; see its
+section below): the reward model picks the best of the policy's K replies to each prompt, and those
+conversations are the next round's SFT data.
 """
 
 from __future__ import annotations
@@ -56,15 +56,12 @@ import train as T
 
 
 def bradley_terry(r_chosen, r_rejected, margin: float = 0.0) -> torch.Tensor:
-    """Per-pair losses -log sigmoid(r_c - r_r - m): the negative log-likelihood of the preference under the
-    Bradley-Terry model (Llama 2's margin m)."""
+    """Per-pair negative log-likelihood of the preference under the Bradley-Terry model."""
     return -F.logsigmoid(r_chosen - r_rejected - margin)
 
 
 class RewardTask:
-    """The loss of train.py's loop for a reward model: a micro-batch of B pairs is 2B rows (chosen first, as
-    chat.PreferenceLoader gives them); the loss is the sum of the pairs' Bradley-Terry losses over the global
-    pair count."""
+    """train.py's task: B pairs as 2B rows, chosen first (as chat.PreferenceLoader gives them)."""
 
     metric_names = evaluate.PAIR_METRICS
     rows_per_example = 2
@@ -95,10 +92,10 @@ class RewardTask:
 
 
 def keep_reply_ends(tok, pairs, examples, seq_len: int, context: int, say) -> list:
-    """The score is learned and read at a reply's <|eot_id|> (score_positions). A pair with a side of more
-    than seq_len tokens has it as a target at best, and its score would be read before the reply ends: the
-    model would learn to score unfinished replies, and be used on finished ones (reward.py score and sample,
-    rl.py read each at its <|eot_id|>). Such pairs are left out, said in one line; none left is refused."""
+    """Leave out the pairs with a side over seq_len tokens (said in one line; none left is refused).
+    The score is learned and read at a reply's <|eot_id|> (score_positions), which such a side has
+    as a target at best: the model would learn to score unfinished replies, yet reward.py score and
+    sample and rl.py read finished ones at their <|eot_id|>."""
     kept = [e for e in examples if all(len(ids) <= seq_len for ids, _ in e.values())]
     if len(kept) == len(examples):
         return kept
@@ -125,8 +122,7 @@ def as_reward_model(margs: M.ModelArgs) -> M.ModelArgs:
 
 
 class RewardModel(T.FromInit):
-    """train.py's recipe: SFT's model from --init with a fresh head of one output (kept, if --init is a
-    reward model already), preference pairs as the data, RewardTask as the loss."""
+    """The model from --init with a fresh one-output head (kept if --init is a reward model)."""
 
     kind = "reward"
     scoring_init = True  # an SFT model (its head replaced) or a reward model (its head kept)
@@ -196,15 +192,13 @@ def score_main(argv) -> int:
 # ----------------------------------------------------------------------------------------------------
 # Rejection sampling (reward.py sample): K replies per prompt, the reward model keeps the best
 #
-# Llama 2 and 3 (Dubey et al. 2024, section 4.2.2) sample K replies to each prompt from the current policy,
-# score them with the reward model and keep the best as fine-tuning data for the next round of SFT. Here:
-#   - the K replies to one prompt are one batch for model.generate (K copies of the prompt: one prefill
-#     shape, one KV cache), drawn from a generator seeded by (--seed, the prompt's index), so a prompt's
-#     replies are the same however many ranks share the prompts (rank r takes prompts r, r + world, ...);
-#   - each reply is scored as the reward model was trained: the conversation with the reply as the
-#     assistant's turn, read at its <|eot_id|> (score_replies);
-#   - a reply that --max-new-tokens cut before its <|eot_id|> is no candidate: written as SFT data it would
-#     teach the model to stop where the budget ran out. A prompt with no finished reply is counted, not kept.
+#   - the K replies to a prompt are one batch for model.generate (one prefill shape, one KV cache),
+#     drawn from a generator seeded by (--seed, prompt index): the same however many ranks share the
+#     prompts (rank r takes prompts r, r + world, ...);
+#   - each reply is scored as in training: the assistant's turn read at its <|eot_id|>
+#     (score_replies);
+#   - a reply cut by --max-new-tokens before its <|eot_id|> is no candidate: as SFT data it would
+#     teach the model to stop mid-reply. A prompt without a finished reply is counted, not kept.
 
 
 def sample_replies(policy, tok, prompt, k: int, max_new_tokens: int, seq_len: int, generator,
@@ -243,9 +237,9 @@ def expected_best(scores_k: list[float], k: int) -> float:
 
 
 def sampling_summary(records: list[dict], k: int) -> dict:
-    """What reward.py sample prints: the prompts kept, the mean reward of every reply and of the kept ones,
-    and the expected best of 1, 2, 4, ... K replies (every reply a candidate, finished or not), estimated
-    from each prompt's K scores: how the best rises with K, from one run."""
+    """What reward.py sample prints: prompts kept, the mean reward of all replies and of the kept
+    ones, and the expected best of 1, 2, 4, ... K replies (finished or not), estimated from each
+    prompt's K scores: how the best rises with K, from one run."""
     kept = [r for r in records if "messages" in r]
     n, ks = len(records), sorted({min(2 ** j, k) for j in range(k.bit_length() + 1)})
     return {"prompts": n, "k": k, "kept": len(kept), "no_finished_reply": n - len(kept),

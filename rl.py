@@ -5,24 +5,24 @@ updated to raise the reward while a KL penalty holds it near the model it starte
     python rl.py --init out-sft --algo grpo --reward-fn arithmetic --prompts sums/prompts.jsonl --out-dir out-rl
     python rl.py eval --init out-rl --reward-fn arithmetic --prompts sums/test.jsonl    # greedy accuracy
 
-Every step rolls out (phase 1): each prompt of the step gets --group replies sampled from the current
-policy (one generate batch per prompt, its random stream seeded by --seed and the prompt's global sequence
-number, so a step's rollouts are the same under any dp and after --resume), scored by --reward-fn (a rule:
-`arithmetic`, 1 for the right answer; or FILE.py:FUNCTION) or --reward (a reward model of reward.py, read
-at the reply's <|eot_id|> as it was trained). Then one optimizer step on them: one update per rollout, so
-the policy that sampled is the policy being updated and the probability ratio starts at exactly 1 (TRL's
-default num_iterations=1); the clipped objective is written out in full all the same.
+Each step first rolls out (phase 1): every prompt gets --group replies from the current policy, one
+generate batch per prompt with a random stream seeded by --seed and the prompt's global sequence
+number (the same rollouts under any dp and after --resume), scored by --reward-fn (a rule:
+`arithmetic`, 1 for the right answer; or FILE.py:FUNCTION) or --reward (a reward.py model, read at
+the reply's <|eot_id|> as trained). Then one optimizer step: one update per rollout, so the sampling
+policy is the one updated and the ratio starts at exactly 1 (TRL's default num_iterations=1); the
+clipped objective is written out in full all the same.
 
   GRPO (Shao et al. 2024, --algo grpo): no value model. The advantage of reply i of a group is
       A_i = (r_i - mean(r)) / (std(r) + 1e-4)        (the group's rewards; std with Bessel's correction)
   for every token of the reply, and with the ratio rho_t = p(y_t) / p_old(y_t) and the KL estimate
       k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, unbiased and >= 0)
   the token loss is  -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) + beta k3_t  (beta: --kl-coef),
-  averaged over each reply's tokens, then over the global batch's replies: the paper's 1/G sum_i 1/|o_i|
-  sum_t, TRL's loss_type="grpo" with use_bias_correction_kl=False (TRL 1.16's default, True, weights
-  each k3_t by rho_t; its default loss_type, "dapo", averages over all tokens instead).
-  Logged as TRL's GRPOTrainer does: reward, reward_std (within groups), kl, completion_length, clip_ratio
-  (kl and clip_ratio: means over every reply token of the global batch).
+  averaged over each reply's tokens, then over the global batch's replies: the paper's
+  1/G sum_i 1/|o_i| sum_t, TRL's loss_type="grpo" with use_bias_correction_kl=False (TRL 1.16
+  defaults to True, weighting each k3_t by rho_t, and to loss_type "dapo", a mean over all tokens).
+  Logged as TRL's GRPOTrainer: reward, reward_std (within groups), kl, completion_length, clip_ratio
+  (kl, clip_ratio: means over all reply tokens of the global batch).
 
   PPO (Ouyang et al. 2022's InstructGPT, --algo ppo): a value head V (a linear map of the policy's last
   hidden state; its gradient stops there, so the critic's loss never moves the policy, where InstructGPT
@@ -34,21 +34,21 @@ default num_iterations=1); the clipped objective is written out in full all the 
   summed over its tokens), objective/entropy (likewise, the sampled -logp), policy/clipfrac_avg and
   loss/value_avg (means over every reply token), completion_length.
 
-Every log-prob (the policy's, the reference's, PPO's rollout's) is that of the distribution that sampled:
-log softmax(logits / --temperature), as TRL computes them (RLTask).
+Every log-prob (the policy's, the reference's, PPO's rollout's) is of the sampling distribution,
+log softmax(logits / --temperature), as TRL computes them; validation's greedy replies are read at
+the same temperature, so val_kl is the quantity kl is. --temperature 0 (greedy PPO rollouts) has no
+distribution: the model's own (temperature 1) is read.
 
-With prompts that carry an "answer", `accuracy` is logged too: the share of replies whose last number is
-the answer (compared as numbers: 2.0 is 2), whatever the reward says (a flawed reward can rise while it
-falls: reward hacking). Validation replies greedily (temperature 0) to the held-out prompts: val_reward,
-val_accuracy.
+Prompts with an "answer" also log `accuracy`, the share of replies whose last number is the answer
+(as numbers: 2.0 is 2), whatever the reward says (a flawed reward can rise while accuracy falls:
+reward hacking). Validation replies greedily to the held-out prompts: val_reward, val_accuracy.
 
-It is train.py's loop with another recipe: the model from --init (an SFT checkpoint), a frozen reference
-from the same weights (none at --kl-coef 0), the prompts as the data, and the rollout in the task's
-prepare(). Layouts: dp (each replica rolls out its own prompts) and tp (each tp group samples the same
-tokens: the vocabulary's slices are gathered before sampling); ZeRO-1 and 2. Refused: pp (generation runs
-the whole model for one token at a time, which a pipeline would pass through every stage per token), cp
-and --sp (a sequence is cut over ranks, one decoded token cannot be), ZeRO-3 (each forward gathers the
-weights from every replica, whose rollouts end at different lengths).
+It is train.py's loop with another recipe: the model from --init (an SFT checkpoint), a frozen
+reference from the same weights (none at --kl-coef 0), the prompts as the data, the rollout in the
+task's prepare(). Layouts: dp (each replica rolls out its own prompts), tp (a tp group samples the
+same tokens: vocabulary slices are gathered first), ZeRO-1 and 2. Refused: pp (generation would pass
+each decoded token through every stage), cp and --sp (one decoded token cannot be cut over ranks),
+ZeRO-3 (each forward gathers weights from every replica, and rollouts end at different lengths).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def grpo_token_losses(logp, old_logp, ref_logp, adv, clip_eps: float, beta: floa
 
 
 def ppo_token_losses(logp, old_logp, adv, values, old_values, returns, a):
-    """PPO per token (rows, T): the clipped policy loss plus vf_coef times the clipped value loss. Also returns
-    the value loss and where the clipped policy term won."""
+    """PPO per token (rows, T): the clipped policy loss plus vf_coef times the clipped value loss.
+    Also returns the value loss and where the clipped policy term won."""
     rho, clipped = clipped_ratio(logp, old_logp, a.clip_eps)
     plain, safe = -adv * rho, -adv * clipped
     v_clipped = old_values + (values - old_values).clamp(-a.clip_value, a.clip_value)
@@ -115,8 +115,8 @@ def reply_mean(x, mask) -> torch.Tensor:
 
 
 class ValueHead(nn.Module):
-    """PPO's critic: V = w . h + b on the policy's final normed hidden state h, at every position. It reads h
-    as the policy computes it (a hook on model.norm) and stops the gradient there."""
+    """PPO's critic: V = w . h + b at every position, on the policy's final normed hidden state h,
+    read as the policy computes it (a hook on model.norm) with the gradient stopped there."""
 
     def __init__(self, model: M.Transformer, device, dtype):
         super().__init__()
@@ -139,9 +139,9 @@ class ValueHead(nn.Module):
 
 
 def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int, pad: int):
-    """Prompt and reply token lists (one pair a row) -> inputs and targets (rows, seq_len) int64: a row is
-    prompt + reply, shifted by one; targets are the reply's tokens (its <|eot_id|> included), IGNORE_INDEX
-    elsewhere."""
+    """Prompt and reply token lists (a pair per row) -> int64 inputs and targets (rows, seq_len): a
+    row is prompt + reply shifted by one; targets are the reply's tokens (<|eot_id|> included),
+    IGNORE_INDEX elsewhere."""
     x = torch.full((len(replies), seq_len), pad, dtype=torch.long)
     y = torch.full((len(replies), seq_len), data.IGNORE_INDEX, dtype=torch.long)
     for i, (prompt, reply) in enumerate(zip(prompts, replies)):
@@ -152,8 +152,7 @@ def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int,
 
 
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
-    """GRPO: (rows,) rewards, consecutive groups of `group` replies to one prompt -> (rows,) advantages
-    (r - the group's mean) / (the group's std + 1e-4)."""
+    """(rows,) rewards in consecutive groups of `group` replies -> (rows,) GRPO advantages."""
     r = rewards.view(-1, group)
     return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1)
 
@@ -188,15 +187,10 @@ TOKEN_MEANS = ("kl", "clip_ratio", "policy/clipfrac_avg", "loss/value_avg")  # T
 
 
 class RLTask:
-    """The loss of train.py's loop for RL. prepare() turns each micro-batch of prompts into --group replies
-    per prompt (sampled; greedy when the model is in eval mode: validation) laid out as rows, with what the
-    loss needs beside the targets: rewards, advantages, the reference's log-probs, and for PPO the
-    rollout's log-probs and values. The normalizer is the global batch's reply count.
-
-    Every log-prob (the policy's, PPO's rollout's, the reference's) is of the distribution that samples,
-    the logits over --temperature, as TRL's trainers compute them; validation's greedy replies are read at
-    the same temperature, so that val_kl is the quantity kl is. --temperature 0 (PPO's greedy rollouts)
-    samples from no distribution: the model's own (temperature 1) is read then."""
+    """train.py's task for RL: prepare() rolls each micro-batch of prompts out into --group replies
+    each (greedy in eval mode: validation), as rows with what the loss needs beside the targets:
+    rewards, advantages, the reference's log-probs and, for PPO, the rollout's log-probs and values.
+    The normalizer is the global reply count."""
 
     takes_hidden = False  # the loss is given the logits
 
@@ -271,7 +265,6 @@ class RLTask:
         return -P.token_losses(logits, y, self.vocab_size, self.mesh)
 
     def token_logps(self, model, x, y) -> torch.Tensor:
-        """logps under `model`."""
         return self.logps(P.local_forward(model, x, self.mesh, self.args.seq_len), y)
 
     def reference_logps(self, x, y) -> torch.Tensor:
@@ -328,10 +321,9 @@ class RLTask:
         self._tokens += mask.sum().to(self._tokens.device)
 
     def metrics(self) -> torch.Tensor:
-        """Each metric's share of its global mean since the last call, which the loop's sum over the replicas
-        completes: a reply metric's sum over the global reply count, a token metric's over the global count
-        of reply tokens, summed over dp here (one small all-reduce: TRL's kl and clip_ratio are means over
-        all reply tokens of the batch, not of each reply's mean)."""
+        """Each metric's share of its global mean since the last call, which the loop's sum over
+        replicas completes: reply metrics over the global reply count, token metrics over the global
+        count of reply tokens (summed over dp here: one small all-reduce)."""
         tokens = self._tokens.clone()
         P.all_reduce(tokens, self.mesh, "dp")
         out = torch.where(self.per_token, self._sums / tokens.clamp(min=1), self._sums)
@@ -380,9 +372,9 @@ ANSWER_RULES = ("arithmetic", "arithmetic-length")  # the rules that check a pro
 
 
 def load_reward_fn(name: str):
-    """--reward-fn: a built-in rule, or FILE.py:FUNCTION, which must take (prompt record, reply text). A file
-    that fails on import, even by sys.exit, is one line: a SystemExit there would end the run with its code
-    (0 for sys.exit()) and nothing written."""
+    """--reward-fn: a built-in rule, or FILE.py:FUNCTION taking (prompt record, reply text). An
+    import failure, even by sys.exit, is one line: a SystemExit would end the run with its code (0
+    for sys.exit()) and nothing written."""
     if name in REWARD_FNS:
         return REWARD_FNS[name]
     path, _, fn = name.rpartition(":")
@@ -428,9 +420,9 @@ def check_answers(prompts: list[dict], rule: str | None):
 
 
 def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[float]:
-    """fn on each reply; a rule that raises or gives no finite number stops the run with one line (the
-    last checkpoint stays the good one). Finite in fp32, where the rewards are held: 1e39 is a finite
-    Python float, and inf as a tensor."""
+    """fn on each reply; a rule that raises or gives no finite number stops the run with one line
+    (the last checkpoint stays the good one). Finite in fp32, where rewards are held: 1e39 is a
+    finite Python float but inf as a tensor."""
     out = []
     for reply in replies:
         try:
@@ -453,8 +445,8 @@ def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[flo
 
 
 def read_rl_prompts(path: str, tok, seq_len: int, say) -> list[dict]:
-    """--prompts -> [{"where", "messages", "ids", "answer"?}]: ids the chat-formatted prompt with the
-    assistant's header. Prompts that leave no room for a reply under seq_len are left out and counted
+    """--prompts -> [{"where", "messages", "ids", "answer"?}], ids the chat-formatted prompt with
+    the assistant's header. Prompts without room for a reply under seq_len are left out and counted
     (chat.with_room); none left is an error."""
     records = []
     for where, record in data.json_records(path):
@@ -532,10 +524,10 @@ def sums_main(argv) -> int:
 
 
 def make_scorer(a, rule, tok, device, dtype, mesh, seq_len: int):
-    """score(prompt, reply texts) -> [rewards]: --reward-fn's rule (loaded: load_reward_fn), or --reward's
-    model (whole on every rank, read at each reply's <|eot_id|>). A rollout is up to seq_len + 1 tokens (its
-    last a target only, in the policy's rows): the reward model reads all of them where its context allows,
-    so that a reply filling the room is read at its <|eot_id|> too."""
+    """score(prompt, reply texts) -> [rewards]: --reward-fn's rule, or --reward's model (whole on
+    every rank, read at each reply's <|eot_id|>). A rollout is up to seq_len + 1 tokens (the last a
+    target only, in the policy's rows): the reward model reads all of them where its context allows,
+    so a reply filling the room is read at its <|eot_id|> too."""
     if rule is not None:
         return lambda prompt, texts: apply_reward_fn(rule, a.reward_fn, prompt, texts)
     model, _ = evaluate.load_reward_model(a.reward, device, a.mirror, dtype, mesh)
@@ -545,8 +537,7 @@ def make_scorer(a, rule, tok, device, dtype, mesh, seq_len: int):
 
 
 class RL(T.FromInit):
-    """train.py's recipe: SFT's model from --init (PPO adds a value head), prompts as the data, RLTask as
-    the loss, against a frozen reference built from the same initial weights (none at --kl-coef 0)."""
+    """The policy from --init (PPO adds a value head) and a frozen reference of the same weights."""
 
     kind = "rl"
     head_in_loss = False  # RLTask's loss is given the logits

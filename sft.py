@@ -4,17 +4,17 @@
     torchrun --nproc_per_node=8 sft.py --init Llama-3.2-1B --tokenizer llama3 --tp 2   # from HF weights
     python sft.py --init out --lora-rank 16                            # LoRA: the model frozen, adapters
 
-The same training loop as train.py (its seven phases, flags, parallel layouts, checkpoints and --resume);
-only its recipe differs (the SFT class):
-  - the model: loaded from --init (a train.py/sft.py checkpoint folder, a Hugging Face folder, or a Meta
+train.py's training loop (its seven phases, flags, parallel layouts, checkpoints and --resume) with
+its own recipe (the SFT class):
+  - the model: loaded from --init (a train.py/sft.py checkpoint folder, a Hugging Face or a Meta
     folder); a tokenizer with more ids than the model grows its embedding and output rows;
-  - the data: conversations in the Llama 3 chat format (chat.py), whose targets are the assistant's tokens
-    and their <|eot_id|> only (everything else is IGNORE_INDEX), packed several to a sequence with
-    attention and positions that never cross from one example into another (--no-pack: one per row);
-  - nothing else: the loss is the same sum of token cross-entropies over the global count of target tokens,
-    so train and validation losses are the mean loss on response tokens.
-With --lora-rank (here and in dpo.py, reward.py, rl.py) the model stays frozen and only LoRA's low-rank
-updates train (model.add_lora); the checkpoints hold them alone, and read as a model they are merged in.
+  - the data: conversations in the Llama 3 chat format (chat.py), whose targets are the assistant's
+    tokens and their <|eot_id|> (all else is IGNORE_INDEX), packed several to a row with attention
+    and positions that never cross examples (--no-pack: one per row);
+  - the loss: unchanged (token cross-entropies summed over the global count of target tokens), so
+    train and validation losses are the mean loss on response tokens.
+With --lora-rank (here and in dpo.py, reward.py, rl.py) only LoRA's low-rank updates train
+(model.add_lora); checkpoints hold them alone and are merged in when read as a model.
 At the end it answers --sample-prompt in chat mode.
 """
 
@@ -29,12 +29,11 @@ import train as T
 
 
 # ----------------------------------------------------------------------------------------------------
-# The recipe: train.py's loop with the model from --init and conversations as the data
+# The recipe
 
 
 class SFT(T.FromInit):
-    """train.py's recipe with the model from --init and conversations as the data: the next-token loss
-    (LMTask) on the assistant's tokens only."""
+    """The next-token loss (LMTask) on the assistant's tokens only."""
 
     kind = "sft"
 

@@ -7,17 +7,15 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
   2 forward           tokens -> logits, one micro-batch at a time
   3 loss              sum of token losses / number of target tokens in the whole global batch
   4 backward          gradients accumulate, in fp32, in the optimizer's flat gradient buffer
-  5 gradient sync     the seam where data parallelism reduces gradients across replicas (zero.py),
-                      then the Tally: the step's numbers over the whole job, its one host-device sync
+  5 gradient sync     dp reduces the gradients (zero.py); the Tally, the step's one host-device sync
   6 optimizer step    unless the SkipGuard rejects the step: clip by global norm, AdamW on fp32 masters
   7 checkpoint        Checkpointer: atomic write to a step directory, `latest` pointer last
 
-Read in this order: train_step and train(), which checks the configuration, sets the run up and loops;
-the recipe (what is trained: Pretraining, LMTask; FromInit, the post-training recipes' start); the pieces
-around the steps that each decide their own "when" (validation, Checkpointer, StopFlag); setting up; the
-ramp's switch; the command line. The flags and their checks are config.py's, the log and its banner
-logs.py's, the measuring instruments costs.py's; sft.py, dpo.py, reward.py and rl.py bring their own
-recipes.
+Read in this order: train_step, then train() (checks the configuration, sets the run up, loops); the
+recipe (Pretraining, LMTask; FromInit, where post-training starts); the pieces around the steps that
+each decide their own "when" (validation, Checkpointer, StopFlag); setting up; the ramp's switch;
+the command line. The flags and their checks are in config.py, the log and its banner in logs.py,
+the measuring instruments in costs.py; sft.py, dpo.py, reward.py and rl.py bring their own recipes.
 """
 
 from __future__ import annotations
@@ -145,13 +143,12 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
 
 
 class Tally(NamedTuple):
-    """What every rank must agree on after the backward, and the numbers the log wants, gathered in ONE
-    all-reduce over the whole job and read by the host in ONE synchronization, the only one a step makes
-    (on a GPU the host otherwise runs ahead, queueing kernels). Summed over every rank: each rank's part
-    of the squared gradient norm; the loss and the task's metric sums, counted once per (pp, dp) place
-    (tp ranks hold equal values, stages before the last hold zeros); the ranks whose own copy of the
-    gradients is not finite; the ranks that caught a stop signal; the ranks that could not write their log
-    (StopFlag.fail)."""
+    """What every rank must agree on after the backward, and the numbers the log wants: ONE
+    all-reduce over the whole job, read by the host in the step's ONE synchronization (on a GPU the
+    host otherwise runs ahead, queueing kernels). Summed over every rank: its part of the squared
+    gradient norm; the loss and the task's metric sums, counted once per (pp, dp) place (tp ranks
+    hold equal values, earlier stages zeros); and the counts of non-finite gradient copies, stop
+    signals and failed log writes (StopFlag.fail)."""
     norm: torch.Tensor  # () the global gradient norm on the device: the clip factor never leaves it
     grad_norm: float
     loss: float
@@ -164,9 +161,9 @@ class Tally(NamedTuple):
     def of(cls, run: Run, loss: torch.Tensor, stop: StopFlag) -> Tally:
         mesh, device = run.mesh, run.device
         once = float(mesh.tp_rank == 0)
-        # Under plain DP each rank applies all the reduced gradients, not only the pieces whose squares it
-        # summed for the norm: a rank whose copy went bad must stop every replica (they must never differ).
-        # ZeRO-1 ranks apply only their own pieces, and a single replica has no others.
+        # Under plain DP each rank applies all the reduced gradients, not only those whose squares
+        # it summed for the norm: a rank whose copy went bad must stop every replica (they must
+        # never differ). ZeRO-1 ranks apply only their own pieces; a single replica has no others.
         copy = run.opt.grad_norm() if mesh.dp_cp > 1 and not run.args.zero else torch.zeros((), device=device)
         flags = torch.stack([(~torch.isfinite(copy)).float(),
                              torch.full((), float(stop.signal is not None), device=device),
@@ -192,16 +189,14 @@ def load_batches(run: Run) -> tuple[list, torch.Tensor]:
 
 
 def scaled_loss(run: Run, logits, targets, total) -> torch.Tensor:
-    """Phase 3: the task's loss over the global batch's `total`, scaled up under fp16 so that small
-    gradients survive."""
+    """Phase 3: the task's loss over `total`, scaled up under fp16 so small gradients survive."""
     loss = run.task.loss(logits, targets, total)
     return loss * run.scaler.scale if run.scaler else loss
 
 
 class SkipGuard:
-    """Phase 6's gate. A step whose gradients are not finite (an fp16 overflow included) or whose loss
-    spikes (--skip-spikes) is not applied; every rank reaches the same verdict (from the same tally).
-    --max-skips bad steps in a row stop the run."""
+    """Phase 6's gate: no rank applies a step with non-finite gradients (fp16 overflows too) or a
+    loss spike (--skip-spikes); --max-skips such steps in a row stop the run."""
 
     def __init__(self, args, meter: L.Meter, checkpointer: Checkpointer):
         self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
@@ -228,7 +223,6 @@ class SkipGuard:
         return False
 
     def problem(self, run: Run, tally: Tally) -> str | None:
-        """What is wrong with this step, or None."""
         finite = math.isfinite(tally.grad_norm) and not tally.bad_copies
         if run.scaler is not None and not run.scaler.update(finite):
             return f"fp16 gradient overflow, loss scale -> {run.scaler.scale:g}"
@@ -248,9 +242,8 @@ class SkipGuard:
 
 
 def train(args, recipe: Pretraining | None = None, time_phases: str | None = None) -> Run:
-    """The one training loop; pretraining (main below), sft.py and dpo.py differ only in their recipe.
-    time_phases: bench.py's PhaseTimer mode. Every bad input is refused by check_config, before the
-    processes talk and before --out-dir is touched; the out-dir stays locked while the run lasts."""
+    """The training loop of every recipe. time_phases: bench.py's PhaseTimer mode. check_config
+    refuses bad input before the processes talk or --out-dir (locked for the run) is touched."""
     recipe = recipe or Pretraining(args)
     spec = config.check_config(args, recipe)
     E.check_benchmarks(args, recipe.kind)
@@ -309,15 +302,13 @@ def stopped(stop: StopFlag, step: int, failed: bool):
 
 # ----------------------------------------------------------------------------------------------------
 # The recipe: what a run trains. The loop asks it six things, in this order: the tokenizer and the
-# model's shape (before any process talks, so a wrong one fails fast), the initial weights and the data
-# (once the processes can talk), what it trains beside the model (extend), and the task, the loss of a
-# micro-batch (once the model is built; it is handed the model: rl.py's task generates with it). sft.py,
-# dpo.py, reward.py and rl.py subclass it.
+# model's shape (before any process talks, so a wrong one fails fast); the initial weights and the
+# data (once the processes can talk); what it trains beside the model (extend); the task, a
+# micro-batch's loss (once the model is built; rl.py's generates with the model it is handed).
 
 
 class Pretraining:
-    """Pretraining: the preset (or --dim ...) from a seeded random initialization, token shards, and
-    next-token prediction (LMTask)."""
+    """The preset (or --dim ...) seeded at random, token shards, next-token prediction (LMTask)."""
 
     kind = "pretraining"  # which recipe wrote a checkpoint (meta.json): --resume continues the same one
     chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
@@ -400,10 +391,9 @@ class Pretraining:
 
 
 class FromInit(Pretraining):
-    """The post-training recipes' model (sft.py, dpo.py, reward.py, rl.py): loaded from --init, a train.py or
-    sft.py checkpoint (verified against its manifest by the job's ranks), a Hugging Face or a Meta folder,
-    with the tokenizer it was trained with (one with more ids grows its embedding and head rows). They read
-    whole examples, not pretraining's token stream (unused_flags); checkpoints say they train on chats."""
+    """The post-training recipes' model (sft.py, dpo.py, reward.py, rl.py), from --init: a train.py
+    or sft.py checkpoint, a Hugging Face or a Meta folder, with the tokenizer it was trained with
+    (one with more ids grows the embedding and head). They read whole examples (unused_flags)."""
 
     chat = True
     unused_flags = {"ramp": "--ramp stages pretraining's token stream; fine-tuning reads whole examples",
@@ -424,10 +414,10 @@ class FromInit(Pretraining):
         return self.args.init or self.args.model
 
     def model_args(self, tok) -> M.ModelArgs:
-        """The shape at once; the weights (below) once the job's processes can talk. From a checkpoint the
-        shape comes from meta.json alone, and no shard is opened until the job's ranks have checked them
-        against the manifest, each a share of the files (one rank hashing a 405B checkpoint would take
-        hours); each rank then reads only the weights it keeps, lazily."""
+        """The shape at once; the weights (below) once the processes can talk. A checkpoint's shape
+        comes from meta.json alone; no shard is opened until the ranks have checked the files
+        against the manifest, each a share (one rank hashing a 405B checkpoint would take hours),
+        and each rank then reads only the weights it keeps, lazily."""
         args, self.state = self.args, None
         if args.init is None:
             print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
@@ -481,14 +471,13 @@ def document_ids(inputs: torch.Tensor, bos: int) -> torch.Tensor:
 
 
 class LMTask:
-    """Next-token prediction: the sum of token cross-entropies over the number of target tokens in the
-    whole global batch (all micro-batches, all dp ranks), so accumulation and every layout give the same
-    gradient. data.IGNORE_INDEX targets (SFT prompts, padding) count for nothing. With `bos` (--doc-mask),
-    prepare() gives each (inputs, targets) micro-batch its document ids, and the model attends within
-    documents only (SFT's packed batches bring their own). With `chunk` (--loss-chunk) the loss is given
-    the final norm's output (takes_hidden) and applies the head itself, chunk tokens at a time
-    (parallel.head_loss_sum): a 128K vocabulary's logits for a whole micro-batch never exist. The loop
-    knows only these four methods and takes_hidden."""
+    """Next-token prediction, normalized by the global batch's target tokens (all micro-batches and
+    dp ranks) so accumulation and every layout give the same gradient; data.IGNORE_INDEX targets
+    (SFT prompts, padding) count for nothing. `bos` (--doc-mask): prepare() adds document ids, so
+    attention stays within documents (SFT's packed batches bring their own). `chunk` (--loss-chunk):
+    the loss gets the final norm's output (takes_hidden) and applies the head chunk tokens at a time
+    (parallel.head_loss_sum): a 128K vocabulary's logits for a whole micro-batch never exist. The
+    loop knows only these four methods and takes_hidden."""
 
     metric_names: tuple = ()
     rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
@@ -508,8 +497,7 @@ class LMTask:
         return (batch[1] != data.IGNORE_INDEX).sum()
 
     def loss(self, out, targets, total) -> torch.Tensor:
-        """out: the logits, or with takes_hidden the final norm's output; total: the target tokens of the
-        whole global batch (the normalizer, load_batches')."""
+        """out: the logits, or the final norm's output (takes_hidden); total: the normalizer."""
         if self.takes_hidden:
             return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / total
         return P.loss_sum(out, targets, self.vocab_size, self.mesh) / total
@@ -527,8 +515,7 @@ def global_total(task, batches, mesh, device) -> torch.Tensor:
 
 
 def sum_over_replicas(tensors: list[torch.Tensor], mesh):
-    """Sum in place over pp (a loss lives on the last stage) and dp x cp (each replica saw its own batches,
-    each cp rank its own chunks of them)."""
+    """Sum in place over pp (the loss is on the last stage) and dp x cp (each saw its own data)."""
     for dim in ("pp", mesh.grad_dim):
         for t in tensors:
             P.all_reduce(t, mesh, dim)
@@ -553,10 +540,10 @@ def validation_due(step: int, args) -> bool:
 
 @torch.no_grad()
 def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
-    """Mean loss over the first --eval-batches validation micro-batches (the same ones every time, so
-    successive values are comparable; at most one pass over the split), split over dp ranks and run
-    through the pipeline. The micro-batches are read twice, --grad-accum at a time: once to count the
-    targets (the normalizer, as in training), once for the losses; memory never holds more than that."""
+    """Mean loss over the first --eval-batches validation micro-batches (the same ones each time, so
+    values are comparable; at most one pass over the split), split over dp ranks and run through the
+    pipeline. They are read twice, --grad-accum at a time, to count the targets (the normalizer, as
+    in training), then for the losses: memory never holds more."""
     args, mesh, task, device = run.args, run.mesh, run.task, run.device
     run.model.eval()
     counting, scoring = (run.make_val() if source is None else run.make_val(source) for _ in range(2))
@@ -579,17 +566,11 @@ def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
     return loss, metrics
 
 
-# Benchmarks during training (--eval-tasks): evaluate.py's multiple-choice scoring (the same requests and
-# tallies), but run through this run's own layout, since under tp, cp and pp no rank holds the whole model.
-
-
 class Checkpointer:
-    """Phase 7: every --ckpt-every steps and at the last (0: never), and when the run stops early. A
-    checkpoint holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
-    layout, plus the random states, the loss scale and, in meta.json, the step, the loader's position,
-    the flags, the model's shape, its tokenizer, whether it was trained on chats (chat: an export then
-    stops generating at <|eot_id|>), the recipe that wrote it and its data's fingerprint (--resume refuses
-    another recipe or other data). checkpoint.py keeps the folder: atomic save, manifest, rotation."""
+    """Phase 7: every --ckpt-every steps, at the last (0: never) and on an early stop. A checkpoint
+    holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
+    layout, plus the random states, the loss scale and meta.json, whose recipe and data fingerprint
+    let --resume refuse another recipe or other data. checkpoint.py keeps the folder."""
 
     def __init__(self, run: Run, start_step: int, recipe: Pretraining):
         self.run, self.saved_at, self.recipe = run, start_step, recipe
@@ -620,14 +601,13 @@ class Checkpointer:
 
 
 class StopFlag:
-    """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only raises a
-    flag; the loop finishes the step it is in, every rank agrees to stop (one rank's signal is enough: the
-    flag goes into the step's Tally), a checkpoint is written, and the process exits normally. A second
-    signal to the same process, 2 s or more after the first, means "now": KeyboardInterrupt wherever the
-    process is (the last complete checkpoint stays the good one). Sooner, it is the same event delivered
-    twice (the scheduler signals every process and torchrun forwards its own copy; a terminal's Ctrl-C
-    reaches torchrun and the workers alike). fail(why): the same stop for a write that failed (the
-    log's), except that the run then ends with that line and exit code 1 (stopped())."""
+    """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only
+    raises a flag: the loop finishes its step, every rank agrees to stop (one rank's signal is
+    enough: the flag is in the step's Tally), a checkpoint is written, and the process exits
+    normally. A second signal 2 s or more later means "now": KeyboardInterrupt wherever the process
+    is (the last complete checkpoint stays good); sooner, it is the same event twice (the scheduler
+    signals every process and torchrun forwards its copy; Ctrl-C reaches torchrun and the workers).
+    fail(why): the same stop for a failed log write, which then fails the run (stopped())."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -656,12 +636,12 @@ class StopFlag:
 
 
 def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False, lora=None, train=()):
-    """The model on the meta device (shapes, no storage), sharded (tp), cut (pp) and cast there; then this
-    rank's pieces get storage and values, from the seed or from `state` (a full state dict). Every layout
-    starts from bit-identical weights, and a rank holds only its own. lazy (ZeRO-3 over dp x cp > 1): no
-    values here and no storage kept (parallel.materialize_empty); the optimizer writes each rank's pieces
-    of them straight into its shard (AdamW(initial=initial_values(...))). lora (rank, alpha, targets): the
-    adapters are added to the sharded linears (drawn from the seed) and all else frozen but `train`."""
+    """The model on the meta device (shapes, no storage), sharded (tp), cut (pp) and cast there;
+    then this rank's pieces get storage and values, from the seed or `state` (a full state dict):
+    every layout starts from bit-identical weights, and a rank holds only its own. lazy (ZeRO-3 over
+    dp x cp > 1): no values or storage here (parallel.materialize_empty); the optimizer writes each
+    rank's pieces straight into its shard (AdamW(initial=initial_values(...))). lora (rank, alpha,
+    targets): adapters on the sharded linears (drawn from the seed), all else frozen but `train`."""
     with torch.device("meta"):
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
@@ -685,8 +665,7 @@ def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False, lor
 
 
 def full_values(margs, state, seed: int):
-    """full_value(name, full shape) -> the whole initial tensor of one parameter: drawn from the seed on
-    the CPU (one seed gives one model on any device), or read from `state`."""
+    """full_value(name, full shape) -> its initial tensor: M.init_tensor's, or `state`'s."""
     if state is None:
         return lambda name, shape: M.init_tensor(margs, name, shape, seed)
     return lambda name, shape: M.init_tensor(margs, name, shape, seed) if M.is_lora(name) else \
@@ -709,20 +688,18 @@ def read_initial(state, name: str) -> torch.Tensor:
 
 
 def compile_blocks(model, backend="inductor"):
-    """--compile: torch.compile each transformer block (as torchtitan does) rather than the whole model. A
-    pipeline stage runs its blocks itself (parallel.local_forward), never the top-level forward, so only
-    this reaches them under --pp; and every block has the same code, so it is compiled once."""
+    """--compile: torch.compile each block (as torchtitan does), not the whole model: a pipeline
+    stage runs its blocks itself (parallel.local_forward), never the top-level forward, so only this
+    reaches them under --pp; and every block has the same code, so it is compiled once."""
     model.compiled_blocks = {key: torch.compile(layer, backend=backend)
                              for key, layer in model.layers.items()}
 
 
 def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
-    """The run's pieces, in the order they may fail: the checkpoint to resume (the ranks verify it), the
-    initial weights, the data, the model, its optimizer and gradient sync, the task; then the resumed
-    state. The earlier run's files (--overwrite) go only after all of that worked.
-    Returns (the run, the step it starts from, the data's description)."""
+    """The run's pieces, in the order they may fail: the checkpoint to resume (the ranks verify it),
+    the initial weights, the data, the model, its optimizer and gradient sync, the task; then the
+    resumed state. The earlier run's files (--overwrite) go only once all that worked."""
     out_dir = Path(args.out_dir)
-    # every rank checks its share of the files
     resume, meta = C.resume_point(out_dir, args, spec.margs, mesh, config.say)
     if meta and args.trace_step is not None and args.trace_step <= meta["step"]:
         raise config.ConfigError(f"--trace-step {args.trace_step}: this run resumes after step {meta['step']}; "
@@ -767,8 +744,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
 
 
 def check_enough_data(loader, args, mesh):
-    """Less data than one global batch: every step would see the same sequences several times, surely a
-    mistake."""
+    """Refuse less data than one global batch: steps would repeat sequences, surely a mistake."""
     per_step = loader.batch_size * args.grad_accum * mesh.dp
     if len(loader) < per_step:
         raise data.DataError(f"the training data holds {len(loader):,} sequences of up to seq_len "
@@ -803,11 +779,10 @@ SCRIPTS = {"pretraining": "train.py", "sft": "sft.py", "dpo": "dpo.py", "reward"
 
 
 def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
-    """--resume continues the run in --out-dir: the same recipe on the same data. Another script's
-    checkpoint (an SFT run's, resumed by dpo.py, would go on with SFT's optimizer state and step count) or
-    other data (its loader position means nothing there) is refused; --init starts from a checkpoint
-    instead. Checkpoints from before these were recorded: the recipe from its flags, the data unchecked.
-    The loader takes its position here, after checking that its own settings are the checkpoint's."""
+    """--resume continues the run in --out-dir: the same recipe on the same data (--init starts from
+    a checkpoint otherwise). It refuses another script's checkpoint (dpo.py resuming an SFT run
+    would go on with SFT's optimizer state and step count) and other data (the loader position means
+    nothing there)."""
     args = meta["args"]
     kind = meta.get("recipe") or ("dpo" if "beta" in args else "sft" if "init" in args else "pretraining")
     if kind != recipe.kind:
@@ -850,9 +825,9 @@ def switch_stage(run: Run, recipe: Pretraining, stages: list[config.Stage], step
 
 
 def samples_here(run: Run) -> bool:
-    """Whether this rank generates the end-of-run sample: rank 0, if it holds the whole model. Under ZeRO-3
-    its dp_cp peers generate the same tokens beside it (same weights, same seed): each layer's weights
-    are gathered from all of them."""
+    """Whether this rank generates the end-of-run sample: rank 0, if it holds the whole model. Under
+    ZeRO-3 its dp_cp peers generate the same tokens beside it (same weights, same seed), as each
+    layer's weights are gathered from all of them."""
     mesh = run.mesh
     return mesh.whole_model and (mesh.rank == 0 or run.sync.weights is not None)
 

@@ -1,17 +1,16 @@
-"""Weights on disk in other programs' formats, an appendix that train.py never calls: Hugging Face folders
-(config.json, model.safetensors and the tokenizer's files) read and written, and Meta's consolidated
-checkpoints read, the way gpt-fast keeps its converter out of its model file. checkpoint.py consolidates
-into them; --init reads them.
+"""Weights in other programs' formats, an appendix train.py never calls (as gpt-fast keeps its
+converter out of its model file): Hugging Face folders read and written, Meta's consolidated
+checkpoints read. checkpoint.py consolidates into them; --init reads them.
 
-  1. safetensors      the format by hand: an 8-byte header length, a JSON header, the raw tensors; every
-                      entry checked against the file before a byte of it is read
-  2. Hugging Face     our names and config against transformers' (LlamaForCausalLM, and
-                      LlamaForSequenceClassification for a reward model); hf_state reads a folder lazily,
-                      tensor by tensor; save_hf writes one, all or nothing (write_export)
-  3. Meta             params.json and consolidated.*.pth, whose wq/wk rows pair adjacent dimensions for RoPE
-                      where ours pair (i, i + head_dim/2): meta_to_hf_rope_permute
-  4. The tokenizer    a tiktoken Encoding as Hugging Face's tokenizer.json, tokenizer_config.json (with the
-                      chat template) and special_tokens_map.json
+  1. safetensors     by hand: an 8-byte header length, a JSON header, the raw tensors; every entry
+                     checked against the file before a byte of it is read
+  2. Hugging Face    our names and config as transformers' (LlamaForCausalLM, and
+                     LlamaForSequenceClassification for a reward model); hf_state reads a folder
+                     lazily, tensor by tensor; save_hf writes one, all or nothing (write_export)
+  3. Meta            params.json and consolidated.*.pth, whose wq/wk rows pair adjacent dimensions
+                     for RoPE where ours pair (i, i + head_dim/2): meta_to_hf_rope_permute
+  4. The tokenizer   a tiktoken Encoding as tokenizer.json, tokenizer_config.json (with the chat
+                     template) and special_tokens_map.json
 """
 
 from __future__ import annotations
@@ -35,14 +34,13 @@ import parallel as P
 from model import ModelArgs, Transformer
 
 
-# safetensors: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
-# then the raw little-endian tensor bytes. Simple enough to read and write without the package.
+# Simple enough to need no package. The header: {name: {dtype, shape, data_offsets}}; little-endian.
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
 
 
-_ST_MAX_HEADER = 100_000_000  # the safetensors library's own limit: a longer header is a damaged file
+_ST_MAX_HEADER = 100_000_000  # the safetensors library's limit: a longer header is damaged
 
 
 def _one_line(e: BaseException, limit: int = 120) -> str:
@@ -51,8 +49,7 @@ def _one_line(e: BaseException, limit: int = 120) -> str:
 
 
 def _parse_json(raw: bytes, what: str):
-    """json.loads, every failure as a ValueError naming `what`: bad syntax, bad UTF-8 and a 5000-digit
-    number raise ValueError, deeply nested arrays RecursionError (which is not one)."""
+    """json.loads, every failure (deep nesting raises RecursionError) a ValueError naming `what`."""
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -60,8 +57,7 @@ def _parse_json(raw: bytes, what: str):
 
 
 def args_in(file: Path, parse) -> "ModelArgs":
-    """The model args a config file holds (parse: args_from_hf_config, args_from_meta_params); a ValueError
-    names the file."""
+    """The ModelArgs a config file holds, by parse (args_from_hf_config, args_from_meta_params)."""
     found = read_json_object(file)
     try:
         return parse(found)
@@ -70,8 +66,7 @@ def args_in(file: Path, parse) -> "ModelArgs":
 
 
 def read_json_object(path) -> dict:
-    """A JSON file that must hold an object (config.json, params.json) -> the dict, or ValueError naming
-    the file."""
+    """A JSON file that must hold an object (config.json, params.json) -> the dict."""
     obj = _parse_json(Path(path).read_bytes(), str(path))
     if not isinstance(obj, dict):
         raise ValueError(f"{path} must hold a JSON object {{...}}, not {M.show(obj)}")
@@ -79,14 +74,13 @@ def read_json_object(path) -> dict:
 
 
 def _safetensors_entry_problem(info, data_len: int) -> str | None:
-    """What is wrong with one tensor's header entry (None: nothing), judged from the header and the size of
-    the data alone: a dtype, a shape and offsets that fit the file and agree with each other."""
+    """What is wrong with a tensor's header entry, judged by the data size alone; None: nothing."""
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         return f"is {M.show(info)}, not an object with dtype, shape and data_offsets"
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
         return f"has dtype {M.show(dtype)}, not one of {', '.join(_ST_DTYPES)}"
-    # a zero among the dimensions makes any others legal; their product must still fit torch's int64 strides
+    # a zero dimension makes any others legal, but their product must fit torch's int64 strides
     if not isinstance(shape, list) or not all(M.is_int(d) and d >= 0 for d in shape) or \
             math.prod(max(d, 1) for d in shape) > 2 ** 62:
         return f"has shape {M.show(shape)}, not a list of non-negative integers"
@@ -100,9 +94,8 @@ def _safetensors_entry_problem(info, data_len: int) -> str | None:
 
 
 def _safetensors_header(path) -> tuple[int, dict]:
-    """(where the data starts, {name: {dtype, shape, data_offsets}}) without reading any tensor. Each entry is
-    checked against the file here, so a truncated, damaged or hostile file is one ValueError naming it, not
-    a struct, memory or torch error when a tensor is read."""
+    """(where data starts, {name: {dtype, shape, data_offsets}}), reading no tensor. Each entry is
+    checked here: a damaged or hostile file is one ValueError, not a struct, memory or torch one."""
     size = os.path.getsize(path)
     damaged = f"{path} is not a valid safetensors file"
     with open(path, "rb") as f:
@@ -110,7 +103,7 @@ def _safetensors_header(path) -> tuple[int, dict]:
         if len(raw) < 8:
             raise ValueError(f"{damaged}: {size} bytes, too few for the header length")
         (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:  # checked before reading: the length alone could ask for exabytes
+        if n > size - 8:  # before reading: the length alone could ask for exabytes
             raise ValueError(f"{damaged}: its header length {n} is past the end of the file ({size} bytes); "
                              "is it truncated?")
         if n > _ST_MAX_HEADER:
@@ -127,9 +120,8 @@ def _safetensors_header(path) -> tuple[int, dict]:
 
 
 def read_safetensors(path, names=None) -> dict[str, torch.Tensor]:
-    """Read a .safetensors file, or only `names` from it, into CPU tensors (copied out of a memory map, so
-    files can be large)."""
-    base, header = _safetensors_header(path)  # every entry checked: offsets, dtype and shape agree
+    """A .safetensors file (or only `names`) -> CPU tensors, via a memory map (files can be big)."""
+    base, header = _safetensors_header(path)
     out = {}
     # copy-on-write: torch wants writable memory
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
@@ -174,7 +166,7 @@ _HF_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.N / model.layers.N
 
 
 def hf_name(ours: str, classifier: bool = False) -> str:
-    """Our parameter name -> Hugging Face's; classifier: the head is LlamaForSequenceClassification's."""
+    """Our parameter name -> Hugging Face's; classifier: LlamaForSequenceClassification's head."""
     if ours.startswith("layers."):
         _, i, rest = ours.split(".", 2)
         return f"model.layers.{i}.{_HF_LAYER_NAMES[rest]}"
@@ -189,14 +181,14 @@ _HF_ROPE_KEYS = {"factor": "factor", "low_freq_factor": "low_freq_factor",  # ou
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
-    """A Hugging Face config.json's contents -> ModelArgs; ValueError for one this model cannot be built
-    from: not a Llama config, a rope type other than llama3, impossible values (ModelArgs checks them)."""
+    """A Hugging Face config.json's contents -> ModelArgs; ValueError for a config not of a Llama,
+    with a rope type other than llama3, or with impossible values (ModelArgs checks those)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"the config must be a JSON object, got {M.show(cfg)}")
     missing = [k for k in _HF_REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"the config misses {', '.join(missing)}: is it a Llama model's config.json?")
-    # transformers >= 5 nests rope settings in rope_parameters; older configs use rope_theta + rope_scaling.
+    # transformers >= 5 nests rope settings in rope_parameters; before, rope_theta + rope_scaling
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ValueError(f"rope_scaling must be an object, got {M.show(rope)}")
@@ -207,7 +199,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         if missing:
             raise ValueError(f"rope type llama3 needs {', '.join(missing)} in rope_scaling")
         scaling = {ours: rope[hf] for ours, hf in _HF_ROPE_KEYS.items()}
-    elif kind not in ("default", None):  # another scaling (linear, dynamic, yarn): ignoring it is wrong
+    elif kind not in ("default", None):  # another scaling (linear, yarn...): ignoring it is wrong
         raise ValueError(f"unsupported rope type {M.show(kind)}: only llama3 and default are")
     labels = classifier_labels(cfg)
     args = ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
@@ -218,15 +210,14 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
                      # (a classifier's head is its own "score": nothing to tie)
                      tie_embeddings=False if labels else cfg.get("tie_word_embeddings", False),
                      num_labels=labels)
-    if cfg.get("head_dim") not in (None, args.head_dim):  # heads here are always hidden_size / n_heads wide
+    if cfg.get("head_dim") not in (None, args.head_dim):
         raise ValueError(f"head_dim {M.show(cfg['head_dim'])} is not hidden_size / num_attention_heads = "
                          f"{args.head_dim}, which this model requires")
     return args
 
 
 def classifier_labels(cfg: dict) -> int | None:
-    """A LlamaForSequenceClassification config's number of outputs (transformers records them as id2label;
-    its default is 2), or None for a causal LM."""
+    """A sequence classifier's number of outputs (transformers' id2label, default 2), else None."""
     if not any("ForSequenceClassification" in str(a) for a in cfg.get("architectures") or []):
         return None
     labels = cfg.get("id2label")
@@ -234,8 +225,7 @@ def classifier_labels(cfg: dict) -> int | None:
 
 
 def hf_config(args: ModelArgs) -> dict:
-    """config.json of a Hugging Face Llama: LlamaForCausalLM, or LlamaForSequenceClassification for a model
-    with num_labels outputs (a reward model: 1)."""
+    """config.json of a LlamaForCausalLM, or LlamaForSequenceClassification given num_labels."""
     kind = "LlamaForSequenceClassification" if args.num_labels else "LlamaForCausalLM"
     cfg = {"architectures": [kind], "model_type": "llama", "hidden_act": "silu",
            "hidden_size": args.dim, "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
@@ -251,13 +241,12 @@ def hf_config(args: ModelArgs) -> dict:
                                "high_freq_factor": s["high_freq_factor"],
                                "original_max_position_embeddings": s["original_max_seq_len"]}
     if args.num_labels:
-        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(args.num_labels)}  # (its num_labels)
+        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(args.num_labels)}
     return cfg
 
 
 def empty_model(args: ModelArgs, dtype=torch.float32, device="cpu") -> Transformer:
-    """A model whose every weight is about to be written (loaded, consolidated): built on the meta device, so
-    no random initialization runs, cast there, then given storage."""
+    """A model to load into, built on the meta device (no random init), cast, then given storage."""
     with torch.device("meta"):
         model = Transformer(args)
     return P.with_storage(model.to(dtype), device)
@@ -281,8 +270,8 @@ def _load_state(model: Transformer, state: dict[str, torch.Tensor], source: str)
 
 
 class LazyState(Mapping):
-    """A state dict whose tensors are read from disk when looked up, and not kept: a rank that builds only
-    its own shards (parallel.materialize) reads the weights it needs, one at a time, never the whole model."""
+    """A state dict whose tensors are read from disk when looked up, and not kept: a rank building
+    only its own shards (parallel.materialize) reads just the weights it needs, one at a time."""
 
     def __init__(self, readers: dict):
         self._readers = readers  # name -> () -> tensor
@@ -301,9 +290,8 @@ class LazyState(Mapping):
 
 
 def hf_state(path) -> tuple[ModelArgs, LazyState]:
-    """A Hugging Face Llama directory (config.json + *.safetensors) -> (model args, a LazyState under our
-    parameter names). Names and shapes are checked against the config from the files' headers, before any
-    weight is read."""
+    """A Hugging Face Llama directory (config.json + *.safetensors) -> (model args, a LazyState
+    under our names). Names and shapes are checked against the config from the headers alone."""
     path = Path(path)
     args = args_in(path / "config.json", args_from_hf_config)
     where = {}  # Hugging Face name -> (file, shape)
@@ -334,11 +322,9 @@ HF_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json",
 
 
 def save_hf(model: Transformer, path, tokens: dict | None = None, files: dict | None = None):
-    """Write a Hugging Face Llama directory: config.json and model.safetensors (in the model's dtype). With
-    `tokens` (data.hf_tokens: the tokenizer's name and its bos, eos and pad ids under transformers' names),
-    config.json records them and generation_config.json tells generate() where to stop: without them,
-    transformers assumes bos 1 and eos 2, ids that mean other tokens in every tokenizer here. `files`
-    ({name: JSON object}, data.hf_tokenizer_files) are written beside them: the tokenizer itself."""
+    """Write a Hugging Face Llama directory: config.json, model.safetensors (in the model's dtype),
+    `files` (hf_tokenizer_files). `tokens` (hf_tokens) go in config.json and generation_config.json,
+    which tells generate() where to stop: transformers would assume bos 1 and eos 2, wrong here."""
     classifier = model.args.num_labels is not None  # (LlamaForSequenceClassification's head: "score")
     state = {hf_name(k, classifier): v for k, v in model.state_dict().items()
              if not (k == "output.weight" and model.args.tie_embeddings)}
@@ -352,16 +338,15 @@ def save_hf(model: Transformer, path, tokens: dict | None = None, files: dict | 
 
 
 def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
-    """A folder of safetensors files ({name: state dict}) and JSON files ({name: object}), all or nothing:
-    written and fsynced in a temporary sibling folder, then renamed to `path`, so a full disk or a kill
-    never leaves a truncated model in a folder that looks complete. An existing `path` is replaced only if
-    it is empty or holds nothing but files of an export (`ours`: an earlier one); anything else is refused
-    (FileExistsError) before anything is written."""
+    """A folder of safetensors files ({name: state dict}) and JSON files ({name: object}), all or
+    nothing: written and fsynced in a temporary sibling folder, then renamed to `path`, so a full
+    disk or a kill never leaves a truncated model in a folder that looks complete. An existing
+    `path` is replaced only if it holds nothing but an earlier export's files (`ours`)."""
     path = Path(os.path.abspath(path))  # "." and "x/.." have no name to put a sibling next to
     _check_export_target(path, ours)
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save of an earlier process with our pid
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier, killed process with our pid
         tmp.mkdir(parents=True)
         for name, state in tensors.items():
             write_safetensors(state, tmp / name)
@@ -376,8 +361,7 @@ def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
 
 
 def _check_export_target(path: Path, ours):
-    """An export replaces only what an export wrote (`ours`): a file, a link or a folder holding anything
-    else (a checkpoint, someone's notes) is refused, and nothing is written."""
+    """Refuse a file, a link, or a folder holding anything but `ours` (a checkpoint, notes)."""
     if path.is_symlink() or (path.exists() and not path.is_dir()):  # a link would be replaced, not followed
         raise FileExistsError(f"{path} exists and is a file or a link, not a folder; nothing was written: "
                               "remove it or export to another path")
@@ -391,8 +375,8 @@ def _check_export_target(path: Path, ours):
 
 
 def _swap_in(new: Path, path: Path):
-    """Rename folder `new` to `path`. An earlier export there is renamed aside first and deleted only once
-    the new one is in place; if the second rename fails, it is put back."""
+    """Rename folder `new` to `path`. An earlier export there is renamed aside first and deleted
+    only once the new one is in place; if the second rename fails, it is put back."""
     if path.exists():
         old = path.parent / f".old-{path.name}-{os.getpid()}"
         shutil.rmtree(old, ignore_errors=True)
@@ -417,20 +401,19 @@ def _fsync(path: Path):
 
 
 def meta_to_hf_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's wq/wk rows pair adjacent dims (0,1),(2,3)..; ours pair (i, i+head_dim/2). Reorder the rows."""
+    """Reorder wq/wk rows from Meta's RoPE pairs (0,1),(2,3).. to ours, (i, i+head_dim/2)."""
     out_dim, in_dim = w.shape
     return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-# In Meta's model-parallel checkpoints each consolidated.NN.pth holds one slice: column-parallel weights
-# (and the vocab-parallel embedding) are split along dim 0, row-parallel ones (wo, w2) along dim 1.
+# In Meta's model-parallel checkpoints each consolidated.NN.pth holds one slice: column-parallel
+# weights and the vocab-parallel embedding split along dim 0, row-parallel ones (wo, w2) on dim 1.
 _META_CAT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0, "wo": 1,
                  "w2": 1}
 
 
 def args_from_meta_params(p: dict) -> ModelArgs:
-    """A Meta params.json's contents -> ModelArgs; ValueError for missing keys or impossible values. The
-    scaling is built before ModelArgs, so ModelArgs checks the factor too."""
+    """A Meta params.json's contents -> ModelArgs; scaling is built first so ModelArgs checks it."""
     missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "norm_eps")
                if k not in p]
     if missing:
@@ -479,27 +462,24 @@ def load_meta(path, dtype=torch.float32) -> Transformer:
 
 
 def hf_tokens(enc, chat: bool) -> dict:
-    """What a Hugging Face export records about its tokenizer (model.save_hf): the name that loads it here,
-    and its special ids under transformers' names. A chat model's reply ends with <|eot_id|>, so that
-    stops generation first; <|end_of_text|> ends a document either way."""
+    """What save_hf records of a tokenizer: the name that loads it here, its special ids. A chat
+    reply ends with <|eot_id|>, so it stops generation first; <|end_of_text|> ends any document."""
     eos = [data.eot_id(enc), data.eos_id(enc)] if chat else data.eos_id(enc)
     return {"tokenizer": enc.name, "bos_token_id": data.bos_id(enc), "eos_token_id": eos,
             "pad_token_id": data.pad_id(enc)}
 
 
-# A Hugging Face tokenizer.json describes the same byte-level BPE as a tiktoken Encoding, in other words:
-#  - tokens are written in "byte-level characters", one printable character per byte (GPT-2's map), since
-#    JSON holds text, not bytes;
-#  - tiktoken ranks pieces, where Hugging Face lists merges: the token of rank r is made by merging any two
-#    tokens that spell it, so every such split becomes a merge, and merges are ordered by r. ignore_merges
-#    looks a whole pre-token up first, as tiktoken does;
+# tokenizer.json describes a tiktoken Encoding's byte-level BPE in Hugging Face's terms:
+#  - tokens are spelled in "byte-level characters", one per byte (GPT-2's map): JSON holds text;
+#  - tiktoken ranks pieces, Hugging Face lists merges: each split of the rank-r token into two
+#    tokens is a merge, ordered by r; ignore_merges first looks a pre-token up whole, like tiktoken;
 #  - the pre-tokenizer splits text with the Encoding's own pattern, then maps bytes to characters;
 #  - the post-processor adds <|begin_of_text|> in front, as prepare() does to every document.
 
-# The same format as a Jinja template, for an export's tokenizer_config.json (apply_chat_template). Rendered
-# as one text and then encoded, it gives encode_chat's ids except for content that starts with a newline
-# (which joins the header's "\n\n" in one piece) or holds a special token's text (which becomes that token:
-# an injected turn, unless the caller passes sanitize_control_tokens=True; no template can keep it text).
+# chat.encode_chat's format in Jinja, for tokenizer_config.json (apply_chat_template). Rendered and
+# encoded, it gives encode_chat's ids except for content starting with a newline (joining the
+# header's "\n\n" in one piece) or holding a special token's text (which becomes that token, an
+# injected turn, unless the caller passes sanitize_control_tokens=True: no template keeps it text).
 LLAMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
     "{{ message['content'] }}<|eot_id|>{% endfor %}"
@@ -508,8 +488,7 @@ LLAMA3_CHAT_TEMPLATE = (
 
 
 def hf_tokenizer_files(enc, chat: bool, max_len: int | None = None) -> dict:
-    """{file name: JSON object} of a Hugging Face tokenizer for `enc`: tokenizer.json, tokenizer_config.json
-    (with the Llama 3 chat template for a chat model) and special_tokens_map.json. save_hf writes them."""
+    """{file name: JSON object} of a Hugging Face tokenizer for `enc`, for save_hf's `files`."""
     names = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>" if chat else "<|end_of_text|>",
              "pad_token": "<|finetune_right_pad_id|>"}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "clean_up_tokenization_spaces": False,
@@ -529,8 +508,8 @@ def _tokenizer_json(enc) -> dict:
              "invert": False}
     bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-           # special tokens too: where their ids leave gaps (cl100k_base, o200k_base), the tokenizers
-           # library would number them after the vocabulary unless the model names their ids
+           # special tokens too: where their ids leave gaps (cl100k_base, o200k_base), the
+           # tokenizers library would number them after the vocabulary unless the model names them
            "vocab": {**{spell(token): rank for token, rank in ranks.items()}, **dict(specials)},
            "merges": [[spell(a), spell(b)] for a, b in _merges(ranks)]}
     return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None,
@@ -541,7 +520,6 @@ def _tokenizer_json(enc) -> dict:
 
 
 def _bos_first(bos: int) -> dict:
-    """A post-processor that puts <|begin_of_text|> in front of a text (and of each text of a pair)."""
     token = lambda type_id: {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": type_id}}
     text = lambda name, type_id: {"Sequence": {"id": name, "type_id": type_id}}
     return {"type": "TemplateProcessing", "single": [token(0), text("A", 0)],
@@ -551,24 +529,24 @@ def _bos_first(bos: int) -> dict:
 
 
 def _byte_chars() -> list[str]:
-    """GPT-2's byte -> character map: printable Latin-1 bytes stand for themselves; the other 68 (controls,
-    space, soft hyphen) take the characters from U+0100 on, in byte order. So a space is "\u0120" (Ġ)."""
+    """GPT-2's byte -> character map: printable Latin-1 bytes stand for themselves; the other 68
+    (controls, space, soft hyphen) take U+0100 on, in byte order. So a space is "\u0120" (Ġ)."""
     printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
     others = iter(range(0x100, 0x200))
     return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
 
 
 def _onig(pattern: str) -> str:
-    """The pattern for Oniguruma, the regex engine of Hugging Face's tokenizers, where "{1,3}+" means "{1,3},
-    one or more times", not a possessive {1,3} as in tiktoken (cl100k_base's numbers: "7500" would be one
-    piece, not "750" + "0"). A possessive interval that ends its alternative, as there, matches what a
+    """The pattern for Oniguruma (Hugging Face tokenizers' regex engine), where "{1,3}+" means
+    "{1,3}, one or more times", not tiktoken's possessive {1,3}: cl100k_base's "7500" would be one
+    piece, not "750" + "0". Ending its alternative, as there, a possessive interval matches what a
     greedy one does, since nothing after it can make it give digits back."""
     return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
 
 
 def _merges(ranks: dict) -> list[tuple[bytes, bytes]]:
-    """Every (left, right) pair of tokens that spells another token, ordered by that token's rank (then by
-    the ranks of the two halves): tiktoken merges the adjacent pair whose union ranks lowest."""
+    """Every (left, right) pair of tokens that spells another token, ordered by that token's rank
+    (then by the two halves' ranks): tiktoken merges the adjacent pair whose union ranks lowest."""
     found = []
     for token, rank in ranks.items():
         for i in range(1, len(token)):

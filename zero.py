@@ -1,19 +1,19 @@
-"""Data parallelism: the same model on every replica, each on its own share of the global batch, their
-gradients summed before the update; and ZeRO (Rajbhandari et al. 2020), which shards what replicas would
-otherwise each hold whole. Phase 5 of train.py's step, and the global norm phase 6 clips by.
+"""Data parallelism: the same model on every replica, each on its share of the global batch,
+gradients summed before the update; and ZeRO (Rajbhandari et al. 2020), which shards what replicas
+would otherwise each hold whole. Phase 5 of train.py's step, and the global norm phase 6 clips by.
 
-  1. Buckets            the optimizer's flat fp32 gradient buffer (optim.FlatParams) cut into buckets of
-                        about --bucket-mb, in reverse model order: they fill during backward, front first
-  2. GradSync           plain data parallelism: each bucket all-reduced (SUM) over dp as soon as its last
-                        gradient lands, asynchronously, while backward computes earlier layers
+  1. Buckets            optim.FlatParams' fp32 gradient buffer cut into buckets of about --bucket-mb
+                        in reverse model order: they fill front first during backward
+  2. GradSync           plain data parallelism: each bucket all-reduced (SUM) over dp as soon as its
+                        last gradient lands, asynchronously, while backward computes earlier layers
   3. The gradient norm  the true global norm, TP-replicated parameters counted once, shards summed
-  4. ZeRO-1             each bucket reduce-scattered instead: a rank keeps and updates its 1/dp piece of the
+  4. ZeRO-1             buckets reduce-scattered instead: each rank keeps and updates 1/dp of the
                         optimizer state, then all-gathers the updated weights, a unit at a time
-  5. ZeRO-2             the gradients sharded too: each micro-batch's buckets staged and reduce-scattered
-  6. ZeRO-3             the weights sharded too (what FSDP calls full sharding): each unit gathered just
+  5. ZeRO-2             gradients sharded too: each micro-batch's buckets staged, reduce-scattered
+  6. ZeRO-3             weights sharded too (what FSDP calls full sharding): each unit gathered just
                         before its forward and its backward, released after (ShardedWeights)
 
-Under context parallelism "dp" here means dp x cp, every rank holding the same pieces of the weights
+Under context parallelism "dp" means dp x cp, every rank holding the same pieces of the weights
 (parallel.Mesh.grad_dim). Every collective is parallel.py's, which counts its bytes.
 """
 
@@ -31,9 +31,8 @@ import parallel as P
 
 
 def buckets_of(numel: int, dp: int, bucket_mb: float) -> list[tuple[int, int]]:
-    """[lo, hi) spans of about bucket_mb of fp32 each, multiples of dp. The flat buffer holds parameters in
-    reverse model order, so it fills front to back during backward; a small first bucket (1 MB, as DDP's)
-    starts communication as early as possible."""
+    """[lo, hi) spans of about bucket_mb of fp32 each, multiples of dp; a small first bucket (1 MB,
+    as DDP's) starts communication as early as possible."""
     buckets, lo = [], 0
     size = lambda mb: max(dp, int(mb * 2 ** 20 / 4) // dp * dp)
     while lo < numel:
@@ -56,22 +55,18 @@ def bucket_map(opt, buckets: list[tuple[int, int]]) -> tuple[list[list[int]], li
 
 
 class GradSync:
-    """Phase 5 of the step, plain data parallelism (and a single replica, which sends nothing): the
-    optimizer's flat fp32 gradient buffer is cut into buckets of about bucket_mb, each all-reduced over dp
-    (SUM: the loss is already divided by the global target count, so the sum is the mean gradient). During
-    the last micro-batch's backward (enabled by start()), each parameter's post-accumulate hook counts down
-    the buckets it touches; a bucket whose gradients are all complete is reduced at once, asynchronously,
-    while backward goes on computing earlier layers. finish() waits. grad_sync() picks this class or one
-    of ZeRO's (ZeRO1Sync, ZeRO2Sync, ZeRO3Sync), which change what a bucket's reduction does.
+    """Phase 5 without ZeRO (a single replica sends nothing): each bucket is all-reduced over dp
+    (SUM: the loss is already divided by the global target count, so the sum is the mean gradient).
+    In the last micro-batch's backward (after start()), each parameter's post-accumulate hook counts
+    down its buckets, and a complete bucket is reduced at once. finish() waits. The ZeRO subclasses
+    change what a bucket's reduction does. Under context parallelism a replica's cp ranks see
+    different tokens of the same sequences; their partial-sum gradients add up like the replicas'
+    (ZeRO shards over dp x cp, as Megatron-LM does).
 
-    Under context parallelism "dp" here means dp_cp, every rank holding the same weights: the cp ranks of a
-    replica saw different tokens of the same sequences, so their gradients are partial sums, added up
-    exactly like the replicas' (and ZeRO shards over all dp x cp of them, as Megatron-LM does).
-
-    Every collective here is asynchronous, and nothing waits for one before its result is needed. Every rank
-    launches the same buckets in the same order (they must match): the order is fixed by the model, not by
-    timing, as a bucket completes when its last parameter's gradient is accumulated, the same parameter
-    on every rank (tests/test_parallel.py records the order and the overlap)."""
+    Nothing waits for a collective before its result is needed. Every rank launches the same buckets
+    in the same order: a bucket completes when its last parameter's gradient is accumulated, the
+    same parameter on every rank, so the model, not timing, fixes the order (tests/test_parallel.py
+    records the order and the overlap)."""
     sharded = False  # ZeRO: the optimizer reads only its pieces of the gradient, packed (grad_of)
     weights = None  # ZeRO-3's unit weights, gathered when used
 
@@ -99,8 +94,8 @@ class GradSync:
         return buckets_of(self.opt.numel, self.mesh.dp_cp, bucket_mb)
 
     def own(self):
-        """Without ZeRO the optimizer keeps state for the whole flat buffer (built with allocate_state=False,
-        it has none yet)."""
+        """Without ZeRO the optimizer keeps state for the whole flat buffer (built with
+        allocate_state=False, it has none yet)."""
         if self.opt.ranges is None:
             self.opt.shard([(0, self.opt.numel)])
 
@@ -122,9 +117,9 @@ class GradSync:
         self.handles[b] = P.all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
 
     def finish(self):
-        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient), then
-        make the SP-partial gradients whole by summing them over tp. (First, any all-gather of the last
-        step's weights that no forward waited for: the step about to come rewrites what it reads.)"""
+        """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient),
+        then sum the SP-partial gradients over tp. (First, any all-gather of the last step's weights
+        that no forward waited for: the coming step rewrites what it reads.)"""
         self.wait_params()
         self.reduce_all()
         if self.partial_tp and self.mesh.tp > 1:
@@ -180,12 +175,11 @@ def sum_over_tp(grads: list[torch.Tensor], mesh: P.Mesh):
 
 
 def grad_sq(sync: GradSync, model) -> torch.Tensor:
-    """This rank's part of the sum of squares of every gradient element of the *whole* model: summed over
-    every rank of the job (one all-reduce, or train.py's step tally) it is the global norm squared.
-    Each dp rank sums the squares of its own pieces of the buckets (the pieces it owns under ZeRO-1, or
-    would own), so the work is split over dp and plain DP and ZeRO-1 add the same numbers in the same
-    order: their updates are bitwise identical. Shards are counted by the tp and pp ranks holding them;
-    parameters replicated across tp (norm weights) by tp rank 0 only."""
+    """This rank's part of the sum of squares of the *whole* model's gradient: summed over all ranks
+    (one all-reduce, or train.py's step tally) it is the global norm squared. Each dp rank sums its
+    ZeRO-1 pieces of the buckets, with or without ZeRO, splitting the work over dp, so plain DP and
+    ZeRO-1 add the same numbers in the same order: bitwise identical updates. Shards count on the tp
+    and pp ranks holding them; tp-replicated parameters (norm weights) on tp rank 0 only."""
     opt, mesh, replicated = sync.opt, sync.mesh, []
     if mesh.tp > 1 and mesh.tp_rank > 0:
         placement = model.tp_placement
@@ -226,10 +220,9 @@ def unit_modules(model: M.Transformer) -> list[tuple[str, list[nn.Module]]]:
 
 
 def hook_unit(modules: list[nn.Module], before=None, after=None):
-    """before() as each of these modules' forward starts, after(output) as it ends. Hooks on a compiled
-    wrapper run outside the compiled code; inside it torch.compile traces the wrapped block's own hooks,
-    which then do nothing (the wrapper's did it). Both must be idempotent: a block that falls back to
-    eager runs both."""
+    """before() as each module's forward starts, after(output) as it ends. Hooks on a compiled
+    wrapper run outside the compiled code; the block's own hooks, traced inside it, do nothing (the
+    wrapper's did it). Both must be idempotent: a block that falls back to eager runs both."""
     for module in modules:
         if before is not None:
             module.register_forward_pre_hook(
@@ -240,13 +233,12 @@ def hook_unit(modules: list[nn.Module], before=None, after=None):
 
 
 class ZeRO1Sync(GradSync):
-    """ZeRO-1 (Rajbhandari et al. 2020): each bucket is reduce-scattered instead of all-reduced. dp rank r
-    receives the summed r-th piece of every bucket, straight into the packed gradient its optimizer reads
-    (opt.grad_shard), keeps optimizer state for those pieces only and updates them into the model copy's
-    owned ranges; all_gather_params() then brings every rank's updated pieces into every rank's weights,
-    in place, one collective per unit, each waited for when that unit's forward starts (prefetch_into), so
-    the later layers' weights arrive while the earlier ones compute. Bucket lengths are multiples of dp, so
-    every piece has the same size."""
+    """ZeRO-1: buckets are reduce-scattered instead. dp rank r gets the summed r-th piece of every
+    bucket (all pieces the same size, as bucket lengths are multiples of dp) straight into its
+    optimizer's packed gradient (opt.grad_shard), keeps optimizer state for those pieces only and
+    updates them into the model copy's owned ranges. all_gather_params() then gathers every rank's
+    pieces into every rank's weights, one collective per unit, each waited for as that unit's
+    forward starts (prefetch_into): later layers' weights arrive while earlier ones compute."""
     sharded = True
 
     def own(self):
@@ -271,7 +263,7 @@ class ZeRO1Sync(GradSync):
                 seen |= per_unit[unit]
         return groups
 
-    def _launch(self, b: int):  # straight into this rank's piece of the packed gradient the optimizer reads
+    def _launch(self, b: int):
         lo, hi = self.buckets[b]
         piece = self.opt.grad_shard[self.piece_starts[b]:self.piece_starts[b] + (hi - lo) // self.mesh.dp_cp]
         self.handles[b] = P.reduce_scatter(piece, self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
@@ -288,10 +280,9 @@ class ZeRO1Sync(GradSync):
         raise ValueError(f"flat positions [{lo}, {hi}) are not in one of this rank's pieces")
 
     def all_gather_params(self):
-        """After the optimizer step: every rank's updated pieces -> every rank's model weights, in place
-        (each rank's piece is already where the gathered bucket puts it, as NCCL's in-place all-gather
-        wants), one collective per unit (all_gather_many), launched without waiting, the first layers
-        first."""
+        """After the optimizer step, every rank's updated pieces -> every rank's weights, in place
+        (each piece already lies where NCCL's in-place all-gather wants it), one collective per unit
+        (all_gather_many), launched without waiting, the first layers first."""
         flat, dp, r = self.opt.model_flat, self.mesh.dp_cp, self.mesh.dp_cp_rank
         for g, group in enumerate(self.gather_groups):
             spans = [self.buckets[b] for b in group]
@@ -306,19 +297,17 @@ class ZeRO1Sync(GradSync):
                 self.gathers.pop(g).wait()
 
     def prefetch_into(self, model):
-        """Make each unit of the model (the embedding, each block, the final norm, the head) wait, as its
-        forward starts, for the buckets its parameters lie in. A block compiled by --compile is hooked as
-        itself and as its compiled wrapper (hook_unit). (Frozen weights, LoRA's, are in no bucket.)"""
+        """Make each unit wait, as its forward starts (hook_unit), for the buckets its parameters
+        lie in. (Frozen weights, LoRA's, are in no bucket.)"""
         for unit, modules in unit_modules(model):
             buckets = sorted({b for p in modules[0].parameters() if p.requires_grad
                               for b in self.param_buckets[self.opt.index_of(p)]})
             hook_unit(modules, before=lambda buckets=buckets: self.wait_params(buckets))
 
     def gather_optimizer_state(self) -> dict[str, torch.Tensor] | None:
-        """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None on the others),
-        assembled one bucket at a time in host memory: the dp ranks all-gather their pieces of a bucket into
-        a bucket-sized device buffer, which dp rank 0 copies out, so no device ever holds the unsharded
-        state that ZeRO exists to avoid."""
+        """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None elsewhere),
+        assembled a bucket at a time in host memory through a bucket-sized device buffer, so no
+        device ever holds the unsharded state ZeRO exists to avoid."""
         dp, keep = self.mesh.dp_cp, self.mesh.dp_cp_rank == 0
         keys = ("master", "exp_avg", "exp_avg_sq")
         out = {key: torch.empty(self.opt.numel) for key in keys} if keep else None
@@ -335,11 +324,11 @@ class ZeRO1Sync(GradSync):
 
 
 class ZeRO2Sync(ZeRO1Sync):
-    """ZeRO-2 also shards the gradients: the optimizer keeps only this rank's pieces of the fp32 gradient
-    buffer, so there is nowhere to accumulate whole gradients over micro-batches. Each parameter's fresh
-    gradient goes instead into a staging buffer for its bucket (_stage), every micro-batch; a full bucket
-    is reduce-scattered at once and its summed piece added into this rank's shard (_land). Memory: 1/dp of
-    the gradients plus a few buckets in flight; traffic: one reduce-scatter per micro-batch."""
+    """ZeRO-2 shards the gradients too: with only this rank's pieces of the fp32 gradient buffer,
+    there is nowhere to accumulate whole gradients over micro-batches. Instead, every micro-batch,
+    each parameter's fresh gradient goes into its bucket's staging buffer; a full bucket is
+    reduce-scattered at once and its summed piece added into this rank's shard (_land). Memory: 1/dp
+    of the gradients plus a few buckets in flight; traffic: a reduce-scatter per micro-batch."""
 
     def own(self):
         self.opt.shard_grads(self.norm_ranges)
@@ -351,9 +340,8 @@ class ZeRO2Sync(ZeRO1Sync):
         """Nothing to enable: every micro-batch's gradients are reduced as they come."""
 
     def _on_grad_ready(self, i: int):
-        """Parameter i's fresh gradient into the staging buffer of each bucket it lies in (made when first
-        needed: no full-length gradient buffer exists); a bucket whose gradients are all in is
-        reduce-scattered at once."""
+        """Stage parameter i's fresh gradient in each bucket it lies in (staging buffers are made on
+        first need); a bucket whose gradients are all in is reduce-scattered at once."""
         p, lo = self.opt.params[i], self.opt.offsets[i]
         g = p.grad.reshape(-1)
         p.grad = None  # its values now live in the staging buffers
@@ -368,8 +356,8 @@ class ZeRO2Sync(ZeRO1Sync):
                 self._launch(b)
 
     def _launch(self, b: int):
-        """Reduce-scatter a staged bucket; the oldest reduce-scatters are waited for when more than two are
-        in flight, so staging never holds more than a few buckets."""
+        """Reduce-scatter a staged bucket, first landing the oldest while two are in flight, so
+        staging never holds more than a few buckets."""
         lo, hi = self.buckets[b]
         self.pending[b] = self.expected[b]  # the next micro-batch counts afresh
         while len(self.in_flight) >= 2:
@@ -395,10 +383,10 @@ class ZeRO2Sync(ZeRO1Sync):
 
 
 class ZeRO3Sync(ZeRO2Sync):
-    """ZeRO-3 (what FSDP calls full sharding) shards the weights too (ShardedWeights): each bucket is one
-    unit (the embedding, a block, the final norm, the head: AdamW's unit_of layout), gathered whole just
-    before its forward and its backward and released after; its gradients are staged and reduce-scattered
-    as ZeRO-2's, the unit's weights released as soon as its backward is done with them."""
+    """ZeRO-3 shards the weights too (ShardedWeights): each bucket is one unit (the embedding, a
+    block, the final norm, the head: AdamW's unit_of layout), gathered whole just before its forward
+    and its backward and released after; its gradients are staged and reduce-scattered as
+    ZeRO-2's."""
 
     def make_buckets(self, bucket_mb: float) -> list[tuple[int, int]]:
         if not self.opt.units or self.opt.units[-1][1] != self.opt.numel:
@@ -431,20 +419,19 @@ class ZeRO3Sync(ZeRO2Sync):
 
 
 class ShardedWeights:
-    """ZeRO-3 (what FSDP calls full sharding): no rank keeps whole weights between uses. Each unit (the
-    embedding, a block, the final norm, the head) has a buffer that holds its weights, in the training
-    dtype, only while they are used: its storage is allocated and filled by an all-gather of every dp_cp
-    rank's piece (the optimizer's compact model copy) just before the unit's forward, and released right
-    after; gathered again just before the unit's backward, and released when its last gradient is in
-    (GradSync then reduce-scatters it, as ZeRO-2 does). The parameters are views into these buffers, so
-    they keep their names and shapes; only their storage comes and goes (resize_ keeps the storage object,
-    so tensors autograd saved in forward see the regathered values in backward).
+    """ZeRO-3 (what FSDP calls full sharding): no rank keeps whole weights between uses. Each unit's
+    buffer holds its weights, in the training dtype, only while they are used: its storage is
+    allocated and filled by an all-gather of every dp_cp rank's piece (the optimizer's compact model
+    copy) just before the unit's forward and again just before its backward, and released right
+    after the forward and once the backward's last gradient is in. The parameters are views into
+    these buffers, keeping their names and shapes; only the storage comes and goes (resize_ keeps
+    the storage object, so tensors autograd saved in forward see the regathered values in backward).
 
-    Prefetch: a unit's forward starts the all-gather of the next unit, its backward that of the unit
-    before it, so the transfer runs while this unit computes; two units are whole at once (three with a
-    tied head: the embedding's weights stay whole from the head's backward to the embedding's).
-    Activation checkpointing runs a block's forward again inside its backward: that forward finds the
-    unit already marked as in its backward, and neither prefetches nor releases anything."""
+    Prefetch: a unit's forward starts gathering the next unit, its backward the one before, so the
+    transfer overlaps this unit's compute; two units are whole at once (three with a tied head: the
+    embedding's weights stay whole from the head's backward to the embedding's). Activation
+    checkpointing reruns a block's forward inside its backward: finding the unit marked as in its
+    backward, that forward neither prefetches nor releases anything."""
 
     def __init__(self, opt, mesh: P.Mesh, spans: list[tuple[int, int]], piece_starts: list[int]):
         self.opt, self.mesh, self.dim, self.spans = opt, mesh, mesh.grad_dim, spans
