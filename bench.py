@@ -289,7 +289,20 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
             "memory_estimate_gb": {k: v / 1e9 for k, v in est.items()},
             "comm_bytes_per_step": logged_comm(args.out_dir) or {k: v / (a.warmup_steps + a.steps)
                                                                 for k, v in mesh.comm_bytes.items()},
-            "comm_estimate_bytes": comm_est}
+            "comm_estimate_bytes": comm_est,
+            "loss_rate_vs_blocks": loss_vs_blocks(margs, flops["palm"], phases, run.task.takes_hidden)}
+
+
+def loss_vs_blocks(margs, flops_per_token: float, phases: dict, chunked: bool) -> float | None:
+    """The loss phase's FLOP rate over the blocks' (forward and backward), in the same steps: with the
+    chunked loss the head's forward and backward (6 x dim x vocabulary FLOPs a token) run in phase 3,
+    the rest of the model's in phases 2 and 4. None where the phases do not split so (whole logits: the
+    head's forward is in phase 2; a pipeline times 2-4 as one)."""
+    if not chunked or "2 forward" not in phases:
+        return None
+    head = 6 * margs.dim * margs.output_size
+    blocks_s = phases["2 forward"] + phases["4 backward"]
+    return head / phases["3 loss"] / ((flops_per_token - head) / blocks_s)
 
 
 def logged_comm(out_dir) -> dict | None:
@@ -353,6 +366,8 @@ def row_line(r: dict) -> str:
             f"{r['peak_memory_gb']:7.3f} {r['memory_estimate_gb']['total']:7.3f}  {ph}"
             + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
             + f"  attn {r['attn_kernel']}")
+    if r["loss_rate_vs_blocks"] is not None:
+        line += f"\n       the loss phase's FLOP rate / the blocks': {r['loss_rate_vs_blocks']:.2f}"
     comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: tiny
     if comm:
         est = r["comm_estimate_bytes"]

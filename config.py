@@ -60,6 +60,31 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The default run (`python train.py`) is sized for a laptop's CPU: mini, 8 x 128 tokens a step, 2,400
+# steps. On a CUDA GPU, with none of the flags that size a run given, it is nanoGPT's GPU recipe for the
+# same text in shape (6 layers of 384, 64 sequences of 256 characters a step) with fewer steps, since
+# nothing here is dropped out: see the README for what it is meant to reach.
+SIZE_FLAGS = {"model", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "data", "tokenizer", "seq_len",
+              "micro_batch", "grad_accum", "ramp", "lr", "warmup", "max_steps"}
+GPU_DEFAULT = dict(model="small", seq_len=256, micro_batch=64, lr=1e-3, warmup=100, max_steps=2000)
+
+
+def given_flags(p: argparse.ArgumentParser, argv=None) -> set[str]:
+    """The flags (as args' names) that argv names, spelled in full, abbreviated or with '='."""
+    unset = object()  # argparse sets a default only where the namespace has no value yet
+    seen = p.parse_args(argv, argparse.Namespace(**{a.dest: unset for a in p._actions}))
+    return {name for name, value in vars(seen).items() if value is not unset}
+
+
+def sized_for_the_device(args, given: set[str], device_type: str) -> str | None:
+    """GPU_DEFAULT on a CUDA device where no SIZE_FLAGS were given; returns the line that says so."""
+    if device_type != "cuda" or given & SIZE_FLAGS:
+        return None
+    vars(args).update(GPU_DEFAULT)
+    return ("no flag sizes this run, and it is on a GPU: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                                       for k, v in GPU_DEFAULT.items()))
+
+
 def flag_group(p: argparse.ArgumentParser, title: str, only=None):
     """A group's add_argument; with only (a set of flags), one that adds just those, as train.py has
     them: bench.py takes the train.py flags it passes on from here."""
@@ -175,12 +200,14 @@ def add_memory_and_speed_flags(p: argparse.ArgumentParser, only=None):
         help="activation checkpointing: full (the flag alone) recomputes each block in backward; "
              "selective keeps its matmuls' and attention's outputs and recomputes only the "
              "element-wise work, for less memory saved at a fraction of the recomputation")
-    add("--compile", action="store_true", help="torch.compile each transformer block")
+    add("--compile", action="store_true", help="torch.compile each transformer block and the loss's "
+        "arithmetic on each chunk of logits")
     add("--attn-backend", default="auto", choices=list(M.ATTN_BACKENDS),
         help="the causal attention's kernel: auto (SDPA's choice; K and V grouped on CUDA), flash "
              "(FlashAttention-2), cudnn (cuDNN's, CUDA only; K and V repeated), efficient (CUDA "
-             "only), math (reference); a masked attention (packed documents, --cp) is "
-             "FlexAttention's on a GPU, and refuses another kernel")
+             "only), math (reference); an attention masked in every batch (fine-tuning's packed "
+             "examples, --cp) is FlexAttention's on a GPU and refuses another kernel; under --doc-mask "
+             "only the batches where documents meet are")
     add("--memory-check", action=argparse.BooleanOptionalAction, default=True,
         help="refuse a run whose estimated memory exceeds what the device has available "
              "(--no-memory-check: start it all the same)")
@@ -450,10 +477,10 @@ def check_config(args, recipe) -> Spec:
     for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
         if stage:
             enter_stage(args, stage, dp)
-        check_shape(args, world, margs, device, precision, recipe, bool(masked))
+        check_shape(args, world, margs, device, precision, recipe, bool(masked) or recipe.documents_masked())
     if ramp:
         enter_stage(args, ramp[0], dp)
-    kernel = attention_kernel(args, margs, device, precision, masked)
+    kernel = attention_kernel(args, margs, device, precision, masked, recipe.documents_masked())
     check_anneal(args, dp)
     C.check_out_dir(Path(args.out_dir))
     check_overwrite(args)
@@ -491,9 +518,14 @@ def check_attention(args, device, masked: str | None) -> str | None:
     return masked
 
 
-def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: str | None) -> str:
+def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: str | None,
+                     documents: bool = False) -> str:
     """The run's attention kernel, asked of model.attention_kernel with this rank's heads at up to
-    1,024 positions (flex where masked on a GPU); refuses an --attn-backend that cannot run it."""
+    1,024 positions (flex where masked on a GPU); refuses an --attn-backend that cannot run it.
+    documents (--doc-mask, not masked in every batch): then that of the batches where documents meet."""
+    if documents and not masked:
+        where = attention_kernel(args, margs, device, precision, "documents meet")
+        return f"{attention_kernel(args, margs, device, precision, None)} ({where} where documents meet)"
     if masked and device.type in M.BLOCK_MASK_DEVICES:
         return "flex"
     T, dtype = min(args.seq_len, 1024), M.DTYPES[precision]

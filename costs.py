@@ -154,7 +154,7 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
     sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
     out["layer_selective"] = out["layer_input"] + tokens * ((matmuls + sequence) * b + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:
-        out.update(chunked_loss_bytes(args, tokens, precision, tp, sp, cp, loss_chunk))
+        out.update(chunked_loss_bytes(args, tokens, precision, tp, loss_chunk))
     return out
 
 
@@ -178,17 +178,17 @@ def layer_bytes(args: M.ModelArgs, tokens: int, b: int, tp: int, sp: bool, cp: i
     return tokens * (per_token + heads * 4)
 
 
-def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, sp: bool, cp: int,
-                       loss_chunk: int) -> dict:
+def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, loss_chunk: int) -> dict:
     """activation_bytes' loss terms with loss_chunk (head_loss_sum, at fewer tokens than the
     micro-batch): no logits held; the loss keeps fp32 gradients of the head's input and weight, and
-    while it runs makes one chunk's logits, their loss as above and that chunk's gradients in the
-    compute precision, which backward casts the kept ones to (bf16, fp16)."""
+    while it runs holds one chunk's logits, their fp32 copy (which becomes their gradient in place)
+    and its cast to the compute precision (bf16, fp16), then that gradient beside the two matmuls'
+    results, which backward casts the kept ones to."""
     d, b, V = args.dim, BYTES[precision], P.padded_vocab(args.vocab_size, tp) // tp
-    c, rows_c = activation_bytes(args, loss_chunk, precision, tp, sp, cp), loss_chunk * V
+    rows_c = loss_chunk * V
+    one_pass = rows_c * (4 + 2 * b if b < 4 else 4)
     made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
-    run = max(rows_c * b + c["loss_forward"], c["loss_backward"] + made)  # its logits gone by then
-    return dict(logits=0.0, loss_saved=(tokens + V) * d * 4, loss_forward=c["loss_saved"] + run,
+    return dict(logits=0.0, loss_saved=(tokens + V) * d * 4, loss_forward=max(one_pass, rows_c * b + made),
                 loss_backward=(tokens + V) * d * b if b < 4 else 0.0)
 
 

@@ -893,8 +893,10 @@ class Loader(Positions):
     data another; a change mid-shard that keeps its size goes unseen, the price of reading only
     8 KiB a shard at every rank's start (1.2 GB for the 150,000 shards of 15T tokens)."""
 
-    def __init__(self, data_dir, split, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, tokenizer=None):
-        """tokenizer: a name, or an Encoding (then every id must also be below its n_vocab)."""
+    def __init__(self, data_dir, split, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0, tokenizer=None,
+                 bos=None):
+        """tokenizer: a name, or an Encoding (then every id must also be below its n_vocab). bos
+        (--doc-mask): batches with a document boundary inside a row carry document ids (with_documents)."""
         paths = sorted(Path(data_dir).glob(f"{split}_*.bin")) if os.path.isdir(data_dir) else []
         if not paths:
             raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}; run: python data.py prepare "
@@ -912,13 +914,13 @@ class Loader(Positions):
             f"the {split} split in {data_dir} has {self.num_tokens:,} tokens (largest shard "
             f"{int(n.max()):,}), too few for one sequence of seq_len + 1 = {seq_len + 1:,} tokens; lower "
             "seq_len or use more data"))
-        self._cols = np.arange(seq_len + 1)
+        self._cols, self.bos = np.arange(seq_len + 1), bos
 
     def _draw(self, rng) -> tuple:
         return rng.permutation(self.n), rng.integers(0, self.max_shift + 1)  # order, shard shifts
 
     def next(self):
-        return self.batch_at(self._next_seqs())
+        return with_documents(self.batch_at(self._next_seqs()), self.bos)
 
     def batch_at(self, seqs: np.ndarray):
         """(inputs, targets) rows of these global sequences (how a mixture reads a source)."""
@@ -1054,8 +1056,8 @@ class MixtureLoader(Positions):
     source going on from where the first left it; the position is still `consumed`."""
 
     def __init__(self, sources: list[tuple[str, Path]], weights: list[float], split: str, batch_size: int,
-                 seq_len: int, dp_rank=0, dp_size=1, seed=0, tokenizer=None, anneal=None):
-        self.names = [name for name, _ in sources]
+                 seq_len: int, dp_rank=0, dp_size=1, seed=0, tokenizer=None, anneal=None, bos=None):
+        self.names, self.bos = [name for name, _ in sources], bos
         self.loaders = [Loader(path, split, batch_size, seq_len, seed=seed, tokenizer=tokenizer)
                         for _, path in sources]
         self.weights, self.anneal = list(weights), anneal
@@ -1099,7 +1101,19 @@ class MixtureLoader(Positions):
         for s in np.unique(sources):
             rows = torch.from_numpy(np.flatnonzero(sources == s))
             inputs[rows], targets[rows] = self.loaders[s].batch_at(local[sources == s])
-        return inputs, targets
+        return with_documents((inputs, targets), self.bos)
+
+
+def with_documents(batch: tuple, bos: int | None) -> tuple:
+    """(inputs, targets) -> (inputs, targets, doc_ids (B, T)), each <|begin_of_text|> starting the next
+    document (the tokens before a row's first one end a document begun in an earlier row), where a row
+    has a document boundary after its first token; else the batch unchanged, whose plain causal
+    attention is then the same and needs no mask kernel. Decided on the host: the step waits for no
+    device."""
+    inputs = batch[0]
+    if bos is None or not (inputs[:, 1:] == bos).any():
+        return batch
+    return (*batch, (inputs == bos).cumsum(dim=-1))
 
 
 # ======== 7. Records: the JSON and JSONL files a recipe names =====================================

@@ -31,6 +31,7 @@ parallelism and ZeRO are zero.py's; joining the job, timeouts and failures launc
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import os
 import time
@@ -515,31 +516,61 @@ def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
     return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh).sum()
 
 
+def chunk_loss_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
+    """The cross-entropy of one chunk's logits (N, V/tp; vocab-sharded under TP, this rank's columns
+    from `start`, the first n_valid real) summed over its rows, and its gradient with respect to the
+    logits, softmax - onehot(target), together: one fp32 copy of the logits becomes the gradient in
+    place, so the (N, V) values are passed over a few times and nothing but the result is kept (under
+    --compile, inductor fuses it into a couple of kernels). Two collectives of N numbers under TP: the
+    ranks' log-sum-exps, gathered and combined, and the target logit, which one rank holds."""
+    x = logits.float()
+    if n_valid < x.shape[-1]:  # the vocabulary padding on the last rank never wins
+        x[:, n_valid:] = float("-inf")
+    lse = x.logsumexp(dim=-1)  # (N,)
+    if tp > 1:
+        lse = _all_gather_op(lse, mesh_key, "tp").view(tp, -1).logsumexp(dim=0)
+    local = targets - start
+    mine = (local >= 0) & (local < x.shape[-1])
+    local = local.masked_fill(~mine, 0)  # a gather and a scatter of 0 there: no host sync to count rows
+    target_logit = x.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
+    if tp > 1:
+        _all_reduce_op(target_logit, mesh_key, "tp")
+    valid = (targets != data.IGNORE_INDEX).to(x.dtype)
+    loss = ((lse - target_logit) * valid).sum()
+    grad = x.sub_(lse[:, None]).exp_()  # softmax, in x's place
+    grad.scatter_add_(1, local[:, None], -(mine.to(x.dtype) * valid)[:, None])
+    return loss, grad.mul_(valid[:, None]).to(logits.dtype)
+
+
+@functools.cache
+def compiled_chunk_loss_and_grad():
+    return torch.compile(chunk_loss_and_grad, dynamic=False)
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum over rows of loss_fn(head(h), targets), `chunk` rows at a time: forward makes each
-    chunk's logits, loss and gradients (of h and of the head's weight) together and drops the
-    logits, so the (N, V) logits never exist whole (Liger-Kernel's "fused linear cross-entropy", in
-    plain torch). The logits come from calls of the head module itself, so its forward hooks run
-    (ZeRO-1 and 2 wait there for its updated weights' all-gather). Backward only scales the kept
-    fp32 gradients, h's (N, dim) and the weight's (V, dim), by the incoming gradient, so the result
-    must be used linearly (a sum, divided by a count). A frozen head (LoRA) gets no gradient."""
+    """sum over rows of the cross-entropy of head(h), `chunk` rows at a time: forward makes each
+    chunk's logits, its loss and gradient (chunk_loss_and_grad), then the gradients of h and of the
+    head's weight by two matmuls, and drops the logits, so the (N, V) logits never exist whole
+    (Liger-Kernel's "fused linear cross-entropy", in plain torch). The logits come from calls of the
+    head module itself, so its forward hooks run (ZeRO-1 and 2 wait there for its updated weights'
+    all-gather). Under TP each rank's gradient of h is its columns' part; the final norm's f sums
+    them in backward. Backward only scales the kept fp32 gradients, h's (N, dim) and the weight's
+    (V, dim), by the incoming gradient, so the result must be used linearly (a sum, divided by a
+    count). A frozen head (LoRA) gets no gradient."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, loss_fn, head):
+    def forward(ctx, h, weight, targets, chunk, head, loss_and_grad):
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         trained = weight.requires_grad
         grad_w = torch.zeros(weight.shape if trained else (), dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for lo in range(0, h.shape[0], chunk):
-            with torch.enable_grad():
-                hc = h[lo:lo + chunk].detach().requires_grad_()
-                loss = loss_fn(head(hc), targets[lo:lo + chunk])
-                # (no .grad touched, no hook fired)
-                gh, *gw = torch.autograd.grad(loss, (hc, weight) if trained else (hc,))
-            grad_h[lo:lo + chunk] = gh
+            hc = h[lo:lo + chunk]
+            loss, grad = loss_and_grad(head(hc), targets[lo:lo + chunk])  # grad: (n, V/tp)
+            grad_h[lo:lo + chunk] = grad @ weight  # (n, dim)
             if trained:
-                grad_w += gw[0]
-            total += loss.detach()
+                grad_w += grad.T @ hc  # (V/tp, dim), summed in fp32
+            total += loss
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = h.dtype, weight.dtype
         return total
@@ -551,15 +582,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w, None, None, None, None
 
 
-def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: Mesh, chunk: int):
+def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: Mesh, chunk: int, compiled=False):
     """loss_sum(head(h), targets) for h (..., dim), the final norm's output, and the head (vocab-sharded
-    under TP): chunk rows (tokens) of logits at a time (_ChunkedHeadLoss). Without gradients
-    (evaluation) the chunks are summed as they come."""
+    under TP): chunk rows (tokens) of logits at a time (_ChunkedHeadLoss), its per-chunk arithmetic
+    compiled where `compiled` (--compile). Without gradients (evaluation) the chunks are summed as they
+    come."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    loss_fn = lambda logits, t: loss_sum(logits, t, vocab_size, mesh)
     if torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad):
-        return _ChunkedHeadLoss.apply(h, head.weight, targets, chunk, loss_fn, head)
-    return sum(loss_fn(head(h[lo:lo + chunk]), targets[lo:lo + chunk]) for lo in range(0, h.shape[0], chunk))
+        check_ids(targets, vocab_size, "target")
+        Vl = head.weight.shape[0]
+        start = mesh.tp_rank * Vl
+        n_valid = max(0, min(Vl, vocab_size - start))
+        fn = compiled_chunk_loss_and_grad() if compiled else chunk_loss_and_grad
+        loss_and_grad = lambda logits, t: fn(logits, t, start, n_valid, mesh.key, mesh.tp)
+        return _ChunkedHeadLoss.apply(h, head.weight, targets, chunk, head, loss_and_grad)
+    return sum(loss_sum(head(h[lo:lo + chunk]), targets[lo:lo + chunk], vocab_size, mesh)
+               for lo in range(0, h.shape[0], chunk))
 
 
 def loss_chunk_used(chunk: int, tokens: int, zero: int) -> int:

@@ -347,8 +347,9 @@ class Pretraining:
             return self.mixture(tok, mesh, mixture, final)
         prepare = lambda: data.resolve_data(mixture[0][0], args.tokenizer, mirror=args.mirror)
         data_dir = P.on_rank0_first(prepare, mesh)
+        bos = data.bos_id(tok) if doc_mask_on(args) else None  # (document ids where a batch has a boundary)
         make = lambda split, seed: data.Loader(data_dir, split, args.micro_batch, args.seq_len, seed=seed,
-                                               dp_rank=mesh.dp_rank, dp_size=mesh.dp, tokenizer=tok)
+                                               dp_rank=mesh.dp_rank, dp_size=mesh.dp, tokenizer=tok, bos=bos)
         train = make("train", args.seed)
         make("val", 0)  # fail now, not at the first evaluation
         return train, lambda source=None: make("val", 0), f"{data_dir}: {train.num_tokens:,} train tokens"
@@ -363,22 +364,28 @@ class Pretraining:
         weights = lambda mix: [dict(mix).get(name, 0.0) for name in names]
         start = config.anneal_start(args, mesh.dp)
         anneal = (start * args.micro_batch * args.grad_accum * mesh.dp, weights(final)) if final else None
+        bos = data.bos_id(tok) if doc_mask_on(args) else None
         make = lambda split, seed, anneal=None: data.MixtureLoader(
             list(zip(names, folders)), weights(mixture), split, args.micro_batch, args.seq_len, mesh.dp_rank,
-            mesh.dp, seed, tok, anneal)
+            mesh.dp, seed, tok, anneal, bos)
         train, folder = make("train", args.seed, anneal), dict(zip(names, folders))
         make_val = lambda source=None: make("val", 0) if source is None else data.Loader(
             folder[source], "val", args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank, dp_size=mesh.dp,
-            tokenizer=tok)
+            tokenizer=tok, bos=bos)
         for name in names:
             make_val(name)  # fail now, not at the first evaluation
         shares = ", ".join(f"{name} {w:.0%}" for name, w in mixture)
         return train, make_val, f"a mixture of {shares}: {train.num_tokens:,} train tokens"
 
     def masked_attention(self) -> str | None:
-        """Why this recipe's attention is masked in every batch (None: it is the plain causal one)."""
-        return ("--doc-mask, the llama presets' default, keeps it within each document"
-                if doc_mask_on(self.args) else None)
+        """Why this recipe's attention is masked in every batch (None: it is the plain causal one, but
+        in the batches documents_masked() names)."""
+        return None
+
+    def documents_masked(self) -> bool:
+        """Whether a batch with a document boundary inside a row is masked there (--doc-mask, the llama
+        presets' default): the loader gives it document ids (data.with_documents)."""
+        return doc_mask_on(self.args)
 
     def extend(self, model, device, dtype):
         """Modules trained beside the model's own, added to it before the optimizer takes its parameters
@@ -387,7 +394,7 @@ class Pretraining:
     def task(self, margs, mesh, device, dtype, model):
         a = self.args  # the head and its loss, --loss-chunk tokens at a time (parallel.loss_chunk_used: when)
         chunk = P.loss_chunk_used(a.loss_chunk, a.micro_batch * a.seq_len // a.cp, a.zero)
-        return LMTask(margs, mesh, data.bos_id(self.tok) if doc_mask_on(a) else None, model.output, chunk)
+        return LMTask(margs, mesh, model.output, chunk, a.compile)
 
 
 class FromInit(Pretraining):
@@ -412,6 +419,9 @@ class FromInit(Pretraining):
 
     def name(self) -> str:
         return self.args.init or self.args.model
+
+    def documents_masked(self) -> bool:
+        return False  # whole examples: each recipe's masked_attention() says how its rows are
 
     def model_args(self, tok) -> M.ModelArgs:
         """The shape at once; the weights (below) once the processes can talk. A checkpoint's shape
@@ -464,34 +474,26 @@ def doc_mask_on(args) -> bool:
     return args.doc_mask if args.doc_mask is not None else args.model.startswith("llama")
 
 
-def document_ids(inputs: torch.Tensor, bos: int) -> torch.Tensor:
-    """(B, T) token ids -> (B, T) document ids: each <|begin_of_text|> starts the next document (the tokens
-    before a row's first one end a document that began in an earlier row)."""
-    return (inputs == bos).cumsum(dim=-1)
-
-
 class LMTask:
     """Next-token prediction, normalized by the global batch's target tokens (all micro-batches and
     dp ranks) so accumulation and every layout give the same gradient; data.IGNORE_INDEX targets
-    (SFT prompts, padding) count for nothing. `bos` (--doc-mask): prepare() adds document ids, so
-    attention stays within documents (SFT's packed batches bring their own). `chunk` (--loss-chunk):
-    the loss gets the final norm's output (takes_hidden) and applies the head chunk tokens at a time
-    (parallel.head_loss_sum): a 128K vocabulary's logits for a whole micro-batch never exist. The
-    loop knows only these four methods and takes_hidden."""
+    (SFT prompts, padding) count for nothing. Document ids, where a batch has them, come from its
+    loader (--doc-mask: data.with_documents). `chunk` (--loss-chunk): the loss gets the final norm's
+    output (takes_hidden) and applies the head chunk tokens at a time (parallel.head_loss_sum;
+    `compiled`: its arithmetic under --compile): a 128K vocabulary's logits for a whole micro-batch
+    never exist. The loop knows only these four methods and takes_hidden."""
 
     metric_names: tuple = ()
     rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
     # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
     reference_forwards = 0
 
-    def __init__(self, margs: M.ModelArgs, mesh, bos: int | None = None, head=None, chunk: int = 0):
-        self.vocab_size, self.mesh, self.bos = margs.vocab_size, mesh, bos
+    def __init__(self, margs: M.ModelArgs, mesh, head=None, chunk: int = 0, compiled: bool = False):
+        self.vocab_size, self.mesh, self.compiled = margs.vocab_size, mesh, compiled
         self.head, self.chunk, self.takes_hidden = head, chunk, chunk > 0  # (head: None off the last stage)
 
     def prepare(self, batches):
-        if self.bos is None:
-            return batches
-        return [(*b, document_ids(b[0], self.bos)) if len(b) == 2 else b for b in batches]
+        return batches
 
     def count(self, batch) -> torch.Tensor:
         return (batch[1] != data.IGNORE_INDEX).sum()
@@ -499,7 +501,8 @@ class LMTask:
     def loss(self, out, targets, total) -> torch.Tensor:
         """out: the logits, or the final norm's output (takes_hidden); total: the normalizer."""
         if self.takes_hidden:
-            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk) / total
+            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk,
+                                   self.compiled) / total
         return P.loss_sum(out, targets, self.vocab_size, self.mesh) / total
 
     def metrics(self) -> torch.Tensor:
@@ -848,8 +851,13 @@ def post_train(args, recipe_of) -> Run:
 
 
 def main(argv=None):
-    args = config.get_parser().parse_args(argv)
+    parser = config.get_parser()
+    args = parser.parse_args(argv)
+    device = config.pick_device_and_precision(args)[0]
+    sized = config.sized_for_the_device(args, config.given_flags(parser, argv), device.type)
     config.configure_process(args)
+    if sized:
+        config.say(sized)
     run = train(args)
     model, tok, mesh, device = run.model, run.tok, run.mesh, run.device
     if args.sample_tokens > 0 and samples_here(run):

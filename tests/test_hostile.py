@@ -307,8 +307,6 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--act-ckpt", "selective", "--compile"], "--act-ckpt selective does not work with --compile"),
     (["--attn-backend", "cudnn"], "--attn-backend cudnn runs on CUDA GPUs only, and this run is on cpu"),
     (["--attn-backend", "efficient"], "--attn-backend efficient runs on CUDA GPUs only, and this run is on cpu"),
-    (["--attn-backend", "flash", "--doc-mask"], "--attn-backend flash computes an unmasked causal attention, and "
-     "this run's is masked in every batch (--doc-mask, the llama presets' default, keeps it within each"),
     (["--out-dir", ""], "--out-dir '' names no folder"),
     (["--out-dir", "x" * 300], "--out-dir: the name xxxxxxxx"),
     (["--data", "/tmp/" + "y" * 256 + "/a.txt"], "is 256 bytes long; file systems allow 255"),

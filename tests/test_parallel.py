@@ -136,6 +136,20 @@ def _layers(tp, sp):
     full_grad = torch.cat([logits.grad, torch.zeros(B, T, P.padded_vocab(37, tp) - 37)], dim=-1)
     torch.testing.assert_close(local.grad, chunk(full_grad, 2), atol=1e-6, rtol=1e-5)
 
+    # The chunked head loss's one pass: the summed loss and its logits gradient, softmax - onehot(target),
+    # the padding's columns 0 (eager; compiled, its collectives traced, at tp 2)
+    logits.grad = None
+    F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=data.IGNORE_INDEX,
+                    reduction="sum").backward()
+    full_grad = torch.cat([logits.grad, torch.zeros(B, T, P.padded_vocab(37, tp) - 37)], dim=-1)
+    Vl = local.shape[-1]
+    fns = [P.chunk_loss_and_grad] + ([torch.compile(P.chunk_loss_and_grad, dynamic=False)] if tp == 2 else [])
+    for fn in fns:
+        lsum, g = fn(local.detach().view(-1, Vl).clone(), targets.view(-1), r * Vl, min(Vl, 37 - r * Vl),
+                     mesh.key, tp)
+        torch.testing.assert_close(lsum, loss.sum(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, chunk(full_grad, 2).reshape(-1, Vl), atol=1e-6, rtol=1e-5)
+
     # ids outside the vocabulary (37: a padding row at tp 2; 99: no rank's) are refused on every rank, as
     # one process's embedding and cross-entropy refuse them: never a zero row or a free target
     for bad in (37, 99):
@@ -191,12 +205,14 @@ def test_context_parallel_attention_matches_the_whole_sequence(cp, packed, block
     spawn(_context_attention, cp, cp, packed, block_mask)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype):
-    """head_loss_sum over 37 tokens in chunks of 8 (the last one short, some targets ignored): the loss and
-    the gradients of h and of the head's weight (in their own dtypes) equal those of the whole logits,
-    within float rounding; without gradients too. The logits come from calls of the head module, whose
-    forward hook (ZeRO-1/2 wait there for its weights) runs before the first chunk."""
+def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype, compiled):
+    """head_loss_sum over 37 tokens in chunks of 8 (the last one short, some targets ignored), its
+    per-chunk arithmetic eager and compiled (--compile): the loss and the gradients of h and of the head's
+    weight (in their own dtypes) equal autograd's through the whole logits and F.cross_entropy, within
+    float rounding; without gradients too. The logits come from calls of the head module, whose forward
+    hook (ZeRO-1/2 wait there for its weights) runs before the first chunk."""
     torch.manual_seed(0)
     N, d, V = 37, 16, 23
     head = torch.nn.Linear(d, V, bias=False).to(dtype)
@@ -205,7 +221,7 @@ def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype):
     t[::5] = data.IGNORE_INDEX
     calls = []
     head.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
-    chunked = P.head_loss_sum(h, head, t, V, P.Mesh(), 8) / 30
+    chunked = P.head_loss_sum(h, head, t, V, P.Mesh(), 8, compiled) / 30
     chunked.backward()
     assert calls == [8, 8, 8, 8, 5]
     got = h.grad.clone(), head.weight.grad.clone()

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -406,8 +407,7 @@ def test_a_packed_sequence_under_the_document_mask_scores_each_document_as_if_al
     docs = [[bos] + torch.randint(2, 64, (n,)).tolist() for n in (9, 14, 20)]
     row = torch.tensor(sum(docs, []))[None, :40]  # (1, 40): the last document runs past the row's end
     x, y = row[:, :-1], row[:, 1:]
-    task = train.LMTask(args, parallel.Mesh(), bos=bos)
-    (batch,) = task.prepare([(x, y)])
+    batch = data.with_documents((x, y), bos)
     doc_ids = batch[2]
     assert doc_ids.tolist() == [[1] * 10 + [2] * 15 + [3] * 14]
     with torch.no_grad():
@@ -423,6 +423,23 @@ def test_a_packed_sequence_under_the_document_mask_scores_each_document_as_if_al
         if start:
             assert not torch.allclose(unmasked[start:start + n], want, atol=1e-3)
         start += len(doc)
+
+
+def test_a_batch_without_a_document_boundary_gets_no_mask(tmp_path, capfd):
+    """--doc-mask gives document ids only to a batch where a row has a boundary after its first token:
+    elsewhere the plain causal attention is the same, so no mask (nor a mask kernel) is used, and an
+    --attn-backend is taken (TinyShakespeare is one document); the run says which kernel each kind of
+    batch gets."""
+    bos, x = 1, torch.tensor([[1, 5, 6, 7], [8, 9, 10, 11]])  # a document opening a row, one going on
+    assert len(data.with_documents((x, x), bos)) == len(data.with_documents((x, x), None)) == 2
+    x[1, 2] = bos
+    assert data.with_documents((x, x), bos)[2].tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
+    loader = lambda: data.Loader(data.resolve_data("tinyshakespeare", "byte"), "train", 4, 32,
+                                 tokenizer="byte", bos=data.bos_id(data.get_tokenizer("byte")))
+    assert all(len(loader().next()) == 2 for _ in range(3))
+    train.main(TINY + ["--doc-mask", "--attn-backend", "math", "--max-steps", "2", "--out-dir",
+                       str(tmp_path)])
+    assert re.search(r"attention math \((flash|math) where documents meet\)", capfd.readouterr().out)
 
 
 def test_doc_mask_is_on_by_default_for_the_llama_presets_only():
@@ -508,3 +525,23 @@ def test_rope_scaling_is_a_flag_checked_for_sense():
                          ("4:1:4", "expected FACTOR:LOW:HIGH:ORIGINAL")):
         with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             margs("--model", "tiny", "--rope-scaling", bad)
+
+
+def test_with_no_size_flag_a_gpu_run_is_sized_for_the_gpu():
+    """The default run is the CPU's (mini, 8 x 128 tokens a step); on a CUDA device with none of the flags
+    that size a run given (abbreviated or with '=' alike), it is config.GPU_DEFAULT; one such flag keeps
+    every default as it is."""
+    parser = config.get_parser()
+    parse = lambda argv: (parser.parse_args(argv), config.given_flags(parser, argv))
+    args, given = parse(["--out-dir", "o", "--eval-every=0"])
+    assert given == {"out_dir", "eval_every"}
+    assert config.sized_for_the_device(args, given, "cpu") is None and args.model == "mini"
+    line = config.sized_for_the_device(args, given, "cuda")
+    assert line.endswith("--model small, --seq-len 256, --micro-batch 64, --lr 0.001, --warmup 100, "
+                         "--max-steps 2000")
+    assert (args.model, args.seq_len, args.micro_batch, args.max_steps, args.out_dir) == ("small", 256, 64,
+                                                                                         2000, "o")
+    for argv in (["--micro-b", "4"], ["--model=tiny"], ["--max-steps", "10", "--warmup", "1"]):
+        args, given = parse(argv)
+        before = vars(args).copy()
+        assert config.sized_for_the_device(args, given, "cuda") is None and vars(args) == before
