@@ -538,8 +538,8 @@ def one_gpu_checks(day: Report, work: Path, seconds: float) -> bool:
     synced = syncs(work, 1)
     day.add("checks", "one host-device sync a step", "pass" if synced else "fail", time.monotonic() - t0)
     ok, why, _, took = timed_run([sys.executable, str(REPO / "train.py"), *MODEL, "--max-steps", "1",
-                                  "--precision", "fp32", "--attn-backend", "flash", "--out-dir",
-                                  str(work / "fp32-flash")], min(60, seconds))
+                                  "--warmup", "1", "--precision", "fp32", "--attn-backend", "flash",
+                                  "--out-dir", str(work / "fp32-flash")], min(60, seconds))
     refused = not ok and why.startswith("error: --attn-backend flash cannot compute this run's attention")
     day.add("checks", "fp32 with --attn-backend flash is refused in one line", "pass" if refused else "fail",
             took, detail=why)

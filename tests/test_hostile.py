@@ -668,7 +668,7 @@ def test_an_interrupted_consolidate_leaves_no_half_model(tmp_path, capsys, monke
     def half_then_full(tensors, path):
         Path(path).write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(M, "write_safetensors", half_then_full)
+    monkeypatch.setattr(W, "write_safetensors", half_then_full)
     assert checkpoint.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
     assert "No space left on device" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no model folder, half or whole

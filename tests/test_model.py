@@ -475,8 +475,8 @@ def test_save_hf_replaces_an_earlier_export_and_syncs(tmp_path, monkeypatch):
     torch.manual_seed(0)
     a, b = M.Transformer(tiny_args(n_layers=1)), M.Transformer(tiny_args(n_layers=1))
     synced = []
-    real_fsync = M.os.fsync
-    monkeypatch.setattr(M.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    real_fsync = W.os.fsync
+    monkeypatch.setattr(W.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     (tmp_path / "out").mkdir()  # an empty folder is taken
     byte = data.get_tokenizer("byte")
     W.save_hf(a, tmp_path / "out", W.hf_tokens(byte, False), W.hf_tokenizer_files(byte, False))
@@ -515,7 +515,7 @@ def test_save_hf_interrupted_leaves_no_half_export(tmp_path, monkeypatch, earlie
             f.write(b"\0" * 1000)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(M, "write_safetensors", half_then_full)
+    monkeypatch.setattr(W, "write_safetensors", half_then_full)
     with pytest.raises(OSError, match="No space left"):
         W.save_hf(M.Transformer(tiny_args(n_layers=1)), out)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if earlier else [])

@@ -304,7 +304,7 @@ def test_a_rank_reads_only_its_own_weights_from_a_hugging_face_folder(tmp_path, 
     whole = M.Transformer(args)
     W.save_hf(whole, tmp_path / "hf")
     reads, real = [], W.read_safetensors
-    monkeypatch.setattr(M, "read_safetensors", lambda path, names=None: reads.extend(names or ["*"]) or
+    monkeypatch.setattr(W, "read_safetensors", lambda path, names=None: reads.extend(names or ["*"]) or
                         real(path, names))
     margs, state = W.hf_state(tmp_path / "hf")
     assert reads == []  # checked against the config from the headers alone

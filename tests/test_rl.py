@@ -18,6 +18,7 @@ import torch
 import chat
 import checkpoint as C
 import config
+import data
 import dpo
 import evaluate
 import multiproc
@@ -125,7 +126,7 @@ def test_the_grpo_tasks_log_probs_loss_gradient_and_metrics_are_trls(temperature
     logits, ref_logits = (torch.randn(rows, T, V, generator=g) for _ in range(2))
     ids = torch.randint(0, V, (rows, T), generator=g)
     mask = (torch.arange(T) < torch.tensor([6, 5, 4, 6, 1, 2, 1, 3])[:, None]).float()
-    y = torch.where(mask.bool(), ids, rl.IGNORE_INDEX)
+    y = torch.where(mask.bool(), ids, data.IGNORE_INDEX)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.9, 0.4, 0.4])
     task = rl_task("grpo", temperature, V)
     ref = task.logps(ref_logits, y)
@@ -158,7 +159,7 @@ def test_the_ppo_tasks_log_probs_and_token_metrics_are_trls():
     logits = torch.randn(rows, T, V, generator=g)
     ids = torch.randint(0, V, (rows, T), generator=g)
     mask = (torch.arange(T) < torch.tensor([6, 5, 4, 6, 1, 2, 1, 3])[:, None]).float()
-    y = torch.where(mask.bool(), ids, rl.IGNORE_INDEX)
+    y = torch.where(mask.bool(), ids, data.IGNORE_INDEX)
     logp = trl_logps(logits, ids, temperature) * mask
     old = (logp + 0.3 * torch.randn(rows, T, generator=g)) * mask  # ratios far from 1: some clipped
     adv, values, old_values, returns = (torch.randn(rows, T, generator=g) * mask for _ in range(4))
@@ -426,11 +427,11 @@ def models(tmp_path_factory):
     pairs = write_jsonl(root / "pairs.jsonl", [{"prompt": f"Q{i}", "chosen": "yes", "rejected": "no"}
                                                for i in range(8)])
     lm, rm = root / "lm", root / "rm"
-    train.main(["--model", "tiny", "--tokenizer", "byte", "--seq-len", "48", "--max-steps", "1", "--eval-every",
-                "-1", "--sample-tokens", "0", "--out-dir", str(lm)])
+    train.main(["--model", "tiny", "--tokenizer", "byte", "--seq-len", "48", "--max-steps", "1", "--warmup", "1",
+                "--eval-every", "-1", "--sample-tokens", "0", "--out-dir", str(lm)])
     reward.main(["--model", "tiny", "--tokenizer", "byte", "--seq-len", "48", "--data", str(pairs),
                  "--max-steps", "1", "--micro-batch", "2", "--eval-every", "0", "--val-fraction", "0.25",
-                 "--out-dir", str(rm)])
+                 "--warmup", "1", "--out-dir", str(rm)])
     assert C.main(["consolidate", str(rm), "--hf", str(root / "rm-hf")]) == 0
     return SimpleNamespace(lm=lm, rm=rm, rm_hf=root / "rm-hf", pairs=pairs)
 
@@ -457,7 +458,8 @@ def test_a_reward_model_is_refused_where_a_language_model_belongs_and_the_revers
     out = tmp_path / "o"
     rules = ["--reward-fn", "arithmetic", "--prompts", str(prompts)]
     eval_rl = ["eval", "--prompts", str(prompts), "--seq-len", "48"]
-    fine_tune = ["--model", "tiny", "--seq-len", "48", "--max-steps", "1", "--out-dir", str(out)]
+    fine_tune = ["--model", "tiny", "--seq-len", "48", "--max-steps", "1", "--warmup", "1",
+                 "--out-dir", str(out)]
     lm_for_rm = [(rl.main, BASE + ["--prompts", str(prompts), "--out-dir", str(out), "--init", str(models.rm)]),
                  (rl.main, eval_rl + ["--init", str(models.rm), "--reward-fn", "arithmetic"]),
                  (sft.main, fine_tune + ["--init", str(models.rm), "--data", str(out.with_suffix(".jsonl"))]),
