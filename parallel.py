@@ -593,8 +593,9 @@ def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: Mesh, chun
         Vl = head.weight.shape[0]
         start = mesh.tp_rank * Vl
         n_valid = max(0, min(Vl, vocab_size - start))
-        fn = compiled_chunk_loss_and_grad() if compiled else chunk_loss_and_grad
-        loss_and_grad = lambda logits, t: fn(logits, t, start, n_valid, mesh.key, mesh.tp)
+        # compiled for one shape: a shorter last chunk runs eager, so nothing is compiled twice
+        fn = lambda n: compiled_chunk_loss_and_grad() if compiled and n == chunk else chunk_loss_and_grad
+        loss_and_grad = lambda logits, t: fn(len(t))(logits, t, start, n_valid, mesh.key, mesh.tp)
         return _ChunkedHeadLoss.apply(h, head.weight, targets, chunk, head, loss_and_grad)
     return sum(loss_sum(head(h[lo:lo + chunk]), targets[lo:lo + chunk], vocab_size, mesh)
                for lo in range(0, h.shape[0], chunk))
