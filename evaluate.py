@@ -622,14 +622,14 @@ def score_pairs(model, loader: chat.PreferenceLoader, batch_size: int) -> dict:
 # 6. Generation
 
 
-def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, **sampling) -> dict:
-    """A prompt's continuation. Plain: BOS + the prompt, until <|end_of_text|>. Chat: the prompt as
-    a user message in the chat template with the assistant's header after it, until <|eot_id|>."""
-    if chat:
+def complete(model, tok, prompt, as_chat=False, max_new_tokens=200, seq_len=None, **sampling) -> dict:
+    """A prompt's continuation. Plain: BOS + the prompt, until <|end_of_text|>. as_chat: the prompt
+    as a user message in the chat template with the assistant's header after it, until <|eot_id|>."""
+    if as_chat:
         ids, _ = chat.encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = [data.bos_id(tok)] + tok.encode_ordinary(prompt)
-    stop = data.eot_id(tok) if chat else data.eos_id(tok)
+    stop = data.eot_id(tok) if as_chat else data.eos_id(tok)
     limit = seq_len or model.args.max_seq_len
     if len(ids) >= limit:
         raise config.ConfigError(f"a prompt of {len(ids)} tokens leaves no room to generate under --seq-len "
@@ -639,7 +639,7 @@ def complete(model, tok, prompt, chat=False, max_new_tokens=200, seq_len=None, *
     new = new[0].tolist()
     stopped = stop in new
     new = new[:new.index(stop)] if stopped else new
-    return {"prompt": prompt, "completion": tok.decode(new), "tokens": new, "stopped": stopped, "chat": chat}
+    return {"prompt": prompt, "completion": tok.decode(new), "tokens": new, "stopped": stopped, "chat": as_chat}
 
 
 # ----------------------------------------------------------------------------------------------------
