@@ -1235,8 +1235,9 @@ def writing(folder, target, cleanup=()):
         for path in map(Path, cleanup):
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            else:  # a read-only mount refuses even to unlink a missing file (EROFS): nothing to clean
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DataError(f"no space left on device while writing {target} ({one_line(e)}); free some "
                             "space or point DATA_CACHE (or --out) at a disk with room") from None

@@ -822,6 +822,19 @@ def test_a_read_only_cache_or_out_folder_is_one_line(tmp_path, monkeypatch, mirr
     assert list(locked.iterdir()) == []
 
 
+def test_a_read_only_mount_is_one_line_though_it_refuses_the_cleanup_too(tmp_path, monkeypatch):
+    """On a read-only mount even unlinking a missing partial file fails (EROFS): still one DataError."""
+    part = tmp_path / "x.part"
+
+    def refuse(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with pytest.raises(DataError, match=r"cannot write into .*Read-only file system.*make it writable"):
+        with data.writing(tmp_path, tmp_path / "x", cleanup=[part]):
+            raise OSError(errno.EROFS, "Read-only file system", str(part))
+
+
 class _FullDisk:
     """A file whose first write puts 10 bytes down and then finds the disk full."""
 
