@@ -30,9 +30,9 @@ clipped objective is written out in full all the same.
       r_t = -beta (logp_old_t - ref_t), plus the score at the reply's last token,
   advantages by GAE (--gamma, --lam) from V, whitened over the global batch, returns R_t = A_t + V_t;
   token loss  max(-A rho_t, -A clip(rho_t)) + vf_coef * 0.5 max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2),
-  averaged per reply, then over replies. Logged as TRL's PPOTrainer: reward, objective/kl (per reply,
-  summed over its tokens), objective/entropy (likewise, the sampled -logp), policy/clipfrac_avg and
-  loss/value_avg (means over every reply token), completion_length.
+  averaged per reply, then over replies (TRL's PPOTrainer: over all tokens). Logged as TRL's PPOTrainer:
+  reward, objective/kl (per reply, summed over its tokens), objective/entropy (likewise, the sampled
+  -logp), policy/clipfrac_avg and loss/value_avg (means over every reply token), completion_length.
 
 Every log-prob (the policy's, the reference's, PPO's rollout's) is of the sampling distribution,
 log softmax(logits / --temperature), as TRL computes them; validation's greedy replies are read at
