@@ -858,6 +858,7 @@ def _step_ops(out_file):
                     sync.all_gather_params()
                     opt.zero_grad()
                 launch.Work.wait = wait
+            sync.wait_params()  # as train() does at its end: no all-gather outlives its model and process group
             collectives = {k: v for k, v in counter.ops.items() if k.startswith("c10d.")}
             out[f"{zero} {bucket_mb}"] = {"buckets": len(sync.buckets), "ops": sum(counter.ops.values()) - sum(
                 collectives.values()), "collectives": collectives, "units": len(Z.unit_modules(model))}
