@@ -169,8 +169,9 @@ def print_costs(r: dict):
 # Measuring train.py's loop
 
 
-def train_args(a, out_dir: str, **over) -> argparse.Namespace:
-    """train.py's arguments for a timed run: no validation, one final checkpoint, into out_dir."""
+def train_args(a, out_dir: str, ckpt_every: int = 0, **over) -> argparse.Namespace:
+    """train.py's arguments for a timed run, into out_dir: no validation, and no checkpoint unless
+    ckpt_every says when (the checkpoint row: measure_ckpt)."""
     argv = ["--model", a.model, "--seq-len", str(over.get("seq_len", a.seq_len)),
             "--micro-batch", str(over.get("mb", a.micro_batch)), "--grad-accum", str(over.get("accum",
                                                                                               a.grad_accum)),
@@ -178,9 +179,7 @@ def train_args(a, out_dir: str, **over) -> argparse.Namespace:
             "--cp", str(over.get("cp", a.cp)), "--zero", str(over.get("zero", a.zero)),
             "--bucket-mb", str(a.bucket_mb), "--loss-chunk", str(over.get("loss_chunk", a.loss_chunk)),
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
-            # one checkpoint, at the end: phase 7, timed apart (none in a census: on a CPU the
-            # gathered optimizer state would count as training's memory)
-            "--ckpt-every", str(0 if a.memory_census else a.warmup_steps + a.steps),
+            "--ckpt-every", str(ckpt_every),
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", out_dir,
             "--precision", a.precision, f"--data={a.data}"] + (["--device", a.device] if a.device else [])
     ckpt = costs.ckpt_mode(over.get("act_ckpt", a.act_ckpt))
@@ -188,6 +187,7 @@ def train_args(a, out_dir: str, **over) -> argparse.Namespace:
     argv += ["--sp"] if over.get("sp", a.sp) else []
     argv += ["--compile"] if over.get("compile", a.compile) else []
     argv += ["--deterministic"] if over.get("deterministic", a.deterministic) else []
+    argv += ["--ckpt-sync"] if a.ckpt_sync else []
     argv += ["--attn-backend", over.get("attn", a.attn_backend)]
     argv += [] if a.memory_check else ["--no-memory-check"]
     argv += [] if a.doc_mask is None else ["--doc-mask" if a.doc_mask else "--no-doc-mask"]
@@ -238,10 +238,34 @@ def measure(a, timing: str = "phases", **over) -> dict:
     """One timed train.py run: phases and step time are medians over the steps after the warm-up.
     timing "phases" synchronizes the device after every phase to split the step, "steps" only at
     each step's end, as a plain run does (costs.PhaseTimer). Peak memory: the CUDA allocator's, on
-    a CPU the process's peak RSS, or with --memory-census cpu_census's. Checkpoint and log go to a
-    temporary folder per rank, gone with the row (8B weights and their optimizer state: ~100 GB)."""
+    a CPU the process's peak RSS, or with --memory-census cpu_census's. The log goes to a temporary
+    folder per rank, gone with the row. A row times the step alone: no checkpoint (measure_ckpt)."""
     with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
         return measure_in(out_dir, a, timing, **over)
+
+
+def ckpt_setting(a) -> dict:
+    """The checkpoint row's setting, as its table line and JSON name it."""
+    return {"checkpoint": "sync" if a.ckpt_sync else "async"}
+
+
+def measure_ckpt(a) -> dict:
+    """--measure-ckpt: the flags' run for two steps with a checkpoint after each; the first, written
+    while the second step trains: how long the step waited for it (ckpt_stall_s: the copy of the state
+    to host memory, or with --ckpt-sync the whole write) and how long until it was on disk, committed
+    (ckpt_write_s). Its folder (8B weights and their optimizer state: ~100 GB) goes with the row."""
+    b = argparse.Namespace(**{**vars(a), "warmup_steps": 1, "steps": 1})
+    with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
+        args = train_args(b, out_dir, ckpt_every=1)
+        import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
+        with contextlib.redirect_stdout(io.StringIO()):
+            config.configure_process(args)
+            run = T.train(args)
+        first = run.saves[0]
+        files = json.loads((Path(out_dir) / "step_000001" / "meta.json").read_text())["files"]
+    return {"setting": ckpt_setting(a), "ckpt_stall_s": first["stall_s"],
+            "ckpt_write_s": first["write_s"], "ckpt_gb": sum(f["bytes"] for f in files.values()) / 1e9,
+            "params": costs.count_params(run.margs), "precision": run.precision}
 
 
 def measure_in(out_dir: str, a, timing: str, **over) -> dict:
@@ -259,12 +283,9 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
     mesh, margs = run.mesh, run.margs
     peak = peak / 1e9 if census else costs.peak_memory_gb(run.device)
     peaks = P.all_gather_objects(peak, mesh) if mesh.world > 1 else [peak]
-    ckpt = [s["7 checkpoint"] for s in run.phases if "7 checkpoint" in s]
-    steps = [s for s in run.phases if "7 checkpoint" not in s][a.warmup_steps:]
+    steps = run.phases[a.warmup_steps:]
     phases = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
     step_s = statistics.median(sum(s.values()) for s in steps)
-    if ckpt:
-        phases["7 checkpoint"] = ckpt[0]  # one save of model + optimizer state (not part of step_s)
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     peak, peak_src = costs.peak_flops(run.device, run.precision)
     flops = costs.flops_per_token(margs, args.seq_len)
@@ -331,11 +352,15 @@ class Table:
             print(json.dumps({**self.versions, "model": self.a.model, **row}), flush=True)
         elif "error" in row:
             print(f"  {setting_text(row['setting'])}: {row['error']}", flush=True)
+        elif "ckpt_write_s" in row:
+            print(f"  checkpoint ({row['setting']['checkpoint']}), {row['ckpt_gb']:.2f} GB of weights and "
+                  f"optimizer state on this rank's files: the step waited {row['ckpt_stall_s']:.2f} s, on disk "
+                  f"after {row['ckpt_write_s']:.2f} s", flush=True)
         else:
             if not self.measured:
                 self.heading(row)
             print(row_line(row), flush=True)
-        self.measured += "error" not in row
+        self.measured += "error" not in row and "ckpt_write_s" not in row  # (rows of steps, under the heading)
 
     def heading(self, r0: dict):
         a = self.a
@@ -386,23 +411,25 @@ def run_measured(a, versions: dict, argv: list[str]) -> int:
     or failed one is a row, and the sweep goes on. In one process each setting runs in its own child
     (measure_apart), so nothing of one row (memory, compiled code, failure) reaches the next; under
     torchrun they run here, and a refusal (alike on every rank, before anything runs) is a row."""
-    settings = parse_sweep(a.sweep) if a.sweep is not None else [{}]
-    apart = len(settings) > 1 and launch.launch_env()[1] == 1
+    settings = [] if a.measure_ckpt == "only" else parse_sweep(a.sweep) if a.sweep is not None else [{}]
+    rows = settings + ([ckpt_setting(a)] if a.measure_ckpt else [])  # the checkpoint's row, once
+    apart = len(rows) > 1 and launch.launch_env()[1] == 1
     table = Table(a, versions)
-    for over in settings:
+    for over in rows:
         table.add(measure_apart(argv, over) if apart else measure_here(a, over))
     table.close()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        launch.leave_job()
     return int(table.failed > 0)
 
 
 def measure_here(a, over: dict) -> dict:
-    """One setting measured in this process: its row, or {"setting", "error"} for a refusal (or, in
+    """One setting (or the checkpoint's: ckpt_setting) measured in this process: its row, or
+    {"setting", "error"} for a refusal (or, in
     a process of its own, any failure: there is nothing left to lose)."""
     alone = launch.launch_env()[1] == 1
     try:
-        return {"setting": over, **measure(a, **over)}
+        return measure_ckpt(a) if "checkpoint" in over else {"setting": over, **measure(a, **over)}
     except config.ConfigError as e:  # a refusal: its line says it all
         return {"setting": over, "error": data.one_line(e)}
     except Exception as e:
@@ -416,13 +443,16 @@ def measure_apart(argv: list[str], over: dict) -> dict:
     """One setting measured in a child process (this script, its flags, the one setting, --json):
     its row, or {"setting", "error"} with the child's last line of errors."""
     flags, skip = [], False
-    for arg in argv:  # the flags without the sweep (and --json, added back)
-        if skip or arg in ("--sweep", "--json") or arg.startswith("--sweep="):
-            skip = arg == "--sweep"
+    for i, arg in enumerate(argv):  # the flags without the sweep or the checkpoint's row (and --json)
+        if skip or arg in ("--sweep", "--json", "--measure-ckpt") or arg.startswith(("--sweep=",
+                                                                                    "--measure-ckpt=")):
+            skip = arg == "--sweep" or (arg == "--measure-ckpt" and argv[i + 1:i + 2] in (["also"], ["only"]))
             continue
         flags.append(arg)
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags, "--sweep", setting_text(over),
-                        "--json"], capture_output=True, text=True)
+    row = (["--measure-ckpt", "only"] if "checkpoint" in over else ["--sweep", setting_text(over)] if over
+           else [])  # ({}: the flags' own run)
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags, *row, "--json"],
+                       capture_output=True, text=True)
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode:
         sys.stderr.write(p.stderr)  # (a refusal's row says why; a failure's traceback is here)
@@ -512,6 +542,18 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
+def built_on(device, dtype, build):
+    """build() with its parameters made on `device` in `dtype` from the start, as ours are: no fp32 copy on
+    the CPU first (a 1B model's took longer to build and move than its timed steps)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return build()
+    finally:
+        torch.set_default_dtype(default)
+
+
 def hf_tokens_per_s(a) -> float:
     """LlamaForCausalLM + torch.optim.AdamW (same lr, betas, decay, clipping) on the measured
     model's shape and a random batch: tokens/s, the median of --steps after --warmup-steps."""
@@ -526,7 +568,7 @@ def hf_tokens_per_s(a) -> float:
     device, precision = config.pick_device_and_precision(a)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
+    hf = built_on(device, dtype, lambda: transformers.LlamaForCausalLM(cfg)).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     x = torch.randint(0, margs.vocab_size, (a.micro_batch, a.seq_len), device=device)
 
@@ -683,6 +725,10 @@ def get_parser() -> argparse.ArgumentParser:
                       help="one step of train.py's loop on every rank, after the warm-up, as DIR/trace.json (a "
                            "Chrome trace: ui.perfetto.dev) and DIR/step.png (with matplotlib)")
     add_train_args(p)
+    p.add_argument("--measure-ckpt", nargs="?", const="also", choices=["also", "only"], default=None,
+                   help="also measure one checkpoint, as a row of its own: how long the step waits for it "
+                        "and how long until it is on disk (only: that row alone; --ckpt-sync: the step "
+                        "waits for the disk)")
     p.add_argument("--memory-census", action="store_true",
                    help="on a CPU: measure the peak of tensor memory with torch's profiler (slower steps)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (per block for --dp-vs-ddp)")
@@ -705,7 +751,7 @@ def get_parser() -> argparse.ArgumentParser:
 # train.py's flags that a measured run passes on (train_args), as train.py has them
 TRAIN_FLAGS = {"--data", "--seq-len", "--micro-batch", "--grad-accum", "--doc-mask", "--precision", "--act-ckpt",
                "--compile", "--attn-backend", "--memory-check", "--loss-chunk", "--tp", "--cp", "--pp", "--sp",
-               "--zero", "--bucket-mb", "--deterministic", "--device"}
+               "--zero", "--bucket-mb", "--deterministic", "--device", "--ckpt-sync"}
 
 
 def add_train_args(p: argparse.ArgumentParser):
@@ -890,7 +936,7 @@ def run_trace(a):
     (train.py --trace-step); rank 0 moves the files into DIR and prints each rank's phases."""
     b = argparse.Namespace(**{**vars(a), "steps": 1, "memory_census": False})
     with tempfile.TemporaryDirectory(prefix="bench-") as out_dir:
-        args = train_args(b, out_dir)
+        args = train_args(b, out_dir, ckpt_every=b.warmup_steps + 1)  # (the step's phase 7 too)
         args.trace_step = args.max_steps
         import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the output)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -904,7 +950,7 @@ def run_trace(a):
                     shutil.move(made.with_suffix(suffix), folder / name)  # (DIR may be on another disk)
             print_trace(json.loads((folder / "trace.json").read_text()), folder)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        launch.leave_job()
 
 
 def print_trace(trace: dict, folder: Path):
@@ -1164,7 +1210,7 @@ def run_comparison(a, versions: dict):
 
     if mesh.rank == 0:
         print_comparison(result, a, world)
-    dist.destroy_process_group()
+    launch.leave_job()
 
 
 def run_compare_hf(a, versions: dict):

@@ -16,6 +16,7 @@ Read in this order:
   4. Saving    save(): each writer writes, hashes and fsyncs its shards in .tmp-step_N; rank 0
                then writes meta.json with their manifest, renames the folder into place, replaces
                `latest`, rotate()s. A failure removes the partial folder, never the last checkpoint.
+               AsyncSaver: the same in a background thread, from a copy of the state in host memory
   5. Finding   read_latest, damage, find_latest, resolve: the checkpoint --resume or --init uses,
                verified by its manifest; a `latest` pointing out of the folder, a damaged step or
                an unlisted shard file (never read) is said out loud
@@ -38,6 +39,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -204,9 +206,19 @@ def shard_file(mesh: P.Mesh) -> str:
 def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync, extra: dict) -> dict:
     """Collective over dp_cp (ZeRO-1 gathers its state to its rank 0); dp_cp rank 0 of each (pp, tp)
     writes one file and returns its manifest entry {name: {bytes, sha256}} (the other ranks: {})."""
+    return write_shard(folder, shard_contents(model, opt, mesh, sync, extra), mesh)
+
+
+def shard_contents(model, opt, mesh: P.Mesh, sync, extra: dict, keep=None) -> dict | None:
+    """What this rank's shard file holds: its parameters under global names with their place in the
+    full tensor ({"params", "step", **extra}), on dp_cp rank 0 of each (pp, tp); None elsewhere.
+    Collective over dp_cp. keep(key, flat) -> a copy in host memory, for a snapshot that training
+    may change under (an asynchronous save); without it, views of the optimizer's own buffers."""
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
     if mesh.dp_cp_rank != 0:
-        return {}
+        return None
+    if keep is not None:  # ZeRO's gathered state is a fresh host copy already; the live buffers are not
+        full = {k: keep(k, v) if v is getattr(opt, k) else v for k, v in full.items()}
     placement = model.tp_placement
     entries = {}
     for i, name in enumerate(opt.names):
@@ -221,10 +233,18 @@ def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync, extra: dict) -> di
             length = max(0, min(local, size - start))  # the vocabulary padding is not saved
             state = {k: v.narrow(dim, 0, length) for k, v in state.items()}
         entries[name] = {"dim": dim, "start": start, "full_size": size, **state}
+    return {"params": entries, "step": opt.step_count, **extra}
+
+
+def write_shard(folder: Path, contents: dict | None, mesh: P.Mesh) -> dict:
+    """Write, hash and fsync this rank's shard file (shard_contents; None: this rank writes none);
+    its manifest entry {name: {bytes, sha256}}, or {}."""
+    if contents is None:
+        return {}
     folder.mkdir(parents=True, exist_ok=True)  # each writer makes what it writes (no shared disk assumed)
     with open(folder / shard_file(mesh), "wb") as f:  # through a file: a failed write keeps its OSError
         hashing = HashingWriter(f)
-        torch.save({"params": entries, "step": opt.step_count, **extra}, hashing)
+        torch.save(contents, hashing)
         f.flush()
         os.fsync(f.fileno())
     return {shard_file(mesh): {"bytes": hashing.bytes, "sha256": hashing.sha256.hexdigest()}}
@@ -335,20 +355,23 @@ def restore_rng(rng: dict, device):
 # 4. Saving
 
 
-def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int, last_good: Path | None = None):
+def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int, last_good: Path | None = None,
+         dim: str = "io"):
     """Phase 7, on every rank. write_shards(folder) writes this rank's files (save_shards) and
     returns their manifest entries; `meta` joins them in meta.json. If any write fails, every rank
     raises CheckpointError naming `last_good` (resumed from or last written: after a fallback past
     a damaged step, `latest` names the damaged one). Waits on other ranks' disk work, rank 0's
-    deletions included, use the "io" group (--io-timeout): hundreds of GB outlast any collective."""
+    deletions included, use the "io" group (--io-timeout): hundreds of GB outlast any collective;
+    the background writer (AsyncSaver) uses its own, "ckpt"."""
     name = step_name(step)
     tmp, final = out_dir / f".tmp-{name}", out_dir / name
-    failure, _ = _agreed(mesh, lambda: _fresh_folder(out_dir, tmp), everyone=False)
+    failure, _ = _agreed(mesh, lambda: _fresh_folder(out_dir, tmp), everyone=False, dim=dim)
     if not failure:
-        failure, written = _agreed(mesh, lambda: write_shards(tmp), everyone=True)
+        failure, written = _agreed(mesh, lambda: write_shards(tmp), everyone=True, dim=dim)
         manifest = {file: entry for part in written for file, entry in (part or {}).items()}
     if not failure:
-        failure, _ = _agreed(mesh, lambda: _commit(tmp, final, out_dir, meta, manifest), everyone=False)
+        failure, _ = _agreed(mesh, lambda: _commit(tmp, final, out_dir, meta, manifest), everyone=False,
+                             dim=dim)
     if failure:
         if mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -357,10 +380,63 @@ def save(out_dir: Path, step: int, mesh, write_shards, meta: dict, keep: int, la
         raise CheckpointError(f"could not write checkpoint {final}: {failure}; {kept}")
     if mesh.rank == 0:
         rotate(out_dir, final, keep)
-    P.barrier(mesh, long=True)
+    P.barrier(mesh, dim=dim)
 
 
-def _agreed(mesh, write, everyone: bool) -> tuple[str | None, list]:
+class AsyncSaver:
+    """Phase 7 without the wait for the disk (torchtitan and Megatron-LM save so too): start() copies this
+    rank's state into host memory (pinned on a GPU, reused from save to save) and returns; a thread then
+    writes, hashes, fsyncs and commits it with save()'s guarantees, over a group of its own ("ckpt"),
+    while training goes on. The caller waits for one save before starting the next. A failure is agreed
+    on by every rank (save's protocol): on_failure(why) hears it from the thread at once, so the loop can
+    stop every rank at the same step; wait() raises it."""
+
+    def __init__(self, device: torch.device, on_failure=None):
+        self.device, self.on_failure = device, on_failure
+        self.host: dict[str, torch.Tensor] = {}  # "master" / "exp_avg" / "exp_avg_sq" -> a flat host buffer
+        self.thread, self.error = None, None
+        self.last_committed: Path | None = None
+        self.written: list[tuple[int, float]] = []  # (step, seconds from start() until it was durable)
+
+    def keep(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """shard_contents' copy: into this key's host buffer (a GPU copies into pinned memory as it goes)."""
+        buf = self.host.get(key)
+        if buf is None or buf.shape != flat.shape or buf.dtype != flat.dtype:
+            buf = self.host[key] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=self.device.type == "cuda")
+        return buf.copy_(flat, non_blocking=True)
+
+    def start(self, out_dir: Path, step: int, mesh, snapshot, meta: dict, keep: int, last_good: Path | None):
+        """snapshot(keep) -> this rank's shard_contents, made with self.keep (collective over dp_cp)."""
+        assert self.thread is None, "wait() for the save in flight first"
+        t0 = time.perf_counter()
+        contents = snapshot(self.keep)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copies have landed in host memory
+
+        def write():
+            try:
+                save(out_dir, step, mesh, lambda folder: write_shard(folder, contents, mesh), meta, keep,
+                     last_good, dim="ckpt")
+                self.last_committed = out_dir / step_name(step)
+                self.written.append((step, time.perf_counter() - t0))
+            except BaseException as e:  # (a failed collective too: the main thread raises it)
+                self.error = e
+                if self.on_failure is not None:
+                    self.on_failure(data.one_line(e))
+        self.thread = threading.Thread(target=write, name=f"checkpoint-{step_name(step)}", daemon=True)
+        self.thread.start()
+
+    def wait(self):
+        """Until the save in flight is durable; its failure, if it failed, raised here."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def _agreed(mesh, write, everyone: bool, dim: str = "io") -> tuple[str | None, list]:
     """Run `write` (on every rank, or rank 0) and agree whether it worked: (None or the first
     failing rank's reason, every rank's result in rank order). A full disk, quota or vanished mount
     raises OSError (torch.save: RuntimeError); a failed collective or out-of-memory propagates."""
@@ -372,7 +448,7 @@ def _agreed(mesh, write, everyone: bool) -> tuple[str | None, list]:
             raise
         except (OSError, RuntimeError) as e:
             reason = write_error(e)
-    everyone_says = P.all_gather_objects((reason, result), mesh)
+    everyone_says = P.all_gather_objects((reason, result), mesh, dim)
     failed = [(rank, why) for rank, (why, _) in enumerate(everyone_says) if why]
     if failed:
         rank, why = failed[0]

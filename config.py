@@ -76,6 +76,21 @@ def given_flags(p: argparse.ArgumentParser, argv=None) -> set[str]:
     return {name for name, value in vars(seen).items() if value is not unset}
 
 
+def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """A script's command line: its args, with the defaults it did not give fitted to the run."""
+    args = p.parse_args(argv)
+    fit_defaults(args, given_flags(p, argv))
+    return args
+
+
+def fit_defaults(args, given: set[str]):
+    """A default the user did not give never refuses a run: --warmup, unless given, is at most a tenth
+    of --max-steps (train.py's 100 of 2,400 steps stand; --max-steps 20 warms up for 2 steps). A
+    given --warmup longer than the run is still refused (validate)."""
+    if "warmup" not in given:
+        args.warmup = min(args.warmup, args.max_steps // 10)
+
+
 def sized_for_the_device(args, given: set[str], device_type: str) -> str | None:
     """GPU_DEFAULT on a CUDA device where no SIZE_FLAGS were given; returns the line that says so."""
     if device_type != "cuda" or given & SIZE_FLAGS:
@@ -135,7 +150,8 @@ def add_optimization_flags(p: argparse.ArgumentParser, only=None):
     add = flag_group(p, "optimization", only)
     add("--lr", type=float, default=3e-3, help="peak learning rate")
     add("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
-    add("--warmup", type=int, default=100, help="linear warmup steps")
+    add("--warmup", type=int, default=100,
+        help="linear warmup steps (not given: at most a tenth of --max-steps)")
     add("--max-steps", type=int, default=2400,
         help="optimizer steps in all (the cosine ends here)")
     add("--weight-decay", type=float, default=0.1, help="AdamW decoupled decay (matrices only)")
@@ -253,6 +269,9 @@ def add_run_flags(p: argparse.ArgumentParser, only=None):
              "(e.g. hellaswag:200,piqa; N: the first N items)")
     add("--ckpt-every", type=int, default=1000,
         help="checkpoint every N steps and at the end (0: never)")
+    add("--ckpt-sync", action="store_true",
+        help="the step waits for each checkpoint to reach the disk (default: only for its copy in host "
+             "memory; a background thread writes it)")
     add("--keep-ckpts", type=int, default=2, help="how many step directories to keep")
     add("--log-every", type=int, default=100, help="log the mean of the last N steps")
     add("--sample-tokens", type=int, default=300,

@@ -747,7 +747,8 @@ def plot_trace(path: Path, ranks: list[list[dict]], info: dict):
     ax = fig.subplots()
     colour = {"1": "#d9d9d9", "2": "#c6dbef", "3": "#fdd0a2", "4": "#c7e9c0", "5": "#fcbba1", "6": "#dadaeb",
               "7": "#f0f0f0", "forward": "#3182bd", "backward": "#31a354", "tp": "#e6550d", "cp": "#756bb1",
-              "pp": "#636363", "dp": "#de2d26", "dp_cp": "#de2d26", "world": "#000000", "io": "#bdbdbd"}
+              "pp": "#636363", "dp": "#de2d26", "dp_cp": "#de2d26", "world": "#000000", "io": "#bdbdbd",
+              "ckpt": "#bdbdbd"}
     seen = {}
     for r, events in enumerate(ranks):
         y, starts = len(ranks) - 1 - r, {}

@@ -300,7 +300,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = get_parser().parse_args(argv)
+    args = config.parse(get_parser(), argv)
     if not (0 <= args.label_smoothing < 0.5 and 0 < args.beta < math.inf):  # (NaN fails both)
         raise config.ConfigError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
     if not 0 <= args.nll_coef < math.inf:

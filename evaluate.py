@@ -1110,7 +1110,7 @@ def main(argv=None):
               **contamination(items, args.train, train_tok, args.ngram_words, args.ngram_tokens,
                               args.examples, args.mirror)})
     if mesh.world > 1:
-        dist.destroy_process_group()
+        launch.leave_job()
 
 
 if __name__ == "__main__":

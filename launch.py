@@ -14,6 +14,7 @@ skip. It imports no file of the project.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import socket
@@ -85,6 +86,23 @@ def join_job(rank: int, world: int, device, timeout_s: float):
                         f"{timeout_s:g} s): {' '.join(str(e).split())[:300]}") from None
 
 
+def leave_job():
+    """The end of a process that joined the job: every rank past its last collective (a barrier), then
+    the process groups destroyed, and whatever still refers to them collected while the interpreter is
+    whole. A gloo group torn down while a peer's transfer is in flight, or left to the interpreter's
+    exit, can abort the process after its work is done ("terminate called without an active
+    exception": a worker thread destroyed while joinable)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except RuntimeError:  # a peer already gone: nothing is left in flight with it
+        pass
+    gc.collect()  # (cycles holding tensors or work of the groups: freed before the groups go)
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def process_group_options(device: torch.device | None, timeout_s: float) -> dict:
     """gloo on CPU; NCCL on CUDA, bound to this process's GPU from the start (device_id): otherwise
     NCCL guesses the GPU from the rank, wrongly wherever ranks and GPUs are numbered differently."""
@@ -94,12 +112,17 @@ def process_group_options(device: torch.device | None, timeout_s: float) -> dict
     return {"backend": "gloo", "timeout": timeout}
 
 
+# The gloo groups for waits on disk work, bounded by --io-timeout: "io" for the main thread's, "ckpt" for
+# the background checkpoint writer's (parallel.init_mesh)
+LONG_GROUPS = ("io", "ckpt")
+
+
 def set_timeout(mesh, seconds: float):
     """How long every group's collectives but the io group's may wait from now on.
     ProcessGroup.set_timeout sets it in each of the group's backends (torch 2.14's dist.set_timeout
     calls it and deprecates the private _set_pg_timeout, the only one torch 2.5 has)."""
     timeout = datetime.timedelta(seconds=seconds)
-    for group in [dist.group.WORLD] + [g for dim, g in mesh.groups.items() if dim != "io"]:
+    for group in [dist.group.WORLD] + [g for dim, g in mesh.groups.items() if dim not in LONG_GROUPS]:
         if hasattr(group, "set_timeout"):
             group.set_timeout(timeout)
         else:
@@ -142,11 +165,11 @@ def raise_comm_error(e: Exception, what, mesh, dim: str, t0: float):
     cause = cause.split(". This is typically")[0][:300]
     waited = time.monotonic() - t0
     hint = ("a rank in this group stalled (a stack dump of it, e.g. `py-spy dump --pid`, shows where)"
-            if waited >= 0.9 * (mesh.io_timeout_s if dim == "io" or mesh.patient else mesh.timeout_s)
+            if waited >= 0.9 * (mesh.io_timeout_s if dim in LONG_GROUPS or mesh.patient else mesh.timeout_s)
             or "timed out" in cause.lower() else "a rank in this group died or failed; its own log says why")
     limit = f"--dist-timeout {mesh.timeout_s:g} s"
-    if dim == "io" or mesh.patient:
-        limit = f"--io-timeout {mesh.io_timeout_s:g} s" + (", the first step's" if dim != "io" else "")
+    if dim in LONG_GROUPS or mesh.patient:
+        limit = f"--io-timeout {mesh.io_timeout_s:g} s" + (", the first step's" if dim not in LONG_GROUPS else "")
     raise CommError(f"{what} on the {dim} group (global ranks {mesh.group_ranks.get(dim)}) failed on rank "
                     f"{mesh.rank} after {waited:.1f} s ({limit}): {cause}; {hint}") from e
 

@@ -172,9 +172,11 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
             mesh.group_ranks[dim] = ranks
     # The long waits go over gloo even on GPUs: a timeout there is an exception, which becomes this
     # project's CommError, where NCCL's watchdog would end the process with its own message.
-    mesh.groups["io"] = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=io_timeout_s),
-                                       group_desc="io", backend="gloo")
-    mesh.group_ranks["io"] = list(range(world))
+    # "ckpt": the same, for the background checkpoint writer alone (a group is used by one thread at a time).
+    for dim in launch.LONG_GROUPS:
+        mesh.groups[dim] = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=io_timeout_s),
+                                          group_desc=dim, backend="gloo")
+        mesh.group_ranks[dim] = list(range(world))
     barrier(mesh)
     return mesh
 
@@ -235,11 +237,12 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, dim: str, a
         out, inp, group=mesh.groups[dim], async_op=async_op), async_op, sent)
 
 
-def barrier(mesh: Mesh, long: bool = False):
+def barrier(mesh: Mesh, long: bool = False, dim: str | None = None):
     """Every rank waits here for all the others. long=True: on the "io" group, for a wait long by
-    nature (others preparing data or writing a checkpoint), bounded by --io-timeout."""
+    nature (others preparing data or writing a checkpoint), bounded by --io-timeout; dim: another
+    such group ("ckpt": the background checkpoint writer's)."""
     if mesh.world > 1:
-        dim = "io" if long else "world"
+        dim = dim or ("io" if long else "world")
         launch.run_collective(("barrier", None), mesh, dim, lambda: dist.barrier(group=mesh.groups.get(dim)))
 
 
@@ -1164,14 +1167,14 @@ def on_rank0_first(fn, mesh: Mesh):
     return result if result is not None else fn()
 
 
-def all_gather_objects(obj, mesh: Mesh) -> list:
-    """Every rank's small picklable `obj`, in global rank order, on every rank (over the "io" group: some
-    ranks may arrive late, having written files the others did not)."""
+def all_gather_objects(obj, mesh: Mesh, dim: str = "io") -> list:
+    """Every rank's small picklable `obj`, in global rank order, on every rank (over the "io" group, or
+    the writer's "ckpt": some ranks may arrive late, having written files the others did not)."""
     if mesh.world == 1:
         return [obj]
     out = [None] * mesh.world
-    launch.run_collective(("all_gather_object", None), mesh, "io",
-            lambda: dist.all_gather_object(out, obj, group=mesh.groups["io"]))
+    launch.run_collective(("all_gather_object", None), mesh, dim,
+            lambda: dist.all_gather_object(out, obj, group=mesh.groups[dim]))
     return out
 
 

@@ -347,7 +347,7 @@ def sample_main(argv) -> int:
         C.write_jsonl(Path(a.out), [{"where": prompts[r["index"]][0], **r} for r in records if "messages" in r])
         print(json.dumps({"out": a.out, **sampling_summary(records, a.k)}), flush=True)
     if mesh.world > 1:
-        torch.distributed.destroy_process_group()
+        launch.leave_job()
     return 0
 
 
@@ -376,7 +376,7 @@ def main(argv=None):
         return score_main(argv[1:])
     if argv[:1] == ["sample"]:
         return sample_main(argv[1:])
-    args = get_parser().parse_args(argv)
+    args = config.parse(get_parser(), argv)
     if not -1e6 < args.margin < 1e6:  # (NaN fails too)
         raise config.ConfigError(f"--margin must be a number, got {args.margin}")
     if args.cp > 1:  # a score is read at a sequence's last token, which one cp rank alone holds
@@ -385,7 +385,7 @@ def main(argv=None):
     config.configure_process(args)
     run = T.train(args, RewardModel(args))
     if run.mesh.world > 1:
-        torch.distributed.destroy_process_group()
+        launch.leave_job()
 
 
 if __name__ == "__main__":

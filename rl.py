@@ -73,6 +73,7 @@ import checkpoint as C
 import config
 import data
 import evaluate
+import launch
 import model as M
 import parallel as P
 import train as T
@@ -722,12 +723,12 @@ def main(argv=None):
         return sums_main(argv[1:])
     if argv[:1] == ["eval"]:
         return eval_main(argv[1:])
-    args = get_parser().parse_args(argv)
+    args = config.parse(get_parser(), argv)
     check_flags(args)
     config.configure_process(args)
     run = T.train(args, RL(args))
     if run.mesh.world > 1:
-        torch.distributed.destroy_process_group()
+        launch.leave_job()
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    T.post_train(get_parser().parse_args(argv), SFT)
+    T.post_train(config.parse(get_parser(), argv), SFT)
 
 
 if __name__ == "__main__":

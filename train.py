@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, NamedTuple
 from pathlib import Path
 
@@ -76,6 +76,7 @@ class Run:
     anneal_from: int | None = None  # the step --anneal-tokens' annealing starts at (None: none)
     ramp: list | None = None  # --ramp's stages (switch_stage)
     benchmarks: list = ()  # --eval-tasks: [(name, items)], scored at each validation
+    saves: list = field(default_factory=list)  # each checkpoint's {step, stall_s, write_s} (bench.py reads)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -253,7 +254,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
         stop = StopFlag()
         meter = L.Meter(run, stop)
-        checkpointer = Checkpointer(run, step, recipe)
+        checkpointer = Checkpointer(run, step, recipe, stop)
         guard = SkipGuard(args, meter, checkpointer)
         L.banner(run, meter, recipe.name(), data_desc)
         run.model.train()
@@ -273,11 +274,13 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                     meter.validation(step, *validation(run), E.benchmarks(run))
             if checkpointer.due(step):
                 with meter.paused():
-                    checkpointer.save(step)  # 7. checkpoint
+                    checkpointer.save(step)  # 7. checkpoint: a copy in host memory, written in the background
             if result.stop:  # preemption or a failed write, on any rank: this step is finished; save, leave
-                checkpointer.save(step)
+                checkpointer.wait()  # a background save that failed raises its error here, on every rank
+                checkpointer.save(step, wait=True)
                 stopped(stop, step, result.failed)
                 break
+        checkpointer.wait()  # the last checkpoint is on disk before the run returns
         run.timer.close()  # (a trace of the last step is written now)
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
         if L.mixture_seen(run):
@@ -573,34 +576,66 @@ class Checkpointer:
     """Phase 7: every --ckpt-every steps, at the last (0: never) and on an early stop. A checkpoint
     holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
     layout, plus the random states, the loss scale and meta.json, whose recipe and data fingerprint
-    let --resume refuse another recipe or other data. checkpoint.py keeps the folder."""
+    let --resume refuse another recipe or other data. checkpoint.py keeps the folder. The step waits
+    only for a copy of the state in host memory; the disk is written in the background (AsyncSaver;
+    --ckpt-sync: the step waits for the disk too). One save at a time: the next, an early stop and the
+    end of the run wait for the one in flight. A background failure reaches every rank in the next
+    step's Tally (through `stop`), and wait() raises it, naming the intact checkpoint."""
 
-    def __init__(self, run: Run, start_step: int, recipe: Pretraining):
+    def __init__(self, run: Run, start_step: int, recipe: Pretraining, stop: StopFlag):
         self.run, self.saved_at, self.recipe = run, start_step, recipe
         self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
         self.lora = C.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
         out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
-        self.last_good = out / C.step_name(start_step) if start_step else None
+        self.committed = out / C.step_name(start_step) if start_step else None
+        self.saver = None if run.args.ckpt_sync else C.AsyncSaver(run.device, on_failure=stop.fail)
+        self.stalls: dict[int, float] = {}  # step -> seconds the training step waited for its save
+
+    @property
+    def last_good(self) -> Path | None:
+        """The newest checkpoint known to be complete on disk."""
+        return (self.saver and self.saver.last_committed) or self.committed
 
     def due(self, step: int) -> bool:
         every = self.run.args.ckpt_every
         return every > 0 and (step % every == 0 or step == self.run.args.max_steps)
 
-    def save(self, step: int):
+    def save(self, step: int, wait: bool = False):
         run = self.run
         if step == self.saved_at:
             return
         run.timer.start()  # timed as an entry of its own, apart from the training step
+        t0 = time.perf_counter()
+        self.wait()  # the save in flight, if any: its host copy is reused, and a failure is raised here
         extra = {"rng": C.rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
-        meta = {"step": step, "loader": run.loader.state_dict(), "args": vars(run.args),
+        meta = {"step": step, "loader": run.loader.state_dict(), "args": dict(vars(run.args)),  # (as of now)
                 "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
                 "recipe": self.recipe.kind, "data": self.data, "lora": self.lora,
                 "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
-        write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
-        out = Path(run.args.out_dir)
-        C.save(out, step, run.mesh, write, meta, run.args.keep_ckpts, self.last_good)
+        out, keep = Path(run.args.out_dir), run.args.keep_ckpts
+        if self.saver is None:
+            write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
+            C.save(out, step, run.mesh, write, meta, keep, self.last_good)
+            self.committed = out / C.step_name(step)
+            run.saves.append({"step": step, "stall_s": time.perf_counter() - t0,
+                              "write_s": time.perf_counter() - t0})
+        else:
+            snapshot = lambda copy: C.shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
+            self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
+            self.stalls[step] = time.perf_counter() - t0
         run.timer.mark("7 checkpoint")
-        self.saved_at, self.last_good = step, out / C.step_name(step)
+        self.saved_at = step
+        if wait:
+            self.wait()
+
+    def wait(self):
+        """Until the save in flight is on disk (its timings then join run.saves); its failure raised."""
+        if self.saver is None:
+            return
+        self.saver.wait()
+        for step, write_s in self.saver.written:
+            self.run.saves.append({"step": step, "stall_s": self.stalls.pop(step), "write_s": write_s})
+        self.saver.written.clear()
 
 
 class StopFlag:
@@ -846,15 +881,16 @@ def post_train(args, recipe_of) -> Run:
         if run.mesh.rank == 0:
             print(f"user: {args.sample_prompt}\nassistant: {reply}", flush=True)
     if run.mesh.world > 1:
-        torch.distributed.destroy_process_group()
+        launch.leave_job()
     return run
 
 
 def main(argv=None):
     parser = config.get_parser()
-    args = parser.parse_args(argv)
+    args, given = parser.parse_args(argv), config.given_flags(parser, argv)
     device = config.pick_device_and_precision(args)[0]
-    sized = config.sized_for_the_device(args, config.given_flags(parser, argv), device.type)
+    sized = config.sized_for_the_device(args, given, device.type)
+    config.fit_defaults(args, given)
     config.configure_process(args)
     if sized:
         config.say(sized)
@@ -871,7 +907,7 @@ def main(argv=None):
         print(f"(no sample under tp/cp/pp: `evaluate.py --init {args.out_dir} --prompt ...` samples from the "
               "checkpoint)")
     if mesh.world > 1:
-        dist.destroy_process_group()
+        launch.leave_job()
 
 
 if __name__ == "__main__":

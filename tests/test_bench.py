@@ -176,15 +176,18 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
            "--steps", "2", "--warmup-steps", "1", "--json"]
-    p = subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1,attn=flash;attn=math"], capture_output=True,
-                       text=True, check=True, env=env)
+    p = subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1,attn=flash;attn=math", "--measure-ckpt"],
+                       capture_output=True, text=True, check=True, env=env)
     rows = [json.loads(line) for line in p.stdout.splitlines()]  # a line per row, as each finishes
+    ckpt = rows.pop()  # the checkpoint's row, once, last
+    assert ckpt["setting"] == {"checkpoint": "async"} and 0 < ckpt["ckpt_stall_s"] <= ckpt["ckpt_write_s"]
+    assert ckpt["ckpt_gb"] > 0 and "tokens_per_s" not in ckpt
     assert len(rows) == 3 and rows[1]["act_ckpt"] and all(r["model"] == "tiny" for r in rows)
     assert [(r["attn_backend"], r["attn_kernel"]) for r in rows] == [("auto", "flash"), ("flash", "flash"),
                                                                     ("math", "math")]  # (what SDPA ran)
     for r in rows:
         assert set(r["phases_s"]) == {"1 data", "2 forward", "3 loss", "4 backward", "5 grad sync",
-                                      "6 optimizer", "7 checkpoint"}
+                                      "6 optimizer"}  # a row times the step alone: no checkpoint
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"]["megatron"] < r["mfu"]["palm"]
         assert r["memory_estimate_gb"]["total"] > 0
     for precision in ("fp32", "bf16"):  # bf16: the case that once ended in an IndexError
@@ -509,9 +512,9 @@ def test_a_traced_step_on_every_rank_under_tp_and_pp(tmp_path):
         mbs = [f"{way} {i}" for way in ("forward", "backward") for i in range(4)]
         assert sorted(got["work"]) == sorted(mbs)
         counted = {k: v for k, v in info["counted_bytes"][r].items() if v}
-        assert {k: v for k, v in got["bytes"].items() if k != "io"} == counted
+        assert {k: v for k, v in got["bytes"].items() if k not in ("io", "ckpt")} == counted
     assert {k: v for k, v in logged["comm_bytes_per_step"].items() if v} == {
-        k: v for k, v in ranks[0]["bytes"].items() if k != "io"}  # rank 0's, as metrics.jsonl has them
+        k: v for k, v in ranks[0]["bytes"].items() if k not in ("io", "ckpt")}  # rank 0's, as metrics.jsonl
     assert info["bubble"]["formula"] == pytest.approx(0.2) and 0.05 < info["bubble"]["measured"] < 0.6
 
 
@@ -609,3 +612,21 @@ def test_launch_quotes_every_value_it_writes(data, capsys, tmp_path):
         assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "llama3-1-8b-shared"
         flags = config.get_parser().parse_args(pod["containers"][0]["command"][2:])
         assert (flags.data, flags.out_dir, flags.tp) == (data, "/shared/out-llama3-1-8b", 8)
+
+
+def test_compare_hf_builds_their_model_on_the_device_in_the_measured_dtype(monkeypatch):
+    """transformers' side was built in fp32 on the CPU and then moved: at 1B that took longer than its timed
+    steps. Its parameters are now made where and as they are measured (here on the meta device, which holds
+    no values, so nothing can have been built elsewhere first), and the default dtype is left as it was."""
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    hf = bench.built_on(torch.device("meta"), torch.bfloat16, lambda: transformers.LlamaForCausalLM(cfg))
+    assert {(p.device.type, p.dtype) for p in hf.parameters()} == {("meta", torch.bfloat16)}
+    assert torch.get_default_dtype() == torch.float32
+    seen, built_on = [], bench.built_on
+    monkeypatch.setattr(bench, "built_on", lambda device, dtype, build: seen.append((device.type, dtype)) or
+                        built_on(device, dtype, build))
+    a = bench.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps",
+                                       "1", "--warmup-steps", "0", "--precision", "bf16", "--compare-hf"])
+    assert bench.hf_tokens_per_s(a) > 0 and seen == [("cpu", torch.bfloat16)]

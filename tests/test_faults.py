@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import data
 import multiproc
 import optim as O
@@ -300,8 +301,8 @@ def test_fp16_loss_scale_overflows_do_not_stop_the_run(tmp_path, monkeypatch):
 @pytest.mark.parametrize("io_timeout", [60, 3])
 def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_path, io_timeout):
     """Rank 0 takes 6 s to prepare the data, 6 s to delete an earlier run (--overwrite), 6 s to write its
-    checkpoint shard and 6 s to delete old checkpoints (rotation), while rank 1, with nothing to do, waits
-    for it: longer than --dist-timeout 3, which bounds a collective, and within --io-timeout, which bounds
+    checkpoint shard (in the background) and 6 s to delete old checkpoints (rotation), while rank 1, with
+    nothing to do, waits for it: longer than --dist-timeout 3, which bounds a collective, and within --io-timeout, which bounds
     waits for disk work (deleting a TB-sized run on a parallel file system takes minutes). With
     --io-timeout 3 the wait fails, naming it."""
     script = tmp_path / "slow_disk.py"
@@ -312,7 +313,7 @@ def test_long_disk_work_is_bounded_by_the_io_timeout_not_the_collective_one(tmp_
         slow = lambda real: (lambda *a, **k: (time.sleep(6) if os.environ["RANK"] == "0" else None,
                                               real(*a, **k))[1])
         data.resolve_data = slow(data.resolve_data)
-        checkpoint.save_shards = slow(checkpoint.save_shards)
+        checkpoint.write_shard = slow(checkpoint.write_shard)
         checkpoint.clear_run, checkpoint.rotate = slow(checkpoint.clear_run), slow(checkpoint.rotate)
         config.run(train.main, sys.argv[1:])
     """))
@@ -447,3 +448,96 @@ def test_changing_a_timeout_is_silent_on_every_rank_and_takes_effect(tmp_path):
     assert p.returncode == 0 and "Warning" not in p.stderr and "_set_pg_timeout" not in p.stderr, p.stderr
     waited = json.loads((tmp_path / "rank0.json").read_text())
     assert waited["failed"] and "--dist-timeout 1 s" in waited["failed"] and waited["seconds"] < 2.4, waited
+
+
+# ----------------------------------------------------------------------------------------------------
+# Asynchronous checkpoints: the step waits for a copy in host memory; a thread writes it
+
+
+def slow_writes(monkeypatch, seconds: float):
+    real = checkpoint.write_shard
+    monkeypatch.setattr(checkpoint, "write_shard", lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1])
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_the_step_waits_for_a_copy_not_for_the_disk(tmp_path, monkeypatch, sync):
+    """Each shard write takes 1.5 s here. Asynchronous (the default): the step waits for the copy of the state
+    alone, training goes on while the thread writes, and the run ends only once its last checkpoint is on
+    disk, with the weights it trained. --ckpt-sync: the step waits for the whole write."""
+    slow_writes(monkeypatch, 1.5)
+    args = config.get_parser().parse_args(TINY + ["--max-steps", "6", "--ckpt-every", "3", "--out-dir",
+                                                  str(tmp_path)] + (["--ckpt-sync"] if sync else []))
+    run = train.train(args)
+    assert [s["step"] for s in run.saves] == [3, 6] and all(s["write_s"] >= 1.5 for s in run.saves)
+    if sync:
+        assert all(s["stall_s"] >= 1.5 for s in run.saves)
+    else:  # (step 6's save waits for step 3's, still being written: one save at a time)
+        assert run.saves[0]["stall_s"] < 0.5  # (1 s of margin below the write)
+    assert checkpoint.find_latest(tmp_path) == (tmp_path / "step_000006", [])
+    saved = masters(tmp_path)
+    assert all(torch.equal(saved[n], p.detach()) for n, p in run.model.named_parameters())
+
+
+def test_a_background_write_that_fails_on_one_rank_stops_every_rank(tmp_path):
+    """tp 2: both ranks write a shard. Rank 1's second write fails (a full disk) in the background while
+    both train on: at the next step every rank learns it (the step's tally) and stops, with one line that
+    names the intact checkpoint; nothing hangs, nothing half-written is left, and --resume goes on
+    from the intact one."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(textwrap.dedent(f"""
+        import errno, os, sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import config, train
+        real, n = torch.save, [0]
+        def save(obj, f, *a, **k):
+            n[0] += 1
+            if os.environ["RANK"] == "1" and n[0] == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(obj, f, *a, **k)
+        torch.save = save
+        config.run(train.main, sys.argv[1:])
+    """))
+    out = tmp_path / "o"
+    flags = TINY + ["--tp", "2", "--ckpt-every", "2", "--out-dir", str(out)]
+    p = subprocess.run(multiproc.command(2, script, *flags, "--max-steps", "12"), capture_output=True, text=True,
+                       timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]  # (rank 0 says it for all)
+    assert len(errors) == 1 and all(
+        "could not write checkpoint" in e and "step_000004: rank 1: No space left on device" in e
+        and "the previous checkpoint (step_000002) is intact" in e for e in errors), p.stderr[-3000:]
+    assert max(r["step"] for r in records(out) if "loss" in r) < 12  # it stopped, not at the end
+    assert checkpoint.find_latest(out) == (out / "step_000002", []) and not list(out.glob(".tmp-*"))
+    again = subprocess.run(multiproc.command(2, REPO / "train.py", *flags, "--max-steps", "6", "--resume"),
+                           capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0 and "at step 2" in again.stdout, again.stderr[-3000:]
+    assert checkpoint.find_latest(out)[0].name == "step_000006"
+
+
+def test_sigterm_during_a_background_write_waits_for_it_then_saves(tmp_path):
+    """SIGTERM while the thread writes step 3's checkpoint (each write takes 2 s): the step finishes, step 3's
+    write completes, the stop step is saved, exit 0; both checkpoints are intact and --resume goes on."""
+    script = tmp_path / "slow.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        import checkpoint, config, train
+        real = checkpoint.write_shard
+        checkpoint.write_shard = lambda *a, **k: (time.sleep(2), real(*a, **k))[1]
+        config.run(train.main, sys.argv[1:])
+    """))
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, str(script), *TINY, "--max-steps", "100000", "--ckpt-every", "3",
+                          "--keep-ckpts", "5", "--out-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / ".tmp-step_000003").exists():
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)  # the write of step 3 has begun (its folder is there) and takes 2 s
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0 and "stopped by signal SIGTERM" in stdout, stderr[-2000:]
+    last = max(r["step"] for r in records(out) if "loss" in r)
+    assert last > 3 and checkpoint.find_latest(out) == (out / f"step_{last:06d}", [])
+    assert checkpoint.damage(out / "step_000003") is None  # the write in flight was finished, not dropped
+    code = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", str(last + 2),
+                           "--out-dir", str(out), "--resume"], capture_output=True, text=True, cwd=REPO)
+    assert code.returncode == 0 and f"at step {last}" in code.stdout, code.stderr[-2000:]

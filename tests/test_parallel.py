@@ -52,8 +52,7 @@ def _entry(rank, world, port, fn, args):
     try:
         fn(*args)
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        launch.leave_job()
 
 
 # ---------------------------------------------------------------------------------------------------

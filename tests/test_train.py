@@ -546,3 +546,26 @@ def test_with_no_size_flag_a_gpu_run_is_sized_for_the_gpu():
         args, given = parse(argv)
         before = vars(args).copy()
         assert config.sized_for_the_device(args, given, "cuda") is None and vars(args) == before
+
+
+@pytest.mark.parametrize("script,nominal", [("train", 100), ("sft", 20), ("dpo", 10), ("reward", 10)])
+def test_a_default_warmup_fits_a_short_run_and_a_given_one_is_still_checked(script, nominal):
+    """`python train.py --max-steps 20` was refused for a --warmup of 100 the user never gave. A warmup not
+    given is at most a tenth of --max-steps (each script's default run keeps its own); one given longer
+    than the run is refused, however it is spelled."""
+    parser = (config if script == "train" else __import__(script)).get_parser()
+    assert config.parse(parser, []).warmup == nominal  # the default runs are as they were
+    assert config.parse(parser, ["--max-steps", "20"]).warmup == 2
+    assert config.parse(parser, ["--max-steps", "5"]).warmup == 0
+    for given in (["--warmup", "30"], ["--warmup=30"], ["--warm", "30"]):
+        args = config.parse(parser, ["--max-steps", "20", *given])
+        with pytest.raises(config.ConfigError, match="--warmup must be at most --max-steps 20"):
+            config.validate(args)
+
+
+def test_a_short_run_needs_no_other_flag(tmp_path):
+    code, stdout, stderr = run_cli("--model", "tiny", "--seq-len", "32", "--max-steps", "3", "--eval-every", "0",
+                                   "--eval-batches", "2", "--sample-tokens", "0", "--log-every", "1",
+                                   "--out-dir", str(tmp_path))
+    assert code == 0, stderr[-2000:]
+    assert [r["lr"] for r in records(tmp_path) if "loss" in r][0] == 3e-3  # no warmup: --lr from the start
