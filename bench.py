@@ -37,6 +37,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import statistics
 import shutil
 import subprocess
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import checkpoint as C
 import config
 import costs
 import data
@@ -430,7 +432,7 @@ def measure_here(a, over: dict) -> dict:
     alone = launch.launch_env()[1] == 1
     try:
         return measure_ckpt(a) if "checkpoint" in over else {"setting": over, **measure(a, **over)}
-    except config.ConfigError as e:  # a refusal: its line says it all
+    except (config.ConfigError, C.CheckpointError, OSError) as e:  # a refusal, or the user's disk: one line
         return {"setting": over, "error": data.one_line(e)}
     except Exception as e:
         if not alone:
@@ -451,13 +453,21 @@ def measure_apart(argv: list[str], over: dict) -> dict:
         flags.append(arg)
     row = (["--measure-ckpt", "only"] if "checkpoint" in over else ["--sweep", setting_text(over)] if over
            else [])  # ({}: the flags' own run)
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags, *row, "--json"],
-                       capture_output=True, text=True)
+    # the child's temporary folders (its run's log and checkpoints) inside one of ours, removed here even
+    # when the child is killed (the OOM killer) before it can remove them itself
+    with tempfile.TemporaryDirectory(prefix="bench-row-") as tmp:
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *flags, *row, "--json"],
+                           capture_output=True, text=True, env={**os.environ, "TMPDIR": tmp})
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode:
         sys.stderr.write(p.stderr)  # (a refusal's row says why; a failure's traceback is here)
     if rows:
         return {k: v for k, v in rows[-1].items() if k not in ("torch", "python", "device", "model")}
+    if p.returncode < 0:  # ended by a signal: its last line (a progress line, say) is not why
+        name = signal.Signals(-p.returncode).name
+        why = f"the process was killed by {name}" + (" (the OOM killer sends it when memory runs out)"
+                                                     if name == "SIGKILL" else "")
+        return {"setting": over, "error": why}
     why = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
     return {"setting": over, "error": why.removeprefix("error: ")}
 
@@ -812,6 +822,9 @@ def validate(a):
     max_seq_len = model_args(a).max_seq_len  # (an unknown preset is refused here)
     need(a.seq_len <= max_seq_len, "seq_len", f"at most model {a.model}'s max_seq_len {max_seq_len}")
     micro_batch_counts(a.micro_batches)
+    if a.compare_hf and launch.launch_env()[1] > 1:  # (N processes of ours against N copies of theirs on one GPU)
+        refuse(f"--compare-hf times one process of ours against one transformers model on the same device; "
+               f"this job has {launch.launch_env()[1]} processes: run it as one")
     if a.launch and not a.plan:
         refuse("--launch writes the launch of a --plan: add --plan and the layout")
     check_launch_values(a)
@@ -904,7 +917,12 @@ def check_comparison(a, world: int):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    a = get_parser().parse_args(argv)
+    parser = get_parser()
+    a = parser.parse_args(argv)
+    try:
+        config.check_ramp_flags(a, config.given_flags(parser, argv))
+    except config.ConfigError as e:
+        refuse(str(e))
     validate(a)  # before any process group, run or output
     launch.exit_with_agent()  # a worker whose torchrun agent was killed ends too
     versions = {"torch": torch.__version__, "python": platform.python_version(),
@@ -1133,10 +1151,18 @@ def sizing_for(flops: float) -> dict:
                        for m, t in LLAMA3.items()}}
 
 
+def count(n: float) -> str:
+    """A count in the unit that fits it: 405B, 15.60T, 3.2M, 950K, 12."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.3g}{unit}" if n < 100 * size else f"{n / size:,.0f}{unit}"
+    return f"{n:.3g}"
+
+
 def print_sizing(s: dict):
     print(f"{s['budget_flops']:.3g} FLOPs, compute-optimal by Chinchilla (Hoffmann et al. 2022, approaches 1 "
           f"and 2: N and D both as C^0.5, {s['tokens_per_parameter']} tokens per parameter): "
-          f"{s['parameters'] / 1e9:,.1f}B parameters on {s['tokens'] / 1e12:,.2f}T tokens")
+          f"{count(s['parameters'])} parameters on {count(s['tokens'])} tokens")
     print("  Llama 3 chose: " + ", ".join(f"{m} on {v['tokens'] / 1e12:g}T tokens "
                                          f"({v['tokens_per_parameter']:,.0f} per parameter)"
                                          for m, v in s["llama3"].items()))
@@ -1149,7 +1175,6 @@ def run_ramp_plan(a):
     """--plan --ramp: one plan per stage (its sequence length, its accumulation, its share of
     --tokens) and the run's totals; the largest stage's memory decides whether the layout fits."""
     try:
-        config.check_ramp_flags(a, get_parser())
         stages = config.parse_ramp(a.ramp)
     except config.ConfigError as e:
         refuse(str(e))

@@ -287,7 +287,7 @@ def _assemble(parts: list[dict], keys=STATE_KEYS) -> dict[str, torch.Tensor]:
 def manifest_files(folder: Path) -> list[Path]:
     """The shard files a checkpoint's manifest (meta.json) lists, and no other: a stray file beside
     them, even one named like a shard, is never read."""
-    meta = json.loads((Path(folder) / "meta.json").read_text())
+    meta = json.loads(data.regular_file(Path(folder) / "meta.json", "checkpoint file").read_text())
     names = sorted(meta["files"]) if isinstance(meta, dict) and isinstance(meta.get("files"), dict) else []
     if not names or not all(SHARD_RE.fullmatch(name) for name in names):
         raise ValueError(f"{folder}/meta.json lists no shard files ('files')")
@@ -298,7 +298,8 @@ def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[W.LazySt
     """A checkpoint's shard files (memory-mapped) -> {name: {"master", "exp_avg", "exp_avg_sq"}} (or
     only `keys`) as full tensors, each assembled when looked up, so loading into another layout
     holds one full parameter at a time; plus the first file's extra fields."""
-    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in manifest_files(folder)]
+    shards = [torch.load(data.regular_file(f, "checkpoint file"), map_location="cpu", weights_only=True, mmap=True)
+              for f in manifest_files(folder)]
     pieces: dict[str, list] = {}
     for s in shards:
         for name, e in s["params"].items():
@@ -757,11 +758,12 @@ def resume_point(out_dir: Path, args, margs, mesh, say=print) -> tuple[Path | No
         say(f"--resume: no checkpoint in {out_dir}, starting from scratch")
     if ckpt is not None:
         say_unlisted(ckpt, say)
-    return ckpt, (meta_for(ckpt, margs) if ckpt else None)
+    return ckpt, (meta_for(ckpt, margs, args.model) if ckpt else None)
 
 
-def meta_for(ckpt: Path, margs: M.ModelArgs) -> dict:
-    """The checkpoint's meta.json, if its model is this run's."""
+def meta_for(ckpt: Path, margs: M.ModelArgs, model: str | None = None) -> dict:
+    """The checkpoint's meta.json, if its model is this run's (`model`: this run's --model, said when they
+    differ beside the checkpoint's, which shows where a default came in)."""
     meta = read_meta(ckpt)
     try:
         saved = M.ModelArgs.from_dict(meta["model_args"])
@@ -770,8 +772,14 @@ def meta_for(ckpt: Path, margs: M.ModelArgs) -> dict:
                               f"{data.one_line(e)}")
     if saved != margs:
         diff = {k: (v, getattr(margs, k)) for k, v in asdict(saved).items() if getattr(margs, k) != v}
+        flags = meta.get("args") if isinstance(meta.get("args"), dict) else {}
+        theirs = " ".join(f"--{k.replace('_', '-')} {flags[k]}" for k in ("model", "seq_len", "micro_batch")
+                          if k in flags)
+        said = (f"; it was trained with {theirs}, this run has --model {model}: repeat the flags that shaped it "
+                "(a run on a GPU given no flag that sizes it takes the GPU's default model, one given any "
+                "flag the CPU's)") if theirs and model else ""
         raise CheckpointError(f"checkpoint {ckpt} is for another model: (checkpoint, this run) differ in "
-                              f"{diff}")
+                              f"{diff}{said}")
     return meta
 
 
@@ -1029,7 +1037,7 @@ def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, aver
     and carrying its `tokenizer`. With `average` (other checkpoints of the run), each weight is the
     fp32 mean of all (Polyak averaging), a parameter at a time: never N models in memory."""
     folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = json.loads(data.regular_file(folder / "meta.json", "checkpoint file").read_text())
     states = [checkpoint_state(f, tokenizer, verify=False)[1] for f in [folder, *average]]
     model = W.empty_model(M.ModelArgs.from_dict(meta["model_args"]))
     mean = lambda name: sum(state[name].float() for state in states) / len(states)

@@ -86,7 +86,9 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
 def fit_defaults(args, given: set[str]):
     """A default the user did not give never refuses a run: --warmup, unless given, is at most a tenth
     of --max-steps (train.py's 100 of 2,400 steps stand; --max-steps 20 warms up for 2 steps). A
-    given --warmup longer than the run is still refused (validate)."""
+    given --warmup longer than the run is still refused (validate); so is a given --seq-len or
+    --grad-accum beside --ramp, which sets both (whatever their values)."""
+    check_ramp_flags(args, given)
     if "warmup" not in given:
         args.warmup = min(args.warmup, args.max_steps // 10)
 
@@ -168,18 +170,19 @@ def add_lora_flags(p: argparse.ArgumentParser, only=None):
         help="train low-rank updates of rank R beside the frozen model (LoRA), not every weight")
     add("--lora-alpha", type=float, default=None, metavar="A",
         help="the updates are scaled by A / R (default: A = 2R)")
-    add("--lora-targets", default=",".join(M.LORA_TARGETS),
-        help="the linears of every block that get an update")
+    add("--lora-targets", default=None,
+        help=f"the linears of every block that get an update (default: {','.join(M.LORA_TARGETS)})")
 
 
 def lora_of(args) -> tuple[int, float, tuple[str, ...]] | None:
     """(rank, alpha, targets), or None without --lora-rank (then the other two are refused)."""
     if args.lora_rank is None:
-        if args.lora_alpha is not None or args.lora_targets != ",".join(M.LORA_TARGETS):
+        if args.lora_alpha is not None or args.lora_targets is not None:  # (None: not given)
             raise ConfigError("--lora-alpha and --lora-targets shape LoRA's updates: they need --lora-rank R")
         return None
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
-    return args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    targets = args.lora_targets if args.lora_targets is not None else ",".join(M.LORA_TARGETS)
+    return args.lora_rank, alpha, tuple(t.strip() for t in targets.split(",") if t.strip())
 
 
 def check_lora(args, margs, recipe):
@@ -432,11 +435,20 @@ def eval_tasks(spec: str) -> list[tuple[str, int | None]]:
         name, sep, limit = part.rpartition(":") if re.fullmatch(r".+:\w*", part) else (part, "", "")
         if sep and not (limit.isdigit() and int(limit) >= 1):
             raise ConfigError(f"--eval-tasks {part!r}: the number after ':' is how many items, at least 1")
-        if name in [n for n, _ in tasks]:
-            raise ConfigError(f"--eval-tasks names {name} twice: one entry a benchmark (NAME:N scores its "
+        same = [n for n, _ in tasks if task_key(n) == task_key(name)]  # (a file under two spellings too)
+        if same:
+            twice = name if same[0] == name else f"{same[0]} and {name}, one file,"
+            raise ConfigError(f"--eval-tasks names {twice} twice: one entry a benchmark (NAME:N scores its "
                               "first N items)")
         tasks.append((name, int(limit) if limit else None))
     return tasks
+
+
+def task_key(name: str) -> str:
+    """What an --eval-tasks entry names: a file by its real path (./x.jsonl, x.jsonl, a link to it), else
+    the benchmark."""
+    path = Path(name).expanduser()
+    return os.path.realpath(path) if os.path.isfile(path) else name
 
 
 NAME_MAX = 255  # bytes in one file or folder name, on every common file system
@@ -628,11 +640,49 @@ def check_memory(margs, args, world: int, device, precision: str, rows_per_examp
     if have is not None and need > have and args.memory_check:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)
         built = f"; {build / 1e9:.1f} GB while it is built" if build > est["total"] else ""
-        raise ResourceError(f"model {args.model} needs about {need / 1e9:.1f} GB per process "
+        what = f"--init {args.init}" if getattr(args, "init", None) else f"model {args.model}"  # (what is built)
+        raise ResourceError(f"{what} ({costs.count_params(margs) / 1e6:,.1f}M parameters) needs about "
+                            f"{need / 1e9:.1f} GB per process "
                             f"({parts} GB{built}) but {device.type} has {have / 1e9:.1f} GB available, "
                             f"{(need - have) / 1e9:.1f} GB short; use a smaller model or micro-batch, shard it "
                             "over more processes (--tp, --pp, --zero 1-3), a device with more memory, or "
                             "--no-memory-check to try it all the same")
+
+
+# Flags a node may give its own value: paths on its own disks (what they hold is compared once read: the
+# data's fingerprint, the vocabulary), its own device, its logging. Every other flag shapes the run; and a
+# multi-node launch runs one command per node, which nothing else makes equal (check_ranks_agree).
+PER_NODE = {"data", "anneal_data", "mirror", "out_dir", "init", "tokenizer", "eval_tasks", "tensorboard", "wandb",
+            "device", "prompts", "reward", "reward_fn"}
+
+
+def check_ranks_agree(args, device):
+    """Refuse a job whose ranks were given different run-shaping flags: a rank at another --micro-batch,
+    --lr or --tp would train on, or hang in a group its peers never build. It joins the job (the world
+    group) and compares every rank's flags before any other group exists; every rank refuses alike."""
+    rank, world = launch.launch_env()
+    if world == 1:
+        return
+    if not torch.distributed.is_initialized():
+        launch.join_job(rank, world, device, args.dist_timeout)
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, {k: v for k, v in vars(args).items() if k not in PER_NODE})
+    refuse_differences(everyone)
+
+
+def refuse_differences(everyone: list[dict]):
+    """ConfigError naming the first setting that differs between ranks (everyone: each rank's, in rank
+    order), and which ranks have which value."""
+    for key in everyone[0]:
+        ranks: dict[str, list[int]] = {}
+        for r, settings in enumerate(everyone):
+            ranks.setdefault(repr(settings.get(key)), []).append(r)
+        if len(ranks) > 1:
+            name = key if " " in key else f"--{key.replace('_', '-')}"  # (a flag, or a value read: "the data's ...")
+            values = " and ".join(f"{value} on rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}"
+                                  for value, rs in ranks.items())
+            raise ConfigError(f"the ranks of this job differ in {name}: {values}; every rank needs the same "
+                              "settings (one command on every node, paths aside)")
 
 
 def check_overwrite(args):
@@ -734,18 +784,16 @@ def enter_stage(args, stage: Stage, dp: int):
     args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
 
 
-def check_ramp_flags(args, parser: argparse.ArgumentParser):
-    """Refuse --seq-len or --grad-accum beside --ramp (the parser knows their defaults)."""
-    given = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in ("seq_len", "grad_accum")
-             if getattr(args, f) != parser.get_default(f)]
-    if given:
+def check_ramp_flags(args, given: set[str]):
+    """Refuse --seq-len or --grad-accum given beside --ramp (given_flags: whatever their values)."""
+    both = [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in ("seq_len", "grad_accum") if f in given]
+    if args.ramp is not None and both:
         raise ConfigError(f"--ramp sets the sequence length and the accumulation stage by stage: leave out "
-                          f"{' and '.join(given)}")
+                          f"{' and '.join(both)}")
 
 
 def check_ramp(args, dp: int) -> list[Stage]:
     """--ramp's stages, each checked against the flags (its layout and memory: check_config)."""
-    check_ramp_flags(args, get_parser())
     stages = parse_ramp(args.ramp)
     beyond = [s for s in stages if s.start >= args.max_steps]
     if beyond:

@@ -1007,7 +1007,8 @@ def check_flags(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
-            prompts += [line for line in Path(args.prompts_file).read_text().split("\n") if line.strip()]
+            prompts += [line for line in data.regular_file(args.prompts_file, "--prompts-file").read_text()
+                        .split("\n") if line.strip()]
         except OSError as e:
             raise config.ConfigError(f"--prompts-file: {e}") from None
     if not (args.task or prompts or args.contamination or args.plot or args.diff):

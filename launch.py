@@ -50,8 +50,10 @@ def launch_env() -> tuple[int, int]:
     if world < 1 or rank is None or rank >= world:
         raise LaunchError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} do "
                           f"not name a process of a job (0 <= RANK < WORLD_SIZE): {launch}")
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        whole(name, 0)
+    local_rank, local_world = whole("LOCAL_RANK", 0), whole("LOCAL_WORLD_SIZE", None)
+    if local_world is not None and not local_rank < local_world <= world:
+        raise LaunchError(f"LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE={local_world} do not name a process of "
+                          f"this node (0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE {world}): {launch}")
     if world > 1:
         addr, port = os.environ.get("MASTER_ADDR", "").strip(), whole("MASTER_PORT", None)
         if not addr or port is None or not 0 < port < 65536:

@@ -337,17 +337,20 @@ class RLTask:
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # 12, -3, 2.50 (thousands separators are dropped first: 1,000)
+# a thousands separator: a comma between a digit and exactly three digits (1,000 and 12,345,678; not the
+# list "3,4" or "3, 4", nor "1,0000")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
 def last_number(text: str) -> Decimal | None:
     """The last number written in text, exactly (a Decimal: 2.0 == 2, and no binary rounding)."""
-    found = _NUMBER.findall(text.replace(",", ""))
+    found = _NUMBER.findall(_THOUSANDS.sub("", text))
     return Decimal(found[-1]) if found else None
 
 
 def as_number(answer) -> Decimal | None:
     """A record's "answer" as a number, if it is one and nothing else ("1,000", "3.5", 2.0), else None."""
-    text = str(answer).strip().replace(",", "")
+    text = _THOUSANDS.sub("", str(answer).strip())
     return Decimal(text) if _NUMBER.fullmatch(text) else None
 
 

@@ -248,6 +248,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     recipe = recipe or Pretraining(args)
     spec = config.check_config(args, recipe)
     E.check_benchmarks(args, recipe.kind)
+    config.check_ranks_agree(args, spec.device)
     mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
     lock, meter, stop = C.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
     try:
@@ -747,6 +748,8 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
         config.enter_stage(args, config.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
     check_enough_data(loader, args, mesh)
+    config.refuse_differences(P.all_gather_objects({"the data's contents (their fingerprint)": data_contents(loader),
+                                                    "the tokenizer's vocabulary": spec.tok.n_vocab}, mesh))
     dtype, lazy = M.DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy, config.lora_of(args),
@@ -789,6 +792,14 @@ def check_enough_data(loader, args, mesh):
                              f"{args.seq_len}, fewer than one global batch of {per_step:,} "
                              f"(--micro-batch {loader.batch_size} x --grad-accum {args.grad_accum} x "
                              f"dp {mesh.dp}); use more data or a smaller batch")
+
+
+def data_contents(loader) -> str:
+    """What the training data holds, whatever path each node reads it under: a fingerprint of its shards
+    (of a mixture: of each source's, with its weight)."""
+    if isinstance(loader, data.MixtureLoader):
+        return str([[weight, part.fingerprint()] for weight, part in zip(loader.weights, loader.loaders)])
+    return loader.fingerprint()
 
 
 def partial_over_tp(names: list[str], model, mesh) -> list[int]:

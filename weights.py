@@ -67,7 +67,7 @@ def args_in(file: Path, parse) -> "ModelArgs":
 
 def read_json_object(path) -> dict:
     """A JSON file that must hold an object (config.json, params.json) -> the dict."""
-    obj = _parse_json(Path(path).read_bytes(), str(path))
+    obj = _parse_json(data.regular_file(path, "file").read_bytes(), str(path))  # (a FIFO would hang the read)
     if not isinstance(obj, dict):
         raise ValueError(f"{path} must hold a JSON object {{...}}, not {M.show(obj)}")
     return obj
@@ -96,7 +96,7 @@ def _safetensors_entry_problem(info, data_len: int) -> str | None:
 def _safetensors_header(path) -> tuple[int, dict]:
     """(where data starts, {name: {dtype, shape, data_offsets}}), reading no tensor. Each entry is
     checked here: a damaged or hostile file is one ValueError, not a struct, memory or torch one."""
-    size = os.path.getsize(path)
+    size = os.path.getsize(data.regular_file(path, "weight file"))  # (a FIFO would hang every reader)
     damaged = f"{path} is not a valid safetensors file"
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -344,6 +344,7 @@ def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
     `path` is replaced only if it holds nothing but an earlier export's files (`ours`)."""
     path = Path(os.path.abspath(path))  # "." and "x/.." have no name to put a sibling next to
     _check_export_target(path, ours)
+    replacing = path.exists()  # (an earlier export, replaced; else nothing may appear there meanwhile)
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier, killed process with our pid
@@ -354,7 +355,7 @@ def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
             (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
         for f in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them the export
             _fsync(f)
-        _swap_in(tmp, path)
+        _swap_in(tmp, path, replacing)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -374,10 +375,15 @@ def _check_export_target(path: Path, ours):
                                   "new or empty folder, or move them away")
 
 
-def _swap_in(new: Path, path: Path):
-    """Rename folder `new` to `path`. An earlier export there is renamed aside first and deleted
-    only once the new one is in place; if the second rename fails, it is put back."""
-    if path.exists():
+def _swap_in(new: Path, path: Path, replacing: bool):
+    """Rename folder `new` to `path`. An earlier export there (replacing) is renamed aside first and
+    deleted only once the new one is in place; if the second rename fails, it is put back. A folder
+    that appeared at `path` while this export was written (another export to the same new folder) is
+    never replaced: the rename onto it fails, and this export says so."""
+    if path.exists() and not replacing:
+        raise FileExistsError(f"{path} appeared while this export was written (another export to it at "
+                              "the same time?); it is left as it is, and this export was not written")
+    if replacing and path.exists():
         old = path.parent / f".old-{path.name}-{os.getpid()}"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
@@ -388,7 +394,12 @@ def _swap_in(new: Path, path: Path):
             raise
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.rename(new, path)
+        try:
+            os.rename(new, path)  # (onto a folder that appeared since the check above: fails unless it is empty)
+        except OSError as e:
+            raise FileExistsError(f"{path} appeared while this export was written (another export to it at "
+                                  f"the same time?); it is left as it is, and this export was not written "
+                                  f"({e.strerror})") from None
     _fsync(path.parent)  # the rename itself on disk
 
 
@@ -438,7 +449,8 @@ def load_meta(path, dtype=torch.float32) -> Transformer:
     files = sorted(path.glob("consolidated.*.pth"))
     if not files:
         raise FileNotFoundError(f"no consolidated.*.pth files in {path}")
-    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
+    shards = [torch.load(data.regular_file(f, "weight file"), map_location="cpu", weights_only=True, mmap=True)
+              for f in files]
     state = {}
     for name in shards[0]:
         if name.endswith("rope.freqs"):

@@ -581,6 +581,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=600.0, help="--quick: seconds in all")
     p.add_argument("--report", default="gpu-report", help="--quick: the folder of report.md and report.jsonl")
     a = p.parse_args(argv)
+    if not 0 < a.budget < float("inf"):  # (NaN fails it too: a budget that every comparison would ignore)
+        p.error(f"--budget must be a positive number of seconds, got {a.budget}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         print("SKIP gpu_check: no CUDA device on this machine", flush=True)

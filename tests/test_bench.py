@@ -630,3 +630,65 @@ def test_compare_hf_builds_their_model_on_the_device_in_the_measured_dtype(monke
     a = bench.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps",
                                        "1", "--warmup-steps", "0", "--precision", "bf16", "--compare-hf"])
     assert bench.hf_tokens_per_s(a) > 0 and seen == [("cpu", torch.bfloat16)]
+
+
+def test_compare_hf_under_several_processes_is_refused():
+    """Under torchrun each rank printed its own ratio (0.19 and 0.27 at tp 2): ours over N processes against
+    one transformers copy per rank, every copy on the same device, nothing naming the layout."""
+    p = subprocess.run(multiproc.command(2, REPO / "bench.py", "--model", "tiny", "--seq-len", "32", "--tp", "2",
+                                         "--compare-hf"), capture_output=True, text=True, timeout=120)
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode != 0 and lines and all("--compare-hf times one process of ours" in line and
+                                               "this job has 2 processes" in line for line in lines), p.stderr
+
+
+def test_a_small_budget_is_sized_in_the_unit_that_fits():
+    """--budget-flops 1e15 printed "0.0B parameters on 0.00T tokens"."""
+    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--budget-flops", "1e15"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    assert out.endswith("2.89M parameters on 57.7M tokens")
+    assert [bench.count(n) for n in (12, 950e3, 3.2e6, 405e9, 15.6e12)] == ["12", "950K", "3.2M", "405B", "15.6T"]
+
+
+def test_a_gpu_day_budget_that_is_not_a_number_is_refused(monkeypatch, capsys):
+    """`gpu_check --quick --budget nan` ran with no budget at all: every comparison with NaN is false."""
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    import gpu_check
+    for budget in ("nan", "0", "-5", "inf"):
+        with pytest.raises(SystemExit) as stop:
+            gpu_check.main(["--quick", "--budget", budget])
+        assert stop.value.code == 2 and "--budget must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_a_row_whose_process_was_killed_says_so_and_leaves_no_folder(monkeypatch):
+    """A row whose child was killed (as the OOM killer does) reported the child's last line of errors
+    ("... already prepared") and left its temporary folder behind: it names the signal now, and the
+    child's temporary folders, made inside one the parent removes, are gone."""
+    made, run = [], subprocess.run
+    child = ("import os, signal, sys, tempfile; d = tempfile.mkdtemp(); open(os.path.join(d, 'ckpt'), 'w').close();"
+             " print(d, flush=True); print('shards: already prepared', file=sys.stderr, flush=True);"
+             " os.kill(os.getpid(), signal.SIGKILL)")
+
+    def killed(cmd, **kw):
+        p = run([sys.executable, "-c", child], **kw)
+        made.append(p.stdout.strip())
+        return p
+    monkeypatch.setattr(bench.subprocess, "run", killed)
+    row = bench.measure_apart(["--model", "tiny"], {"mb": 4})
+    assert row == {"setting": {"mb": 4}, "error": "the process was killed by SIGKILL (the OOM killer sends it "
+                                                  "when memory runs out)"}
+    assert made[0] and not os.path.exists(made[0])
+
+
+def test_a_full_disk_in_a_row_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """A row on a full TMPDIR printed a 20-line traceback before its one-line error: a checkpoint or disk
+    error is the user's disk, not a bug in bench.py."""
+    import checkpoint
+    a = bench.get_parser().parse_args(["--model", "tiny"])
+
+    def full(*args, **kw):
+        raise checkpoint.CheckpointError("could not write checkpoint /tmp/x/step_000001: No space left on device")
+    monkeypatch.setattr(bench, "measure", full)
+    assert bench.measure_here(a, {"mb": 2}) == {"setting": {"mb": 2}, "error": "could not write checkpoint "
+                                                "/tmp/x/step_000001: No space left on device"}
+    assert "Traceback" not in capsys.readouterr().err

@@ -1,9 +1,10 @@
 """Chaos: a 2-process data-parallel run under `torchrun --max-restarts` is killed (SIGKILL, no cleanup)
-three times -- at a training step, in the middle of a checkpoint write, and at another step, on different
-ranks -- and brought back each time by torchrun alone from its latest complete checkpoint. Its final
+three times -- at a training step, in the middle of a (background) checkpoint write, and at another step,
+on different ranks -- and brought back each time by torchrun alone from its latest complete checkpoint. Its final
 weights equal an uninterrupted run's, bit for bit. And when torchrun's agent itself is killed, its workers
 end by themselves."""
 
+import json
 import os
 import subprocess
 import sys
@@ -75,9 +76,16 @@ def test_killed_three_times_ends_bit_identical(tmp_path):
                            capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         runs[name] = out
-    log = (runs["chaos"] / "metrics.jsonl").read_text()
-    # step 1 once (never back to scratch), steps 7 and 8 twice (redone after the torn checkpoint), 12 once
-    assert [log.count(f'"step": {s},') for s in (1, 7, 8, 12)] == [1, 2, 2, 1]
+    steps = [r["step"] for r in map(json.loads, (runs["chaos"] / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r]
+    # Each kill sends the job back to its newest complete checkpoint: a write still in the background when
+    # its process dies (the save half written, or one begun just before a kill) never counts, so which
+    # steps are redone depends on timing. What does not: the torn write sends the log back at least once
+    # (a kill before rank 0 logs its step leaves no trace there), every restart is at the step after a
+    # checkpoint (an even one: --ckpt-every 2), never from scratch, and the weights end the same.
+    restarts = [(before, after) for before, after in zip(steps, steps[1:]) if after <= before]
+    assert 1 <= len(restarts) <= 3 and all(after % 2 == 1 and after > 1 for _, after in restarts), steps
+    assert steps.count(1) == 1 and steps.count(12) == 1 and steps[-1] == 12
     assert len(list((tmp_path / "markers").iterdir())) == 3
     final = {name: checkpoint.find_latest(out)[0] for name, out in runs.items()}
     assert final["chaos"].name == final["clean"].name == "step_000012"

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ import dpo
 import evaluate
 import logs
 import model as M
+import multiproc
 import sft
 import train
 import weights as W
@@ -301,7 +303,7 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
      "--eval-tasks nosuch: not a benchmark (hellaswag, piqa, arc_easy)"),
     (["--eval-tasks", "piqa:0"], "--eval-tasks 'piqa:0': the number after ':' is how many items, at least 1"),
     (["--skip-spikes", "0.5"], "--skip-spikes must be 0 (off) or a factor above 1"),
-    (["--model", "llama3.1-405b"], "model llama3.1-405b needs about"),
+    (["--model", "llama3.1-405b"], "model llama3.1-405b (405,853.4M parameters) needs about"),
     (["--virtual-stages", "0"], "--virtual-stages must be at least 1"),
     (["--resume", "--overwrite"], "--resume continues the run in --out-dir and --overwrite deletes it"),
     (["--act-ckpt", "selective", "--compile"], "--act-ckpt selective does not work with --compile"),
@@ -683,9 +685,12 @@ def test_an_interrupted_consolidate_leaves_no_half_model(tmp_path, capsys, monke
      "needs MASTER_ADDR (a host) and MASTER_PORT (1-65535)"),
     ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"},
      "MASTER_ADDR='no-such-host.invalid' is not a host this machine can find"),
+    ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_RANK=0 and LOCAL_WORLD_SIZE=0 do not name a process of this node"),
+    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 and LOCAL_WORLD_SIZE=2 do not name a process"),
 ])
 def test_a_process_not_started_as_part_of_a_job_says_so(tmp_path, capsys, monkeypatch, env, message):
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    """(LOCAL_WORLD_SIZE=0 was a ZeroDivisionError in the memory check.)"""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -715,3 +720,148 @@ def test_a_tampered_meta_json_is_one_line(tmp_path, capsys, case, expected):
         assert expected in refused(capsys, evaluate.main, ["--init", str(out), "--prompt", "a"])
         assert checkpoint.main(["consolidate", str(out), "--hf", str(tmp_path / "hf")]) == 1
         assert expected in error_line(capsys.readouterr().err)
+
+
+def tiny_weight_folders(tmp_path) -> dict[str, Path]:
+    """A tiny model as a Hugging Face folder and as a Meta folder (params.json, consolidated.00.pth)."""
+    margs = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
+                        max_seq_len=128)
+    model = M.Transformer(margs)
+    W.save_hf(model, tmp_path / "hf")
+    (tmp_path / "meta").mkdir()
+    torch.save(model.state_dict(), tmp_path / "meta" / "consolidated.00.pth")  # (values unused here)
+    (tmp_path / "meta" / "params.json").write_text(json.dumps(dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, norm_eps=1e-5)))
+    return {"hf": tmp_path / "hf", "meta": tmp_path / "meta"}
+
+
+@pytest.mark.parametrize("fmt,name", [("hf", "model.safetensors"), ("hf", "config.json"),
+                                      ("meta", "consolidated.00.pth"), ("meta", "params.json")])
+def test_a_weight_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, fmt, name):
+    """Every reader of a Hugging Face or Meta folder (--init, evaluate.py, consolidate) waited forever on a
+    FIFO in a weight file's place, as it once did on a token shard: open() blocks until a writer comes. It
+    is one line now, naming the file and what it is."""
+    folder = tiny_weight_folders(tmp_path)[fmt]
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    outcome = []
+
+    def read():
+        try:
+            checkpoint.load_init(folder, None)
+        except checkpoint.CheckpointError as e:
+            outcome.append(str(e))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive():  # let the stuck reader go (a writer that closes at once: it reads end of file)
+        os.close(os.open(folder / name, os.O_WRONLY | os.O_NONBLOCK))
+    assert outcome and f"{folder / name} is a FIFO (named pipe), not a regular file" in outcome[0], outcome
+
+
+RANK_1_DIFFERS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import config, train
+argv = sys.argv[1:]
+if os.environ["RANK"] == "1":  # a multi-node launch: each node its own command line
+    argv += {extra!r}  # (given last, these win)
+config.run(train.main, argv)
+"""
+
+
+@pytest.mark.parametrize("extra,layout,message", [
+    (["--micro-batch", "2"], [], "differ in --micro-batch: 4 on rank 0 and 2 on rank 1"),
+    (["--lr", "1e-3"], [], "differ in --lr: 0.003 on rank 0 and 0.001 on rank 1"),
+    (["--tp", "2"], [], "differ in --tp: 1 on rank 0 and 2 on rank 1"),
+    (["--data", "OTHER"], ["--tp", "2"], "differ in the data's contents (their fingerprint)"),
+    (["--data", "SAME"], ["--tp", "2"], None)])
+def test_ranks_launched_with_different_settings_are_refused(tmp_path, extra, layout, message):
+    """torchrun gives every rank one command, but a multi-node launch runs one per node: a rank given another
+    micro-batch trained and logged the others' batch, one given another --lr drifted from its replica, a tp
+    pair on different data trained on a mixture of both. Every rank's run-shaping flags, and what its data
+    holds, are compared at start-up; a path that differs while the contents agree is fine."""
+    source = tmp_path / "a.txt"
+    source.write_text("To be, or not to be, that is the question.\n" * 400)
+    (tmp_path / "b").mkdir()
+    extra = [{"OTHER": str(tmp_path / "other.txt"), "SAME": str(tmp_path / "b" / "a.txt")}.get(x, x) for x in extra]
+    (tmp_path / "other.txt").write_text("Now is the winter of our discontent.\n" * 400)
+    shutil.copy(source, tmp_path / "b" / "a.txt")
+    script = tmp_path / "per_node.py"
+    script.write_text(RANK_1_DIFFERS.format(repo=str(REPO), extra=extra))
+    out = tmp_path / "o"
+    p = subprocess.run(multiproc.command(2, script, *TINY, *layout, "--data", source, "--max-steps", "2",
+                                         "--out-dir", out), capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if message is None:
+        assert p.returncode == 0, p.stderr[-3000:]
+        return
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode != 0 and len(errors) == 1 and message in errors[0], p.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists() or not records(out)  # nothing trained
+
+
+@pytest.mark.parametrize("main,flags,message", [
+    (train.main, ["--ramp", "0:128x8", "--seq-len", "128"], "leave out --seq-len 128"),
+    (train.main, ["--ramp", "0:128x8", "--grad-accum", "1"], "leave out --grad-accum 1"),
+    (sft.main, ["--lora-targets", ",".join(M.LORA_TARGETS)], "--lora-targets shape LoRA's updates: they need "
+                                                              "--lora-rank R"),
+])
+def test_a_flag_given_at_its_default_value_is_still_given(tmp_path, capsys, main, flags, message):
+    """Whether a flag was given was decided by comparing its value with the default: --ramp beside an
+    explicit --seq-len 128 or --grad-accum 1 replaced them without a word, and --lora-targets spelled as its
+    default list without --lora-rank ran a full fine-tune. Given is given, whatever the value."""
+    out = tmp_path / "o"
+    assert message in refused(capsys, main, ["--model", "tiny", "--max-steps", "2", "--out-dir", str(out), *flags])
+    assert not out.exists()
+
+
+def test_the_memory_check_names_the_init_model(tmp_path, capsys, monkeypatch):
+    """sft.py, dpo.py and rl.py's memory refusal named the default --model ("model mini needs about ..."),
+    not the model --init holds: it names --init and that model's size."""
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(tmp_path / "base")])
+    import costs
+    monkeypatch.setattr(costs, "available_memory", lambda device: 1e6)
+    message = refused(capsys, sft.main, ["--init", str(tmp_path / "base"), "--max-steps", "2", "--out-dir",
+                                         str(tmp_path / "o")])
+    assert message.startswith(f"error: --init {tmp_path / 'base'} (") and "M parameters) needs about" in message
+    assert "model mini" not in message
+
+
+def test_two_exports_into_one_new_folder_do_not_both_succeed(tmp_path, capsys, monkeypatch):
+    """Two `consolidate --hf` into one new folder at once: both printed success while the folder held the
+    second export. The second to finish now finds the first's folder there, leaves it, and says so."""
+    out, hf = tmp_path / "o", tmp_path / "hf"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    real = W.write_safetensors
+
+    def the_other_export_lands_first(tensors, path):
+        hf.mkdir()
+        (hf / "config.json").write_text('{"the other": "export"}')
+        return real(tensors, path)
+    monkeypatch.setattr(W, "write_safetensors", the_other_export_lands_first)
+    assert checkpoint.main(["consolidate", str(out), "--hf", str(hf)]) == 1
+    assert "appeared while this export was written" in error_line(capsys.readouterr().err)
+    assert [p.name for p in hf.iterdir()] == ["config.json"] and "the other" in (hf / "config.json").read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_one_file_of_eval_tasks_under_two_spellings_is_named_twice(tmp_path, monkeypatch):
+    """`--eval-tasks mc.jsonl,./mc.jsonl` scored one file twice, under two names."""
+    (tmp_path / "mc.jsonl").write_text("{}\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "mc.jsonl")
+    monkeypatch.chdir(tmp_path)
+    for spec in ("mc.jsonl,./mc.jsonl", f"mc.jsonl,{tmp_path}/mc.jsonl", "mc.jsonl:5,link.jsonl"):
+        with pytest.raises(config.ConfigError, match=r"--eval-tasks names mc.jsonl and .*, one file, twice"):
+            config.eval_tasks(spec)
+    assert config.eval_tasks("mc.jsonl,piqa:3") == [("mc.jsonl", None), ("piqa", 3)]
+
+
+def test_resuming_another_model_says_which_flags_shaped_the_checkpoint(tmp_path, capsys):
+    """`train.py --resume --max-steps 4000` after a GPU-default run dropped the GPU default (--max-steps sizes
+    a run) and was refused as "another model" with no word why: the refusal names the checkpoint's flags."""
+    out = tmp_path / "o"
+    train.main(TINY + ["--max-steps", "2", "--out-dir", str(out)])
+    message = refused(capsys, train.main, ["--max-steps", "4", "--resume", "--out-dir", str(out)])
+    assert "is for another model" in message and "it was trained with --model tiny --seq-len 32 --micro-batch 4, " \
+                                                  "this run has --model mini: repeat the flags" in message

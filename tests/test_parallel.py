@@ -733,7 +733,8 @@ def test_a_rank_makes_only_its_own_groups_and_the_first_step_waits_longer(tmp_pa
     for r in range(4):
         out = json.loads((tmp_path / f"r{r}.json").read_text())
         tp_line, dp_line = [r - r % 2, r - r % 2 + 1], [r % 2, r % 2 + 2]
-        assert out["made"] == [["tp", tp_line, None], ["dp", dp_line, None], ["io", [0, 1, 2, 3], "gloo"]]
+        assert out["made"] == [["tp", tp_line, None], ["dp", dp_line, None], ["io", [0, 1, 2, 3], "gloo"],
+                               ["ckpt", [0, 1, 2, 3], "gloo"]]  # (the background checkpoint writer's)
         assert out["io"] == "gloo" and out["patient"] == "ok", out
         if r % 2 == 0:  # the one kept waiting (the late one may find it gone, or time out itself)
             assert "all_reduce of (4,) on the tp group" in out["impatient"], out

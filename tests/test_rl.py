@@ -238,6 +238,9 @@ def test_the_arithmetic_reward_reads_the_last_number():
     ("2.0", "1 + 1 = 2", True), ("3.5", "7 / 2 = 3.50", True), ("1,000", "10 x 100 = 1000", True),
     (1000, "that is 1,000.", True), (2.5, "5 / 2 = 2.5", True), ("-4", "1 - 5 = -4", True),
     ("2", "1 + 1 = 2.5", False), ("0.3", "0.1 + 0.2 = 0.30000000000000004", False), ("12", "1.2", False),
+    # a comma is a thousands separator only between a digit and exactly three digits: "3,4" is a list
+    ("4", "the factors are 3,4", True), ("34", "the factors are 3,4", False), ("4", "3, 4", True),
+    ("12345678", "12,345,678", True), ("34", "3,4", False),
 ])
 def test_the_arithmetic_rule_compares_numbers_as_numbers(answer, reply, right):
     """An answer that is not a plain integer ("2.0", "3.5", "1,000", a JSON number) is compared with the

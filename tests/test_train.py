@@ -387,7 +387,7 @@ def test_the_memory_check_counts_dpo_pairs_and_its_reference(monkeypatch):
     dpo = dict(rows_per_example=2, frozen_copies=1)
     monkeypatch.setattr(costs, "available_memory", lambda device: (rows + pairs) / 2)
     config.check_memory(margs, args, 1, torch.device("cpu"), "fp32")  # pretraining fits
-    with pytest.raises(config.ResourceError, match="model small needs about"):
+    with pytest.raises(config.ResourceError, match=r"model small \(9.7M parameters\) needs about"):
         config.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)
     monkeypatch.setattr(costs, "available_memory", lambda device: pairs + 1)
     config.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
