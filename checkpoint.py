@@ -918,30 +918,39 @@ def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.Model
 
 def lora_record(lora: tuple | None, base: Path | None, seed: int) -> dict | None:
     """What a LoRA checkpoint needs to become a model again (checkpoint_state): its adapters'
-    settings and the model they adapt: `base` (absolute, fingerprinted), or the one --seed draws."""
+    settings and the model they adapt: `base` (absolute, fingerprinted; a folder without a manifest
+    also lists its weight files, so that a change can be told from a touch), or the one --seed draws."""
     if lora is None:
         return None
     rank, alpha, targets = lora
     base = Path(base).expanduser().resolve() if base else None
+    files = weight_files(base) if base and not (base / "meta.json").is_file() else None
     return {"rank": rank, "alpha": alpha, "targets": list(targets), "seed": seed,
-            "base": str(base) if base else None, "base_fingerprint": fingerprint(base) if base else None}
+            "base": str(base) if base else None, "base_fingerprint": fingerprint(base) if base else None,
+            **({"base_files": files} if files is not None else {})}
+
+
+BASE_RECORD = ("base_fingerprint", "base_files")  # how a record knows its base, checked by unchanged_base
+
+
+def weight_files(folder: Path) -> dict:
+    """{name: [size, modification time in ns]} of a model folder's weight files."""
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(Path(folder).iterdir())
+            if f.suffix in (".safetensors", ".pth", ".bin")}
 
 
 def fingerprint(folder: Path) -> str:
     """What identifies the weights in a model folder without reading them: a checkpoint's manifest
     (each shard's sha256), else the name, size and modification time of each weight file."""
     folder = Path(folder)
-    if (folder / "meta.json").is_file():
-        listed = read_meta(folder)["files"]
-    else:
-        listed = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir())
-                  if f.suffix in (".safetensors", ".pth", ".bin")}
+    listed = read_meta(folder)["files"] if (folder / "meta.json").is_file() else weight_files(folder)
     return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def unchanged_base(lora: dict) -> Path | None:
     """The folder a LoRA checkpoint adapts (None: the model drawn from its seed), refused if it is
-    gone or its weight files have changed since training."""
+    gone or its weight files have changed since training: said to have changed where names or sizes
+    differ, to may have changed where only their modification times moved (no bytes were read)."""
     if lora["base"] is None:
         return None
     base = Path(lora["base"])
@@ -949,6 +958,13 @@ def unchanged_base(lora: dict) -> Path | None:
         raise CheckpointError(f"this LoRA checkpoint adapts {base}, which is gone: the adapters alone are "
                               "no model")
     if lora.get("base_fingerprint") not in (None, fingerprint(base)):
+        sizes = lambda files: {name: size for name, (size, _) in (files or {}).items()}
+        if lora.get("base_files") is not None and sizes(lora["base_files"]) == sizes(weight_files(base)):
+            raise CheckpointError(f"this LoRA checkpoint adapts {base}, whose weight files may have changed "
+                                  "since it was trained: the same files at the same sizes, modified since "
+                                  "(touched, copied back, or another model of the same shape saved there); the "
+                                  "adapters belong to the model that was there: if these are its bytes, give "
+                                  "the files back their modification times (as `cp -p` keeps them)")
         raise CheckpointError(f"this LoRA checkpoint adapts {base}, whose weight files have changed since "
                               "it was trained: the adapters belong to the model that was there")
     return base

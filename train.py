@@ -277,8 +277,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                 with meter.paused():
                     checkpointer.save(step)  # 7. checkpoint: a copy in host memory, written in the background
             if result.stop:  # preemption or a failed write, on any rank: this step is finished; save, leave
-                checkpointer.wait()  # a background save that failed raises its error here, on every rank
-                checkpointer.save(step, wait=True)
+                checkpointer.save(step, wait=True)  # (a background save that failed: its error, every rank)
                 stopped(stop, step, result.failed)
                 break
         checkpointer.wait()  # the last checkpoint is on disk before the run returns
@@ -602,9 +601,15 @@ class Checkpointer:
         return every > 0 and (step % every == 0 or step == self.run.args.max_steps)
 
     def save(self, step: int, wait: bool = False):
+        """Start the save of `step` (unless it was just saved); wait: return once it is on disk. Either
+        way a save in flight before it is waited for first, and its failure raised."""
+        if step != self.saved_at:
+            self.start(step)
+        if wait:
+            self.wait()
+
+    def start(self, step: int):
         run = self.run
-        if step == self.saved_at:
-            return
         run.timer.start()  # timed as an entry of its own, apart from the training step
         t0 = time.perf_counter()
         self.wait()  # the save in flight, if any: its host copy is reused, and a failure is raised here
@@ -626,8 +631,6 @@ class Checkpointer:
             self.stalls[step] = time.perf_counter() - t0
         run.timer.mark("7 checkpoint")
         self.saved_at = step
-        if wait:
-            self.wait()
 
     def wait(self):
         """Until the save in flight is on disk (its timings then join run.saves); its failure raised."""
@@ -840,10 +843,16 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
                                  f"--resume would continue it as {recipe.kind}: resume it with {script}, or "
                                  "start from it with --init and another --out-dir")
     lora = C.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
-    if meta.get("lora") != lora:  # the adapters, their settings and the model they adapt are the run's
-        raise config.ConfigError(f"checkpoint {ckpt} was trained with LoRA {meta.get('lora') or 'off'}, this "
-                                 f"run has {lora or 'LoRA off'}: resume it with the same --lora-rank, "
-                                 "--lora-alpha, --lora-targets and --init")
+    settings = lambda record: record and {k: v for k, v in record.items() if k not in C.BASE_RECORD}
+    if settings(meta.get("lora")) != settings(lora):  # the adapters, their settings, the model they adapt
+        raise config.ConfigError(f"checkpoint {ckpt} was trained with LoRA {settings(meta.get('lora')) or 'off'}"
+                                 f", this run has {settings(lora) or 'LoRA off'}: resume it with the same "
+                                 "--lora-rank, --lora-alpha, --lora-targets and --init")
+    if lora:
+        try:
+            C.unchanged_base(meta["lora"])  # (its weight files as they were: said so if not)
+        except C.CheckpointError as e:
+            raise config.ConfigError(f"checkpoint {ckpt}: {e}") from None
     for flag in recipe.resume_flags:  # the checkpoint's parameters depend on them (PPO's value head)
         if args.get(flag) != getattr(run.args, flag):
             raise config.ConfigError(f"checkpoint {ckpt} was trained with --{flag} {args.get(flag)}, this run "

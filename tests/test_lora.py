@@ -5,6 +5,7 @@ and is a model again merged (--init, evaluate.py, consolidate --hf) or as PEFT's
 under tp, pp and dp/ZeRO: tests/test_parallel.py."""
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -119,7 +120,8 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(lora_sft):
     full, _ = C.read_full_state(step)
     assert sorted(full) == sorted(run.opt.names)  # the adapters alone, with their Adam moments
     assert C.read_meta(step)["lora"] == {"rank": 4, "alpha": 8.0, "targets": list(M.LORA_TARGETS), "seed": 1337,
-                                         "base": str(base.resolve()), "base_fingerprint": C.fingerprint(base)}
+                                         "base": str(base.resolve()), "base_fingerprint": C.fingerprint(base),
+                                         "base_files": C.weight_files(base)}
 
 
 def test_a_lora_checkpoint_is_a_model_again_merged(lora_sft, tmp_path, capsys):
@@ -289,9 +291,32 @@ def test_the_model_a_checkpoint_adapts_must_be_the_one_it_was_trained_on(tmp_pat
     W.save_hf(M.Transformer(tiny), tmp_path / "base", tokens)  # another model under the same name
     for export in ("--hf", "--peft"):  # (the adapters alone too: they would be applied to that other model)
         assert C.main(["consolidate", str(tmp_path / "o"), export, str(tmp_path / "export")]) == 1
-        err = capsys.readouterr().err
-        assert len(err.splitlines()) == 1 and "whose weight files have changed since it was trained" in err
+        err = capsys.readouterr().err  # (same files, same sizes: no byte is read to tell it from a touch)
+        assert len(err.splitlines()) == 1 and "whose weight files may have changed since it was trained" in err
         assert not (tmp_path / "export").exists()
+    W.save_hf(M.Transformer(M.ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=320)),
+              tmp_path / "base", tokens)  # a larger model there: changed, for certain
+    assert C.main(["consolidate", str(tmp_path / "o"), "--hf", str(tmp_path / "export")]) == 1
+    assert "whose weight files have changed since it was trained" in capsys.readouterr().err
+
+
+def test_a_touched_base_is_said_to_may_have_changed_and_its_times_back_resume(tmp_path, capsys):
+    """A base only touched (or copied back with the same bytes) was refused as "changed": what is known
+    without reading the weights is said as it is, for --resume too, and its old times back, it resumes."""
+    tiny = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320)
+    W.save_hf(M.Transformer(tiny), tmp_path / "base", W.hf_tokens(data.get_tokenizer("byte"), chat=False))
+    flags = TINY + LORA + ["--init", str(tmp_path / "base"), "--warmup", "1", "--out-dir", str(tmp_path / "o")]
+    sft.main(flags + ["--max-steps", "1"])
+    weights = tmp_path / "base" / "model.safetensors"
+    then = weights.stat()
+    os.utime(weights, ns=(then.st_atime_ns, then.st_mtime_ns + 10 ** 9))  # touched
+    with pytest.raises(SystemExit):
+        config.run(sft.main, flags + ["--max-steps", "2", "--resume"])
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "may have changed since it was trained" in err and "cp -p" in err
+    os.utime(weights, ns=(then.st_atime_ns, then.st_mtime_ns))
+    sft.main(flags + ["--max-steps", "2", "--resume"])
+    assert C.read_latest(tmp_path / "o").name == "step_000002"
 
 
 def test_lora_is_refused_where_it_cannot_work(tmp_path, capsys):
