@@ -301,13 +301,14 @@ def check_sample_flags(a):
 
 def check_writable(path: Path, flag: str):
     """That `path` can be written (write_records), before the work that makes it: its folder exists, and a
-    file can be made there (tried with write_records' own temporary name, removed at once)."""
+    file can be made there (tried beside it under this process's own name, removed at once: every rank of
+    a job checks, and two ranks removing one probe would fail each other)."""
     if not os.path.isdir(path.parent):
         raise config.ConfigError(f"{flag} {path}: the folder {path.parent} does not exist; make it first")
-    probe = path.with_name(f".{path.name}.tmp")
-    with data.writing(path.parent, path):
+    probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with data.writing(path.parent, path, cleanup=[probe]):
         probe.touch()
-    probe.unlink()
+        probe.unlink()
 
 
 def load_policy_and_reward(a, device, dtype, mesh):

@@ -25,7 +25,7 @@ import math
 import signal
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 from typing import Callable, NamedTuple
 from pathlib import Path
@@ -255,32 +255,31 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
         stop = StopFlag()
         meter = L.Meter(run, stop)
-        checkpointer = Checkpointer(run, step, recipe, stop)
-        guard = SkipGuard(args, meter, checkpointer)
         L.banner(run, meter, recipe.name(), data_desc)
         run.model.train()
         first = step
-        while step < args.max_steps:
-            if run.ramp and step and config.stage_at(run.ramp, step).start == step:
-                switch_stage(run, recipe, run.ramp, step)
-                meter.restage()
-            with launch.patient(mesh) if step == first else nullcontext():  # it compiles
-                result = train_step(run, guard, stop, step)  # phases 1-6
-            if result is None:  # skipped by the guard
-                continue
-            step += 1
-            meter.step(step, result)
-            if validation_due(step, args):
-                with meter.paused():
-                    meter.validation(step, *validation(run), E.benchmarks(run))
-            if checkpointer.due(step):
-                with meter.paused():
-                    checkpointer.save(step)  # 7. checkpoint: a copy in host memory, written in the background
-            if result.stop:  # preemption or a failed write, on any rank: this step is finished; save, leave
-                checkpointer.save(step, wait=True)  # (a background save that failed: its error, every rank)
-                stopped(stop, step, result.failed)
-                break
-        checkpointer.wait()  # the last checkpoint is on disk before the run returns
+        with Checkpointer(run, step, recipe, stop) as checkpointer:  # (left once its last save is on disk)
+            guard = SkipGuard(args, meter, checkpointer)
+            while step < args.max_steps:
+                if run.ramp and step and config.stage_at(run.ramp, step).start == step:
+                    switch_stage(run, recipe, run.ramp, step)
+                    meter.restage()
+                with launch.patient(mesh) if step == first else nullcontext():  # it compiles
+                    result = train_step(run, guard, stop, step)  # phases 1-6
+                if result is None:  # skipped by the guard
+                    continue
+                step += 1
+                meter.step(step, result)
+                if validation_due(step, args):
+                    with meter.paused():
+                        meter.validation(step, *validation(run), E.benchmarks(run))
+                if checkpointer.due(step):
+                    with meter.paused():
+                        checkpointer.save(step)  # 7. checkpoint: a copy in host memory; the disk later
+                if result.stop:  # preemption or a failed write, on any rank: this step is finished; save, leave
+                    checkpointer.save(step, wait=True)  # (a failed background save: its error, here)
+                    stopped(stop, step, result.failed)
+                    break
         run.timer.close()  # (a trace of the last step is written now)
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
         if L.mixture_seen(run):
@@ -591,6 +590,18 @@ class Checkpointer:
         self.saver = None if run.args.ckpt_sync else C.AsyncSaver(run.device, on_failure=stop.fail)
         self.stalls: dict[int, float] = {}  # step -> seconds the training step waited for its save
 
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        """The save in flight is waited for, its failure raised, also when an error ends the run (that
+        error then goes on: the checkpoint is not lost with the run); not at a second signal ("now")."""
+        if kind is None:
+            self.wait()
+        elif not issubclass(kind, KeyboardInterrupt):
+            with suppress(Exception):
+                self.wait()
+
     @property
     def last_good(self) -> Path | None:
         """The newest checkpoint known to be complete on disk."""
@@ -751,8 +762,9 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
         config.enter_stage(args, config.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
     check_enough_data(loader, args, mesh)
-    config.refuse_differences(P.all_gather_objects({"the data's contents (their fingerprint)": data_contents(loader),
-                                                    "the tokenizer's vocabulary": spec.tok.n_vocab}, mesh))
+    read = {"the data's contents (their fingerprint)": data_contents(loader),
+            "the tokenizer's vocabulary": spec.tok.n_vocab}
+    config.refuse_differences(P.all_gather_objects(read, mesh))  # (paths may differ per node; this may not)
     dtype, lazy = M.DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy, config.lora_of(args),
