@@ -78,17 +78,16 @@ def given_flags(p: argparse.ArgumentParser, argv=None) -> set[str]:
 
 def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """A script's command line: its args, with the defaults it did not give fitted to the run."""
-    args = p.parse_args(argv)
-    fit_defaults(args, given_flags(p, argv))
+    args, given = p.parse_args(argv), given_flags(p, argv)
+    check_ramp_flags(args, given)
+    fit_defaults(args, given)
     return args
 
 
 def fit_defaults(args, given: set[str]):
     """A default the user did not give never refuses a run: --warmup, unless given, is at most a tenth
     of --max-steps (train.py's 100 of 2,400 steps stand; --max-steps 20 warms up for 2 steps). A
-    given --warmup longer than the run is still refused (validate); so is a given --seq-len or
-    --grad-accum beside --ramp, which sets both (whatever their values)."""
-    check_ramp_flags(args, given)
+    given --warmup longer than the run is still refused (validate)."""
     if "warmup" not in given:
         args.warmup = min(args.warmup, args.max_steps // 10)
 

@@ -634,8 +634,8 @@ class Checkpointer:
             write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
             C.save(out, step, run.mesh, write, meta, keep, self.last_good)
             self.committed = out / C.step_name(step)
-            run.saves.append({"step": step, "stall_s": time.perf_counter() - t0,
-                              "write_s": time.perf_counter() - t0})
+            took = time.perf_counter() - t0
+            run.saves.append({"step": step, "stall_s": took, "write_s": took})  # (the step waited for it all)
         else:
             snapshot = lambda copy: C.shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
             self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
@@ -922,6 +922,7 @@ def main(argv=None):
     args, given = parser.parse_args(argv), config.given_flags(parser, argv)
     device = config.pick_device_and_precision(args)[0]
     sized = config.sized_for_the_device(args, given, device.type)
+    config.check_ramp_flags(args, given)
     config.fit_defaults(args, given)
     config.configure_process(args)
     if sized:
