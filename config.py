@@ -30,6 +30,7 @@ import checkpoint as C
 import costs
 import data
 import launch
+import loss
 import model as M
 import parallel as P
 
@@ -530,7 +531,7 @@ def check_shape(args, world: int, margs, device, precision: str, recipe, masked:
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
-                 P.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
+                 loss.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
                  if recipe.head_in_loss else 0, masked)
 
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 import chat
 import config
 import data
+import loss
 import model as M
 import parallel as P
 import train as T
@@ -68,7 +69,7 @@ def dpo_loss(pc, pr, rc, rr, beta: float, kind: str = "sigmoid", label_smoothing
 def sequence_logps(logits, targets, vocab_size, mesh, skip=None):
     """Sum of log p(target) over each row's response tokens (IGNORE_INDEX elsewhere), leaving out the target
     ids in `skip` (a tensor of token ids, or None): (rows, T) -> (rows,)."""
-    return -P.token_losses(logits, skipping(targets, skip), vocab_size, mesh).sum(dim=-1)
+    return -loss.token_losses(logits, skipping(targets, skip), vocab_size, mesh).sum(dim=-1)
 
 
 def skipping(targets, skip):
@@ -152,7 +153,7 @@ class DPOTask:
 
     def loss(self, logits, targets, total):
         y, ref = targets
-        token_logps = -P.token_losses(logits, y, self.vocab_size, self.mesh)  # (2B, T), 0 where not learned
+        token_logps = -loss.token_losses(logits, y, self.vocab_size, self.mesh)  # (2B, T), 0 where not learned
         in_dpo = skipping(y, self.skip) != data.IGNORE_INDEX  # (2B, T): the tokens DPO's log-probs sum
         summed = token_logps.masked_fill(~in_dpo, 0.0).sum(dim=-1)  # (2B,)
         logps, ref_used, B = summed, ref, summed.shape[0] // 2

@@ -51,6 +51,7 @@ import checkpoint as C
 import config
 import data
 import launch
+import loss
 import model as M
 import parallel as P
 
@@ -99,7 +100,7 @@ def token_logprobs(model, seqs, last: list[int] | None = None) -> list[np.ndarra
     cols = torch.tensor([len(s) - n - 1 + j for s, n in zip(seqs, last) for j in range(n)],
                         device=batch.device)  # positions predicting each sequence's last n tokens
     logits = model.output(h[rows, cols])  # (scored tokens, vocab)
-    logp = -P.token_losses(logits, batch[rows, cols + 1], model.args.vocab_size, P.Mesh())  # fp32
+    logp = -loss.token_losses(logits, batch[rows, cols + 1], model.args.vocab_size, P.Mesh())  # fp32
     return np.split(logp.double().cpu().numpy(), np.cumsum(last)[:-1])
 
 
@@ -524,7 +525,7 @@ def request_logprobs(run, requests: list) -> list[float]:
 
     def score(h, targets):  # h: (B, T/cp, dim), the final norm's output on the last stage
         keep, where = targets != data.IGNORE_INDEX, next(at)
-        logp = -P.token_losses(run.model.output(h[keep]), targets[keep], run.margs.vocab_size, mesh)
+        logp = -loss.token_losses(run.model.output(h[keep]), targets[keep], run.margs.vocab_size, mesh)
         scores.index_add_(0, where[keep], logp.double())
 
     run.model.eval()

@@ -557,18 +557,32 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(init_tensor(self.args, name, p.shape, seed, p.device))
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, start_pos: int = 0) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab_size).
+    def forward(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None, start_pos: int = 0, seq_len: int | None = None,
+                layers: tuple[int, int] | None = None, head: bool = True) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab_size), for what this model holds.
 
         doc_ids (B, T), optional: non-decreasing ids of packed documents; attention stays inside
         each and RoPE positions restart at 0 in each. caches, start_pos: KV-cached generation at
-        positions start_pos .. start_pos+T-1. A pipeline stage (parallel.py) runs the parts it owns.
+        positions start_pos .. start_pos+T-1. head=False: stop at the final norm (B, T, dim), for a
+        loss that applies the head itself (loss.py's chunks).
+
+        A pipeline stage (parallel.py) holds some layers: it embeds only if it holds the embedding
+        (inputs are then token ids, else the previous stage's residual stream (B, T, dim)) and ends
+        with the norm and head only if it holds them. `layers` (start, end): run one model chunk of
+        those held (the interleaved schedule). seq_len: the whole sequence's length, where a rank
+        holds part of it (context or sequence parallelism; default: inputs' length).
         """
-        h = self.tok_embeddings(tokens)  # (B, T, dim)
-        cos, sin, mask = self.attention_inputs(tokens.shape[1], tokens.device, doc_ids, caches, start_pos)
-        h = self.run_layers(h, cos, sin, mask, caches, start_pos)
-        return self.output(self.norm(h))
+        first = self.tok_embeddings is not None if layers is None else layers[0] == 0
+        last = self.output is not None if layers is None else layers[1] == self.args.n_layers
+        h = self.tok_embeddings(inputs) if first else inputs  # (B, T, dim)
+        T = inputs.shape[1] if seq_len is None else seq_len
+        cos, sin, mask = self.attention_inputs(T, h.device, doc_ids, caches, start_pos)
+        keys = None if layers is None else [str(i) for i in range(*layers)]
+        h = self.run_layers(h, cos, sin, mask, caches, start_pos, keys)
+        if not last:
+            return h
+        return self.output(self.norm(h)) if head else self.norm(h)
 
     def attention_inputs(self, T: int, device, doc_ids=None, caches=None, start_pos: int = 0):
         """RoPE cos/sin for each position and the attention mask (None: plain causal) for T tokens."""

@@ -10,11 +10,12 @@ sent by a function in this file, and counted. Contents, in reading order:
   3. TP communication      Megatron's conjugate pair f (identity forward, all-reduce backward) and g (the
                            reverse), and the sequence-parallel pair gather/scatter (Shoeybi et al. 2019,
                            "Megatron-LM"; Korthikanti et al. 2022, "Reducing Activation Recomputation")
-  4. TP layers             column-parallel and row-parallel linears, vocab-parallel embedding, vocab-parallel
-                           cross-entropy (full-vocabulary logits never exist on one rank);
+  4. TP layers             column-parallel and row-parallel linears, vocab-parallel embedding (the head is
+                           column-parallel: loss.py's cross-entropy takes its vocab-sharded logits);
                            apply_tensor_parallel() swaps them into a built Transformer
   5. Context parallelism   each sequence cut into 2cp chunks, two per rank (balanced causal work); K and V
-                           all-gathered over cp per layer, as Llama 3 trained (Dubey et al. 2024)
+                           all-gathered over cp per layer, as Llama 3 trained (Dubey et al. 2024); the
+                           model's attention inputs swapped for this rank's positions
   6. Pipeline              contiguous layer ranges per stage; materialize() gives a model built on the meta
                            device, sharded and cut, storage for this rank's pieces only; schedules AFAB
                            (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021) and
@@ -44,7 +45,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import data
 import launch
 import model as M
 
@@ -260,37 +260,37 @@ def barrier(mesh: Mesh, long: bool = False, dim: str | None = None):
 
 
 @torch.library.custom_op("llama3::all_reduce_", mutates_args=("t",))
-def _all_reduce_op(t: torch.Tensor, mesh_key: int, dim: str) -> None:
+def all_reduce_op(t: torch.Tensor, mesh_key: int, dim: str) -> None:
     all_reduce(t, MESHES[mesh_key], dim)
 
 
-@_all_reduce_op.register_fake
+@all_reduce_op.register_fake
 def _(t, mesh_key, dim):
     return None
 
 
 @torch.library.custom_op("llama3::all_gather", mutates_args=())
-def _all_gather_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
+def all_gather_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
     mesh = MESHES[mesh_key]
     out = inp.new_empty((inp.shape[0] * mesh.size(dim), *inp.shape[1:]))
     all_gather(out, inp, mesh, dim)
     return out
 
 
-@_all_gather_op.register_fake
+@all_gather_op.register_fake
 def _(inp, mesh_key, dim):
     return inp.new_empty((inp.shape[0] * MESHES[mesh_key].size(dim), *inp.shape[1:]))
 
 
 @torch.library.custom_op("llama3::reduce_scatter", mutates_args=())
-def _reduce_scatter_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
+def reduce_scatter_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
     mesh = MESHES[mesh_key]
     out = inp.new_empty((inp.shape[0] // mesh.size(dim), *inp.shape[1:]))
     reduce_scatter(out, inp, mesh, dim)
     return out
 
 
-@_reduce_scatter_op.register_fake
+@reduce_scatter_op.register_fake
 def _(inp, mesh_key, dim):
     return inp.new_empty((inp.shape[0] // MESHES[mesh_key].size(dim), *inp.shape[1:]))
 
@@ -304,7 +304,7 @@ class _CopyToTP(torch.autograd.Function):  # f
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        _all_reduce_op(grad, ctx.mesh.key, "tp")
+        all_reduce_op(grad, ctx.mesh.key, "tp")
         return grad, None
 
 
@@ -312,7 +312,7 @@ class _ReduceFromTP(torch.autograd.Function):  # g
     @staticmethod
     def forward(ctx, x, mesh):
         x = x.contiguous()
-        _all_reduce_op(x, mesh.key, "tp")
+        all_reduce_op(x, mesh.key, "tp")
         return x
 
     @staticmethod
@@ -323,7 +323,7 @@ class _ReduceFromTP(torch.autograd.Function):  # g
 def _gather_seq(x, mesh, dim: str = "tp"):
     """(B, T/n, ...) on each rank of the group -> (B, T, ...), the ranks' pieces in rank order."""
     xt = x.transpose(0, 1).contiguous()  # collectives concatenate on dim 0: put the sequence there
-    out = _all_gather_op(xt, mesh.key, dim)
+    out = all_gather_op(xt, mesh.key, dim)
     # contiguous once, here: a transposed view would be copied by each linear reading it (wq, wk and
     # wv; w1 and w3), and every copy kept for backward
     return out.transpose(0, 1).contiguous()
@@ -332,7 +332,7 @@ def _gather_seq(x, mesh, dim: str = "tp"):
 def _scatter_seq(x, mesh, dim: str = "tp"):
     """(B, T, ...) partial sums on each rank of the group -> (B, T/n, ...), this rank's piece, summed."""
     xt = x.transpose(0, 1).contiguous()
-    return _reduce_scatter_op(xt, mesh.key, dim).transpose(0, 1)
+    return reduce_scatter_op(xt, mesh.key, dim).transpose(0, 1)
 
 
 class _GatherSeq(torch.autograd.Function):  # SP's f; context parallelism's K/V exchange over "cp"
@@ -424,14 +424,14 @@ def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return shard
 
 
-def check_ids(ids: torch.Tensor, vocab_size: int, what: str):
-    """Refuse ids outside [0, vocab_size) (data.IGNORE_INDEX targets aside), as one process's
+def check_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore: int | None = None):
+    """Refuse ids outside [0, vocab_size) (the loss's `ignore` targets aside), as one process's
     F.embedding and F.cross_entropy do. The vocab-parallel layers below take an id outside a rank's
     rows for another rank's, so an id outside every rank's rows (or in the padding) would silently
     become a zero embedding, or a target scored as if it had the largest logit. The check is
     asynchronous (on a GPU a device-side assert, adding no host sync; on a CPU a RuntimeError at
     once), so it cannot name the id; train.py's data loader already named it and its shard."""
-    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != data.IGNORE_INDEX if what == "target" else True)
+    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != ignore if ignore is not None else True)
     torch._assert_async(~bad.any(), f"a {what} id is outside the vocabulary [0, {vocab_size})")
 
 
@@ -452,164 +452,6 @@ class VocabParallelEmbedding(nn.Module):
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
         h = h.masked_fill(outside[..., None], 0.0)
         return leave_tp(h, self.mesh)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocab-sharded logits (N, V/tp). Three all-reduces of N numbers (max,
-    sum of exponentials, target logit) replace gathering N x V logits; backward is local:
-    d loss / d logits = softmax - onehot(target), restricted to this rank's columns."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, n_valid, mesh):
-        logits = logits.float()
-        if n_valid < logits.shape[-1]:  # the vocabulary padding on the last rank never wins
-            logits = logits.clone()
-            logits[:, n_valid:] = float("-inf")
-        logit_max = logits.max(dim=-1).values
-        all_reduce(logit_max, mesh, "tp", op=dist.ReduceOp.MAX)
-        shifted = logits - logit_max[:, None]
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, mesh, "tp")
-        local = targets - start
-        mine = (local >= 0) & (local < logits.shape[-1])
-        local = local.masked_fill(~mine, 0)
-        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
-        all_reduce(target_logit, mesh, "tp")
-        loss = sum_exp.log() - target_logit
-        ignore = targets == data.IGNORE_INDEX
-        loss = loss.masked_fill(ignore, 0.0)
-        ctx.save_for_backward(exp / sum_exp[:, None], local, mine & ~ignore, ignore)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, mine, ignore = ctx.saved_tensors
-        # - onehot(target) on the rows whose target is this rank's; a scatter of 0 elsewhere (local
-        # is 0 there). Boolean-mask indexing would make the host wait for the GPU to count the rows.
-        grad = softmax.scatter_add(1, local[:, None], -mine.to(softmax.dtype)[:, None])
-        grad *= grad_loss.masked_fill(ignore, 0.0)[:, None]
-        return grad, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: Mesh):
-    """logits (..., V/tp) on each TP rank, targets (...) global ids -> per-token losses (...)."""
-    check_ids(targets, vocab_size, "target")
-    Vl = logits.shape[-1]
-    start = mesh.tp_rank * Vl
-    n_valid = max(0, min(Vl, vocab_size - start))
-    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1), start, n_valid,
-                                              mesh)
-    return losses.view(targets.shape)
-
-
-def token_losses(logits, targets, vocab_size: int, mesh: Mesh):
-    """Per-token cross-entropy (= -log p(target)) for any layout, shaped like targets; data.IGNORE_INDEX -> 0."""
-    if mesh.tp == 1:
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=data.IGNORE_INDEX, reduction="none").view(targets.shape)
-    return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh)
-
-
-def loss_sum(logits, targets, vocab_size: int, mesh: Mesh):
-    """Sum of token cross-entropies for any layout (data.IGNORE_INDEX targets count 0)."""
-    if mesh.tp == 1:
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
-                               ignore_index=data.IGNORE_INDEX, reduction="sum")
-    return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh).sum()
-
-
-def chunk_loss_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
-    """The cross-entropy of one chunk's logits (N, V/tp; vocab-sharded under TP, this rank's columns
-    from `start`, the first n_valid real) summed over its rows, and its gradient with respect to the
-    logits, softmax - onehot(target), together: one fp32 copy of the logits becomes the gradient in
-    place, so the (N, V) values are passed over a few times and nothing but the result is kept (under
-    --compile, inductor fuses it into a couple of kernels). Two collectives of N numbers under TP: the
-    ranks' log-sum-exps, gathered and combined, and the target logit, which one rank holds."""
-    x = logits.float()
-    if n_valid < x.shape[-1]:  # the vocabulary padding on the last rank never wins
-        x[:, n_valid:] = float("-inf")
-    lse = x.logsumexp(dim=-1)  # (N,)
-    if tp > 1:
-        lse = _all_gather_op(lse, mesh_key, "tp").view(tp, -1).logsumexp(dim=0)
-    local = targets - start
-    mine = (local >= 0) & (local < x.shape[-1])
-    local = local.masked_fill(~mine, 0)  # a gather and a scatter of 0 there: no host sync to count rows
-    target_logit = x.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
-    if tp > 1:
-        _all_reduce_op(target_logit, mesh_key, "tp")
-    valid = (targets != data.IGNORE_INDEX).to(x.dtype)
-    loss = ((lse - target_logit) * valid).sum()
-    grad = x.sub_(lse[:, None]).exp_()  # softmax, in x's place
-    grad.scatter_add_(1, local[:, None], -(mine.to(x.dtype) * valid)[:, None])
-    return loss, grad.mul_(valid[:, None]).to(logits.dtype)
-
-
-@functools.cache
-def compiled_chunk_loss_and_grad():
-    return torch.compile(chunk_loss_and_grad, dynamic=False)
-
-
-class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum over rows of the cross-entropy of head(h), `chunk` rows at a time: forward makes each
-    chunk's logits, its loss and gradient (chunk_loss_and_grad), then the gradients of h and of the
-    head's weight by two matmuls, and drops the logits, so the (N, V) logits never exist whole
-    (Liger-Kernel's "fused linear cross-entropy", in plain torch). The logits come from calls of the
-    head module itself, so its forward hooks run (ZeRO-1 and 2 wait there for its updated weights'
-    all-gather). Under TP each rank's gradient of h is its columns' part; the final norm's f sums
-    them in backward. Backward only scales the kept fp32 gradients, h's (N, dim) and the weight's
-    (V, dim), by the incoming gradient, so the result must be used linearly (a sum, divided by a
-    count). A frozen head (LoRA) gets no gradient."""
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, chunk, head, loss_and_grad):
-        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        trained = weight.requires_grad
-        grad_w = torch.zeros(weight.shape if trained else (), dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for lo in range(0, h.shape[0], chunk):
-            hc = h[lo:lo + chunk]
-            loss, grad = loss_and_grad(head(hc), targets[lo:lo + chunk])  # grad: (n, V/tp)
-            grad_h[lo:lo + chunk] = grad @ weight  # (n, dim)
-            if trained:
-                grad_w += grad.T @ hc  # (V/tp, dim), summed in fp32
-            total += loss
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = h.dtype, weight.dtype
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors
-        grad_w = grad_w.mul_(grad).to(ctx.dtypes[1]) if grad_w.dim() else None
-        return grad_h.mul_(grad).to(ctx.dtypes[0]), grad_w, None, None, None, None
-
-
-def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: Mesh, chunk: int, compiled=False):
-    """loss_sum(head(h), targets) for h (..., dim), the final norm's output, and the head (vocab-sharded
-    under TP): chunk rows (tokens) of logits at a time (_ChunkedHeadLoss), its per-chunk arithmetic
-    compiled where `compiled` (--compile). Without gradients (evaluation) the chunks are summed as they
-    come."""
-    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    if torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad):
-        check_ids(targets, vocab_size, "target")
-        Vl = head.weight.shape[0]
-        start = mesh.tp_rank * Vl
-        n_valid = max(0, min(Vl, vocab_size - start))
-        # compiled for one shape: a shorter last chunk runs eager, so nothing is compiled twice
-        fn = lambda n: compiled_chunk_loss_and_grad() if compiled and n == chunk else chunk_loss_and_grad
-        loss_and_grad = lambda logits, t: fn(len(t))(logits, t, start, n_valid, mesh.key, mesh.tp)
-        return _ChunkedHeadLoss.apply(h, head.weight, targets, chunk, head, loss_and_grad)
-    return sum(loss_sum(head(h[lo:lo + chunk]), targets[lo:lo + chunk], vocab_size, mesh)
-               for lo in range(0, h.shape[0], chunk))
-
-
-def loss_chunk_used(chunk: int, tokens: int, zero: int) -> int:
-    """The chunk head_loss_sum is run with for micro-batches of `tokens` tokens on a rank, or 0 (whole
-    logits) where chunks would not help: a micro-batch no longer than one chunk (they would only add the
-    kept fp32 gradients), and ZeRO-3, whose head weights are gathered around the head module's own call,
-    which the chunked loss does not make."""
-    return 0 if zero == 3 or tokens <= chunk else chunk
 
 
 # A block's tensor-parallel layout (torchtitan's apply_tp writes its plan so), from which the swap
@@ -706,16 +548,16 @@ def context_chunks(batch: tuple, mesh: Mesh) -> tuple:
     return (batch[0][:, pos], batch[1][:, pos], *batch[2:])
 
 
-def attention_inputs(model: M.Transformer, mesh: Mesh, seq_len: int, device, doc_ids=None):
-    """RoPE's cos/sin and the attention mask for this rank's tokens (model.attention_inputs, under cp). The
-    queries are this rank's seq_len/cp tokens; the keys are all seq_len, in the order the all-gather lays
-    them out (rank 0's two chunks, then rank 1's, ...)."""
-    if mesh.cp == 1:
-        return model.attention_inputs(seq_len, device, doc_ids)
+def attention_inputs(args: M.ModelArgs, mesh: Mesh, seq_len: int, device, doc_ids=None, caches=None,
+                     start_pos: int = 0):
+    """Transformer.attention_inputs under cp (apply_context_parallel puts it in the model's): RoPE's cos/sin
+    and the attention mask for this rank's tokens. The queries are this rank's seq_len/cp tokens; the keys
+    are all seq_len, in the order the all-gather lays them out (rank 0's two chunks, then rank 1's, ...)."""
+    assert caches is None and start_pos == 0, "generation runs unsharded"
     q_pos = context_positions(seq_len, mesh.cp, mesh.cp_rank, device)  # (T/cp,)
     kv_pos = torch.cat([context_positions(seq_len, mesh.cp, r, device) for r in range(mesh.cp)])  # (T,)
     rope_pos = q_pos if doc_ids is None else M.document_positions(doc_ids)[:, q_pos]
-    cos, sin = M.rope_cos_sin(rope_pos, M.rope_frequencies(model.args, device))
+    cos, sin = M.rope_cos_sin(rope_pos, M.rope_frequencies(args, device))
     return cos, sin, M.document_mask(doc_ids, q_pos, kv_pos)
 
 
@@ -739,10 +581,12 @@ class ContextParallelAttention(M.Attention):
 
 
 def apply_context_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
-    """Swap every block's attention for ContextParallelAttention, in place (same parameters, same names)."""
+    """Swap every block's attention for ContextParallelAttention, in place (same parameters, same names),
+    and the model's attention inputs for this rank's positions'."""
     if mesh.cp > 1:
         for layer in model.layers.values():
             layer.attention = ContextParallelAttention(layer.attention, mesh)
+        model.attention_inputs = functools.partial(attention_inputs, model.args, mesh)
     return model
 
 
@@ -857,23 +701,6 @@ def chunk_ends(model: M.Transformer, mesh: Mesh, layers=None) -> tuple[bool, boo
     if layers is None:
         return mesh.first_stage, mesh.last_stage
     return layers[0] == 0, layers[1] == model.args.n_layers
-
-
-def local_forward(model: M.Transformer, inputs, mesh: Mesh, seq_len: int, doc_ids=None, layers=None,
-                  head: bool = True):
-    """This rank's part of Transformer.forward: its pipeline stage's layers (or one model chunk's,
-    `layers` = (start, end)), on its chunks of each sequence (cp). In: token ids (the first layers)
-    or the previous stage's residual stream (B, mesh.local_seq_len(seq_len), dim); out: logits (the
-    last layers, vocab-sharded under TP) or the residual stream. With pp = cp = 1 it is exactly
-    model.forward. head=False: the last layers end at the final norm (B, T / cp, dim), for a loss
-    that applies the head itself (head_loss_sum)."""
-    first, last = chunk_ends(model, mesh, layers)
-    h = model.tok_embeddings(inputs) if first else inputs
-    cos, sin, mask = attention_inputs(model, mesh, seq_len, h.device, doc_ids)
-    h = model.run_layers(h, cos, sin, mask, keys=None if layers is None else [str(i) for i in range(*layers)])
-    if not last:
-        return h
-    return model.output(model.norm(h)) if head else model.norm(h)
 
 
 def _p2p(mesh: Mesh, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
@@ -1068,8 +895,8 @@ class PipelineStage:
             else:
                 x.requires_grad_()
             self.inputs[i, v] = x
-            out = local_forward(self.model, x, self.mesh, self.seq_len, doc_ids_of(self.batches[i]),
-                                self.chunks[v], self.head)
+            out = self.model(x, doc_ids_of(self.batches[i]), seq_len=self.seq_len, layers=self.chunks[v],
+                             head=self.head)
             if self.ends(v):
                 out = self.loss_fn(out, self.batches[i][1])
                 self.total += out.detach()
@@ -1142,7 +969,7 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
             if not first:
                 x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), dim), device=x.device, dtype=dtype)
                 _p2p(mesh, recv_prev=x)
-            out = local_forward(model, x, mesh, seq_len, doc_ids_of(batch), layers, head)
+            out = model(x, doc_ids_of(batch), seq_len=seq_len, layers=layers, head=head)
             if last:
                 results.append(fn(out, batch[1]))
             else:

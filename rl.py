@@ -74,6 +74,7 @@ import config
 import data
 import evaluate
 import launch
+import loss
 import model as M
 import parallel as P
 import train as T
@@ -263,10 +264,10 @@ class RLTask:
         where the target is IGNORE_INDEX."""
         if self.temperature != 1:
             logits = logits / self.temperature
-        return -P.token_losses(logits, y, self.vocab_size, self.mesh)
+        return -loss.token_losses(logits, y, self.vocab_size, self.mesh)
 
     def token_logps(self, model, x, y) -> torch.Tensor:
-        return self.logps(P.local_forward(model, x, self.mesh, self.args.seq_len), y)
+        return self.logps(model(x, seq_len=self.args.seq_len), y)
 
     def reference_logps(self, x, y) -> torch.Tensor:
         """token_logps under the reference: under LoRA, the policy's own frozen model, its adapters off."""

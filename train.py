@@ -12,9 +12,9 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
   7 checkpoint        Checkpointer: atomic write to a step directory, `latest` pointer last
 
 Read in this order: train_step, then train() (checks the configuration, sets the run up, loops); the
-recipe (Pretraining, LMTask; FromInit, where post-training starts); the pieces around the steps that
-each decide their own "when" (validation, Checkpointer, StopFlag); setting up; the ramp's switch;
-the command line. The flags and their checks are in config.py, the log and its banner in logs.py,
+recipe (Pretraining, whose task is loss.py's LMTask; FromInit, where post-training starts); the
+pieces around the steps that each decide their own "when" (validation, Checkpointer, StopFlag);
+setting up; the ramp's switch; the command line. The flags and their checks are in config.py, the log and its banner in logs.py,
 the measuring instruments in costs.py; sft.py, dpo.py, reward.py and rl.py bring their own recipes.
 """
 
@@ -31,7 +31,6 @@ from typing import Callable, NamedTuple
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import chat
 import checkpoint as C
@@ -41,6 +40,7 @@ import data
 import evaluate as E
 import logs as L
 import launch
+import loss
 import model as M
 import optim as O
 import parallel as P
@@ -68,7 +68,7 @@ class Run:
     opt: O.AdamW
     sync: Z.GradSync
     scaler: O.LossScaler | None  # fp16 only
-    task: LMTask
+    task: loss.LMTask
     loader: data.Loader
     make_val: Callable  # a fresh validation loader, from its start
     timer: costs.PhaseTimer
@@ -113,11 +113,10 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
         timer.mark("2-4 pipeline")
     else:
         loss = torch.zeros((), device=run.device)
-        for i, batch in enumerate(batches):
-            out = P.local_forward(run.model, batch[0], mesh, args.seq_len, P.doc_ids_of(batch),  # 2. forward
-                                  head=not run.task.takes_hidden)
+        for i, (inputs, targets, *doc_ids) in enumerate(batches):  # (doc_ids: packed documents', if any)
+            out = run.model(inputs, *doc_ids, seq_len=args.seq_len, head=not run.task.takes_hidden)  # 2. forward
             timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's
-            micro_loss = scaled_loss(run, out, batch[1], total)  # 3. loss: its share of the global batch's mean
+            micro_loss = scaled_loss(run, out, targets, total)  # 3. loss: its share of the global batch's mean
             loss += micro_loss.detach()
             timer.mark("3 loss")
             if i == len(batches) - 1:  # the last micro-batch's gradients are reduced over dp as they come
@@ -310,7 +309,7 @@ def stopped(stop: StopFlag, step: int, failed: bool):
 
 
 class Pretraining:
-    """The preset (or --dim ...) seeded at random, token shards, next-token prediction (LMTask)."""
+    """The preset (or --dim ...) seeded at random, token shards, next-token prediction (loss.LMTask)."""
 
     kind = "pretraining"  # which recipe wrote a checkpoint (meta.json): --resume continues the same one
     chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
@@ -394,9 +393,9 @@ class Pretraining:
         (rl.py's PPO: a value head). Pretraining adds none."""
 
     def task(self, margs, mesh, device, dtype, model):
-        a = self.args  # the head and its loss, --loss-chunk tokens at a time (parallel.loss_chunk_used: when)
-        chunk = P.loss_chunk_used(a.loss_chunk, a.micro_batch * a.seq_len // a.cp, a.zero)
-        return LMTask(margs, mesh, model.output, chunk, a.compile)
+        a = self.args  # the head and its loss, --loss-chunk tokens at a time (loss.loss_chunk_used: when)
+        chunk = loss.loss_chunk_used(a.loss_chunk, a.micro_batch * a.seq_len // a.cp, a.zero)
+        return loss.LMTask(margs, mesh, model.output, chunk, a.compile)
 
 
 class FromInit(Pretraining):
@@ -474,41 +473,6 @@ def doc_mask_on(args) -> bool:
     """--doc-mask, or by default: on for the llama presets (Llama 3 masked across documents: section 3.4.1
     of Dubey et al. 2024), off for the small ones, whose default data is one document (TinyShakespeare)."""
     return args.doc_mask if args.doc_mask is not None else args.model.startswith("llama")
-
-
-class LMTask:
-    """Next-token prediction, normalized by the global batch's target tokens (all micro-batches and
-    dp ranks) so accumulation and every layout give the same gradient; data.IGNORE_INDEX targets
-    (SFT prompts, padding) count for nothing. Document ids, where a batch has them, come from its
-    loader (--doc-mask: data.with_documents). `chunk` (--loss-chunk): the loss gets the final norm's
-    output (takes_hidden) and applies the head chunk tokens at a time (parallel.head_loss_sum;
-    `compiled`: its arithmetic under --compile): a 128K vocabulary's logits for a whole micro-batch
-    never exist. The loop knows only these four methods and takes_hidden."""
-
-    metric_names: tuple = ()
-    rows_per_example = 1  # model input rows per example the loader counts (a DPO pair has two)
-    # forward passes of a frozen model per row, besides the trained one's (DPO: 0 or 1)
-    reference_forwards = 0
-
-    def __init__(self, margs: M.ModelArgs, mesh, head=None, chunk: int = 0, compiled: bool = False):
-        self.vocab_size, self.mesh, self.compiled = margs.vocab_size, mesh, compiled
-        self.head, self.chunk, self.takes_hidden = head, chunk, chunk > 0  # (head: None off the last stage)
-
-    def prepare(self, batches):
-        return batches
-
-    def count(self, batch) -> torch.Tensor:
-        return (batch[1] != data.IGNORE_INDEX).sum()
-
-    def loss(self, out, targets, total) -> torch.Tensor:
-        """out: the logits, or the final norm's output (takes_hidden); total: the normalizer."""
-        if self.takes_hidden:
-            return P.head_loss_sum(out, self.head, targets, self.vocab_size, self.mesh, self.chunk,
-                                   self.compiled) / total
-        return P.loss_sum(out, targets, self.vocab_size, self.mesh) / total
-
-    def metrics(self) -> torch.Tensor:
-        return torch.zeros(0, device=self.mesh.device)
 
 
 def global_total(task, batches, mesh, device) -> torch.Tensor:
@@ -741,9 +705,9 @@ def read_initial(state, name: str) -> torch.Tensor:
 
 
 def compile_blocks(model, backend="inductor"):
-    """--compile: torch.compile each block (as torchtitan does), not the whole model: a pipeline
-    stage runs its blocks itself (parallel.local_forward), never the top-level forward, so only this
-    reaches them under --pp; and every block has the same code, so it is compiled once."""
+    """--compile: torch.compile each block (as torchtitan does), not the whole model: the model's
+    forward runs a different part of it on each pipeline stage and model chunk; and every block has the
+    same code, so it is compiled once."""
     model.compiled_blocks = {key: torch.compile(layer, backend=backend)
                              for key, layer in model.layers.items()}
 

@@ -19,6 +19,7 @@ import torch
 import checkpoint
 import config
 import data
+import loss
 import multiproc
 import optim as O
 import parallel
@@ -71,13 +72,13 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, script, record):
 
 def inject_nan(monkeypatch, calls: set):
     """Make the micro-batch losses numbered in `calls` (1-based) NaN."""
-    real, n = train.LMTask.loss, [0]
+    real, n = loss.LMTask.loss, [0]
 
     def loss(self, logits, targets, total):
         n[0] += 1
         out = real(self, logits, targets, total)
         return out * float("nan") if n[0] in calls else out
-    monkeypatch.setattr(train.LMTask, "loss", loss)
+    monkeypatch.setattr(loss.LMTask, "loss", loss)
 
 
 def test_nan_loss_skips_the_step_and_leaves_nothing_changed(tmp_path, monkeypatch):
@@ -107,12 +108,12 @@ def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
 
 
 def test_loss_spike_guard_skips_outliers(tmp_path, monkeypatch):
-    real, n = train.LMTask.loss, [0]
+    real, n = loss.LMTask.loss, [0]
 
     def loss(self, logits, targets, total):
         n[0] += 1
         return real(self, logits, targets, total) * (50.0 if n[0] == 15 else 1.0)
-    monkeypatch.setattr(train.LMTask, "loss", loss)
+    monkeypatch.setattr(loss.LMTask, "loss", loss)
     train.main(TINY + ["--max-steps", "16", "--skip-spikes", "3", "--out-dir", str(tmp_path)])
     skipped = [r for r in records(tmp_path) if "skipped" in r]
     assert [r["step"] for r in skipped] == [15] and "loss spike" in skipped[0]["skipped"]
@@ -224,7 +225,7 @@ def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layo
         import os, signal, sys, time
         sys.path.insert(0, {str(REPO)!r})
         import config, train
-        real, n = train.LMTask.loss, [0]
+        real, n = loss.LMTask.loss, [0]
         def loss(self, logits, targets, total):
             n[0] += 1
             if self.mesh.rank == 1 and n[0] == 3:
@@ -233,7 +234,7 @@ def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layo
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 time.sleep(600)
             return real(self, logits, targets, total)
-        train.LMTask.loss = loss
+        loss.LMTask.loss = loss
         config.run(train.main, sys.argv[1:])
     """))
     t0 = time.time()

@@ -25,6 +25,7 @@ import costs
 import data
 import evaluate
 import launch
+import loss
 import multiproc
 import model as M
 import parallel as P
@@ -123,14 +124,14 @@ def _layers(tp, sp):
     logits = torch.randn(B, T, 37, requires_grad=True)
     targets = torch.randint(0, 37, (B, T))
     targets[0, :3] = data.IGNORE_INDEX
-    loss = F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=data.IGNORE_INDEX,
+    want = F.cross_entropy(logits.view(-1, 37), targets.view(-1), ignore_index=data.IGNORE_INDEX,
                            reduction="none")
-    w = torch.rand_like(loss)
-    (loss * w).sum().backward()
+    w = torch.rand_like(want)
+    (want * w).sum().backward()
     local = torch.cat([logits.detach(), torch.full((B, T, P.padded_vocab(37, tp) - 37), 3.0)], dim=-1)
     local = chunk(local, 2).clone().requires_grad_()  # padding filled with large logits: must be masked
-    lossp = P.vocab_parallel_cross_entropy(local, targets, 37, mesh)
-    torch.testing.assert_close(lossp.view(-1), loss, atol=1e-5, rtol=1e-5)
+    lossp = loss.vocab_parallel_cross_entropy(local, targets, 37, mesh)
+    torch.testing.assert_close(lossp.view(-1), want, atol=1e-5, rtol=1e-5)
     (lossp.view(-1) * w).sum().backward()
     full_grad = torch.cat([logits.grad, torch.zeros(B, T, P.padded_vocab(37, tp) - 37)], dim=-1)
     torch.testing.assert_close(local.grad, chunk(full_grad, 2), atol=1e-6, rtol=1e-5)
@@ -142,11 +143,11 @@ def _layers(tp, sp):
                     reduction="sum").backward()
     full_grad = torch.cat([logits.grad, torch.zeros(B, T, P.padded_vocab(37, tp) - 37)], dim=-1)
     Vl = local.shape[-1]
-    fns = [P.chunk_loss_and_grad] + ([torch.compile(P.chunk_loss_and_grad, dynamic=False)] if tp == 2 else [])
+    fns = [loss.chunk_loss_and_grad] + ([torch.compile(loss.chunk_loss_and_grad, dynamic=False)] if tp == 2 else [])
     for fn in fns:
         lsum, g = fn(local.detach().view(-1, Vl).clone(), targets.view(-1), r * Vl, min(Vl, 37 - r * Vl),
                      mesh.key, tp)
-        torch.testing.assert_close(lsum, loss.sum(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lsum, want.sum(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(g, chunk(full_grad, 2).reshape(-1, Vl), atol=1e-6, rtol=1e-5)
 
     # ids outside the vocabulary (37: a padding row at tp 2; 99: no rank's) are refused on every rank, as
@@ -155,7 +156,7 @@ def _layers(tp, sp):
         with pytest.raises(RuntimeError, match=r"a token id is outside the vocabulary \[0, 37\)"):
             pemb(torch.full((B, T), bad))
         with pytest.raises(RuntimeError, match=r"a target id is outside the vocabulary \[0, 37\)"):
-            P.vocab_parallel_cross_entropy(local, torch.full((B, T), bad), 37, mesh)
+            loss.vocab_parallel_cross_entropy(local, torch.full((B, T), bad), 37, mesh)
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False)])
@@ -182,7 +183,7 @@ def _context_attention(cp, packed, block_mask):
     with torch.set_grad_enabled(not block_mask):  # FlexAttention has no backward on the CPU
         y = att(x, *model.attention_inputs(T, x.device, doc_ids))
         xc = x.detach()[:, pos].clone().requires_grad_(not block_mask)
-        yc = catt(xc, *P.attention_inputs(model, mesh, T, x.device, doc_ids))
+        yc = catt(xc, *P.attention_inputs(args, mesh, T, x.device, doc_ids))
     torch.testing.assert_close(yc, y[:, pos], atol=1e-5, rtol=1e-5)
     if block_mask:
         return
@@ -220,12 +221,12 @@ def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype, compiled):
     t[::5] = data.IGNORE_INDEX
     calls = []
     head.register_forward_pre_hook(lambda m, args: calls.append(args[0].shape[0]))
-    chunked = P.head_loss_sum(h, head, t, V, P.Mesh(), 8, compiled) / 30
+    chunked = loss.head_loss_sum(h, head, t, V, P.Mesh(), 8, compiled) / 30
     chunked.backward()
     assert calls == [8, 8, 8, 8, 5]
     got = h.grad.clone(), head.weight.grad.clone()
     h.grad = head.weight.grad = None
-    whole = P.loss_sum(head(h), t, V, P.Mesh()) / 30
+    whole = loss.loss_sum(head(h), t, V, P.Mesh()) / 30
     whole.backward()
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)
     torch.testing.assert_close(chunked, whole, **tol)
@@ -233,7 +234,7 @@ def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype, compiled):
         assert a.dtype == dtype
         torch.testing.assert_close(a, b, **tol)
     with torch.no_grad():
-        torch.testing.assert_close(P.head_loss_sum(h, head, t, V, P.Mesh(), 8) / 30, whole, **tol)
+        torch.testing.assert_close(loss.head_loss_sum(h, head, t, V, P.Mesh(), 8) / 30, whole, **tol)
 
 
 def test_context_chunks_balance_causal_work():
@@ -581,8 +582,8 @@ import config, parallel, train
 
 torch._dynamo.config.error_on_recompile = True
 train.compile_blocks = functools.partial(train.compile_blocks, backend="aot_eager")
-parallel.compiled_chunk_loss_and_grad = functools.cache(
-    lambda: torch.compile(parallel.chunk_loss_and_grad, backend="aot_eager", dynamic=False))
+loss.compiled_chunk_loss_and_grad = functools.cache(
+    lambda: torch.compile(loss.chunk_loss_and_grad, backend="aot_eager", dynamic=False))
 config.run(train.main, sys.argv[1:])
 if os.environ["RANK"] == "0":
     with open(os.environ["COMPILE_COUNTS"], "w") as f:
@@ -770,7 +771,7 @@ def _timeline(out_file, zero):
         block.register_full_backward_hook(lambda m, gi, go, key=key: events.append(("backward", key)))
     x, y = torch.randint(0, 64, (2, 2, 16))
     sync.start()
-    (P.loss_sum(model(x), y, 64, mesh) / (2 * 16 * mesh.dp)).backward()
+    (loss.loss_sum(model(x), y, 64, mesh) / (2 * 16 * mesh.dp)).backward()
     sync.finish()
     opt.step()
     sync.all_gather_params()
@@ -847,7 +848,7 @@ def _step_ops(out_file):
             x, y = torch.randint(0, 64, (2, 2, 16))
             for _ in range(2):  # the second step is counted
                 sync.start()
-                (P.loss_sum(model(x), y, 64, mesh) / (2 * 16 * mesh.dp)).backward()
+                (loss.loss_sum(model(x), y, 64, mesh) / (2 * 16 * mesh.dp)).backward()
                 counter, wait = OpCounter(), launch.Work.wait
                 launch.Work.wait = lambda work: (setattr(counter, "paused", True), wait(work),
                                              setattr(counter, "paused", False))[1]
@@ -912,17 +913,17 @@ def _zero3_against_unsharded(out_file, tied, act_ckpt, compiled):
     weights.fetch = lambda b: (fetch(b), most.append(len(weights.held)))
     x, y = torch.randint(0, 64, (2, 4, 16), generator=torch.Generator().manual_seed(1))  # (B=4, T) each
     mine = slice(2 * mesh.rank, 2 * mesh.rank + 2)  # this rank's half of the batch
-    loss = lambda m, x, y: P.loss_sum(m(x), y, 64, mesh) / (4 * 16)
+    mean_loss = lambda m, x, y: loss.loss_sum(m(x), y, 64, mesh) / (4 * 16)
     held = {}
     logits = model(x[mine])
     held["after forward"] = len(weights.held)
     # torch stops a recomputation once it has every saved tensor, before the block's forward returns;
     # LAYOUTS trains that way. Here the forward runs to its end inside the backward, hooks and all.
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        loss(model, x[mine], y[mine]).backward()
+        mean_loss(model, x[mine], y[mine]).backward()
     sync.finish()
     held["after backward"] = len(weights.held)
-    loss(ref, x, y).backward()
+    mean_loss(ref, x, y).backward()
     out = {"logits": (logits - ref(x)[mine]).abs().max().item(), "held": held, "most": max(most),
            "units": len(weights.bufs), "grads": max(rel(sync.grad_of(lo, hi), ref_opt.grad[lo:hi])
                                                    for lo, hi in sync.norm_ranges)}
@@ -1070,7 +1071,7 @@ def _comm(out_file, tp, pp, dp, sp):
     sync = Z.GradSync(opt, mesh, bucket_mb=0.01)
     B, T, m = 2, 16, 4
     batches = [(torch.randint(0, 64, (B, T)), torch.randint(0, 64, (B, T))) for _ in range(m)]
-    loss_fn = lambda logits, y: P.loss_sum(logits, y, 64, mesh) / (m * B * T * dp)
+    loss_fn = lambda logits, y: loss.loss_sum(logits, y, 64, mesh) / (m * B * T * dp)
     before = dict(mesh.comm_bytes)
     if pp > 1:
         P.pipeline_step(model, batches, mesh, T, args.dim, loss_fn, before_last_backward=sync.start)
@@ -1140,12 +1141,13 @@ def test_one_failing_rank_ends_the_job(tmp_path):
         import os, sys
         sys.path.insert(0, {str(REPO)!r})
         import config, parallel, train
-        real = parallel.local_forward
-        def broken(model, x, mesh, *a, **k):
-            if mesh.rank == 3:
+        import model
+        real = model.Transformer.forward
+        def broken(self, *a, **k):
+            if int(os.environ["RANK"]) == 3:
                 raise RuntimeError("stage 1 exploded on rank 3")
-            return real(model, x, mesh, *a, **k)
-        parallel.local_forward = broken
+            return real(self, *a, **k)
+        model.Transformer.forward = broken
         config.run(train.main, sys.argv[1:])
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script),

@@ -20,6 +20,7 @@ import data
 import dpo
 import helpers
 import logs
+import loss
 import multiproc
 import model as M
 import parallel as P
@@ -69,7 +70,7 @@ def test_prompt_positions_get_exactly_zero_gradient(tmp_path):
     x, y, doc = sft_rows(tmp_path, pack=True, batch_size=2).next()
     logits = model(x, doc_ids=doc)
     logits.retain_grad()
-    P.loss_sum(logits, y, 320, P.Mesh()).backward()
+    loss.loss_sum(logits, y, 320, P.Mesh()).backward()
     prompt = y == data.IGNORE_INDEX
     assert prompt.any() and (~prompt).any()
     assert torch.all(logits.grad[prompt] == 0)  # exactly zero, not small
@@ -85,7 +86,7 @@ def test_packed_batch_equals_examples_one_by_one(tmp_path):
         s, n = 0.0, 0
         for _ in range(len(loader)):
             x, y, doc = loader.next()
-            s += P.loss_sum(model(x, doc_ids=doc), y, 320, P.Mesh()).item()
+            s += loss.loss_sum(model(x, doc_ids=doc), y, 320, P.Mesh()).item()
             n += (y != data.IGNORE_INDEX).sum().item()
         return s, n
 
@@ -393,7 +394,7 @@ def test_dpo_counts_both_rows_of_a_pair_and_the_reference_forward():
     mesh = P.Mesh(dp=2)
     live, cached = dpo.DPOTask(margs, mesh, args, reference=object()), dpo.DPOTask(margs, mesh, args,
                                                                                    cached={})
-    lm = train.LMTask(margs, mesh)
+    lm = loss.LMTask(margs, mesh)
     assert logs.step_tokens(args, live, mesh) == 2 * logs.step_tokens(args, lm, mesh) == 2 * 4 * 32 * 3 * 2
     base = costs.flops_per_token(margs, 32)["palm"]
     assert logs.model_flops_per_token(margs, 32, lm) == logs.model_flops_per_token(margs, 32,

@@ -19,6 +19,7 @@ import config
 import costs
 import data
 import launch
+import loss
 import model as M
 import parallel
 import train
@@ -254,20 +255,19 @@ def test_a_checkpoint_keeps_only_its_own_gpus_random_state(monkeypatch):
 
 
 def test_compile_reaches_the_blocks_a_pipeline_stage_runs():
-    """--compile compiles each block in place, so a pipeline stage, which runs its blocks itself (not the
-    top-level module's forward), runs them compiled too; the numbers stay those of the eager model."""
+    """--compile compiles each block in place, so a pipeline stage, whose forward runs only the blocks it
+    holds, runs them compiled too; the numbers stay those of the eager model."""
     counter = CompileCounter()  # a torch.compile backend that counts the graphs it is given
     stage = parallel.apply_pipeline(M.Transformer(M.PRESETS["tiny"]), parallel.Mesh(pp=2, pp_rank=1))
     eager = M.Transformer(M.PRESETS["tiny"])
     parallel.apply_pipeline(eager, parallel.Mesh(pp=2, pp_rank=1)).load_state_dict(stage.state_dict())
     train.compile_blocks(stage, backend=counter)
     h = torch.randn(2, 16, M.PRESETS["tiny"].dim)  # the residual stream stage 0 would send
-    last = parallel.Mesh(pp=2, pp_rank=1)
-    out = parallel.local_forward(stage, h, last, 16)
-    assert counter.frame_count >= 1 and torch.equal(out, parallel.local_forward(eager, h, last, 16))
+    out = stage(h)
+    assert counter.frame_count >= 1 and torch.equal(out, eager(h))
     frames = counter.frame_count
     stage.eval()  # evaluation and generation run the blocks eagerly (a KV cache would recompile each step)
-    parallel.local_forward(stage, h, last, 16)
+    stage(h)
     assert counter.frame_count == frames
 
 
@@ -412,14 +412,14 @@ def test_a_packed_sequence_under_the_document_mask_scores_each_document_as_if_al
     doc_ids = batch[2]
     assert doc_ids.tolist() == [[1] * 10 + [2] * 15 + [3] * 14]
     with torch.no_grad():
-        packed = parallel.token_losses(model(x, doc_ids), y, 64, parallel.Mesh())[0]
-        unmasked = parallel.token_losses(model(x), y, 64, parallel.Mesh())[0]
+        packed = loss.token_losses(model(x, doc_ids), y, 64, parallel.Mesh())[0]
+        unmasked = loss.token_losses(model(x), y, 64, parallel.Mesh())[0]
     start = 0
     for doc in docs:
         alone = torch.tensor(doc[:40 - start])[None]
         n = alone.shape[1] - 1  # targets inside the document (its last input's target is the next BOS)
         with torch.no_grad():
-            want = parallel.token_losses(model(alone[:, :-1]), alone[:, 1:], 64, parallel.Mesh())[0]
+            want = loss.token_losses(model(alone[:, :-1]), alone[:, 1:], 64, parallel.Mesh())[0]
         assert torch.allclose(packed[start:start + n], want, atol=1e-5), doc
         if start:
             assert not torch.allclose(unmasked[start:start + n], want, atol=1e-3)
