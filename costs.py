@@ -327,7 +327,8 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     the most any stage sends); scalars (the loss normalizer, train.py's step tally) left out.
       tp: per layer and micro-batch, 2 all-reduces of the residual stream forward (after wo and w2)
         and 2 backward (the norms' f); one for the embedding (first stage), one for the head (last)
-        and the vocab-parallel cross-entropy's 3 of one fp32 number per token. Sequence parallelism
+        and the vocab-parallel cross-entropy's all-gather and all-reduce of one fp32 number per
+        token (loss.py: each rank's log-sum-exp, the target's logit). Sequence parallelism
         swaps each all-reduce for an all-gather and a reduce-scatter (the same bytes) and adds, once
         per step, the norm weights' gradients. Activation checkpointing recomputes a block only up
         to its last saved tensor, w2's input (torch's checkpoint stops early): wo's all-reduce runs
@@ -350,8 +351,8 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
     act_ckpt, sequence = ckpt_mode(act_ckpt), sp and tp > 1
     recomputed = {"full": 1.5 if sequence else 1, "selective": 0 if sequence else 1}.get(act_ckpt, 0)
     all_reduces = layers * (4 + recomputed) + first + last
-    tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (3 * 2 * ring(tp) * tokens * 4 if last
-                                                                    else 0))
+    cross_entropy = (tp + 2) * ring(tp) * tokens * 4  # all-gather: (tp - 1) numbers a token; all-reduce: 2 ring
+    tp_bytes = grad_accum * (all_reduces * 2 * ring(tp) * stream + (cross_entropy if last else 0))
     if sp:  # the norms' weight gradients are partial sums over the sequence chunks: all-reduced once per step
         tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * layers + last)
     boundary = stream / tp if sp and tp > 1 else stream  # under SP a stage sends only its sequence chunk

@@ -1,8 +1,9 @@
 """The next-token loss: phase 3 of the training step, and the log-probabilities the recipes read.
 
   token_losses, loss_sum    cross-entropy per token or summed, for any layout: under tensor parallelism
-                            the logits are cut along the vocabulary, and three numbers per token cross
-                            ranks instead of the (tokens, vocab) logits (vocab-parallel cross-entropy)
+                            the logits are cut along the vocabulary, and two numbers per token cross
+                            ranks instead of the (tokens, vocab) logits (cross_entropy_and_grad, one
+                            implementation for the whole logits and for chunks of them)
   head_loss_sum             the head and the loss together, --loss-chunk tokens at a time, each chunk's
                             gradients made with its loss, so a micro-batch's logits never exist whole
   chunk_used                when chunks are worth it
@@ -17,62 +18,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import data
 import model as M
 import parallel as P
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocab-sharded logits (N, V/tp). Three all-reduces of N numbers (max,
-    sum of exponentials, target logit) replace gathering N x V logits; backward is local:
-    d loss / d logits = softmax - onehot(target), restricted to this rank's columns."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, n_valid, mesh):
-        logits = logits.float()
-        if n_valid < logits.shape[-1]:  # the vocabulary padding on the last rank never wins
-            logits = logits.clone()
-            logits[:, n_valid:] = float("-inf")
-        logit_max = logits.max(dim=-1).values
-        P.all_reduce(logit_max, mesh, "tp", op=dist.ReduceOp.MAX)
-        shifted = logits - logit_max[:, None]
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        P.all_reduce(sum_exp, mesh, "tp")
-        local = targets - start
-        mine = (local >= 0) & (local < logits.shape[-1])
-        local = local.masked_fill(~mine, 0)
-        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
-        P.all_reduce(target_logit, mesh, "tp")
-        loss = sum_exp.log() - target_logit
-        ignore = targets == data.IGNORE_INDEX
-        loss = loss.masked_fill(ignore, 0.0)
-        ctx.save_for_backward(exp / sum_exp[:, None], local, mine & ~ignore, ignore)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, mine, ignore = ctx.saved_tensors
-        # - onehot(target) on the rows whose target is this rank's; a scatter of 0 elsewhere (local
-        # is 0 there). Boolean-mask indexing would make the host wait for the GPU to count the rows.
-        grad = softmax.scatter_add(1, local[:, None], -mine.to(softmax.dtype)[:, None])
-        grad *= grad_loss.masked_fill(ignore, 0.0)[:, None]
-        return grad, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: P.Mesh):
-    """logits (..., V/tp) on each TP rank, targets (...) global ids -> per-token losses (...)."""
-    P.check_ids(targets, vocab_size, "target", data.IGNORE_INDEX)
-    Vl = logits.shape[-1]
-    start = mesh.tp_rank * Vl
-    n_valid = max(0, min(Vl, vocab_size - start))
-    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1), start, n_valid,
-                                              mesh)
-    return losses.view(targets.shape)
 
 
 def token_losses(logits, targets, vocab_size: int, mesh: P.Mesh):
@@ -91,13 +42,19 @@ def loss_sum(logits, targets, vocab_size: int, mesh: P.Mesh):
     return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh).sum()
 
 
-def chunk_loss_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
-    """The cross-entropy of one chunk's logits (N, V/tp; vocab-sharded under TP, this rank's columns
-    from `start`, the first n_valid real) summed over its rows, and its gradient with respect to the
-    logits, softmax - onehot(target), together: one fp32 copy of the logits becomes the gradient in
-    place, so the (N, V) values are passed over a few times and nothing but the result is kept (under
-    --compile, inductor fuses it into a couple of kernels). Two collectives of N numbers under TP: the
-    ranks' log-sum-exps, gathered and combined, and the target logit, which one rank holds."""
+# Under tensor parallelism the head is column-parallel: each rank holds the logits of V/tp of the
+# vocabulary. Two collectives of one number per token replace gathering the (tokens, V) logits: the
+# ranks' log-sum-exps, gathered and combined, and the target's logit, which one rank holds. The
+# gradient is local: softmax - onehot(target), restricted to this rank's columns.
+
+
+def cross_entropy_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
+    """Per-token cross-entropy of logits (N, V/tp; vocab-sharded under TP, this rank's columns from
+    `start`, the first n_valid real) and its gradient with respect to them, fp32, together: the fp32
+    logits become the gradient in place (pass a copy where the logits are needed after: a bf16 input
+    is copied by its cast), so the (N, V) values are passed over a few times and nothing but the
+    result is kept (under --compile, inductor fuses it into a couple of kernels). mesh_key, not the
+    mesh: compiled code takes numbers, and the collectives are custom ops (parallel.py section 3)."""
     x = logits.float()
     if n_valid < x.shape[-1]:  # the vocabulary padding on the last rank never wins
         x[:, n_valid:] = float("-inf")
@@ -111,10 +68,46 @@ def chunk_loss_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int
     if tp > 1:
         P.all_reduce_op(target_logit, mesh_key, "tp")
     valid = (targets != data.IGNORE_INDEX).to(x.dtype)
-    loss = ((lse - target_logit) * valid).sum()
+    losses = (lse - target_logit) * valid
     grad = x.sub_(lse[:, None]).exp_()  # softmax, in x's place
     grad.scatter_add_(1, local[:, None], -(mine.to(x.dtype) * valid)[:, None])
-    return loss, grad.mul_(valid[:, None]).to(logits.dtype)
+    return losses, grad.mul_(valid[:, None])
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """cross_entropy_and_grad on a copy of the logits (N, V/tp); backward scales the kept gradient by
+    each token's incoming one."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, n_valid, mesh):
+        losses, grad = cross_entropy_and_grad(logits.to(torch.float32, copy=True), targets, start, n_valid,
+                                              mesh.key, mesh.tp)
+        ctx.save_for_backward(grad)
+        ctx.dtype = logits.dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        grad, = ctx.saved_tensors
+        return grad.mul_(grad_losses[:, None]).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: P.Mesh):
+    """logits (..., V/tp) on each TP rank, targets (...) global ids -> per-token losses (...)."""
+    P.check_ids(targets, vocab_size, "target", data.IGNORE_INDEX)
+    Vl = logits.shape[-1]
+    start = mesh.tp_rank * Vl
+    n_valid = max(0, min(Vl, vocab_size - start))
+    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1), start, n_valid,
+                                              mesh)
+    return losses.view(targets.shape)
+
+
+def chunk_loss_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
+    """One chunk's summed cross-entropy and its logits' gradient in their dtype (in place: the logits
+    of a chunk are made for this call alone)."""
+    losses, grad = cross_entropy_and_grad(logits, targets, start, n_valid, mesh_key, tp)
+    return losses.sum(), grad.to(logits.dtype)
 
 
 @functools.cache
