@@ -56,7 +56,6 @@ import config
 import costs
 import data
 import launch
-import loss
 import model as M
 import optim as O
 import parallel as P
@@ -88,7 +87,7 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
     layout = dict(tp=tp, pp=pp, dp=dp, sp=sp, grad_accum=grad_accum, cp=cp, virtual=virtual)
     memory = lambda z, ck: costs.memory_estimate(
         margs, precision, micro_batch, seq_len, act_ckpt=ck, zero=int(z), schedule=schedule, **layout,
-        loss_chunk=loss.loss_chunk_used(loss_chunk, tokens_micro // cp, z), lora=lora)
+        loss_chunk=loss_chunk, lora=lora)
     variants = {f"zero{z}_ckpt{ckpt_label(c)}": memory(z, c) for z in (0, 1, 2, 3) if not (lora and z == 3)
                 for c in (False, "selective", "full")}
     chosen = variants[f"zero{int(zero)}_ckpt{ckpt_label(act_ckpt)}"]

@@ -485,6 +485,7 @@ class Spec(NamedTuple):
     margs: M.ModelArgs
     attention: str  # the kernel that computes the attention: flex, flash, cudnn, efficient or math
     ramp: list | None = None
+    loss_chunk: int = 0  # tokens the loss takes at a time (0: the whole micro-batch's logits; loss_chunk_of)
 
 
 def check_config(args, recipe) -> Spec:
@@ -515,7 +516,17 @@ def check_config(args, recipe) -> Spec:
     check_anneal(args, dp)
     C.check_out_dir(Path(args.out_dir))
     check_overwrite(args)
-    return Spec(device, precision, tok, margs, kernel, ramp)
+    return Spec(device, precision, tok, margs, kernel, ramp, loss_chunk_of(args, recipe, ramp))
+
+
+def loss_chunk_of(args, recipe, ramp) -> int:
+    """The run's --loss-chunk as its loss applies it (loss.loss_chunk_used), decided once for the whole run:
+    under --ramp, for its longest sequences, so a run resumed in a later stage computes its loss as the
+    run that started it did."""
+    if not recipe.head_in_loss:
+        return 0
+    seq_len = max(s.seq_len for s in ramp) if ramp else args.seq_len
+    return loss.loss_chunk_used(args.loss_chunk, args.micro_batch * seq_len // args.cp, args.zero)
 
 
 def check_shape(args, world: int, margs, device, precision: str, recipe, masked: bool = False):
@@ -531,8 +542,7 @@ def check_shape(args, world: int, margs, device, precision: str, recipe, masked:
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
     check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
-                 loss.loss_chunk_used(args.loss_chunk, args.micro_batch * args.seq_len // args.cp, args.zero)
-                 if recipe.head_in_loss else 0, masked)
+                 args.loss_chunk if recipe.head_in_loss else 0, masked)
 
 
 def check_attention(args, device, masked: str | None) -> str | None:
@@ -615,7 +625,7 @@ def ramp_stage(args) -> str:
 
 
 def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
-                 frozen_copies: int = 0, chunk: int = 0, masked: bool = False):
+                 frozen_copies: int = 0, chunk: int = 0, masked: bool = False):  # chunk: --loss-chunk's
     """Refuse a model that cannot fit, before any of it is allocated: one process's busiest pipeline
     stage (costs.memory_estimate, rows_per_example rows an example, kept as costs.kept_by says; plus
     frozen copies of its weights, DPO's reference), or the model while built (costs.build_bytes) if

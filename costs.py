@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+import loss
 import model as M
 import parallel as P
 
@@ -218,7 +219,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps
     a reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (a byte
     per parameter), packed documents' attention mask (B x T x T booleans), DPO's frozen reference.
-    loss_chunk: train.py's --loss-chunk (0: whole logits). lora (rank, targets): the weights frozen
+    loss_chunk: train.py's --loss-chunk (0: whole logits; whole too where chunks would not help:
+    loss.loss_chunk_used). lora (rank, targets): the weights frozen
     (b bytes each, nothing else), the model states above for the adapters alone, no weight gradient
     of the embedding or head; LoRA's own activations (r a token per adapted linear) left out."""
     if stage is None:
@@ -228,16 +230,17 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
         return max((memory_estimate(args, precision, micro_batch, seq_len, stage=s, **layout)
                     for s in range(pp)), key=lambda m: m["total"])
     out = model_state_bytes(args, precision, tp, pp, dp * cp, zero, stage, split, bucket_mb, virtual, lora)
+    loss_chunk = loss.loss_chunk_used(loss_chunk, micro_batch * seq_len // cp, zero)  # (0 where chunks don't help)
     a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk, kept)
     a["weight_grad"] = 0.0 if lora else a["weight_grad"]
     act_ckpt = ckpt_mode(act_ckpt)
     layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
     out["activations"] = held_activations(a, layers, stage, pp, schedule, grad_accum, virtual, act_ckpt)
-    loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
+    in_loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
     head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
     recomputed = {"full": a["layer"], "selective": a["layer"] - a["layer_selective"]}.get(act_ckpt, 0.0)
     layer = a["layer_backward"] + recomputed - head_done
-    during_backward = max(loss, layer, a["weight_grad"] if first or last else 0.0)
+    during_backward = max(in_loss, layer, a["weight_grad"] if first or last else 0.0)
     out["temporaries"] = during_backward  # (the optimizer step allocates nothing)
     out["total"] = sum(out.values())
     return out

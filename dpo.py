@@ -259,7 +259,8 @@ class DPO(T.FromInit):
         self.loaders = train, make_val()  # precomputing scores both
         return train, make_val, desc
 
-    def task(self, margs, mesh, device, dtype, model):
+    def task(self, spec, mesh, dtype, model):
+        margs, device = spec.margs, spec.device
         reference = model if config.lora_of(self.args) else \
             T.build_model(margs, self.initial, self.args, mesh, device, dtype).eval().requires_grad_(False)
         if not self.args.precompute_ref:

@@ -154,8 +154,8 @@ class RewardModel(T.FromInit):
                                                        self.base.max_seq_len, say)
         return chat.preference_data(self.args, tok, mesh, keep=ends)
 
-    def task(self, margs, mesh, device, dtype, model):
-        return RewardTask(margs, mesh, self.args)
+    def task(self, spec, mesh, dtype, model):
+        return RewardTask(spec.margs, mesh, self.args)
 
 
 # ----------------------------------------------------------------------------------------------------

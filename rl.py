@@ -594,8 +594,8 @@ class RL(T.FromInit):
             self.value_head = ValueHead(model, device, dtype)
             model.add_module("value_head", self.value_head)
 
-    def task(self, margs, mesh, device, dtype, model):
-        a, reference = self.args, None
+    def task(self, spec, mesh, dtype, model):
+        a, reference, margs, device = self.args, None, spec.margs, spec.device
         if a.kl_coef > 0:
             reference = model if config.lora_of(a) else \
                 T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)

@@ -14,8 +14,9 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
 Read in this order: train_step, then train() (checks the configuration, sets the run up, loops); the
 recipe (Pretraining, whose task is loss.py's LMTask; FromInit, where post-training starts); the
 pieces around the steps that each decide their own "when" (validation, Checkpointer, StopFlag);
-setting up; the ramp's switch; the command line. The flags and their checks are in config.py, the log and its banner in logs.py,
-the measuring instruments in costs.py; sft.py, dpo.py, reward.py and rl.py bring their own recipes.
+setting up; the ramp's switch; the command line. The flags and their checks are in config.py, the
+log and its banner in logs.py, the measuring instruments in costs.py; sft.py, dpo.py, reward.py and
+rl.py bring their own recipes.
 """
 
 from __future__ import annotations
@@ -392,10 +393,9 @@ class Pretraining:
         """Modules trained beside the model's own, added to it before the optimizer takes its parameters
         (rl.py's PPO: a value head). Pretraining adds none."""
 
-    def task(self, margs, mesh, device, dtype, model):
-        a = self.args  # the head and its loss, --loss-chunk tokens at a time (loss.loss_chunk_used: when)
-        chunk = loss.loss_chunk_used(a.loss_chunk, a.micro_batch * a.seq_len // a.cp, a.zero)
-        return loss.LMTask(margs, mesh, model.output, chunk, a.compile)
+    def task(self, spec: config.Spec, mesh, dtype, model):
+        """The head and its loss, spec.loss_chunk tokens at a time (config.loss_chunk_of: when)."""
+        return loss.LMTask(spec.margs, mesh, model.output, spec.loss_chunk, self.args.compile)
 
 
 class FromInit(Pretraining):
@@ -746,7 +746,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)
         raise config.ConfigError(f"cannot build the model from the initial weights: {e}") from None
     scaler = O.LossScaler() if spec.precision == "fp16" else None
-    task = recipe.task(spec.margs, mesh, spec.device, dtype, model)
+    task = recipe.task(spec, mesh, dtype, model)
     timer = costs.PhaseTimer(spec.device, time_phases, costs.tracer_for(args, mesh, spec.device))
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
               loader, make_val, timer, spec.attention, anneal_from=config.anneal_start(args, mesh.dp),

@@ -470,12 +470,15 @@ def test_the_ramp_of_llama3_405b_steps_as_the_paper_counts():
     assert config.parse_count("1.5K") == 1500 and config.parse_count("7") == 7
 
 
-def test_a_run_resumed_across_a_ramp_stage_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("chunk", [[], ["--loss-chunk", "128"]])
+def test_a_run_resumed_across_a_ramp_stage_is_bit_identical(tmp_path, chunk):
     """Two steps of 8 sequences of 32 tokens, then 16 of 64 (4 micro-batches of 4): the logged tokens follow
     the ramp, and a run cut at the stage's first step, or inside the stage, and resumed gives the same
-    losses and the same final weights and Adam moments bit for bit."""
+    losses and the same final weights and Adam moments bit for bit. With --loss-chunk 128 the first
+    stage's micro-batches (128 tokens) would not need chunks and the second's (256) would: the loss is
+    chunked for the whole run, decided once, whichever stage it starts or resumes in."""
     straight = tmp_path / "straight"
-    train.main(RAMP + ["--out-dir", str(straight), "--ckpt-every", "1", "--keep-ckpts", "10"])
+    train.main(RAMP + chunk + ["--out-dir", str(straight), "--ckpt-every", "1", "--keep-ckpts", "10"])
     recs = [r for r in records(straight) if "loss" in r]
     assert [r["tokens"] for r in recs] == [256, 512, 1536, 2560, 3584]
     for cut in (2, 3):
@@ -487,7 +490,7 @@ def test_a_run_resumed_across_a_ramp_stage_is_bit_identical(tmp_path):
         (out / "latest").write_text(f"step_{cut:06d}\n")
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(out)
                                                    if r["step"] <= cut))
-        train.main(RAMP + ["--out-dir", str(out), "--ckpt-every", "1", "--keep-ckpts", "10", "--resume"])
+        train.main(RAMP + chunk + ["--out-dir", str(out), "--ckpt-every", "1", "--keep-ckpts", "10", "--resume"])
         assert [r["loss"] for r in records(out) if "loss" in r] == [r["loss"] for r in recs]
         want, got = final_state(straight), final_state(out)
         assert all(torch.equal(want[k][kk], got[k][kk]) for k in want for kk in want[k]), cut
