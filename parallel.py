@@ -6,7 +6,7 @@ sent by a function in this file, and counted. Contents, in reading order:
   1. Mesh                  world = dp x pp x cp x tp, TP innermost (one NVLink domain), then CP, PP, DP;
                            each rank makes the process groups it is in
   2. Collectives           all_reduce / all_gather / reduce_scatter that count the bytes each rank sends, per
-                           dimension (ring algorithm accounting)
+                           dimension (ring algorithm accounting); the same as custom ops for compiled code
   3. TP communication      Megatron's conjugate pair f (identity forward, all-reduce backward) and g (the
                            reverse), and the sequence-parallel pair gather/scatter (Shoeybi et al. 2019,
                            "Megatron-LM"; Korthikanti et al. 2022, "Reducing Activation Recomputation")
@@ -16,11 +16,12 @@ sent by a function in this file, and counted. Contents, in reading order:
   5. Context parallelism   each sequence cut into 2cp chunks, two per rank (balanced causal work); K and V
                            all-gathered over cp per layer, as Llama 3 trained (Dubey et al. 2024); the
                            model's attention inputs swapped for this rank's positions
-  6. Pipeline              contiguous layer ranges per stage; materialize() gives a model built on the meta
-                           device, sharded and cut, storage for this rank's pieces only; schedules AFAB
+  6. Pipeline              contiguous layer ranges per stage (or model chunks); schedules AFAB
                            (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021) and
                            interleaved 1F1B over model chunks (Narayanan et al. 2021)
   7. For all              work one rank does for the others: filling a cache first, gathering small objects
+  8. Building              materialize() gives a model built on the meta device, sharded and cut, storage
+                           for this rank's pieces only
 
 model.py knows nothing of this: apply_tensor_parallel, apply_context_parallel and apply_pipeline
 change a model built on the meta device, and materialize() fills each rank's pieces from one seed
@@ -246,17 +247,11 @@ def barrier(mesh: Mesh, long: bool = False, dim: str | None = None):
         launch.run_collective(("barrier", None), mesh, dim, lambda: dist.barrier(group=mesh.groups.get(dim)))
 
 
-# ====================================================================================================
-# 3. Tensor-parallel communication as autograd functions. Each is its own conjugate's transpose:
-#    f: forward identity, backward all-reduce   (enters a TP region: every rank needs the whole input)
-#    g: forward all-reduce, backward identity   (leaves it: partial sums from each rank are added)
-#    With sequence parallelism the activations between TP regions are split along the sequence, and
-#    the pair becomes gather (forward all-gather, backward reduce-scatter) / scatter (the reverse).
-#
-#    These run inside the blocks --compile compiles, so each collective is a torch custom op: one
-#    opaque graph node whose body (section 2's wrapper: the byte count, the timing, the CommError)
-#    runs as plain Python at every call. Called directly, that body would break the graph (the clock
-#    cannot be traced) and recompile each call (the byte counter's value would become a guard).
+# The same collectives for compiled code. Section 3's run inside the blocks --compile compiles, and
+# loss.py's in its compiled chunks, so each is a torch custom op: one opaque graph node whose body
+# (the wrappers above: the byte count, the timing, the CommError) runs as plain Python at every
+# call. Called directly, that body would break the graph (the clock cannot be traced) and recompile
+# each call (the byte counter's value would become a guard).
 
 
 @torch.library.custom_op("llama3::all_reduce_", mutates_args=("t",))
@@ -293,6 +288,14 @@ def reduce_scatter_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tenso
 @reduce_scatter_op.register_fake
 def _(inp, mesh_key, dim):
     return inp.new_empty((inp.shape[0] // MESHES[mesh_key].size(dim), *inp.shape[1:]))
+
+
+# ====================================================================================================
+# 3. Tensor-parallel communication as autograd functions. Each is its own conjugate's transpose:
+#    f: forward identity, backward all-reduce   (enters a TP region: every rank needs the whole input)
+#    g: forward all-reduce, backward identity   (leaves it: partial sums from each rank are added)
+#    With sequence parallelism the activations between TP regions are split along the sequence, and
+#    the pair becomes gather (forward all-gather, backward reduce-scatter) / scatter (the reverse).
 
 
 class _CopyToTP(torch.autograd.Function):  # f
@@ -632,69 +635,6 @@ def apply_pipeline(model: M.Transformer, mesh: Mesh, split: list[int] | None = N
     return model
 
 
-def local_piece(full: torch.Tensor, shape, dim: int | None, mesh: Mesh) -> torch.Tensor:
-    """This TP rank's piece, of `shape`, of a full tensor split along `dim` (None: replicated). Rows past
-    the end of the full tensor (a vocabulary padded to a multiple of tp) are zeros."""
-    if dim is None:
-        return full
-    start = mesh.tp_rank * shape[dim]
-    length = max(0, min(shape[dim], full.shape[dim] - start))
-    piece = full.new_zeros(shape)
-    piece.narrow(dim, 0, length).copy_(full.narrow(dim, start, length))
-    return piece
-
-
-def local_value(model: M.Transformer, mesh: Mesh, full_value, name: str, shape) -> torch.Tensor:
-    """This rank's piece, of `shape`, of parameter `name`: full_value(name, full shape) (model.init_tensor
-    from a seed, or a tensor of a full state dict) cut as apply_tensor_parallel cut the model."""
-    dim, size = model.tp_placement.get(name, (None, None))
-    full_shape = list(shape)
-    if dim is not None:
-        full_shape[dim] = size
-    full = full_value(name, tuple(full_shape))
-    if tuple(full.shape) != tuple(full_shape):
-        raise ValueError(f"{name} has shape {tuple(full.shape)}, this model needs {tuple(full_shape)}")
-    return local_piece(full, shape, dim, mesh)
-
-
-@torch.no_grad()
-def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Transformer:
-    """Give a meta-device model, already sharded and cut (apply_tensor_parallel, apply_pipeline) and
-    cast to its training dtype, real storage for this rank's parameters only, each its piece of
-    full_value(name, full shape) (local_value). One full parameter exists at a time, so a rank of a
-    405B model never holds more than its shards plus the largest single weight (in fp32)."""
-    with_storage(model, device)
-    for name, p in model.named_parameters():
-        p.copy_(local_value(model, mesh, full_value, name, p.shape))  # (copy_ casts to p's dtype)
-    return model
-
-
-def with_storage(model: M.Transformer, device) -> M.Transformer:
-    """Uninitialized storage for a meta-device model (whole, or a parallel layout's piece), a tied
-    head re-tied to the embedding (to_empty gives every parameter storage of its own)."""
-    model.to_empty(device=device)
-    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
-        model.output.weight = model.tok_embeddings.weight
-    return model
-
-
-def materialize_empty(model: M.Transformer, device) -> M.Transformer:
-    """ZeRO-3's start (with dp x cp > 1): every parameter becomes a tensor on `device` without
-    storage, its values to be written straight into this rank's pieces of the optimizer's flat
-    buffers (optim.AdamW(initial=), GradSync), so the build never holds this rank's whole model (at
-    70B on one GPU, 140 GB in bf16). One parameter is allocated at a time, and freed at once."""
-    made = {}  # id(meta parameter) -> replacement (a tied weight is one parameter in two places)
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in made:
-                t = torch.empty(p.shape, dtype=p.dtype, device=device)
-                t.untyped_storage().resize_(0)
-                made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
-            if p is not None:
-                module._parameters[name] = made[id(p)]
-    return model
-
-
 def chunk_ends(model: M.Transformer, mesh: Mesh, layers=None) -> tuple[bool, bool]:
     """Whether this rank's stage (or its model chunk of `layers`) starts with the embedding, and whether it
     ends with the head."""
@@ -1012,3 +952,70 @@ def all_true(flag, mesh: Mesh) -> bool:
     for dim in ("tp", "cp", "pp", "dp"):
         all_reduce(t, mesh, dim, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+# ====================================================================================================
+# 8. Building a rank's pieces: a model made on the meta device, cut for this rank, then given storage
+
+
+def local_piece(full: torch.Tensor, shape, dim: int | None, mesh: Mesh) -> torch.Tensor:
+    """This TP rank's piece, of `shape`, of a full tensor split along `dim` (None: replicated). Rows past
+    the end of the full tensor (a vocabulary padded to a multiple of tp) are zeros."""
+    if dim is None:
+        return full
+    start = mesh.tp_rank * shape[dim]
+    length = max(0, min(shape[dim], full.shape[dim] - start))
+    piece = full.new_zeros(shape)
+    piece.narrow(dim, 0, length).copy_(full.narrow(dim, start, length))
+    return piece
+
+
+def local_value(model: M.Transformer, mesh: Mesh, full_value, name: str, shape) -> torch.Tensor:
+    """This rank's piece, of `shape`, of parameter `name`: full_value(name, full shape) (model.init_tensor
+    from a seed, or a tensor of a full state dict) cut as apply_tensor_parallel cut the model."""
+    dim, size = model.tp_placement.get(name, (None, None))
+    full_shape = list(shape)
+    if dim is not None:
+        full_shape[dim] = size
+    full = full_value(name, tuple(full_shape))
+    if tuple(full.shape) != tuple(full_shape):
+        raise ValueError(f"{name} has shape {tuple(full.shape)}, this model needs {tuple(full_shape)}")
+    return local_piece(full, shape, dim, mesh)
+
+
+@torch.no_grad()
+def materialize(model: M.Transformer, mesh: Mesh, device, full_value) -> M.Transformer:
+    """Give a meta-device model, already sharded and cut (apply_tensor_parallel, apply_pipeline) and
+    cast to its training dtype, real storage for this rank's parameters only, each its piece of
+    full_value(name, full shape) (local_value). One full parameter exists at a time, so a rank of a
+    405B model never holds more than its shards plus the largest single weight (in fp32)."""
+    with_storage(model, device)
+    for name, p in model.named_parameters():
+        p.copy_(local_value(model, mesh, full_value, name, p.shape))  # (copy_ casts to p's dtype)
+    return model
+
+
+def with_storage(model: M.Transformer, device) -> M.Transformer:
+    """Uninitialized storage for a meta-device model (whole, or a parallel layout's piece), a tied
+    head re-tied to the embedding (to_empty gives every parameter storage of its own)."""
+    model.to_empty(device=device)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def materialize_empty(model: M.Transformer, device) -> M.Transformer:
+    """ZeRO-3's start (with dp x cp > 1): every parameter becomes a tensor on `device` without
+    storage, its values to be written straight into this rank's pieces of the optimizer's flat
+    buffers (optim.AdamW(initial=), GradSync), so the build never holds this rank's whole model (at
+    70B on one GPU, 140 GB in bf16). One parameter is allocated at a time, and freed at once."""
+    made = {}  # id(meta parameter) -> replacement (a tied weight is one parameter in two places)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in made:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                t.untyped_storage().resize_(0)
+                made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+            if p is not None:
+                module._parameters[name] = made[id(p)]
+    return model
