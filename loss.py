@@ -26,6 +26,14 @@ import model as M
 import parallel as P
 
 
+def check_targets(targets: torch.Tensor, vocab_size: int):
+    """Refuse targets outside [0, vocab_size) other than data.IGNORE_INDEX, as F.cross_entropy does:
+    a vocab-parallel rank would score a target outside its columns as another rank's, and one outside
+    every rank's as if it had the largest logit (asynchronous, as parallel.check_ids)."""
+    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != data.IGNORE_INDEX)
+    torch._assert_async(~bad.any(), f"a target id is outside the vocabulary [0, {vocab_size})")
+
+
 def token_losses(logits, targets, vocab_size: int, mesh: P.Mesh):
     """Per-token cross-entropy (= -log p(target)) for any layout, shaped like targets; data.IGNORE_INDEX -> 0."""
     if mesh.tp == 1:
@@ -94,7 +102,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: P.Mesh):
     """logits (..., V/tp) on each TP rank, targets (...) global ids -> per-token losses (...)."""
-    P.check_ids(targets, vocab_size, "target", data.IGNORE_INDEX)
+    check_targets(targets, vocab_size)
     Vl = logits.shape[-1]
     start = mesh.tp_rank * Vl
     n_valid = max(0, min(Vl, vocab_size - start))
@@ -157,7 +165,7 @@ def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: P.Mesh, ch
     come."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad):
-        P.check_ids(targets, vocab_size, "target", data.IGNORE_INDEX)
+        check_targets(targets, vocab_size)
         Vl = head.weight.shape[0]
         start = mesh.tp_rank * Vl
         n_valid = max(0, min(Vl, vocab_size - start))

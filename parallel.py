@@ -427,15 +427,15 @@ def _vocab_shard(weight: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return shard
 
 
-def check_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore: int | None = None):
-    """Refuse ids outside [0, vocab_size) (the loss's `ignore` targets aside), as one process's
-    F.embedding and F.cross_entropy do. The vocab-parallel layers below take an id outside a rank's
-    rows for another rank's, so an id outside every rank's rows (or in the padding) would silently
-    become a zero embedding, or a target scored as if it had the largest logit. The check is
-    asynchronous (on a GPU a device-side assert, adding no host sync; on a CPU a RuntimeError at
-    once), so it cannot name the id; train.py's data loader already named it and its shard."""
-    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != ignore if ignore is not None else True)
-    torch._assert_async(~bad.any(), f"a {what} id is outside the vocabulary [0, {vocab_size})")
+def check_ids(ids: torch.Tensor, vocab_size: int):
+    """Refuse token ids outside [0, vocab_size), as one process's F.embedding does. The vocab-parallel
+    embedding below takes an id outside a rank's rows for another rank's, so an id outside every
+    rank's rows (or in the padding) would silently become a zero embedding (loss.check_targets: the
+    same for the loss). The check is asynchronous (on a GPU a device-side assert, adding no host
+    sync; on a CPU a RuntimeError at once), so it cannot name the id; train.py's data loader already
+    named it and its shard."""
+    torch._assert_async(~((ids < 0) | (ids >= vocab_size)).any(), f"a token id is outside the vocabulary "
+                                                                   f"[0, {vocab_size})")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -449,7 +449,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = mesh.tp_rank * self.weight.shape[0]
 
     def forward(self, ids):
-        check_ids(ids, self.vocab_size, "token")
+        check_ids(ids, self.vocab_size)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)

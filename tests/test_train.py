@@ -572,3 +572,33 @@ def test_a_short_run_needs_no_other_flag(tmp_path):
                                    "--out-dir", str(tmp_path))
     assert code == 0, stderr[-2000:]
     assert [r["lr"] for r in records(tmp_path) if "loss" in r][0] == 3e-3  # no warmup: --lr from the start
+
+
+@pytest.mark.parametrize("chunk", ["0", "64"])
+def test_phases_2_and_3_of_a_single_process_step_enter_only_the_model_and_the_loss(tmp_path, monkeypatch, chunk):
+    """Followed on one process (tp = cp = pp = 1), with whole logits and with the loss in chunks: from the
+    end of phase 1 to the end of phase 3, train_step calls code of model.py and loss.py only (and its own
+    scaled_loss), never parallel.py: the step reads without the parallelism chapter."""
+    entered, window, real_mark = set(), set(), costs.PhaseTimer.mark
+
+    def trace(frame, event, arg):
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and path.parent == REPO:
+            window.add(path.name)
+
+    def mark(self, phase):  # a window opens after phase 1 or a micro-batch's backward, counts if phase 3 ends it
+        sys.settrace(None)
+        if phase == "3 loss":
+            entered.update(window)
+        if phase != "2 forward":
+            window.clear()
+        real_mark(self, phase)
+        if phase in ("1 data", "2 forward", "4 backward"):
+            sys.settrace(trace)
+
+    monkeypatch.setattr(costs.PhaseTimer, "mark", mark)
+    try:
+        train.main(TINY + ["--max-steps", "2", "--loss-chunk", chunk, "--out-dir", str(tmp_path / "o")])
+    finally:
+        sys.settrace(None)
+    assert entered == {"model.py", "loss.py", "train.py"}, entered
