@@ -485,7 +485,7 @@ def remove(path: Path):
 
 def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict, manifest: dict):
     write_durably(tmp / "meta.json", json.dumps({**meta, "files": dict(sorted(manifest.items()))}, indent=1))
-    _fsync_dir(tmp)
+    data.fsync(tmp)
     # an earlier attempt at this step (resumed from an older checkpoint), or whatever else is there
     remove(final)
     os.replace(tmp, final)
@@ -493,7 +493,7 @@ def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict, manifest: dict):
         pointer = out_dir / ".latest.tmp"
         write_durably(pointer, final.name + "\n")
         os.replace(pointer, out_dir / "latest")
-        _fsync_dir(out_dir)
+        data.fsync(out_dir)
     except OSError:
         shutil.rmtree(final, ignore_errors=True)  # `latest` still names the previous one: keep it that way
         raise
@@ -512,19 +512,6 @@ def write_jsonl(path: Path, records: list[dict]):
     with data.writing(path.parent, path, cleanup=[tmp]):
         write_durably(tmp, "".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, path)
-
-
-def _fsync_dir(d: Path):
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return  # some systems cannot open a directory; the rename is then as durable as they make it
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def rotate(out_dir: Path, newest: Path, keep: int):

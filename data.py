@@ -217,6 +217,26 @@ def _fetch_url(url, part, retries, timeout, backoff, hint):
     raise DataError(f"could not download {url} after {retries} tries ({one_line(error)}); {hint}")
 
 
+def fsync(path: Path):
+    """path's contents (a file) or its entries (a folder: Linux syncs them this way, so a rename into it
+    lasts) on disk. A folder that a system cannot open or sync is as durable as that system makes it;
+    a file that cannot be synced is an error."""
+    folder = os.path.isdir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if folder:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not folder:
+            raise
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -669,7 +689,8 @@ def _slug(source) -> str:
 def _tokenize_split(docs, enc, out, split, workers, shard_tokens) -> dict:
     total_bytes = sum(len(doc.encode("utf-8")) for doc in docs)
     workers = 1 if total_bytes < PARALLEL_BYTES else (workers or os.cpu_count() or 1)
-    progress = _Progress(split, total_bytes, workers)
+    print(f"{split}: tokenizing {total_bytes / 1e6:,.1f} MB with {workers} thread(s)", file=sys.stderr)
+    progress = Progress(split, total_bytes, "MB", scale=1e6)
     bos, eos = np.array([bos_id(enc)], np.uint32), np.array([eos_id(enc)], np.uint32)
     shards, buffer, buffered, total = [], [], 0, 0
 
@@ -690,7 +711,8 @@ def _tokenize_split(docs, enc, out, split, workers, shard_tokens) -> dict:
             write(shard_tokens)
     if buffered:
         write(buffered)
-    progress.close(total)
+    progress.close(f"{split}: {total:,} tokens from {total_bytes / 1e6:,.1f} MB in {progress.seconds():.1f}s "
+                   f"({total_bytes / 1e6 / progress.seconds():.1f} MB/s)")
     return {"tokens": total, "documents": len(docs), "shards": shards}
 
 
@@ -740,27 +762,35 @@ def split_text(text, size=None) -> list:
     return pieces
 
 
-class _Progress:
-    """Start and end lines always; a live percent / MB/s line in between when stderr is a terminal."""
+class Progress:
+    """A long job's progress on stderr (tokenizing, scoring a benchmark): on a terminal a live line
+    redrawn four times a second, elsewhere (a log file) a line every `every` seconds, so a short job
+    prints none; nothing where quiet (every rank but one). `unit` counts `scale` of update()'s n."""
 
-    def __init__(self, label, total_bytes, workers):
-        self.label, self.total, self.done, self.t0, self.shown = label, total_bytes, 0, time.time(), 0.0
-        self.live = sys.stderr.isatty()
-        print(f"{label}: tokenizing {total_bytes / 1e6:,.1f} MB with {workers} thread(s)", file=sys.stderr)
+    def __init__(self, label: str, total: float, unit: str, scale: float = 1.0, quiet: bool = False,
+                 every: float = 30.0):
+        self.label, self.total, self.unit, self.scale, self.quiet = label, total, unit, scale, quiet
+        self.live, self.done, self.t0 = sys.stderr.isatty(), 0, time.time()
+        self.every = 0.25 if self.live else every
+        self.next = self.t0 + self.every
 
     def update(self, n):
         self.done += n
         now = time.time()
-        if self.live and now - self.shown > 0.25:
-            self.shown = now
-            rate = self.done / 1e6 / max(now - self.t0, 1e-9)
-            print(f"\r{self.label}: {100 * self.done / max(self.total, 1):5.1f}%  {rate:6.1f} MB/s",
-                  end="", file=sys.stderr, flush=True)
+        if now >= self.next and not self.quiet:
+            self.next = now + self.every
+            rate, cr = self.done / self.scale / max(now - self.t0, 1e-9), "\r" if self.live else ""
+            print(f"{cr}{self.label}: {100 * self.done / max(self.total, 1):5.1f}% of {self.total / self.scale:,.1f} "
+                  f"{self.unit} ({rate:,.1f} {self.unit}/s, {now - self.t0:.0f} s)", end="" if self.live else "\n",
+                  file=sys.stderr, flush=True)
 
-    def close(self, tokens):
-        seconds, start = max(time.time() - self.t0, 1e-9), "\r" if self.live else ""
-        print(f"{start}{self.label}: {tokens:,} tokens from {self.total / 1e6:,.1f} MB "
-              f"in {seconds:.1f}s ({self.total / 1e6 / seconds:.1f} MB/s)", file=sys.stderr)
+    def seconds(self) -> float:
+        return max(time.time() - self.t0, 1e-9)
+
+    def close(self, line: str):
+        """The closing line, over the live one."""
+        if not self.quiet:
+            print(("\r" if self.live else "") + line, file=sys.stderr)
 
 
 def _tokenizer_name(tokenizer):

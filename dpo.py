@@ -239,17 +239,10 @@ class DPO(T.FromInit):
     rows_per_example = DPOTask.rows_per_example
     head_in_loss = False  # DPOTask's loss is given the logits
 
-    def masked_attention(self) -> str | None:
-        return None  # one example a row, unpacked: the plain causal attention
-
     def __init__(self, args):
         super().__init__(args)
         # a reference (with --precompute-ref too, while it scores); none under LoRA (M.without_lora)
         self.frozen_copies = 0 if config.lora_of(args) else 1
-
-    def weights(self, mesh) -> dict | None:
-        self.initial = super().weights(mesh)  # kept: the reference is built from them too (task)
-        return self.initial
 
     def data(self, tok, mesh):
         a = self.args
@@ -260,9 +253,7 @@ class DPO(T.FromInit):
         return train, make_val, desc
 
     def task(self, spec, mesh, dtype, model):
-        margs, device = spec.margs, spec.device
-        reference = model if config.lora_of(self.args) else \
-            T.build_model(margs, self.initial, self.args, mesh, device, dtype).eval().requires_grad_(False)
+        margs, device, reference = spec.margs, spec.device, self.reference(spec, mesh, dtype, model)
         if not self.args.precompute_ref:
             return DPOTask(margs, mesh, self.args, reference=reference, skip=self.skip)
         # the point of precomputing: the reference is freed when this returns, before training starts

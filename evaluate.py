@@ -39,7 +39,6 @@ import math
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -382,7 +381,8 @@ def needle(model, tok, length: int, depth: float, trials: int, seed: int) -> dic
 def multiple_choice(model, tok, items, seq_len, batch_size, mesh, name="") -> dict:
     mine = range(mesh.dp_rank, len(items), mesh.dp)
     requests, cut = choice_requests(tok, items, mine, seq_len)
-    scores = score_by_length(model, requests, batch_size, Progress(name, len(requests), mesh))
+    scores = score_by_length(model, requests, batch_size,
+                             data.Progress(f"{name} (this rank)", len(requests), "sequences", quiet=mesh.rank != 0))
     result = choice_result(choice_tally(items, mine, requests, scores, cut), seq_len, mesh,
                            model.tok_embeddings.weight.device)
     if mesh.rank == 0:
@@ -443,24 +443,6 @@ def score_by_length(model, requests, batch_size, progress) -> list[float]:
             scores[r] = logp.sum()
         progress.update(len(batch))
     return scores
-
-
-class Progress:
-    """Rank 0's line on stderr every `every` seconds of a long scoring run: silent on short ones."""
-
-    def __init__(self, name: str, total: int, mesh, every: float = 30.0):
-        self.name, self.total, self.every, self.quiet = name, total, every, mesh.rank != 0
-        self.done, self.start = 0, time.perf_counter()
-        self.next = self.start + every
-
-    def update(self, n: int):
-        self.done += n
-        now = time.perf_counter()
-        if now >= self.next and not self.quiet:
-            print(f"{self.name}: {self.done:,} of {self.total:,} sequences scored on this rank "
-                  f"({100 * self.done / self.total:.0f}%, {now - self.start:.0f} s)", file=sys.stderr,
-                  flush=True)
-            self.next = now + self.every
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -130,9 +130,6 @@ class RewardModel(T.FromInit):
     head_in_loss = False  # RewardTask's loss is given the head's outputs
     trained_whole = ("output.",)  # under LoRA the head, new, is trained whole beside the adapters
 
-    def masked_attention(self) -> str | None:
-        return None  # one example a row, unpacked: the plain causal attention
-
     def model_args(self, tok) -> M.ModelArgs:
         self.base = super().model_args(tok)  # the --init model's own shape (SFT.weights checks it)
         if self.base.num_labels not in (None, 1):

@@ -550,9 +550,6 @@ class RL(T.FromInit):
     resume_flags = ("algo",)  # PPO's checkpoints hold a value head, GRPO's none
     unused_flags = {**T.FromInit.unused_flags, "data": "rl.py reads its prompts from --prompts"}
 
-    def masked_attention(self) -> str | None:
-        return None  # one example a row, unpacked: the plain causal attention
-
     def __init__(self, args):
         super().__init__(args)
         self.rows_per_example = args.group  # replies per prompt: rows per example (memory, tokens, FLOPs)
@@ -571,10 +568,6 @@ class RL(T.FromInit):
                                          f"policy writes {self.tok.name}: train the reward model from the "
                                          "policy's SFT model")
         return self.tok
-
-    def weights(self, mesh) -> dict | None:
-        self.initial = super().weights(mesh)  # kept: the reference is built from them too (task)
-        return self.initial
 
     def data(self, tok, mesh):
         a = self.args
@@ -595,11 +588,9 @@ class RL(T.FromInit):
             model.add_module("value_head", self.value_head)
 
     def task(self, spec, mesh, dtype, model):
-        a, reference, margs, device = self.args, None, spec.margs, spec.device
-        if a.kl_coef > 0:
-            reference = model if config.lora_of(a) else \
-                T.build_model(margs, self.initial, a, mesh, device, dtype).eval().requires_grad_(False)
-        score = make_scorer(a, self.rule, self.tok, device, dtype, mesh, a.seq_len)
+        a = self.args
+        reference = self.reference(spec, mesh, dtype, model) if a.kl_coef > 0 else None
+        score = make_scorer(a, self.rule, self.tok, spec.device, dtype, mesh, a.seq_len)
         return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, self.value_head)
 
 

@@ -104,9 +104,9 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     args, mesh, timer = run.args, run.mesh, run.timer
     timer.start(step)
     rewind = run.loader.state_dict()
-    batches, total = load_batches(run)  # 1. data loading: the whole step's, and the loss's normalizer
+    batches, total = load_batches(run)  # the whole step's micro-batches, and the loss's normalizer
     timer.mark("1 data")
-    if mesh.pp > 1:  # 2-4. forward, loss, backward of every micro-batch, interleaved across stages
+    if mesh.pp > 1:  # forward, loss and backward of every micro-batch, interleaved across stages
         loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
                                lambda *a: scaled_loss(run, *a, total),
                                args.schedule, before_last_backward=run.sync.start, dtype=run.dtype,
@@ -115,22 +115,23 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     else:
         loss = torch.zeros((), device=run.device)
         for i, (inputs, targets, *doc_ids) in enumerate(batches):  # (doc_ids: packed documents', if any)
-            out = run.model(inputs, *doc_ids, seq_len=args.seq_len, head=not run.task.takes_hidden)  # 2. forward
-            timer.mark("2 forward")  # logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's
-            micro_loss = scaled_loss(run, out, targets, total)  # 3. loss: its share of the global batch's mean
+            # the logits (B, T / cp, vocab / tp) of this rank's tokens, or the final norm's output
+            out = run.model(inputs, *doc_ids, seq_len=args.seq_len, head=not run.task.takes_hidden)
+            timer.mark("2 forward")
+            micro_loss = scaled_loss(run, out, targets, total)  # its share of the global batch's mean
             loss += micro_loss.detach()
             timer.mark("3 loss")
             if i == len(batches) - 1:  # the last micro-batch's gradients are reduced over dp as they come
                 run.sync.start()
-            micro_loss.backward()  # 4. backward: gradients accumulate in the optimizer's fp32 buffer
+            micro_loss.backward()  # gradients accumulate in the optimizer's fp32 buffer
             timer.mark("4 backward")
-    run.sync.finish()  # 5. gradient sync: wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
+    run.sync.finish()  # wait for the dp buckets (ZeRO-1: reduce-scatter), SP norms over tp
     if run.scaler:  # fp16: the loss and gradients back to their true size
         loss /= run.scaler.scale
         run.scaler.unscale(run.opt)
     tally = Tally.of(run, loss, stop)  # the step's numbers over the whole job: one all-reduce, one sync
     timer.mark("5 grad sync")
-    if not guard.accepts(run, tally, step):  # 6. optimizer step, unless the guard finds the step bad
+    if not guard.accepts(run, tally, step):  # the guard found the step bad
         run.opt.zero_grad()  # then nothing changes, and the same data comes again
         run.loader.load_state_dict(rewind)
         return None
@@ -455,17 +456,27 @@ class FromInit(Pretraining):
         return config.init_model_args(args, self.margs)
 
     def weights(self, mesh) -> dict | None:
-        if self.args.init is None or not C.is_checkpoint(self.args.init):
-            return self.state
-        # every rank checks a share of the shards; may fall back past a damaged step
-        verified = C.resolve(self.args.init, say=config.say, check=C.shared_check(mesh))
-        verified_margs, state = C.load_init(verified, self.tok, verify=False)
-        self.init_folder = verified  # (a LoRA run's checkpoints name this step, not an out-dir that grows)
-        if verified_margs != self.margs:
-            raise config.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has "
-                                     f"another model shape than {self.picked.name}; name the step folder to "
-                                     "start from")
+        """The --init weights; kept where a frozen copy is built from them too (reference)."""
+        state = self.state
+        if self.args.init is not None and C.is_checkpoint(self.args.init):
+            # every rank checks a share of the shards; may fall back past a damaged step
+            verified = C.resolve(self.args.init, say=config.say, check=C.shared_check(mesh))
+            verified_margs, state = C.load_init(verified, self.tok, verify=False)
+            self.init_folder = verified  # (a LoRA run's checkpoints name this step, not an out-dir that grows)
+            if verified_margs != self.margs:
+                raise config.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has "
+                                         f"another model shape than {self.picked.name}; name the step folder "
+                                         "to start from")
+        self.initial = state if self.frozen_copies else None
         return state
+
+    def reference(self, spec, mesh, dtype, model):
+        """DPO's and RL's frozen reference: a copy of the --init weights, cut as the policy is; under LoRA
+        the policy's own model, its adapters off where it is read (M.without_lora), so no copy."""
+        if config.lora_of(self.args):
+            return model
+        return build_model(spec.margs, self.initial, self.args, mesh, spec.device, dtype).eval().requires_grad_(
+            False)
 
 
 

@@ -354,7 +354,7 @@ def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
         for name, obj in jsons.items():
             (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
         for f in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them the export
-            _fsync(f)
+            data.fsync(f)
         _swap_in(tmp, path, replacing)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -400,15 +400,7 @@ def _swap_in(new: Path, path: Path, replacing: bool):
             raise FileExistsError(f"{path} appeared while this export was written (another export to it at "
                                   f"the same time?); it is left as it is, and this export was not written "
                                   f"({e.strerror})") from None
-    _fsync(path.parent)  # the rename itself on disk
-
-
-def _fsync(path: Path):
-    fd = os.open(path, os.O_RDONLY)  # a folder too: Linux syncs its entries this way
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    data.fsync(path.parent)  # the rename itself on disk
 
 
 def meta_to_hf_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -521,7 +521,7 @@ def test_benchmarks_during_training_match_evaluate(tmp_path, benchmark_reference
     items = evaluate.read_items("piqa")[:13]
     requests, cut = evaluate.choice_requests(tok, items, range(13), 32)
     model = evaluate.load_model(tmp_path / "o", tok, torch.device("cpu"), torch.float32, P.Mesh())
-    whole = evaluate.score_by_length(model, requests, 8, evaluate.Progress("piqa", len(requests), P.Mesh()))
+    whole = evaluate.score_by_length(model, requests, 8, data.Progress("piqa", len(requests), "sequences"))
     assert cut > 0 and len(scores) == len(requests) == 26  # some choices longer than the window: cut
     scores, whole, ref_scores = (torch.tensor(v, dtype=torch.float64) for v in (scores, whole, ref_scores))
     assert torch.allclose(scores, whole, rtol=1e-5, atol=1e-4)
