@@ -198,6 +198,11 @@ def ckpt_mode(act_ckpt) -> str | None:
     return None if not act_ckpt else "selective" if act_ckpt == "selective" else "full"
 
 
+def ckpt_label(act_ckpt) -> str:
+    """0, 1 (full) or sel: --act-ckpt in a table's column or a variant's name."""
+    return {None: "0", "full": "1", "selective": "sel"}[ckpt_mode(act_ckpt)]
+
+
 def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048, *,
                     act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
                     sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,

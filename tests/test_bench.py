@@ -18,12 +18,13 @@ import costs
 import multiproc
 import model as M
 import parallel
+import plan
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_plan_reproduces_the_llama3_70b_reference_example():
-    r = bench.plan("llama3-70b", 15e12, 8192, "H100", 16384, tp=8, pp=4, micro_batch=4, grad_accum=4, mfu=0.4,
+    r = plan.plan("llama3-70b", 15e12, 8192, "H100", 16384, tp=8, pp=4, micro_batch=4, grad_accum=4, mfu=0.4,
                    act_ckpt=True)
     assert (r["gpus_per_replica"], r["dp"]) == (32, 512)
     assert r["tokens_per_micro_batch"] == 32_768
@@ -55,7 +56,7 @@ def test_what_a_run_costs_by_hand():
     assert costs.links("GB200", 8, 1, 1, 144)["dp"] == "network"
     # Chinchilla itself: 70B parameters on 1.4T tokens, 6 x 70e9 x 1.4e12 = 5.88e23 FLOPs
     assert costs.compute_optimal(5.88e23) == pytest.approx((70e9, 1.4e12))
-    r = bench.plan("llama3-70b", 15e12, 8192, "H100", 16384, tp=8, pp=4, micro_batch=4, grad_accum=4,
+    r = plan.plan("llama3-70b", 15e12, 8192, "H100", 16384, tp=8, pp=4, micro_batch=4, grad_accum=4,
                    mfu=0.4, act_ckpt=True, pue=1.2, usd_per_gpu_hour=3.0)
     seconds = 223_518 * 481.4e9 * 67_108_864 / (16384 * 989e12 * 0.4)  # steps x FLOPs per step / FLOP/s
     assert r["gpu_hours"] == pytest.approx(16384 * seconds / 3600, rel=1e-3)
@@ -82,9 +83,9 @@ def test_plan_llama31_8b_on_eight_h100():
     longer kept (the fp32 gradients of the head's input and weight are), and the loss makes one chunk's at
     a time. Tensor parallelism over 2 GPUs brings it far lower."""
     n, d, V = 8_030_261_248, 4096, 128_256
-    plan = lambda **kw: bench.plan("llama3.1-8b", 1e12, 8192, "H100", 8, pp=1, mfu=0.4, zero=True,
+    planned = lambda **kw: plan.plan("llama3.1-8b", 1e12, 8192, "H100", 8, pp=1, mfu=0.4, zero=True,
                                    act_ckpt=True, micro_batch=1, **kw)
-    whole, r = plan(tp=1, grad_accum=4, loss_chunk=0), plan(tp=1, grad_accum=4)
+    whole, r = planned(tp=1, grad_accum=4, loss_chunk=0), planned(tp=1, grad_accum=4)
     m = whole["memory_per_gpu"]
     assert (m["weights"], m["grads"], m["master"] + m["optimizer"]
             + m["zero_buffers"]) == (2 * n, 4 * n, 12 * n / 8 + 4 * n / 8)
@@ -94,7 +95,7 @@ def test_plan_llama31_8b_on_eight_h100():
     assert c["activations"] == m["activations"] - rows * (4 + 2) + (8192 + V) * d * 4  # kept: no logits
     assert c["temporaries"] < m["temporaries"] / 2 and r["fits"]
     assert r["memory_variants"]["zero0_ckpt0"]["total"] > 2.5 * r["memory_per_gpu_bytes"]
-    tp2 = plan(tp=2, grad_accum=8)
+    tp2 = planned(tp=2, grad_accum=8)
     assert tp2["fits"] and tp2["memory_per_gpu_bytes"] < 0.7 * r["memory_per_gpu_bytes"]
 
 
@@ -103,7 +104,7 @@ def test_plan_reproduces_the_llama3_405b_layouts():
     sequences over cp 16. With ZeRO-1 and activation checkpointing each fits in an 80 GB H100."""
     for gpus, cp, seq, accum, dp in [(8192, 1, 8192, 32, 64), (16384, 1, 8192, 16, 128),
                                      (16384, 16, 131072, 16, 8)]:
-        r = bench.plan("llama3.1-405b", 15.6e12, seq, "H100", gpus, tp=8, pp=16, micro_batch=1,
+        r = plan.plan("llama3.1-405b", 15.6e12, seq, "H100", gpus, tp=8, pp=16, micro_batch=1,
                        grad_accum=accum, mfu=0.4, zero=True, act_ckpt=True, cp=cp)
         assert (r["dp"], r["tokens_per_global_batch"], r["fits"]) == (dp, 2 ** 24, True)
     # cp: per layer and micro-batch, K and V of the whole sequence (8 KV heads over tp 8: one head of 128
@@ -113,7 +114,7 @@ def test_plan_reproduces_the_llama3_405b_layouts():
     assert r["comm_bytes_per_step"]["cp"] == pytest.approx(16 * 8 * 3 * 15 / 16 * kv)
     # The first layout with the interleaved schedule, 2 chunks per rank: the bubble (p-1)/(Vm+p-1) instead
     # of (p-1)/(m+p-1), for twice the pipeline's bytes (each micro-batch passes every rank twice each way)
-    one, two = (bench.plan("llama3.1-405b", 15.6e12, 8192, "H100", 8192, tp=8, pp=16, micro_batch=1,
+    one, two = (plan.plan("llama3.1-405b", 15.6e12, 8192, "H100", 8192, tp=8, pp=16, micro_batch=1,
                            grad_accum=32, mfu=0.4, zero=1, act_ckpt=True, schedule=schedule, virtual=virtual)
                 for schedule, virtual in (("1f1b", 1), ("interleaved", 2)))
     assert (one["bubble"], two["bubble"]) == (pytest.approx(15 / 47), pytest.approx(15 / 79))
@@ -451,8 +452,9 @@ def test_a_bad_flag_value_is_one_error_line_before_any_work(monkeypatch, capsys,
 
     def work(*args, **kwargs):
         raise DidWork
-    for name in ("plan", "measure", "compare_hf", "dp_vs_ddp", "bubble"):
+    for name in ("measure", "compare_hf", "dp_vs_ddp", "bubble"):
         monkeypatch.setattr(bench, name, work)
+    monkeypatch.setattr(plan, "plan", work)
     monkeypatch.setattr(parallel, "init_mesh", work)
     as_rank(monkeypatch, 0, world)
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
@@ -538,9 +540,9 @@ def test_bench_trace_of_one_process(tmp_path):
 def test_launch_writes_the_planned_run_for_slurm_and_kubernetes():
     """--plan --launch: a batch script of one srun task per node, torchrun's c10d rendezvous on the first
     node, and train.py at the planned layout; a PyTorchJob of one pod per node with the same train.py."""
-    plan = ["--plan", "--model", "llama3.1-8b", "--gpus", "32", "--tp", "8", "--pp", "2", "--micro-batch", "1",
+    planned = ["--plan", "--model", "llama3.1-8b", "--gpus", "32", "--tp", "8", "--pp", "2", "--micro-batch", "1",
             "--seq-len", "8192", "--grad-accum", "4", "--zero", "1", "--act-ckpt", "--data", "/data/shards"]
-    run = lambda *more: subprocess.run([sys.executable, str(REPO / "bench.py"), *plan, *more],
+    run = lambda *more: subprocess.run([sys.executable, str(REPO / "bench.py"), *planned, *more],
                                        capture_output=True, text=True, check=True).stdout
     script = run("--launch", "slurm")
     assert "#SBATCH --nodes=4\n" in script and "#SBATCH --gpus-per-node=8\n" in script
@@ -561,7 +563,7 @@ def test_launch_writes_the_planned_run_for_slurm_and_kubernetes():
     assert config.get_parser().parse_args(pod["command"][2:]).tp == 8
     for more, said in ((["--gpus-per-node", "6"], "not a number of whole nodes"),
                        (["--gpus-per-node", "4"], "tp 8 groups would not lie within nodes")):
-        r = subprocess.run([sys.executable, str(REPO / "bench.py"), *plan, "--launch", "slurm", *more],
+        r = subprocess.run([sys.executable, str(REPO / "bench.py"), *planned, "--launch", "slurm", *more],
                            capture_output=True, text=True)
         assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and said in r.stderr, r.stderr
 
@@ -592,11 +594,11 @@ def test_launch_quotes_every_value_it_writes(data, capsys, tmp_path):
     """A --data or --image with shell or YAML syntax in it reaches train.py as exactly that text: bash runs the
     Slurm script (srun a stand-in) without running a word of it, and the PyTorchJob loads as YAML to the same
     strings; an OUT_DIR with a space stays one argument. (Values that cannot be written are refused: BAD_FLAGS.)"""
-    plan = ["--plan", "--model", "llama3.1-8b", "--gpus", "16", "--tp", "8", "--data", data]
+    planned = ["--plan", "--model", "llama3.1-8b", "--gpus", "16", "--tp", "8", "--data", data]
     def launch(*more):
-        a = bench.get_parser().parse_args([*plan, *more])
+        a = bench.get_parser().parse_args([*planned, *more])
         bench.validate(a)
-        bench.run_plan(a)
+        plan.run_plan(a)
         return capsys.readouterr().out
     for env, out_dir in (({}, tmp_path / "out-llama3-1-8b"), ({"OUT_DIR": "/runs/a b"}, "/runs/a b")):
         argv = slurm_arguments(launch("--launch", "slurm"), tmp_path, env)
@@ -647,7 +649,7 @@ def test_a_small_budget_is_sized_in_the_unit_that_fits():
     out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--budget-flops", "1e15"],
                          capture_output=True, text=True, check=True).stdout.splitlines()[0]
     assert out.endswith("2.89M parameters on 57.7M tokens")
-    assert [bench.count(n) for n in (12, 950e3, 3.2e6, 405e9, 15.6e12)] == ["12", "950K", "3.2M", "405B", "15.6T"]
+    assert [plan.count(n) for n in (12, 950e3, 3.2e6, 405e9, 15.6e12)] == ["12", "950K", "3.2M", "405B", "15.6T"]
 
 
 def test_a_gpu_day_budget_that_is_not_a_number_is_refused(monkeypatch, capsys):

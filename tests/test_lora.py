@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers  # test-only dependency: requirements-test.txt
 
-import bench
 import checkpoint as C
 import config
 import costs
@@ -21,6 +20,7 @@ import evaluate
 import helpers
 import model as M
 import parallel as P
+import plan
 import reward
 import rl
 import sft
@@ -88,9 +88,9 @@ def test_the_estimate_counts_the_adapters_it_trains():
     lora = costs.memory_estimate(big, "bf16", 1, 1024, act_ckpt=True, lora=(16, M.LORA_TARGETS))
     full = costs.memory_estimate(big, "bf16", 1, 1024, act_ckpt=True)
     assert lora["total"] < 20e9 < 6 * 20e9 < full["total"]
-    plan = lambda **kw: bench.plan("llama3.1-8b", 1e8, 1024, "RTX 4090", 1, tp=1, pp=1, micro_batch=1,
+    planned = lambda **kw: plan.plan("llama3.1-8b", 1e8, 1024, "RTX 4090", 1, tp=1, pp=1, micro_batch=1,
                                    grad_accum=16, mfu=0.4, zero=0, act_ckpt=True, **kw)
-    assert plan(lora=(16, M.LORA_TARGETS))["fits"] and not plan()["fits"]
+    assert planned(lora=(16, M.LORA_TARGETS))["fits"] and not planned()["fits"]
 
 
 @pytest.fixture(scope="module")
