@@ -163,10 +163,7 @@ class Tally(NamedTuple):
     def of(cls, run: Run, loss: torch.Tensor, stop: StopFlag) -> Tally:
         mesh, device = run.mesh, run.device
         once = float(mesh.tp_rank == 0)
-        # Under plain DP each rank applies all the reduced gradients, not only those whose squares
-        # it summed for the norm: a rank whose copy went bad must stop every replica (they must
-        # never differ). ZeRO-1 ranks apply only their own pieces; a single replica has no others.
-        copy = run.opt.grad_norm() if mesh.dp_cp > 1 and not run.args.zero else torch.zeros((), device=device)
+        copy = run.opt.grad_norm() if run.sync.checks_copies else torch.zeros((), device=device)
         flags = torch.stack([(~torch.isfinite(copy)).float(),
                              torch.full((), float(stop.signal is not None), device=device),
                              torch.full((), float(stop.failure is not None), device=device)])
@@ -740,18 +737,17 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     read = {"the data's contents (their fingerprint)": data_contents(loader),
             "the tokenizer's vocabulary": spec.tok.n_vocab}
     config.refuse_differences(P.all_gather_objects(read, mesh))  # (paths may differ per node; this may not)
-    dtype, lazy = M.DTYPES[spec.precision], args.zero == 3 and mesh.dp_cp > 1
+    dtype, zero = M.DTYPES[spec.precision], Z.needs(args.zero, mesh.dp_cp)
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
-        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, lazy, config.lora_of(args),
+        model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, zero.lazy, config.lora_of(args),
                             recipe.trained_whole)
         recipe.extend(model, spec.device, dtype)
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # (LoRA: adapters)
         opt = O.AdamW(trained, lr=args.lr, betas=(args.beta1, args.beta2),
                       weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
                       allocate_state=False,  # GradSync shards
-                      full_grad=args.zero < 2 or mesh.dp_cp == 1,  # ZeRO-2: no full-length gradient buffer
-                      unit_of=Z.unit_of if args.zero == 3 else None,  # ZeRO-3: weights move a unit at a time
-                      initial=initial_values(model, spec.margs, initial, args, mesh) if lazy else None)
+                      full_grad=zero.full_grad, unit_of=zero.unit_of,
+                      initial=initial_values(model, spec.margs, initial, args, mesh) if zero.lazy else None)
         partial = partial_over_tp(opt.names, model, mesh)
         sync = Z.grad_sync(opt, mesh, args.bucket_mb, args.zero, partial_tp=partial)  # (lazy: values now)
     except ValueError as e:  # an initial state that does not fit the model (missing names, other shapes)

@@ -19,6 +19,8 @@ Under context parallelism "dp" means dp x cp, every rank holding the same pieces
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -69,6 +71,14 @@ class GradSync:
     records the order and the overlap)."""
     sharded = False  # ZeRO: the optimizer reads only its pieces of the gradient, packed (grad_of)
     weights = None  # ZeRO-3's unit weights, gathered when used
+
+    @property
+    def checks_copies(self) -> bool:
+        """Whether a rank's copy of the reduced gradients must be checked: under plain data parallelism
+        each rank applies all of them, not only those whose squares it summed for the norm, so a copy
+        gone bad on one rank must stop every replica (they must never differ). ZeRO ranks apply only
+        their own pieces; a single replica has no others."""
+        return not self.sharded and self.mesh.dp_cp > 1
 
     def __init__(self, opt, mesh: P.Mesh, bucket_mb: float = 25.0, partial_tp: list[int] = ()):
         self.opt, self.mesh = opt, mesh
@@ -509,6 +519,19 @@ class ShardedWeights:
         self.ready(b)
         if prev is not None:
             self.fetch(prev)
+
+
+class BuildNeeds(NamedTuple):
+    """What a ZeRO stage asks of the model's build and of its optimizer's buffers (needs)."""
+    lazy: bool  # each rank builds its own pieces only: the model is never whole on one rank (ZeRO-3)
+    full_grad: bool  # a full-length fp32 gradient buffer (ZeRO-2 and 3 keep pieces of it)
+    unit_of: object  # name -> unit, where weights move a unit at a time (ZeRO-3), else None
+
+
+def needs(zero: int, replicas: int) -> BuildNeeds:
+    """The build of ZeRO stage `zero` over `replicas` (dp x cp) ranks; a single replica shards nothing."""
+    return BuildNeeds(lazy=zero == 3 and replicas > 1, full_grad=zero < 2 or replicas == 1,
+                      unit_of=unit_of if zero == 3 else None)
 
 
 def grad_sync(opt, mesh: P.Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()) -> GradSync:

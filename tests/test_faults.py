@@ -74,11 +74,11 @@ def inject_nan(monkeypatch, calls: set):
     """Make the micro-batch losses numbered in `calls` (1-based) NaN."""
     real, n = loss.LMTask.loss, [0]
 
-    def loss(self, logits, targets, total):
+    def nan_loss(self, logits, targets, total):
         n[0] += 1
         out = real(self, logits, targets, total)
         return out * float("nan") if n[0] in calls else out
-    monkeypatch.setattr(loss.LMTask, "loss", loss)
+    monkeypatch.setattr(loss.LMTask, "loss", nan_loss)
 
 
 def test_nan_loss_skips_the_step_and_leaves_nothing_changed(tmp_path, monkeypatch):
@@ -110,10 +110,10 @@ def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
 def test_loss_spike_guard_skips_outliers(tmp_path, monkeypatch):
     real, n = loss.LMTask.loss, [0]
 
-    def loss(self, logits, targets, total):
+    def spiked_loss(self, logits, targets, total):
         n[0] += 1
         return real(self, logits, targets, total) * (50.0 if n[0] == 15 else 1.0)
-    monkeypatch.setattr(loss.LMTask, "loss", loss)
+    monkeypatch.setattr(loss.LMTask, "loss", spiked_loss)
     train.main(TINY + ["--max-steps", "16", "--skip-spikes", "3", "--out-dir", str(tmp_path)])
     skipped = [r for r in records(tmp_path) if "skipped" in r]
     assert [r["step"] for r in skipped] == [15] and "loss spike" in skipped[0]["skipped"]
@@ -213,7 +213,8 @@ SHAPE = r"\(\d+(, \d+)*,?\)"
 
 @pytest.mark.parametrize("layout,failure", [
     (["--grad-accum", "1"], rf"all_reduce of {SHAPE} on the dp group \(global ranks \[0, 1\]\)"),
-    (["--tp", "2"], rf"all_reduce of {SHAPE} on the tp group \(global ranks \[0, 1\]\)"),
+    # (the cross-entropy's first collective: the ranks' log-sum-exps, gathered)
+    (["--tp", "2"], rf"all_gather of {SHAPE} on the tp group \(global ranks \[0, 1\]\)"),
     (["--pp", "2", "--grad-accum", "2"],  # 1F1B's steady state posts a send and a receive together
      r"pipeline (send to stage 1, )?recv from stage 1 on the pp group \(global ranks \[0, 1\]\)"),
 ])
@@ -224,9 +225,9 @@ def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layo
     script.write_text(textwrap.dedent(f"""
         import os, signal, sys, time
         sys.path.insert(0, {str(REPO)!r})
-        import config, train
+        import config, loss, train
         real, n = loss.LMTask.loss, [0]
-        def loss(self, logits, targets, total):
+        def stalled_loss(self, logits, targets, total):
             n[0] += 1
             if self.mesh.rank == 1 and n[0] == 3:
                 # A rank stuck in native code runs no Python signal handler, so torchrun's SIGTERM reaches
@@ -234,7 +235,7 @@ def test_stalled_rank_makes_the_others_fail_naming_the_collective(tmp_path, layo
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 time.sleep(600)
             return real(self, logits, targets, total)
-        loss.LMTask.loss = loss
+        loss.LMTask.loss = stalled_loss
         config.run(train.main, sys.argv[1:])
     """))
     t0 = time.time()
