@@ -182,6 +182,88 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, mesh) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The algorithms, one small class each (ALGOS, --algo): their defaults and refusals, what they add to
+# the rollouts (targets: advantages), their token losses and the metrics they log
+
+
+class GRPO:
+    """Group-relative advantages, no critic (the module docstring's formulas)."""
+
+    group, kl_coef = 8, 0.04  # --group and --kl-coef when not given
+    critic = False  # a value head trained beside the policy (RL.extend)
+    rollout_forwards = 0  # forwards of the policy per row besides the trained one (memory, FLOPs)
+    metric_names = ("reward", "reward_std", "kl", "completion_length", "clip_ratio")
+
+    @staticmethod
+    def check(a):
+        if a.group < 2:
+            raise config.ConfigError(f"--group {a.group}: GRPO's advantage compares the replies to one prompt; "
+                                     "a group needs at least 2")
+        if a.temperature == 0:
+            raise config.ConfigError("--temperature 0: every reply of a group would be the same, and its "
+                                     "advantages 0")
+
+    @staticmethod
+    def targets(task, rolled):
+        """Each reply's advantage within its group of --group replies to one prompt."""
+        for _, (_, e) in rolled:
+            e["adv"] = group_advantages(e["reward"], task.group)
+        return rolled
+
+    @staticmethod
+    def token_losses(task, logp, e) -> tuple[torch.Tensor, dict]:
+        # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
+        losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], task.args.clip_eps,
+                                                task.beta)
+        return losses, {"reward_std": e["reward_std"], "kl": kl, "clip_ratio": clipped}
+
+
+class PPO:
+    """A critic (ValueHead), the KL in the per-token reward, GAE advantages (the module docstring)."""
+
+    group, kl_coef = 1, 0.05
+    critic = True
+    rollout_forwards = 1  # the rollout's log-probs and values
+    metric_names = ("reward", "objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg",
+                    "completion_length")
+
+    @staticmethod
+    def check(a):
+        pass
+
+    @staticmethod
+    @torch.no_grad()
+    def targets(task, rolled):
+        """The rollout's log-probs and values, the per-token rewards (the KL penalty at every reply token,
+        the score at its last), GAE advantages whitened over the global batch, and returns."""
+        a, out = task.args, []
+        for x, (y, e) in rolled:
+            mask = (y != data.IGNORE_INDEX).float()
+            e["old"] = task.token_logps(task.policy, x, y)  # the policy's forward sets the value head's input
+            e["values"] = task.value_head() * mask
+            kl = (e["old"] - e["ref"]) * mask if e["ref"] is not None else torch.zeros_like(mask)
+            last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=-1, keepdim=True)
+            rewards = (-task.beta * kl).scatter_add(1, last, e["reward"][:, None])
+            e["adv"], e["returns"] = gae(rewards, e["values"], mask, a.gamma, a.lam)
+            e["kl_sum"], e["entropy"] = kl.sum(dim=-1), -(e["old"] * mask).sum(dim=-1)
+            out.append((x, (y, e), mask))
+        advs = whiten(torch.cat([e["adv"] for _, (_, e), _ in out]), torch.cat([m for *_, m in out]), task.mesh)
+        for (_, (_, e), _), adv in zip(out, advs.split([x.shape[0] for x, *_ in out])):
+            e["adv"] = adv
+        return [(x, target) for x, target, _ in out]
+
+    @staticmethod
+    def token_losses(task, logp, e) -> tuple[torch.Tensor, dict]:
+        losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], task.value_head(), e["values"],
+                                                       e["returns"], task.args)
+        return losses, {"objective/kl": e["kl_sum"], "objective/entropy": e["entropy"],
+                        "policy/clipfrac_avg": clipped, "loss/value_avg": value_loss}
+
+
+ALGOS = {"grpo": GRPO, "ppo": PPO}
+
+
+# ----------------------------------------------------------------------------------------------------
 # The task: phase 1's rollouts in prepare(), phase 3's loss
 
 
@@ -201,14 +283,11 @@ class RLTask:
         self.score, self.reference, self.value_head = score, reference, value_head
         self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
         self.temperature = args.temperature or 1.0  # (0: greedy, no distribution to divide by)
-        self.rows_per_example = args.group
-        # forwards besides the trained one's: the reference's, and PPO's rollout forward (values, old logp)
-        self.reference_forwards = (reference is not None) + (args.algo == "ppo")
-        names = (("reward", "reward_std", "kl", "completion_length", "clip_ratio") if args.algo == "grpo" else
-                 ("reward", "objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg",
-                  "completion_length"))
+        self.rows_per_example, self.algo = args.group, ALGOS[args.algo]
+        # forwards besides the trained one's: the reference's, and the algorithm's rollout forwards
+        self.reference_forwards = (reference is not None) + self.algo.rollout_forwards
         self.with_answers = all("answer" in p for p in prompts)
-        self.metric_names = names + (("accuracy",) if self.with_answers else ())
+        self.metric_names = self.algo.metric_names + (("accuracy",) if self.with_answers else ())
         self.per_token = torch.tensor([n in TOKEN_MEANS for n in self.metric_names], device=mesh.device)
         self._sums = torch.zeros(len(self.metric_names), device=mesh.device)  # (tally)
         self._tokens = torch.zeros((), device=mesh.device)
@@ -219,8 +298,7 @@ class RLTask:
         return torch.full((), rows, device=batch[0].device)
 
     def prepare(self, batches):
-        rolled = [self.roll_out(seqs, items) for seqs, items in batches]
-        return self.ppo_targets(rolled) if self.args.algo == "ppo" else rolled
+        return self.algo.targets(self, [self.roll_out(seqs, items) for seqs, items in batches])
 
     def sample(self, seq: int, prompt: dict) -> list[list[int]]:
         """G replies to one prompt: sampled from its own stream, or (eval mode) one greedy reply G times."""
@@ -255,8 +333,6 @@ class RLTask:
                   "reward_std": grouped.std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(r),
                   "correct": torch.tensor(correct, device=device) if self.with_answers else None,
                   "ref": self.reference_logps(x, y) if self.reference is not None else None}
-        if a.algo == "grpo":
-            extras["adv"] = group_advantages(r, G)
         return x, (y, extras)
 
     def logps(self, logits, y) -> torch.Tensor:
@@ -274,41 +350,11 @@ class RLTask:
         with M.without_lora(self.reference):
             return self.token_logps(self.reference, x, y)
 
-    @torch.no_grad()
-    def ppo_targets(self, rolled):
-        """PPO: the rollout's log-probs and values, the per-token rewards (the KL penalty at every reply
-        token, the score at its last), GAE advantages whitened over the global batch, and returns."""
-        a, out = self.args, []
-        for x, (y, e) in rolled:
-            mask = (y != data.IGNORE_INDEX).float()
-            e["old"] = self.token_logps(self.policy, x, y)  # the policy's forward sets the value head's input
-            e["values"] = self.value_head() * mask
-            kl = (e["old"] - e["ref"]) * mask if e["ref"] is not None else torch.zeros_like(mask)
-            last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=-1, keepdim=True)
-            rewards = (-self.beta * kl).scatter_add(1, last, e["reward"][:, None])
-            e["adv"], e["returns"] = gae(rewards, e["values"], mask, a.gamma, a.lam)
-            e["kl_sum"], e["entropy"] = kl.sum(dim=-1), -(e["old"] * mask).sum(dim=-1)
-            out.append((x, (y, e), mask))
-        advs = whiten(torch.cat([e["adv"] for _, (_, e), _ in out]), torch.cat([m for *_, m in out]), self.mesh)
-        for (_, (_, e), _), adv in zip(out, advs.split([x.shape[0] for x, *_ in out])):
-            e["adv"] = adv
-        return [(x, target) for x, target, _ in out]
-
     def loss(self, logits, targets, total):
         y, e = targets
         mask = (y != data.IGNORE_INDEX).float()
         logp = self.logps(logits, y)  # (rows, T), 0 outside the replies
-        if self.args.algo == "grpo":
-            # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
-            losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], self.args.clip_eps,
-                                                    self.beta)
-            stats = {"reward_std": e["reward_std"], "kl": kl, "clip_ratio": clipped}
-        else:
-            values = self.value_head()
-            losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], values, e["values"],
-                                                           e["returns"], self.args)
-            stats = {"objective/kl": e["kl_sum"], "objective/entropy": e["entropy"],
-                     "policy/clipfrac_avg": clipped, "loss/value_avg": value_loss}
+        losses, stats = self.algo.token_losses(self, logp, e)
         self.tally({**stats, "reward": e["reward"], "completion_length": e["length"], "accuracy": e["correct"]},
                    mask, total)
         return reply_mean(losses, mask).sum() / total
@@ -583,7 +629,7 @@ class RL(T.FromInit):
 
     def extend(self, model, device, dtype):
         """PPO's critic: a submodule of the policy, so it is trained, sharded and checkpointed with it."""
-        if self.args.algo == "ppo":
+        if ALGOS[self.args.algo].critic:
             self.value_head = ValueHead(model, device, dtype)
             model.add_module("value_head", self.value_head)
 
@@ -599,16 +645,12 @@ def check_flags(a):
     if not a.prompts or bool(a.reward) == bool(a.reward_fn):
         raise config.ConfigError("rl.py needs --prompts FILE and one of --reward (a reward model) or "
                                  "--reward-fn")
-    a.group = a.group if a.group is not None else (8 if a.algo == "grpo" else 1)
-    a.kl_coef = a.kl_coef if a.kl_coef is not None else (0.04 if a.algo == "grpo" else 0.05)
-    if a.algo == "grpo" and a.group < 2:
-        raise config.ConfigError(f"--group {a.group}: GRPO's advantage compares the replies to one prompt; a "
-                                 "group needs at least 2")
+    algo = ALGOS[a.algo]
+    a.group = a.group if a.group is not None else algo.group
+    a.kl_coef = a.kl_coef if a.kl_coef is not None else algo.kl_coef
     if a.group < 1 or a.max_new_tokens < 1:
         raise config.ConfigError("--group and --max-new-tokens must be at least 1")
-    if a.algo == "grpo" and a.temperature == 0:
-        raise config.ConfigError("--temperature 0: every reply of a group would be the same, and its "
-                                 "advantages 0")
+    algo.check(a)
     if not (0 <= a.kl_coef < math.inf and 0 < a.clip_eps < 1 and 0 <= a.gamma <= 1 and 0 <= a.lam <= 1
             and 0 <= a.vf_coef < math.inf and 0 < a.clip_value < math.inf):
         raise config.ConfigError("need --kl-coef >= 0, --clip-eps in (0, 1), --gamma and --lam in [0, 1], "
@@ -687,7 +729,7 @@ def get_parser() -> argparse.ArgumentParser:
                      "`rl.py sums` writes the arithmetic task's files, `rl.py eval` scores greedy replies.")
     g = p.add_argument_group("reinforcement learning")
     g.add_argument("--init", default=None, help="the SFT checkpoint (or HF / Meta folder) to start from")
-    g.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="see the module docstring")
+    g.add_argument("--algo", default="grpo", choices=list(ALGOS), help="see the module docstring")
     g.add_argument("--prompts", default=None, help="JSON/JSONL prompts (reward.py's read_prompts layouts; an "
                                                     "\"answer\" field is what --reward-fn arithmetic checks)")
     g.add_argument("--reward", default=None, help="a reward model (reward.py's --out-dir, or an HF folder)")
