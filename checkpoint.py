@@ -60,7 +60,7 @@ class CheckpointError(Exception):
 # ----------------------------------------------------------------------------------------------------
 # 1. Names
 
-STEP_RE = re.compile(r"step_(\d+)")
+STEP_RE = W.STEP_RE
 SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")  # one per (pp, tp) rank: section 3
 
 
@@ -658,11 +658,7 @@ def find_latest(out_dir: Path, verify: bool = True, check=None) -> tuple[Path | 
 
 def is_checkpoint(path) -> bool:
     """An out-dir of train.py / sft.py / dpo.py, or one of its step directories."""
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    return ((path / "latest").exists() or bool(step_dirs(path))
-            or ((path / "meta.json").is_file() and any(path.glob("shard_pp*_tp*.pt"))))
+    return W.folder_format(path) == "checkpoint"
 
 
 def resolve(path, say=print, verify: bool = True, check=None) -> Path:
@@ -781,15 +777,12 @@ def recorded(path) -> dict:
     path = Path(path)
     if is_checkpoint(path):  # an out-dir: its newest checkpoint (the one loaded is verified when it is read)
         path = resolve(path, say=lambda msg: None, verify=False)
-    for name in ("meta.json", "config.json", "params.json"):
-        if not (path / name).is_file():
-            continue
-        try:
-            found = json.loads((path / name).read_text())
-        except (OSError, ValueError, RecursionError):
-            continue
-        if not isinstance(found, dict):
-            break
+    name = {"checkpoint": "meta.json", "hf": "config.json", "meta": "params.json"}.get(W.folder_format(path))
+    try:
+        found = json.loads((path / name).read_text()) if name and (path / name).is_file() else None  # (a FIFO waits)
+    except (OSError, ValueError, RecursionError):
+        found = None
+    if isinstance(found, dict):
         if name == "meta.json":
             args, margs = (found.get(k) if isinstance(found.get(k), dict) else {}
                            for k in ("args", "model_args"))
@@ -855,12 +848,13 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
     path = Path(path)
     if is_checkpoint(path):
         path = resolve(path, verify=verify)
+    found = W.folder_format(path)
     try:
-        if is_checkpoint(path):
+        if found == "checkpoint":
             margs, state = checkpoint_state(path, tok, verify)
-        elif (path / "config.json").exists():  # read lazily: each rank reads only the weights it keeps
+        elif found == "hf":  # read lazily: each rank reads only the weights it keeps
             margs, state = W.hf_state(path)
-        elif (path / "params.json").exists():
+        elif found == "meta":
             model = W.load_meta(path)
             margs, state = model.args, model.state_dict()
         else:

@@ -165,6 +165,22 @@ _HF_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.N / model.layers.N
 }
 
 
+STEP_RE = re.compile(r"step_(\d+)")  # a checkpoint's step folder (checkpoint.py writes them)
+
+
+def folder_format(path) -> str | None:
+    """Which weights a folder holds: "checkpoint" (an out-dir of this project's scripts or one of its step
+    folders), "hf" (a Hugging Face folder: config.json), "meta" (a Meta folder: params.json), or None."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    steps = any(STEP_RE.fullmatch(d.name) and d.is_dir() for d in path.glob("step_*"))
+    if (path / "latest").exists() or steps or ((path / "meta.json").is_file() and any(path.glob("shard_pp*_tp*.pt"))):
+        return "checkpoint"
+    # (exists, not is_file: a description that is no regular file is refused when it is read, not passed over)
+    return "hf" if (path / "config.json").exists() else "meta" if (path / "params.json").exists() else None
+
+
 def hf_name(ours: str, classifier: bool = False) -> str:
     """Our parameter name -> Hugging Face's; classifier: LlamaForSequenceClassification's head."""
     if ours.startswith("layers."):
