@@ -51,7 +51,8 @@ class DataError(Exception):
     """A problem with the data or its sources; train.py prints it as one line and exits."""
 
 
-# ======== 1. Sources and download =================================================================
+# ----------------------------------------------------------------------------------------------------
+# 1. Sources and download
 # Each entry: a public URL, the sha256 it must deliver, the license, the same file's path in a local
 # mirror folder (DATA_MIRROR) and how to cut it into documents. URLs are pinned to commits, so the
 # content (and its hash) cannot drift; TinyShakespeare has never changed on char-rnn's master.
@@ -255,7 +256,8 @@ def _verify_and_place(part, dest, sha256, origin, hint):
     return dest
 
 
-# ======== 2. Tokenizers ===========================================================================
+# ----------------------------------------------------------------------------------------------------
+# 2. Tokenizers
 # Every tokenizer speaks the same special tokens, so the rest of the code only knows their names.
 # Llama 3 has 256 of them above its 128,000 ranks; the others get the first 12 above their own.
 
@@ -373,7 +375,8 @@ def format_ids(enc) -> list[int]:
     return [enc.encode_single_token(t) for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")]
 
 
-# ======== 3. Documents ============================================================================
+# ----------------------------------------------------------------------------------------------------
+# 3. Documents
 
 def resolve_source(source, mirror=None) -> list:
     """A registry name, file, folder or glob -> [(path, text|lines|jsonl, encoding)]."""
@@ -452,7 +455,8 @@ def split_documents(docs, val_fraction):
     return docs[:-n_val], docs[-n_val:]
 
 
-# ======== 4. Token shards =========================================================================
+# ----------------------------------------------------------------------------------------------------
+# 4. Token shards
 # Layout (little-endian), 256-byte header, then `count` tokens of `itemsize` bytes:
 #   offset  0  8 bytes  magic b"L3TOKENS"
 #   offset  8  uint32   format version (2; version 1 is read too)
@@ -550,7 +554,8 @@ def check_token_ids(ids: np.ndarray, path, tokenizer: str, n_vocab=None, max_id=
                         f"({max_id:,}): the shard is corrupt; prepare the data again")
 
 
-# ======== 5. prepare: documents -> shards =========================================================
+# ----------------------------------------------------------------------------------------------------
+# 5. prepare: documents -> shards
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB (uint16) or 400 MB (uint32) per shard
 PIECE_CHARS = 1 << 20  # long documents are cut into pieces of about this size, for threads to share
@@ -817,7 +822,8 @@ def resolve_data(data, tokenizer, mirror=None, **prepare_kwargs) -> Path:
     return folder
 
 
-# ======== 6. Loader: shards -> batches ============================================================
+# ----------------------------------------------------------------------------------------------------
+# 6. Loader: shards -> batches
 
 def _ends_sha256(path, size=1 << 12) -> str:
     """sha256 of a file's first and last `size` bytes (of the whole file, once, when shorter than
@@ -979,7 +985,8 @@ class Loader(Positions):
         return self._fingerprint
 
 
-# ======== 6b. Mixtures: several sources, each its share of the sequences ==========================
+# ----------------------------------------------------------------------------------------------------
+# 6b. Mixtures: several sources, each its share of the sequences
 # Llama 3 pretrained on a mix (about half general text, a quarter math and reasoning, 17% code, 8%
 # multilingual) and annealed on a higher-quality mix at the end; MixtureLoader does both.
 
@@ -1146,7 +1153,8 @@ def with_documents(batch: tuple, bos: int | None) -> tuple:
     return (*batch, (inputs == bos).cumsum(dim=-1))
 
 
-# ======== 7. Records: the JSON and JSONL files a recipe names =====================================
+# ----------------------------------------------------------------------------------------------------
+# 7. Records: the JSON and JSONL files a recipe names
 
 IGNORE_INDEX = -100  # an unlearned target: torch.nn.functional.cross_entropy's default ignore_index
 
@@ -1184,7 +1192,8 @@ def json_records(path) -> list:
     return records
 
 
-# ======== 8. Failures a user can cause, each said in one line =====================================
+# ----------------------------------------------------------------------------------------------------
+# 8. Failures a user can cause, each said in one line
 
 def one_line(error) -> str:
     """An exception's message on one line (its type's name if it has none). A pickle refused by
@@ -1296,7 +1305,8 @@ def sigterm_raises_keyboard_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-# ======== 9. Command line =========================================================================
+# ----------------------------------------------------------------------------------------------------
+# 9. Command line
 
 def _print_info(path):
     path = Path(path)

@@ -50,7 +50,7 @@ import launch
 import model as M
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 1. Mesh
 
 # Every live Mesh by its key: the collectives in compiled blocks are torch custom ops (section 3),
@@ -182,7 +182,7 @@ def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device |
     return mesh
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 2. Collectives, with the bytes each rank sends counted per dimension
 #    (ring algorithms: all-reduce sends 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n)
 
@@ -290,7 +290,7 @@ def _(inp, mesh_key, dim):
     return inp.new_empty((inp.shape[0] // MESHES[mesh_key].size(dim), *inp.shape[1:]))
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 3. Tensor-parallel communication as autograd functions. Each is its own conjugate's transpose:
 #    f: forward identity, backward all-reduce   (enters a TP region: every rank needs the whole input)
 #    g: forward all-reduce, backward identity   (leaves it: partial sums from each rank are added)
@@ -368,7 +368,7 @@ def leave_tp(x, mesh):
     return _ScatterSeq.apply(x, mesh) if mesh.sp else _ReduceFromTP.apply(x, mesh)
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 4. Tensor-parallel layers
 
 
@@ -518,7 +518,7 @@ def gather_vocab(logits, mesh: Mesh) -> torch.Tensor:
     return out.view(mesh.tp, B, local).permute(1, 0, 2).reshape(B, mesh.tp * local)
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 5. Context parallelism: each sequence cut along its length over the cp ranks
 #
 # The Llama 3 way (Dubey et al. 2024, section 3.3.2), not the ring: each rank projects its own
@@ -593,7 +593,7 @@ def apply_context_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
     return model
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 6. Pipeline parallelism
 
 
@@ -917,7 +917,7 @@ def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dty
     return results
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 7. Work one rank does for all (off the training step)
 
 
@@ -954,7 +954,7 @@ def all_true(flag, mesh: Mesh) -> bool:
     return bool(t.item())
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # 8. Building a rank's pieces: a model made on the meta device, cut for this rank, then given storage
 
 
