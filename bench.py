@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import checkpoint as C
+import checkpoint
 import config
 import costs
 import data
@@ -59,7 +59,7 @@ import model as M
 import optim as O
 import parallel as P
 import plan
-import train as T
+import train
 import zero as Z
 
 # ----------------------------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def measure_ckpt(a) -> dict:
         import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
         with contextlib.redirect_stdout(io.StringIO()):
             config.configure_process(args)
-            run = T.train(args)
+            run = train.train(args)
         first = run.saves[0]
         files = json.loads((Path(out_dir) / "step_000001" / "meta.json").read_text())["files"]
     return {"setting": ckpt_setting(a), "ckpt_stall_s": first["stall_s"],
@@ -173,10 +173,10 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
     import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the table)
     with contextlib.redirect_stdout(io.StringIO()):
         config.configure_process(args)  # as train.py's command line does
-        train = lambda: T.train(args, time_phases=timing)
+        trained = lambda: train.train(args, time_phases=timing)
         if census:  # peak FLOP/s measured outside the census: its matrices are not training's
             costs.peak_flops(*config.pick_device_and_precision(args))
-        run, peak = cpu_census(train) if census else (train(), None)
+        run, peak = cpu_census(trained) if census else (trained(), None)
     mesh, margs = run.mesh, run.margs
     peak = peak / 1e9 if census else costs.peak_memory_gb(run.device)
     peaks = P.all_gather_objects(peak, mesh) if mesh.world > 1 else [peak]
@@ -189,7 +189,7 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
     shape = (margs, run.precision, args.micro_batch, args.seq_len)
     layout = dict(act_ckpt=args.act_ckpt, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, zero=args.zero, sp=mesh.sp,
                   grad_accum=args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
-    kept = costs.kept_by(run.device.type, run.precision, args.attn_backend, T.doc_mask_on(args) or mesh.cp > 1,
+    kept = costs.kept_by(run.device.type, run.precision, args.attn_backend, train.doc_mask_on(args) or mesh.cp > 1,
                          args.compile)
     est = costs.memory_estimate(*shape, **layout, schedule=args.schedule, bucket_mb=args.bucket_mb,
                                 loss_chunk=run.task.chunk, kept=kept)
@@ -327,7 +327,7 @@ def measure_here(a, over: dict) -> dict:
     alone = launch.launch_env()[1] == 1
     try:
         return measure_ckpt(a) if "checkpoint" in over else {"setting": over, **measure(a, **over)}
-    except (config.ConfigError, C.CheckpointError, OSError) as e:  # a refusal, or the user's disk: one line
+    except (config.ConfigError, checkpoint.CheckpointError, OSError) as e:  # a refusal, or the user's disk: one line
         return {"setting": over, "error": data.one_line(e)}
     except Exception as e:
         if not alone:
@@ -822,7 +822,7 @@ def run_trace(a):
         import io, contextlib  # noqa: E401  (keep train.py's per-run banner out of the output)
         with contextlib.redirect_stdout(io.StringIO()):
             config.configure_process(args)
-            run = T.train(args)
+            run = train.train(args)
         if run.mesh.rank == 0:
             folder, made = Path(a.trace), Path(out_dir) / f"trace_step_{args.trace_step:06d}"
             folder.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ import data
 import launch
 import model as M
 import parallel as P
-import weights as W
+import weights
 
 
 class CheckpointError(Exception):
@@ -60,7 +60,7 @@ class CheckpointError(Exception):
 # ----------------------------------------------------------------------------------------------------
 # 1. Names
 
-STEP_RE = W.STEP_RE
+STEP_RE = weights.STEP_RE
 SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")  # one per (pp, tp) rank: section 3
 
 
@@ -294,7 +294,7 @@ def manifest_files(folder: Path) -> list[Path]:
     return [Path(folder) / name for name in names]
 
 
-def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[W.LazyState, dict]:
+def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[weights.LazyState, dict]:
     """A checkpoint's shard files (memory-mapped) -> {name: {"master", "exp_avg", "exp_avg_sq"}} (or
     only `keys`) as full tensors, each assembled when looked up, so loading into another layout
     holds one full parameter at a time; plus the first file's extra fields."""
@@ -305,7 +305,7 @@ def read_full_state(folder: Path, names=None, keys=STATE_KEYS) -> tuple[W.LazySt
         for name, e in s["params"].items():
             if names is None or name in names:
                 pieces.setdefault(name, []).append(e)
-    full = W.LazyState({name: (lambda parts=parts: _assemble(parts, keys)) for name, parts in pieces.items()})
+    full = weights.LazyState({name: (lambda parts=parts: _assemble(parts, keys)) for name, parts in pieces.items()})
     extra = {k: v for k, v in shards[0].items() if k != "params"}
     return full, extra
 
@@ -328,7 +328,7 @@ def load_shards(folder: Path, model, opt, mesh: P.Mesh):
                                  f"needs {tuple(shape)}")
         return out
 
-    state = W.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
+    state = weights.LazyState({name: (lambda i=i, name=name: mine(i, name)) for i, name in enumerate(opt.names)})
     opt.load_state_dict({"step": extra["step"], "params": state})
     return extra
 
@@ -658,7 +658,7 @@ def find_latest(out_dir: Path, verify: bool = True, check=None) -> tuple[Path | 
 
 def is_checkpoint(path) -> bool:
     """An out-dir of train.py / sft.py / dpo.py, or one of its step directories."""
-    return W.folder_format(path) == "checkpoint"
+    return weights.folder_format(path) == "checkpoint"
 
 
 def resolve(path, say=print, verify: bool = True, check=None) -> Path:
@@ -777,7 +777,7 @@ def recorded(path) -> dict:
     path = Path(path)
     if is_checkpoint(path):  # an out-dir: its newest checkpoint (the one loaded is verified when it is read)
         path = resolve(path, say=lambda msg: None, verify=False)
-    name = {"checkpoint": "meta.json", "hf": "config.json", "meta": "params.json"}.get(W.folder_format(path))
+    name = {"checkpoint": "meta.json", "hf": "config.json", "meta": "params.json"}.get(weights.folder_format(path))
     try:
         found = json.loads((path / name).read_text()) if name and (path / name).is_file() else None  # (a FIFO waits)
     except (OSError, ValueError, RecursionError):
@@ -791,7 +791,7 @@ def recorded(path) -> dict:
                    "num_labels": margs.get("num_labels")}
         else:  # (a Meta folder's params.json names no architecture: a language model)
             out = {"tokenizer": found.get("tokenizer"), "vocab_size": found.get("vocab_size"),
-                   "num_labels": W.classifier_labels(found)}
+                   "num_labels": weights.classifier_labels(found)}
         kinds = {"tokenizer": str, "seq_len": int, "vocab_size": int, "chat": bool, "num_labels": int}
         return {k: v for k, v in out.items() if isinstance(v, kinds[k])}
     raise CheckpointError(f"--init {path}: not a checkpoint folder, a Hugging Face folder (config.json) or "
@@ -848,14 +848,14 @@ def load_init(path, tok, verify: bool = True) -> tuple[M.ModelArgs, dict]:
     path = Path(path)
     if is_checkpoint(path):
         path = resolve(path, verify=verify)
-    found = W.folder_format(path)
+    found = weights.folder_format(path)
     try:
         if found == "checkpoint":
             margs, state = checkpoint_state(path, tok, verify)
         elif found == "hf":  # read lazily: each rank reads only the weights it keeps
-            margs, state = W.hf_state(path)
+            margs, state = weights.hf_state(path)
         elif found == "meta":
-            model = W.load_meta(path)
+            model = weights.load_meta(path)
             margs, state = model.args, model.state_dict()
         else:
             raise CheckpointError(f"--init {path}: not a checkpoint folder, a Hugging Face folder "
@@ -873,7 +873,7 @@ def checkpoint_args(step: Path) -> M.ModelArgs:
     return M.ModelArgs.from_dict(read_meta(step)["model_args"])
 
 
-def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.ModelArgs, W.LazyState]:
+def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.ModelArgs, weights.LazyState]:
     """A checkpoint's model args and weights (fp32 masters, each read when looked up), without what
     only training keeps (M.TRAINING_ONLY). A LoRA checkpoint holds its adapters alone: each adapted
     weight is then the model it adapts (lora_base) merged with them, W + (alpha / r) B A."""
@@ -894,7 +894,7 @@ def checkpoint_state(step: Path, tok=None, verify: bool = True) -> tuple[M.Model
                 state.setdefault(name, lambda name=name: base[name])
     if margs.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
-    return margs, W.LazyState(state)
+    return margs, weights.LazyState(state)
 
 
 def lora_record(lora: tuple | None, base: Path | None, seed: int) -> dict | None:
@@ -959,7 +959,7 @@ def lora_base(lora: dict, margs: M.ModelArgs, tok, verify: bool):
         return load_init(base, tok, verify)[1]
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in M.Transformer(margs).named_parameters()}
-    return W.LazyState({name: (lambda name=name, shape=shape: M.init_tensor(margs, name, shape, lora["seed"]))
+    return weights.LazyState({name: (lambda name=name, shape=shape: M.init_tensor(margs, name, shape, lora["seed"]))
                         for name, shape in shapes.items()})
 
 
@@ -1036,14 +1036,14 @@ def consolidate(folder: Path, hf: Path, tokenizer=None, chat: bool = False, aver
     folder = Path(folder)
     meta = json.loads(data.regular_file(folder / "meta.json", "checkpoint file").read_text())
     states = [checkpoint_state(f, tokenizer, verify=False)[1] for f in [folder, *average]]
-    model = W.empty_model(M.ModelArgs.from_dict(meta["model_args"]))
+    model = weights.empty_model(M.ModelArgs.from_dict(meta["model_args"]))
     mean = lambda name: sum(state[name].float() for state in states) / len(states)
     model.load_state_dict({name: states[0][name] if not average else mean(name) for name in states[0]})
     if tokenizer is None:
-        W.save_hf(model, hf)
+        weights.save_hf(model, hf)
     else:
-        files = W.hf_tokenizer_files(tokenizer, chat, model.args.max_seq_len)
-        W.save_hf(model, hf, W.hf_tokens(tokenizer, chat), files)
+        files = weights.hf_tokenizer_files(tokenizer, chat, model.args.max_seq_len)
+        weights.save_hf(model, hf, weights.hf_tokens(tokenizer, chat), files)
     return model
 
 
@@ -1069,13 +1069,13 @@ def export_peft(folder: Path, out: Path):
     loadable = base is not None and not is_checkpoint(base) and (base / "config.json").is_file()
     def theirs(name):  # layers.0.attention.wq.lora_A -> base_model.model.(its HF module).lora_A.weight
         linear, factor = name.rsplit(".", 1)
-        return f"base_model.model.{W.hf_name(linear + '.weight').removesuffix('.weight')}.{factor}.weight"
+        return f"base_model.model.{weights.hf_name(linear + '.weight').removesuffix('.weight')}.{factor}.weight"
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
               "target_modules": sorted(PEFT_NAMES[t] for t in lora["targets"]), "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "base_model_name_or_path": str(base) if loadable else None}
     adapters = {theirs(name): full[name]["master"] for name in full if M.is_lora(name)}
-    W.write_export(out, {"adapter_model.safetensors": adapters}, {"adapter_config.json": config},
+    weights.write_export(out, {"adapter_model.safetensors": adapters}, {"adapter_config.json": config},
                    PEFT_EXPORT_FILES)
 
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-import checkpoint as C
+import checkpoint
 import costs
 import data
 import launch
@@ -514,7 +514,7 @@ def check_config(args, recipe) -> Spec:
         enter_stage(args, ramp[0], dp)
     kernel = attention_kernel(args, margs, device, precision, masked, recipe.documents_masked())
     check_anneal(args, dp)
-    C.check_out_dir(Path(args.out_dir))
+    checkpoint.check_out_dir(Path(args.out_dir))
     check_overwrite(args)
     return Spec(device, precision, tok, margs, kernel, ramp, loss_chunk_of(args, recipe, ramp))
 
@@ -899,7 +899,7 @@ def run(main_fn, argv=None):
     rank = env_rank()
     try:
         main_fn(argv)
-    except (ConfigError, C.CheckpointError, launch.LaunchError) as e:
+    except (ConfigError, checkpoint.CheckpointError, launch.LaunchError) as e:
         if rank == 0 or isinstance(e, (ResourceError, launch.LaunchError)):
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
         else:  # rank 0 says it; leave after it does, or torchrun (which stops the job at the first exit)

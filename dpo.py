@@ -46,7 +46,7 @@ import data
 import loss
 import model as M
 import parallel as P
-import train as T
+import train
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def weights_digest(model, mesh) -> str:
 # The recipe: train.py's loop with the model from --init, preference pairs (chat.py) and DPOTask
 
 
-class DPO(T.FromInit):
+class DPO(train.FromInit):
     """The policy from --init and a frozen reference built from the same initial weights."""
 
     kind = "dpo"
@@ -246,11 +246,11 @@ class DPO(T.FromInit):
 
     def data(self, tok, mesh):
         a = self.args
-        train, make_val, desc = chat.preference_data(a, tok, mesh, with_index=a.precompute_ref)
+        loader, make_val, desc = chat.preference_data(a, tok, mesh, with_index=a.precompute_ref)
         self.tok_name = tok.name  # part of the cached reference's key
         self.skip = torch.tensor(data.format_ids(tok)) if a.mask_format_tokens else None
-        self.loaders = train, make_val()  # precomputing scores both
-        return train, make_val, desc
+        self.loaders = loader, make_val()  # precomputing scores both
+        return loader, make_val, desc
 
     def task(self, spec, mesh, dtype, model):
         margs, device, reference = spec.margs, spec.device, self.reference(spec, mesh, dtype, model)
@@ -303,7 +303,7 @@ def main(argv=None):
                                  f"the sigmoid loss; --loss {args.loss} has no use for it: drop one of them")
     if args.cp > 1:  # a pair's log-probability is a sum over the whole sequence, which no cp rank holds
         raise config.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
-    T.post_train(args, DPO)
+    train.post_train(args, DPO)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import chat
-import checkpoint as C
+import checkpoint
 import config
 import data
 import launch
@@ -62,11 +62,11 @@ def load_model(path, tok, device, dtype, mesh: P.Mesh) -> M.Transformer:
     """--init -> the Transformer on `device` in `dtype`, in eval mode, gradients off."""
     # load_init may report a grown vocabulary; stdout is for results
     with contextlib.redirect_stdout(sys.stderr):
-        if C.is_checkpoint(path):
+        if checkpoint.is_checkpoint(path):
             # each rank verifies a share of the shards; rank 0 says what it passed over
-            path = C.resolve(path, say=lambda msg: print(msg) if mesh.rank == 0 else None,
-                             check=C.shared_check(mesh))
-        margs, state = C.load_init(path, tok, verify=False)
+            path = checkpoint.resolve(path, say=lambda msg: print(msg) if mesh.rank == 0 else None,
+                             check=checkpoint.shared_check(mesh))
+        margs, state = checkpoint.load_init(path, tok, verify=False)
     with torch.device("meta"):
         model = M.Transformer(margs)  # no random initialization: every weight comes from the state dict
     model.load_state_dict(state, assign=True)
@@ -570,8 +570,8 @@ def pair_sums(r_chosen, r_rejected) -> torch.Tensor:
 def load_reward_model(path, device, mirror=None, dtype=torch.float32, mesh=None):
     """--reward: a reward model's checkpoint or Hugging Face folder -> (model in eval mode,
     tokenizer). Under a job (mesh), its ranks check a checkpoint's shards together."""
-    C.check_head(path, "--reward", reward=True)
-    tok = C.tokenizer_for(path, None, mirror)
+    checkpoint.check_head(path, "--reward", reward=True)
+    tok = checkpoint.tokenizer_for(path, None, mirror)
     return load_model(path, tok, device, dtype, mesh or P.Mesh()), tok
 
 
@@ -828,12 +828,12 @@ def weight_diff(a_path, b_path, mirror=None) -> dict:
     """--diff A B, two checkpoints or exports of one model: each parameter's change and the layers
     and kinds that moved most. A is read with B's tokenizer: where B grew the vocabulary (SFT's chat
     tokens), A's new rows are what B started from (their mean, checkpoint.grow_vocab)."""
-    tok_a, tok_b = (C.tokenizer_for(p, None, mirror, grows=True) for p in (a_path, b_path))
+    tok_a, tok_b = (checkpoint.tokenizer_for(p, None, mirror, grows=True) for p in (a_path, b_path))
     if tok_a.name != tok_b.name:
         raise config.ConfigError(f"--diff: {a_path} reads the tokenizer {tok_a.name} and {b_path} "
                                  f"{tok_b.name}: their rows mean different tokens")
     with contextlib.redirect_stdout(sys.stderr):
-        (margs_a, a), (margs_b, b) = C.load_init(a_path, tok_b), C.load_init(b_path, tok_b)
+        (margs_a, a), (margs_b, b) = checkpoint.load_init(a_path, tok_b), checkpoint.load_init(b_path, tok_b)
     # compare what shapes the weights: a preset's FFN rule and an export's hidden_dim are one model
     shaping = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "tie_embeddings",
                "num_labels")
@@ -1049,13 +1049,13 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     prompts = check_flags(args)
     if args.task or prompts:  # perplexity, benchmarks, needle, generation: a language model's
-        C.check_head(args.init, "--init")
+        checkpoint.check_head(args.init, "--init")
     if args.plot:
         print(f"wrote {plot_run(args.plot)}", flush=True)
     if args.diff:
         run_diff(args)
-    recorded = C.recorded(args.init) if args.init else {}
-    tok = (C.tokenizer_for(args.init, args.tokenizer, args.mirror) if args.init
+    recorded = checkpoint.recorded(args.init) if args.init else {}
+    tok = (checkpoint.tokenizer_for(args.init, args.tokenizer, args.mirror) if args.init
            else data.get_tokenizer(args.tokenizer or "byte", args.mirror))
     mesh = P.Mesh(rank=int(os.environ.get("RANK", "0")))
 

@@ -10,7 +10,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import checkpoint as C
+import checkpoint
 import config
 import costs
 import data
@@ -55,7 +55,7 @@ class Meter:
             try:  # unbuffered: each record is written, and made durable, as it is logged
                 self.file = open(self.path, "ab", buffering=0)
             except OSError as e:
-                raise C.CheckpointError(f"cannot write {self.path}: {C.write_error(e)}") from None
+                raise checkpoint.CheckpointError(f"cannot write {self.path}: {checkpoint.write_error(e)}") from None
         self.trackers = Trackers(run.args) if run.mesh.rank == 0 else None
         self.restage()
         self.peak, self.peak_source = costs.peak_flops(run.device, run.precision)
@@ -115,7 +115,7 @@ class Meter:
                 except OSError:
                     pass
             self.file = None
-            self.stop.fail(f"cannot write {self.path} ({C.write_error(e)}); its records from here on are lost")
+            self.stop.fail(f"cannot write {self.path} ({checkpoint.write_error(e)}); its records from here on are lost")
 
     def named(self, values: list, prefix="") -> dict:
         return {prefix + k: v for k, v in zip(self.run.task.metric_names, values)}

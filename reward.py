@@ -41,14 +41,14 @@ import torch
 import torch.nn.functional as F
 
 import chat
-import checkpoint as C
+import checkpoint
 import config
 import data
 import evaluate
 import launch
 import model as M
 import parallel as P
-import train as T
+import train
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def as_reward_model(margs: M.ModelArgs) -> M.ModelArgs:
     return M.ModelArgs(**{**margs.__dict__, "num_labels": 1, "tie_embeddings": False})
 
 
-class RewardModel(T.FromInit):
+class RewardModel(train.FromInit):
     """The model from --init with a fresh one-output head (kept if --init is a reward model)."""
 
     kind = "reward"
@@ -311,10 +311,10 @@ def check_writable(path: Path, flag: str):
 def load_policy_and_reward(a, device, dtype, mesh):
     """The policy and the reward model, which must read the same ids: a reward model of another tokenizer
     would score text it reads as something else."""
-    C.check_head(a.policy, "--policy")
-    C.check_head(a.reward, "--reward", reward=True)
-    tok = C.tokenizer_for(a.policy, None, a.mirror)
-    reward_tok = C.tokenizer_for(a.reward, None, a.mirror)
+    checkpoint.check_head(a.policy, "--policy")
+    checkpoint.check_head(a.reward, "--reward", reward=True)
+    tok = checkpoint.tokenizer_for(a.policy, None, a.mirror)
+    reward_tok = checkpoint.tokenizer_for(a.reward, None, a.mirror)
     if reward_tok.name != tok.name:
         raise config.ConfigError(f"--reward {a.reward} reads the tokenizer {reward_tok.name}, --policy "
                                  f"{a.policy} writes {tok.name}: train the reward model from the policy's SFT "
@@ -342,7 +342,8 @@ def sample_main(argv) -> int:
             for i in kept[mesh.rank::mesh.world]]
     records = sorted((r for part in P.all_gather_objects(mine, mesh) for r in part), key=lambda r: r["index"])
     if mesh.rank == 0:
-        C.write_jsonl(Path(a.out), [{"where": prompts[r["index"]][0], **r} for r in records if "messages" in r])
+        checkpoint.write_jsonl(Path(a.out), [{"where": prompts[r["index"]][0], **r} for r in records
+                                             if "messages" in r])
         print(json.dumps({"out": a.out, **sampling_summary(records, a.k)}), flush=True)
     if mesh.world > 1:
         launch.leave_job()
@@ -381,7 +382,7 @@ def main(argv=None):
         raise config.ConfigError(f"--cp {args.cp}: the reward model does not support context parallelism; use "
                                  "--cp 1")
     config.configure_process(args)
-    run = T.train(args, RewardModel(args))
+    run = train.train(args, RewardModel(args))
     if run.mesh.world > 1:
         launch.leave_job()
 

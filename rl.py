@@ -69,7 +69,7 @@ import torch
 import torch.nn as nn
 
 import chat
-import checkpoint as C
+import checkpoint
 import config
 import data
 import evaluate
@@ -77,7 +77,7 @@ import launch
 import loss
 import model as M
 import parallel as P
-import train as T
+import train
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -481,10 +481,10 @@ def apply_reward_fn(fn, name: str, record: dict, replies: list[str]) -> list[flo
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # (a SystemExit too: the run stops with one line and exit 1)
-            raise T.TrainingError(f"--reward-fn {name} raised {type(e).__name__}: {data.one_line(e)} (on the "
+            raise train.TrainingError(f"--reward-fn {name} raised {type(e).__name__}: {data.one_line(e)} (on the "
                                   f"prompt {record['where']})") from None
         if not math.isfinite(torch.tensor(value, dtype=torch.float32).item()):
-            raise T.TrainingError(f"--reward-fn {name} returned {value} for a reply to {record['where']}: a "
+            raise train.TrainingError(f"--reward-fn {name} returned {value} for a reply to {record['where']}: a "
                                   f"reward must be a finite number that fits in fp32 (at most "
                                   f"{torch.finfo(torch.float32).max:.4g} in size)")
         out.append(value)
@@ -563,9 +563,9 @@ def sums_main(argv) -> int:
     worked = [{"messages": [{"role": "user", "content": s["prompt"]},
                             {"role": "assistant", "content": f"{s['a']} + {s['b']} = {s['answer']}"}]}
               for s in problems[:a.sft]]
-    C.write_jsonl(out / "sft.jsonl", worked)
-    C.write_jsonl(out / "prompts.jsonl", problems[a.sft:a.sft + a.rl])
-    C.write_jsonl(out / "test.jsonl", problems[a.sft + a.rl:])
+    checkpoint.write_jsonl(out / "sft.jsonl", worked)
+    checkpoint.write_jsonl(out / "prompts.jsonl", problems[a.sft:a.sft + a.rl])
+    checkpoint.write_jsonl(out / "test.jsonl", problems[a.sft + a.rl:])
     print(json.dumps({"out_dir": str(out), "sft": a.sft, "rl": a.rl, "test": a.test}))
     return 0
 
@@ -587,14 +587,14 @@ def make_scorer(a, rule, tok, device, dtype, mesh, seq_len: int):
                                                       seq_len).float().cpu().tolist()
 
 
-class RL(T.FromInit):
+class RL(train.FromInit):
     """The policy from --init (PPO adds a value head) and a frozen reference of the same weights."""
 
     kind = "rl"
     head_in_loss = False  # RLTask's loss is given the logits
     value_head = None  # PPO's critic (extend)
     resume_flags = ("algo",)  # PPO's checkpoints hold a value head, GRPO's none
-    unused_flags = {**T.FromInit.unused_flags, "data": "rl.py reads its prompts from --prompts"}
+    unused_flags = {**train.FromInit.unused_flags, "data": "rl.py reads its prompts from --prompts"}
 
     def __init__(self, args):
         super().__init__(args)
@@ -607,8 +607,8 @@ class RL(T.FromInit):
         """The policy's (as SFT's); a reward model must read the same ids."""
         self.tok = super().tokenizer()
         if self.args.reward:
-            C.check_head(self.args.reward, "--reward", reward=True)
-            theirs = C.tokenizer_for(self.args.reward, None, self.args.mirror)
+            checkpoint.check_head(self.args.reward, "--reward", reward=True)
+            theirs = checkpoint.tokenizer_for(self.args.reward, None, self.args.mirror)
             if theirs.name != self.tok.name:
                 raise config.ConfigError(f"--reward {self.args.reward} reads the tokenizer {theirs.name}, the "
                                          f"policy writes {self.tok.name}: train the reward model from the "
@@ -620,12 +620,12 @@ class RL(T.FromInit):
         say = lambda msg: print(msg, flush=True) if mesh.rank == 0 else None
         prompts = P.on_rank0_first(lambda: read_rl_prompts(a.prompts, tok, a.seq_len, say), mesh)
         check_answers(prompts, a.reward_fn)
-        train, val = chat.split_examples(prompts, a.val_fraction, a.seed)
-        self.prompts = train + val  # the loaders' indices point here, validation's after training's
+        fit, val = chat.split_examples(prompts, a.val_fraction, a.seed)
+        self.prompts = fit + val  # the loaders' indices point here, validation's after training's
         make = lambda part, seed, offset: PromptLoader(part, a.micro_batch, a.seq_len, mesh.dp_rank, mesh.dp,
                                                        seed, offset)
-        return (make(train, a.seed, 0), lambda: make(val, 0, len(train)),
-                f"{len(train):,} prompts ({len(val):,} held out) x {a.group} replies")
+        return (make(fit, a.seed, 0), lambda: make(val, 0, len(fit)),
+                f"{len(fit):,} prompts ({len(val):,} held out) x {a.group} replies")
 
     def extend(self, model, device, dtype):
         """PPO's critic: a submodule of the policy, so it is trained, sharded and checkpointed with it."""
@@ -695,12 +695,12 @@ def eval_main(argv) -> int:
     if bool(a.reward) == bool(a.reward_fn) or a.max_new_tokens < 1 or a.seq_len < 2:
         raise config.ConfigError("rl.py eval needs one of --reward or --reward-fn, --max-new-tokens >= 1 and "
                                  "--seq-len >= 2")
-    C.check_head(a.init, "--init")  # (everything a flag can get wrong is refused before a model is loaded)
+    checkpoint.check_head(a.init, "--init")  # (everything a flag can get wrong is refused before a model is loaded)
     if a.reward:
-        C.check_head(a.reward, "--reward", reward=True)
+        checkpoint.check_head(a.reward, "--reward", reward=True)
     rule = load_reward_fn(a.reward_fn) if a.reward_fn else None
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tok = C.tokenizer_for(a.init, None, a.mirror)
+    tok = checkpoint.tokenizer_for(a.init, None, a.mirror)
     prompts = read_rl_prompts(a.prompts, tok, a.seq_len, say=lambda msg: print(msg, file=sys.stderr))
     check_answers(prompts, a.reward_fn)
     policy = evaluate.load_model(a.init, tok, device, torch.float32, P.Mesh())
@@ -763,7 +763,7 @@ def main(argv=None):
     args = config.parse(get_parser(), argv)
     check_flags(args)
     config.configure_process(args)
-    run = T.train(args, RL(args))
+    run = train.train(args, RL(args))
     if run.mesh.world > 1:
         launch.leave_job()
 

@@ -25,14 +25,14 @@ import argparse
 import chat
 import config
 import data
-import train as T
+import train
 
 
 # ----------------------------------------------------------------------------------------------------
 # The recipe
 
 
-class SFT(T.FromInit):
+class SFT(train.FromInit):
     """The next-token loss (LMTask) on the assistant's tokens only."""
 
     kind = "sft"
@@ -48,11 +48,11 @@ class SFT(T.FromInit):
         make = lambda ex, seed: chat.SFTLoader(ex, args.micro_batch, args.seq_len, dp_rank=mesh.dp_rank,
                                                dp_size=mesh.dp, seed=seed, pack=args.pack,
                                                pad_id=data.pad_id(tok))
-        train = make(train_ex, args.seed)
+        loader = make(train_ex, args.seed)
         if val_ex:  # (none with --val-fraction 0, which turns validation off)
             make(val_ex, 0)  # fail now, not at the first evaluation
-        desc = f"{len(train):,} {'packed' if args.pack else 'padded'} train rows"
-        return train, lambda: make(val_ex, 0), desc
+        desc = f"{len(loader):,} {'packed' if args.pack else 'padded'} train rows"
+        return loader, lambda: make(val_ex, 0), desc
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -73,7 +73,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    T.post_train(config.parse(get_parser(), argv), SFT)
+    train.post_train(config.parse(get_parser(), argv), SFT)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 import chat
-import checkpoint as C
+import checkpoint
 import config
 import costs
 import data
-import evaluate as E
-import logs as L
+import evaluate
+import logs
 import launch
 import loss
 import model as M
@@ -197,7 +197,7 @@ class SkipGuard:
     """Phase 6's gate: no rank applies a step with non-finite gradients (fp16 overflows too) or a
     loss spike (--skip-spikes); --max-skips such steps in a row stop the run."""
 
-    def __init__(self, args, meter: L.Meter, checkpointer: Checkpointer):
+    def __init__(self, args, meter: logs.Meter, checkpointer: Checkpointer):
         self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
         self.meter, self.checkpointer = meter, checkpointer
         self.recent, self.skipped, self.in_a_row = [], 0, 0
@@ -245,15 +245,15 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     refuses bad input before the processes talk or --out-dir (locked for the run) is touched."""
     recipe = recipe or Pretraining(args)
     spec = config.check_config(args, recipe)
-    E.check_benchmarks(args, recipe.kind)
+    evaluate.check_benchmarks(args, recipe.kind)
     config.check_ranks_agree(args, spec.device)
     mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
-    lock, meter, stop = C.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
+    lock, meter, stop = checkpoint.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
         stop = StopFlag()
-        meter = L.Meter(run, stop)
-        L.banner(run, meter, recipe.name(), data_desc)
+        meter = logs.Meter(run, stop)
+        logs.banner(run, meter, recipe.name(), data_desc)
         run.model.train()
         first = step
         with Checkpointer(run, step, recipe, stop) as checkpointer:  # (left once its last save is on disk)
@@ -270,7 +270,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                 meter.step(step, result)
                 if validation_due(step, args):
                     with meter.paused():
-                        meter.validation(step, *validation(run), E.benchmarks(run))
+                        meter.validation(step, *validation(run), evaluate.benchmarks(run))
                 if checkpointer.due(step):
                     with meter.paused():
                         checkpointer.save(step)  # 7. checkpoint: a copy in host memory; the disk later
@@ -280,8 +280,8 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
                     break
         run.timer.close()  # (a trace of the last step is written now)
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
-        if L.mixture_seen(run):
-            config.say(L.mixture_seen(run))
+        if logs.mixture_seen(run):
+            config.say(logs.mixture_seen(run))
     finally:
         if meter:
             meter.close()
@@ -413,7 +413,7 @@ class FromInit(Pretraining):
         if self.args.init is None:
             self.tok = data.get_tokenizer(self.args.tokenizer or "byte", self.args.mirror)
         else:
-            self.tok = C.tokenizer_for(self.args.init, self.args.tokenizer, self.args.mirror, grows=True)
+            self.tok = checkpoint.tokenizer_for(self.args.init, self.args.tokenizer, self.args.mirror, grows=True)
         return self.tok
 
     def name(self) -> str:
@@ -432,21 +432,21 @@ class FromInit(Pretraining):
             print("no --init: fine-tuning a randomly initialized --model (useful for tests only)", flush=True)
             return super().model_args(tok)
         if not self.scoring_init:
-            C.check_head(args.init, "--init")
-        rows = C.recorded(args.init).get("vocab_size")
+            checkpoint.check_head(args.init, "--init")
+        rows = checkpoint.recorded(args.init).get("vocab_size")
         if config.lora_of(args) and rows and tok.n_vocab > rows:
             raise config.ConfigError(f"--lora-rank: the tokenizer {tok.name} has {tok.n_vocab:,} ids, --init "
                                      f"{args.init} {rows:,} rows; LoRA keeps the embedding and the head "
                                      "frozen, so the rows added for them could never learn: fine-tune without "
                                      "LoRA")
-        if not C.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
-            margs, self.state = C.load_init(args.init, tok)
+        if not checkpoint.is_checkpoint(args.init):  # a Hugging Face or Meta folder: no manifest to check
+            margs, self.state = checkpoint.load_init(args.init, tok)
             self.init_folder = args.init
             return config.init_model_args(args, margs)
         # rank 0 says what it skips, later
-        self.picked = C.resolve(args.init, say=lambda msg: None, verify=False)
+        self.picked = checkpoint.resolve(args.init, say=lambda msg: None, verify=False)
         try:
-            self.margs = C.with_room_for(C.checkpoint_args(self.picked), tok.n_vocab)
+            self.margs = checkpoint.with_room_for(checkpoint.checkpoint_args(self.picked), tok.n_vocab)
         except ValueError as e:
             raise config.ConfigError(f"cannot read --init {self.picked}: {type(e).__name__}: "
                                      f"{data.one_line(e)}") from None
@@ -455,10 +455,10 @@ class FromInit(Pretraining):
     def weights(self, mesh) -> dict | None:
         """The --init weights; kept where a frozen copy is built from them too (reference)."""
         state = self.state
-        if self.args.init is not None and C.is_checkpoint(self.args.init):
+        if self.args.init is not None and checkpoint.is_checkpoint(self.args.init):
             # every rank checks a share of the shards; may fall back past a damaged step
-            verified = C.resolve(self.args.init, say=config.say, check=C.shared_check(mesh))
-            verified_margs, state = C.load_init(verified, self.tok, verify=False)
+            verified = checkpoint.resolve(self.args.init, say=config.say, check=checkpoint.shared_check(mesh))
+            verified_margs, state = checkpoint.load_init(verified, self.tok, verify=False)
             self.init_folder = verified  # (a LoRA run's checkpoints name this step, not an out-dir that grows)
             if verified_margs != self.margs:
                 raise config.ConfigError(f"--init {self.args.init}: the intact checkpoint {verified.name} has "
@@ -504,9 +504,9 @@ def sum_over_replicas(tensors: list[torch.Tensor], mesh):
 
 def validation(run: Run) -> tuple[float, list, dict]:
     """The validation loss and metrics, and for a mixture each source's loss on its own split."""
-    loss, metrics = evaluate(run)
+    loss, metrics = validation_loss(run)
     names = run.loader.names if isinstance(run.loader, data.MixtureLoader) else []
-    return loss, metrics, {name: evaluate(run, name)[0] for name in names}
+    return loss, metrics, {name: validation_loss(run, name)[0] for name in names}
 
 
 def validation_due(step: int, args) -> bool:
@@ -516,7 +516,7 @@ def validation_due(step: int, args) -> bool:
 
 
 @torch.no_grad()
-def evaluate(run: Run, source: str | None = None) -> tuple[float, list]:
+def validation_loss(run: Run, source: str | None = None) -> tuple[float, list]:
     """Mean loss over the first --eval-batches validation micro-batches (the same ones each time, so
     values are comparable; at most one pass over the split), split over dp ranks and run through the
     pipeline. They are read twice, --grad-accum at a time, to count the targets (the normalizer, as
@@ -556,10 +556,10 @@ class Checkpointer:
     def __init__(self, run: Run, start_step: int, recipe: Pretraining, stop: StopFlag):
         self.run, self.saved_at, self.recipe = run, start_step, recipe
         self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
-        self.lora = C.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
+        self.lora = checkpoint.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
         out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
-        self.committed = out / C.step_name(start_step) if start_step else None
-        self.saver = None if run.args.ckpt_sync else C.AsyncSaver(run.device, on_failure=stop.fail)
+        self.committed = out / checkpoint.step_name(start_step) if start_step else None
+        self.saver = None if run.args.ckpt_sync else checkpoint.AsyncSaver(run.device, on_failure=stop.fail)
         self.stalls: dict[int, float] = {}  # step -> seconds the training step waited for its save
 
     def __enter__(self) -> Checkpointer:
@@ -596,20 +596,20 @@ class Checkpointer:
         run.timer.start()  # timed as an entry of its own, apart from the training step
         t0 = time.perf_counter()
         self.wait()  # the save in flight, if any: its host copy is reused, and a failure is raised here
-        extra = {"rng": C.rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
+        extra = {"rng": checkpoint.rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
         meta = {"step": step, "loader": run.loader.state_dict(), "args": dict(vars(run.args)),  # (as of now)
                 "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
                 "recipe": self.recipe.kind, "data": self.data, "lora": self.lora,
                 "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
         out, keep = Path(run.args.out_dir), run.args.keep_ckpts
         if self.saver is None:
-            write = lambda folder: C.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
-            C.save(out, step, run.mesh, write, meta, keep, self.last_good)
-            self.committed = out / C.step_name(step)
+            write = lambda folder: checkpoint.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
+            checkpoint.save(out, step, run.mesh, write, meta, keep, self.last_good)
+            self.committed = out / checkpoint.step_name(step)
             took = time.perf_counter() - t0
             run.saves.append({"step": step, "stall_s": took, "write_s": took})  # (the step waited for it all)
         else:
-            snapshot = lambda copy: C.shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
+            snapshot = lambda copy: checkpoint.shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
             self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
             self.stalls[step] = time.perf_counter() - t0
         run.timer.mark("7 checkpoint")
@@ -725,7 +725,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     the initial weights, the data, the model, its optimizer and gradient sync, the task; then the
     resumed state. The earlier run's files (--overwrite) go only once all that worked."""
     out_dir = Path(args.out_dir)
-    resume, meta = C.resume_point(out_dir, args, spec.margs, mesh, config.say)
+    resume, meta = checkpoint.resume_point(out_dir, args, spec.margs, mesh, config.say)
     if meta and args.trace_step is not None and args.trace_step <= meta["step"]:
         raise config.ConfigError(f"--trace-step {args.trace_step}: this run resumes after step {meta['step']}; "
                                  "trace one of the steps it will run")
@@ -757,13 +757,13 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     timer = costs.PhaseTimer(spec.device, time_phases, costs.tracer_for(args, mesh, spec.device))
     run = Run(args, mesh, spec.device, spec.precision, spec.tok, spec.margs, model, opt, sync, scaler, task,
               loader, make_val, timer, spec.attention, anneal_from=config.anneal_start(args, mesh.dp),
-              ramp=spec.ramp, benchmarks=E.load_benchmarks(args, spec.tok, mesh))
+              ramp=spec.ramp, benchmarks=evaluate.load_benchmarks(args, spec.tok, mesh))
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
     sync.prefetch_into(model)  # ZeRO-1: the next forward waits for each bucket's all-gather only when due
     if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
-        gone = C.clear_run(out_dir)
+        gone = checkpoint.clear_run(out_dir)
         if gone:
             config.say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
     P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
@@ -798,12 +798,12 @@ def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
     """Load a checkpoint (written under any layout) into the run; returns its step."""
     check_continues(ckpt, meta, recipe, run)
     try:
-        extra = C.load_shards(ckpt, run.model, run.opt, run.mesh)
+        extra = checkpoint.load_shards(ckpt, run.model, run.opt, run.mesh)
     except Exception as e:  # truncated, corrupt, or not ours: say which checkpoint, not a traceback
         raise config.ConfigError(f"cannot read checkpoint {ckpt}: {type(e).__name__}: {data.one_line(e)}")
     if run.scaler and extra.get("scaler"):
         run.scaler.load_state_dict(extra["scaler"])
-    C.restore_rng(extra["rng"], run.device)
+    checkpoint.restore_rng(extra["rng"], run.device)
     old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
     config.say(f"resumed from {ckpt} at step {meta['step']} (written at tp {old['tp']}, cp {old.get('cp', 1)}, "
                f"pp {old['pp']}, dp {old['dp']})")
@@ -825,16 +825,16 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
         raise config.ConfigError(f"checkpoint {ckpt} was written by {script} ({kind}); {SCRIPTS[recipe.kind]} "
                                  f"--resume would continue it as {recipe.kind}: resume it with {script}, or "
                                  "start from it with --init and another --out-dir")
-    lora = C.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
-    settings = lambda record: record and {k: v for k, v in record.items() if k not in C.BASE_RECORD}
+    lora = checkpoint.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
+    settings = lambda record: record and {k: v for k, v in record.items() if k not in checkpoint.BASE_RECORD}
     if settings(meta.get("lora")) != settings(lora):  # the adapters, their settings, the model they adapt
         raise config.ConfigError(f"checkpoint {ckpt} was trained with LoRA {settings(meta.get('lora')) or 'off'}"
                                  f", this run has {settings(lora) or 'LoRA off'}: resume it with the same "
                                  "--lora-rank, --lora-alpha, --lora-targets and --init")
     if lora:
         try:
-            C.unchanged_base(meta["lora"])  # (its weight files as they were: said so if not)
-        except C.CheckpointError as e:
+            checkpoint.unchanged_base(meta["lora"])  # (its weight files as they were: said so if not)
+        except checkpoint.CheckpointError as e:
             raise config.ConfigError(f"checkpoint {ckpt}: {e}") from None
     for flag in recipe.resume_flags:  # the checkpoint's parameters depend on them (PPO's value head)
         if args.get(flag) != getattr(run.args, flag):
