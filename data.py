@@ -785,8 +785,9 @@ class Progress:
         if now >= self.next and not self.quiet:
             self.next = now + self.every
             rate, cr = self.done / self.scale / max(now - self.t0, 1e-9), "\r" if self.live else ""
-            print(f"{cr}{self.label}: {100 * self.done / max(self.total, 1):5.1f}% of {self.total / self.scale:,.1f} "
-                  f"{self.unit} ({rate:,.1f} {self.unit}/s, {now - self.t0:.0f} s)", end="" if self.live else "\n",
+            total = f"{self.total / self.scale:,.{1 if self.scale != 1 else 0}f}"  # (1.1 MB, 1,838 sequences)
+            print(f"{cr}{self.label}: {100 * self.done / max(self.total, 1):5.1f}% of {total} {self.unit} "
+                  f"({rate:,.1f} {self.unit}/s, {now - self.t0:.0f} s)", end="" if self.live else "\n",
                   file=sys.stderr, flush=True)
 
     def seconds(self) -> float:

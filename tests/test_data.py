@@ -967,3 +967,20 @@ def test_a_loader_state_with_a_bad_consumed_is_refused(shard_dir, consumed):
     loader = Loader(shard_dir, "train", 4, 16, seed=7)
     with pytest.raises(DataError, match=rf"loader state has consumed {consumed!r}, not a number"):
         loader.load_state_dict({"consumed": consumed, "seed": 7, "seq_len": 16})
+
+
+def test_progress_is_silent_on_a_short_job_and_says_where_a_long_one_is(capsys, monkeypatch):
+    """data.Progress in a log (stderr no terminal): nothing before `every` seconds, then one line with
+    the share done, the total and the rate; nothing at all where quiet (the other ranks)."""
+    clock = [100.0]
+    monkeypatch.setattr(data.time, "time", lambda: clock[0])
+    loud, quiet = (data.Progress("piqa", 200, "sequences", quiet=q) for q in (False, True))
+    for p in (loud, quiet):
+        p.update(50)
+    assert capsys.readouterr().err == ""
+    clock[0] += 31
+    for p in (loud, quiet):
+        p.update(50)
+    assert capsys.readouterr().err == "piqa:  50.0% of 200 sequences (3.2 sequences/s, 31 s)\n"
+    loud.close("piqa: 200 sequences")
+    assert capsys.readouterr().err == "piqa: 200 sequences\n"
