@@ -541,10 +541,10 @@ def test_with_no_size_flag_a_gpu_run_is_sized_for_the_gpu():
     assert given == {"out_dir", "eval_every"}
     assert config.sized_for_the_device(args, given, "cpu") is None and args.model == "mini"
     line = config.sized_for_the_device(args, given, "cuda")
-    assert line.endswith("--model small, --seq-len 256, --micro-batch 64, --lr 0.001, --warmup 100, "
-                         "--max-steps 2000")
+    assert line.endswith("--model small, --seq-len 256, --micro-batch 64, --lr 0.001, --warmup 60, "
+                         "--max-steps 600")
     assert (args.model, args.seq_len, args.micro_batch, args.max_steps, args.out_dir) == ("small", 256, 64,
-                                                                                         2000, "o")
+                                                                                         600, "o")
     for argv in (["--micro-b", "4"], ["--model=tiny"], ["--max-steps", "10", "--warmup", "1"]):
         args, given = parse(argv)
         before = vars(args).copy()
