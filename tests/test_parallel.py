@@ -578,7 +578,7 @@ COUNT_COMPILES = """
 import functools, json, os, sys
 import torch._dynamo
 from torch._dynamo.utils import counters
-import config, parallel, train
+import config, loss, parallel, train
 
 torch._dynamo.config.error_on_recompile = True
 train.compile_blocks = functools.partial(train.compile_blocks, backend="aot_eager")
