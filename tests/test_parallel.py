@@ -1102,10 +1102,11 @@ def test_communication_bytes_match_formulas(tmp_path, tp, pp, dp):
         assert c["pp"] == pytest.approx(sends * m * act)
         # TP: per layer per micro-batch 2 all-reduces of B*T*d forward and 2 backward; plus the embedding's
         # forward all-reduce and the final norm's backward one (first / last stage), and the vocab-parallel
-        # cross-entropy's three all-reduces of B*T numbers (last stage)
+        # cross-entropy's all-gather of B*T numbers from each rank ((tp - 1) B T sent: tp / 2 all-reduces'
+        # worth) and all-reduce of B*T numbers (last stage)
         ring = 2 * (tp - 1) / tp
         expected = m * ring * (4 * r["L_stage"] * act + (act if r["first"] else 0)
-                               + (act + 3 * B * T * 4 if r["last"] else 0))
+                               + (act + (tp / 2 + 1) * B * T * 4 if r["last"] else 0))
         assert c["tp"] == pytest.approx(expected)
 
 
