@@ -111,14 +111,18 @@ class Kept(NamedTuple):
     compiled: bool = False  # --compile: inductor's partition keeps a block's inputs, recomputes norms, SiLU
     grouped_kv: bool = True  # attention keeps K and V at n_kv_heads (a GPU's kernels) or repeated to n_heads
     fp32_attention: bool = False  # attention computed in fp32 (bf16 on a CPU: model.sdpa_inputs)
+    dropout: float = 0  # --dropout: bytes a number of each branch's mask (0: none)
 
 
-def kept_by(device_type: str, precision: str, backend: str, masked: bool, compiled: bool) -> Kept:
+def kept_by(device_type: str, precision: str, backend: str, masked: bool, compiled: bool,
+            dropout: bool = False) -> Kept:
     """A run's Kept: masked attention (packed documents) keeps K and V grouped on a GPU
-    (FlexAttention), repeated elsewhere (SDPA, dense mask); unmasked, as model.groups_kv says."""
+    (FlexAttention), repeated elsewhere (SDPA, dense mask); unmasked, as model.groups_kv says.
+    A dropout mask is a boolean on a GPU (native_dropout), the input's dtype on a CPU."""
     cuda = device_type == "cuda"
     grouped = cuda if masked else M.groups_kv(backend, cuda)
-    return Kept(compiled, grouped, device_type == "cpu" and precision == "bf16")
+    mask = (1 if cuda else BYTES[precision]) if dropout else 0
+    return Kept(compiled, grouped, device_type == "cpu" and precision == "bf16", mask)
 
 
 def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1, sp: bool = False,
@@ -167,7 +171,8 @@ def layer_bytes(args: M.ModelArgs, tokens: int, b: int, tp: int, sp: bool, cp: i
     4 + b a number (split over tp under SP); the linears' two normalized inputs (whole, or gathered
     under SP); SwiGLU's w1 x, silu(w1 x), w3 x and product, 4 * hidden split over tp. Compiled
     (inductor's min-cut partition, as bench.py --memory-census measures): norms and SiLU are
-    recomputed in backward from the block's input and post-attention residual, b each, and w1 x."""
+    recomputed in backward from the block's input and post-attention residual, b each, and w1 x.
+    Dropout keeps a mask of each branch's output (dim, split over tp under SP)."""
     d, s, heads = args.dim, tp if sp else 1, args.n_heads // tp
     ab = 4 if kept.fp32_attention else b
     kv = args.n_kv_heads * args.head_dim if kept.grouped_kv else d
@@ -176,7 +181,7 @@ def layer_bytes(args: M.ModelArgs, tokens: int, b: int, tp: int, sp: bool, cp: i
         per_token = 2 * d * b / s + 2 * d * b + (attention + 3 * args.hidden_dim * b) / tp
     else:
         per_token = 2 * d * (4 + b) / s + 2 * d * b + (attention + 4 * args.hidden_dim * b) / tp
-    return tokens * (per_token + heads * 4)
+    return tokens * (per_token + heads * 4 + 2 * d * kept.dropout / s)
 
 
 def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, loss_chunk: int) -> dict:
@@ -223,7 +228,8 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     the embedding's or head's weight gradient (the step and ZeRO's all-gathers add none).
     Not counted: the CUDA context, NCCL's buffers and allocator fragmentation (bench.py's plan keeps
     a reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (a byte
-    per parameter), packed documents' attention mask (B x T x T booleans), DPO's frozen reference.
+    per parameter), packed documents' attention mask (B x T x T booleans), DPO's frozen reference,
+    the embedding's dropout mask.
     loss_chunk: train.py's --loss-chunk (0: whole logits; whole too where chunks would not help:
     loss.loss_chunk_used). lora (rank, targets): the weights frozen
     (b bytes each, nothing else), the model states above for the adapters alone, no weight gradient

@@ -303,6 +303,9 @@ def main(argv=None):
                                  f"the sigmoid loss; --loss {args.loss} has no use for it: drop one of them")
     if args.cp > 1:  # a pair's log-probability is a sum over the whole sequence, which no cp rank holds
         raise config.ConfigError(f"--cp {args.cp}: DPO does not support context parallelism; use --cp 1")
+    if args.dropout:  # (under LoRA the reference is the policy's own base: it would drop out too)
+        raise config.ConfigError(f"--dropout {args.dropout:g}: DPO compares the policy's log-probabilities with "
+                                 "the reference's, each of one model; leave out --dropout")
     train.post_train(args, DPO)
 
 

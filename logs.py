@@ -21,7 +21,8 @@ def banner(run, meter: Meter, name: str, data_desc: str):
     margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
     config.say(f"model {name}: {costs.count_params(margs):,} parameters ({costs.count_params(margs, False):,} "
                f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, heads "
-               f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}")
+               f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}"
+               + (f"; dropout {args.dropout:g} while training" if args.dropout else ""))
     config.say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
         + (f", {args.schedule} schedule" if mesh.pp > 1 else "")
         + (f" over {args.virtual_stages} model chunks per rank" if mesh.pp > 1 and args.virtual_stages > 1

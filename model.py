@@ -482,8 +482,13 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def dropped(x, p: float, training: bool):
+    """Dropout while training (Llama 3 has none; a small model on a small data set needs it)."""
+    return F.dropout(x, p, training=True) if p and training else x
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then + ffn(norm(.))."""
+    """Pre-norm residual block: x + attention(norm(x)), then + ffn(norm(.)), each branch dropped out."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -491,10 +496,19 @@ class Block(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        self.dropout = 0.0  # a training setting, not the architecture's (set_dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None, start_pos=0):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, start_pos)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + dropped(self.attention(self.attention_norm(x), cos, sin, mask, cache, start_pos),
+                        self.dropout, self.training)
+        return x + dropped(self.feed_forward(self.ffn_norm(x)), self.dropout, self.training)
+
+
+def set_dropout(model: nn.Module, p: float):
+    """Dropout p on the embedding's and every block branch's output while training."""
+    for m in model.modules():
+        if isinstance(m, (Block, Transformer)):
+            m.dropout = p
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -545,6 +559,7 @@ class Transformer(nn.Module):
         # for each parameter tensor parallelism cuts, (dim, full size along dim): parallel.py fills it, and
         # the checkpoints and the gradient norm read it (empty: nothing is cut)
         self.tp_placement = {}
+        self.dropout = 0.0  # of the embedding's output while training (set_dropout)
         if self.tok_embeddings.weight.device.type != "meta":  # on meta: no storage, initialized later
             self.init_weights()
 
@@ -575,7 +590,7 @@ class Transformer(nn.Module):
         """
         first = self.tok_embeddings is not None if layers is None else layers[0] == 0
         last = self.output is not None if layers is None else layers[1] == self.args.n_layers
-        h = self.tok_embeddings(inputs) if first else inputs  # (B, T, dim)
+        h = dropped(self.tok_embeddings(inputs), self.dropout, self.training) if first else inputs  # (B, T, dim)
         T = inputs.shape[1] if seq_len is None else seq_len
         cos, sin, mask = self.attention_inputs(T, h.device, doc_ids, caches, start_pos)
         keys = None if layers is None else [str(i) for i in range(*layers)]

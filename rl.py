@@ -664,8 +664,11 @@ def check_flags(a):
                                               "which no cp rank holds",
                "sp": "sequence parallelism cuts a sequence over the tp ranks; one decoded token cannot be cut",
                "zero": "ZeRO-3 gathers every layer from all replicas at each forward, and replicas' rollouts "
-                       "end at different lengths"}
-    for flag, on in (("pp", a.pp > 1), ("cp", a.cp > 1), ("sp", a.sp), ("zero", a.zero == 3)):
+                       "end at different lengths",
+               "dropout": "the replies are sampled and their log-probabilities read from the policy in "
+                          "training mode: with dropout each would come from another model"}
+    for flag, on in (("pp", a.pp > 1), ("cp", a.cp > 1), ("sp", a.sp), ("zero", a.zero == 3),
+                     ("dropout", a.dropout > 0)):
         if on:
             raise config.ConfigError(f"--{flag} {getattr(a, flag)}: rl.py does not support it "
                                      f"({refused[flag]})")

@@ -22,6 +22,7 @@ rl.py bring their own recipes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import signal
 import threading
@@ -103,6 +104,7 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     optimizer state and loader position are then as they were."""
     args, mesh, timer = run.args, run.mesh, run.timer
     timer.start(step)
+    seed_dropout(run, step)
     rewind = run.loader.state_dict()
     batches, total = load_batches(run)  # the whole step's micro-batches, and the loss's normalizer
     timer.mark("1 data")
@@ -173,6 +175,19 @@ class Tally(NamedTuple):
         host = v.tolist()  # the step's one host-device synchronization
         return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], host[5:], int(host[2]),
                    int(host[3]), int(host[4]))
+
+
+def seed_dropout(run: Run, step: int):
+    """--dropout's masks for this step, drawn from torch's RNG seeded by (--seed, step, this rank's
+    place): a resumed run drops what an unbroken one drops. tp ranks hold the same residual stream
+    (B, T, dim), so they draw alike, except under sp, where each holds its own part of the sequence;
+    replicas, stages and cp ranks draw their own. Activation checkpointing's recompute replays them."""
+    if not run.args.dropout:
+        return
+    m = run.mesh
+    place = (m.dp_rank, m.pp_rank, m.cp_rank, m.tp_rank if m.sp else 0)
+    torch.manual_seed(int.from_bytes(hashlib.sha256(f"{run.args.seed}/{step}/{place}".encode()).digest()[:8],
+                                     "little") >> 1)
 
 
 def load_batches(run: Run) -> tuple[list, torch.Tensor]:
@@ -686,6 +701,7 @@ def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False, lor
         P.materialize(model, mesh, device, full_values(margs, state, args.seed))
     model.act_ckpt = args.act_ckpt
     M.set_attn_backend(model, args.attn_backend)
+    M.set_dropout(model, args.dropout)
     return model
 
 

@@ -342,6 +342,26 @@ def test_gpu_check_skips_in_one_line_without_cuda(monkeypatch, capsys):
     assert capsys.readouterr().out == "SKIP gpu_check: no CUDA device on this machine\n" * 2
 
 
+@pytest.mark.parametrize("val,wall,status", [(1.465, 60.0, "pass"), (1.483, 60.0, "fail"), (1.465, 95.0, "fail")])
+def test_the_gpu_days_default_run_passes_only_at_its_goal(tmp_path, monkeypatch, val, wall, status):
+    """The quick day's default run (the README's first command) passes where its last validation loss is at
+    most 1.47 and its wall time at most 90 s; otherwise it fails, naming the goal."""
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    import gpu_check
+
+    def fake_run(cmd, seconds):
+        out = Path(cmd[cmd.index("--out-dir") + 1])
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 600, "val_loss": val, "time_s": 21.0}) + "\n")
+        return True, "", "", wall
+    monkeypatch.setattr(gpu_check, "timed_run", fake_run)
+    day = gpu_check.Report(tmp_path / "r")
+    assert gpu_check.default_run(day, tmp_path, 90) is (status == "pass")
+    [record] = [json.loads(line) for line in (tmp_path / "r" / "report.jsonl").read_text().splitlines()]
+    assert record["status"] == status and record["result"]["val_loss"] == val
+    assert "goal: at most 1.47 within 90 s" in record["detail"]
+
+
 def test_a_gpu_day_writes_each_result_as_it_finishes(tmp_path, monkeypatch):
     """The quick GPU day's report on a CPU, with fake parts on a fake clock: each result appended to report.md
     and report.jsonl as it comes, a part that raises reported failed while the day goes on, a part the budget

@@ -320,6 +320,8 @@ def test_an_enormous_eval_batches_is_one_pass_over_the_validation_split(tmp_path
     (["--lora-targets", "wq"], "--lora-alpha and --lora-targets shape LoRA's updates: they need --lora-rank"),
     (["--ramp", "0:32x4"], "--ramp sets the sequence length and the accumulation stage by stage: leave out "
                            "--seq-len 32"),
+    (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+    (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
 ])
 def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flags, message):
     out = tmp_path / "o"
@@ -336,6 +338,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, capsys, flag
     (evaluate.main, ["--prompt", "a", "--top-k", "-3"], "top_k must be at least 1"),
     (dpo.main, ["--loss", "hinge", "--label-smoothing", "0.1"], "--loss hinge has no use for it"),
     (dpo.main, ["--nll-coef", "-1"], "--nll-coef must be a number >= 0, got -1.0"),
+    (dpo.main, ["--dropout", "0.1"], "--dropout 0.1: DPO compares the policy's log-probabilities with"),
     # pretraining's flags, which the fine-tuning recipes would ignore
     (sft.main, ["--doc-mask"], "--doc-mask: fine-tuning gives each example of a row its own document always"),
     (dpo.main, ["--no-doc-mask"], "--no-doc-mask: fine-tuning gives each example"),

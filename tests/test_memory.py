@@ -198,9 +198,9 @@ SAVED = textwrap.dedent(f"""
     import config, model as M, parallel as P, train
     margs, tokens = M.PRESETS["mini"], torch.randint(0, 320, (4, 64))
     out = {{}}
-    for tp, sp in ((1, False), (2, False), (2, True)):
+    for tp, sp, dropout in ((1, False, 0), (2, False, 0), (2, True, 0), (1, False, 0.2), (2, True, 0.2)):
         mesh = P.init_mesh(tp=tp, sp=sp) if tp > 1 else P.Mesh()
-        args = config.get_parser().parse_args([])
+        args = config.get_parser().parse_args(["--dropout", str(dropout)])
         model = train.build_model(margs, None, args, mesh, torch.device("cpu"), torch.float32).train()
         params = {{p.untyped_storage().data_ptr() for p in model.parameters()}}
         saved = {{}}
@@ -212,15 +212,16 @@ SAVED = textwrap.dedent(f"""
             x = model.tok_embeddings(tokens)
             cos, sin, _ = model.attention_inputs(64, "cpu")
             model.output(model.norm(model.run_layers(x, cos, sin)))
-        out[f"tp{{tp}}{{' sp' if sp else ''}}"] = sum(saved.values())
+        out[f"tp{{tp}}{{' sp' if sp else ''}}{{' dropout' if dropout else ''}}"] = sum(saved.values())
     if os.environ["RANK"] == "0":  # both TP ranks hold the same shapes here; one line, not two interleaved
         print(json.dumps(out))
 """)
 
 
 def test_activations_saved_for_backward_by_layout(tmp_path):
-    """What autograd saves in a forward of each tensor-parallel layout -- every storage a saved tensor uses,
-    parameters aside -- against activation_bytes: n_layers layers, the final norm and the head's input.
+    """What autograd saves in a forward of each tensor-parallel layout, with and without dropout -- every
+    storage a saved tensor uses, parameters aside -- against activation_bytes: n_layers layers, the final
+    norm and the head's input.
     Deterministic: it holds the tensor-parallel layouts, whose census above gloo's timing blurs."""
     script = tmp_path / "saved_by_layout.py"
     script.write_text(SAVED)
@@ -231,7 +232,8 @@ def test_activations_saved_for_backward_by_layout(tmp_path):
     [line] = [l for l in p.stdout.splitlines() if l.startswith("{")]
     for layout, saved in json.loads(line).items():
         tp, sp = (2 if "tp2" in layout else 1), "sp" in layout
-        a = costs.activation_bytes(margs, 4 * 64, "fp32", tp, sp, kept=costs.Kept(grouped_kv=False))  # (a CPU's)
+        kept = costs.kept_by("cpu", "fp32", "auto", False, False, "dropout" in layout)
+        a = costs.activation_bytes(margs, 4 * 64, "fp32", tp, sp, kept=kept)
         expected = margs.n_layers * a["layer"] + a["head"]
         assert expected == pytest.approx(saved, rel=0.02), (layout, expected, saved)  # RoPE's cos/sin aside
 

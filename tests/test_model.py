@@ -71,6 +71,29 @@ def test_forward_shape_and_seeded_init():
     assert a.layers["0"].attention.wo.weight.std() < 0.8 * a.layers["0"].attention.wq.weight.std()
 
 
+def test_dropout_drops_while_training_only_and_keeps_the_mean():
+    """set_dropout(p) reaches the embedding and every block; in eval mode the logits are p = 0's exactly, in
+    training mode they change with the RNG's state and repeat with it; the masks zero about p of a branch's
+    elements and scale the rest by 1/(1-p)."""
+    torch.manual_seed(0)
+    model = M.Transformer(tiny_args())
+    tokens = torch.randint(0, 300, (2, 17))
+    plain = model.train()(tokens)
+    M.set_dropout(model, 0.25)
+    assert model.dropout == 0.25 and all(b.dropout == 0.25 for b in model.layers.values())
+    assert torch.equal(model.eval()(tokens), plain)  # eval: nothing dropped
+    model.train()
+    torch.manual_seed(1)
+    first = model(tokens)
+    torch.manual_seed(1)
+    assert torch.equal(model(tokens), first) and not torch.allclose(first, plain)
+    x = torch.ones(200_000)
+    kept = M.dropped(x, 0.25, training=True)
+    assert abs((kept == 0).float().mean().item() - 0.25) < 0.01
+    assert torch.equal(kept[kept != 0], torch.full_like(kept[kept != 0], 1 / 0.75))
+    assert M.dropped(x, 0.25, training=False) is x and M.dropped(x, 0.0, training=True) is x
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU runs it as is
 @pytest.mark.parametrize("mask", ["dense", "block"])
 def test_packed_documents_equal_separate_runs(monkeypatch, mask):

@@ -446,6 +446,29 @@ def test_layout_matches_single_process(tmp_path, reference, n, flags):
 
 
 @pytest.fixture(scope="module")
+def dropout_reference(tmp_path_factory, reference):
+    """The single-process run with --dropout 0.2: it trains otherwise than the reference (the masks act)."""
+    out = tmp_path_factory.mktemp("dropout")
+    job(1, out, "--dropout", "0.2")
+    assert all(abs(a - b) > 1e-4 for a, b in zip(losses(out)[0][1:] + losses(out)[1],
+                                                  losses(reference)[0][1:] + losses(reference)[1]))
+    return out
+
+
+DROPOUT_LAYOUTS = [(1, ["--act-ckpt"]), (1, ["--act-ckpt", "selective"]), (2, ["--tp", "2"]),
+                   (2, ["--tp", "2", "--act-ckpt"])]
+
+
+@pytest.mark.parametrize("n,flags", DROPOUT_LAYOUTS, ids=[f"{n}:{' '.join(f)}" for n, f in DROPOUT_LAYOUTS])
+def test_dropout_matches_single_process_where_the_stream_is_whole(tmp_path, dropout_reference, n, flags):
+    """tp ranks hold the whole residual stream and draw the masks one process draws (train.seed_dropout), and
+    activation checkpointing's recompute replays them: the same training as one process with --dropout (the
+    weights within 3e-5: the kept elements' 1/(1-p) scale enlarges tp's fp32 rounding differences)."""
+    job(n, tmp_path, "--dropout", "0.2", *flags)
+    assert_same_training(tmp_path, dropout_reference, tol=3e-5)
+
+
+@pytest.fixture(scope="module")
 def short_documents(tmp_path_factory):
     """A JSONL of 300 documents of 10 to 50 bytes: a 32-token sequence holds one to four of them, cut at
     either end. Single-process runs with and without --doc-mask."""

@@ -348,6 +348,7 @@ def bad_run(capsys, tmp_path, argv):
     (["--seq-len", "20"], "40 of 40 prompt(s) leave no room for a reply under --seq-len 20"),
     (["--pp", "2"], "--pp 2: rl.py does not support it (generation runs the whole model"),
     (["--zero", "3"], "--zero 3: rl.py does not support it"),
+    (["--dropout", "0.1"], "--dropout 0.1: rl.py does not support it (the replies are sampled"),
     (["--reward-fn", "nope"], "--reward-fn nope: not one of arithmetic, arithmetic-length"),
     (["--temperature", "0"], "--temperature 0: every reply of a group would be the same"),
     (["--data", "x.jsonl"], "--data x.jsonl: rl.py reads its prompts from --prompts"),

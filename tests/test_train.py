@@ -55,10 +55,11 @@ def final_state(out_dir):
     return checkpoint.read_full_state(checkpoint.find_latest(Path(out_dir))[0])[0]
 
 
-def test_resume_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--dropout", "0.2"]])  # (dropout: each step's masks from its own seed)
+def test_resume_is_bit_exact(tmp_path, flags):
     a, b = tmp_path / "straight", tmp_path / "resumed"
-    train.main(TINY + ["--max-steps", "8", "--out-dir", str(a), "--ckpt-every", "100"])
-    train.main(TINY + ["--max-steps", "8", "--out-dir", str(b), "--ckpt-every", "4"])
+    train.main(TINY + flags + ["--max-steps", "8", "--out-dir", str(a), "--ckpt-every", "100"])
+    train.main(TINY + flags + ["--max-steps", "8", "--out-dir", str(b), "--ckpt-every", "4"])
     # throw away the second half of the resumed run, then redo it from the step-4 checkpoint
     for f in b.glob("step_000008"):
         import shutil
@@ -66,7 +67,7 @@ def test_resume_is_bit_exact(tmp_path):
     (b / "latest").write_text("step_000004\n")
     (b / "metrics.jsonl").write_text("".join(l + "\n" for l in (b / "metrics.jsonl").read_text().splitlines()
                                              if json.loads(l)["step"] <= 4))
-    train.main(TINY + ["--max-steps", "8", "--out-dir", str(b), "--ckpt-every", "4", "--resume"])
+    train.main(TINY + flags + ["--max-steps", "8", "--out-dir", str(b), "--ckpt-every", "4", "--resume"])
     la = [r["loss"] for r in records(a) if "loss" in r]
     lb = [r["loss"] for r in records(b) if "loss" in r]
     assert len(la) == 8 and la == lb  # bit for bit, every step
@@ -542,10 +543,10 @@ def test_with_no_size_flag_a_gpu_run_is_sized_for_the_gpu():
     assert config.sized_for_the_device(args, given, "cpu") is None and args.model == "mini"
     line = config.sized_for_the_device(args, given, "cuda")
     assert line.endswith("--model small, --seq-len 256, --micro-batch 64, --lr 0.001, --warmup 60, "
-                         "--max-steps 600")
-    assert (args.model, args.seq_len, args.micro_batch, args.max_steps, args.out_dir) == ("small", 256, 64,
-                                                                                         600, "o")
-    for argv in (["--micro-b", "4"], ["--model=tiny"], ["--max-steps", "10", "--warmup", "1"]):
+                         "--max-steps 600, --dropout 0.1")
+    assert (args.model, args.seq_len, args.micro_batch, args.max_steps, args.dropout, args.out_dir) == (
+        "small", 256, 64, 600, 0.1, "o")
+    for argv in (["--micro-b", "4"], ["--model=tiny"], ["--max-steps", "10", "--warmup", "1"], ["--dropout", "0"]):
         args, given = parse(argv)
         before = vars(args).copy()
         assert config.sized_for_the_device(args, given, "cuda") is None and vars(args) == before
