@@ -186,14 +186,12 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
     tokens = args.micro_batch * args.seq_len * args.grad_accum * mesh.dp
     peak, peak_src = costs.peak_flops(run.device, run.precision)
     flops = costs.flops_per_token(margs, args.seq_len)
-    shape = (margs, run.precision, args.micro_batch, args.seq_len)
-    layout = dict(act_ckpt=args.act_ckpt, tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, zero=args.zero, sp=mesh.sp,
-                  grad_accum=args.grad_accum, stage=mesh.pp_rank, cp=mesh.cp)
+    shape = costs.Shape(args.micro_batch, args.seq_len, run.precision, args.grad_accum, args.act_ckpt,
+                        run.task.chunk)
     kept = costs.kept_by(run.device.type, run.precision, args.attn_backend, train.doc_mask_on(args) or mesh.cp > 1,
-                         args.compile)
-    est = costs.memory_estimate(*shape, **layout, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=run.task.chunk, kept=kept)
-    comm_est = costs.comm_estimate(*shape, **layout)
+                         args.compile, args.dropout > 0)
+    est = costs.memory_estimate(margs, mesh.layout, shape, mesh.pp_rank, bucket_mb=args.bucket_mb, kept=kept)
+    comm_est = costs.comm_estimate(margs, mesh.layout, shape, mesh.pp_rank)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
@@ -568,18 +566,19 @@ def bubble(args, mesh, margs, device):
     step time, measured bubble and its formula, fp32. validate() checked the layouts."""
     rows = []
     for schedule, virtual in bubble_schedules(args):
+        staged = mesh.scheduled(schedule, virtual)
         torch.manual_seed(0)
-        model = P.apply_pipeline(M.Transformer(margs), mesh, virtual=virtual).to(device)
+        model = P.apply_pipeline(M.Transformer(margs), staged).to(device)
         opt = O.AdamW(model.named_parameters(), lr=1e-4)
         for m in micro_batch_counts(args.micro_batches):
             if schedule != "interleaved" or m % mesh.pp == 0:
                 rows.append({"schedule": schedule, "virtual": virtual, "m": m,
-                             **measure_bubble(args, mesh, model, opt, m, schedule, virtual, device),
+                             **measure_bubble(args, staged, model, opt, m, device),
                              "bubble_formula": (mesh.pp - 1) / (virtual * m + mesh.pp - 1)})
     return rows
 
 
-def measure_bubble(args, mesh, model, opt, m: int, schedule: str, virtual: int, device) -> dict:
+def measure_bubble(args, mesh, model, opt, m: int, device) -> dict:
     """Median step time of m micro-batches and each stage's bubble, 1 - compute time / step time."""
     margs = model.args
     batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device),
@@ -589,8 +588,7 @@ def measure_bubble(args, mesh, model, opt, m: int, schedule: str, virtual: int, 
     stats = {}
 
     def step():
-        P.pipeline_step(model, batches, mesh, args.seq_len, margs.dim, loss_fn, schedule, stats=stats,
-                        virtual=virtual)
+        P.pipeline_step(model, batches, mesh, args.seq_len, loss_fn, stats=stats)
         opt.zero_grad()
 
     step()
@@ -756,9 +754,9 @@ def check_measured_run(a, row: dict, world: int):
     if seq_len > margs.max_seq_len:
         refuse(f"{what}: seq_len must be at most model {a.model}'s max_seq_len {margs.max_seq_len}, "
                f"got {seq_len}")
+    layout = P.Layout(tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp), sp=bool(row.get("sp", a.sp)))
     try:  # train_args passes no --schedule: train.py's default, 1F1B
-        config.check_layout(world, tp, pp, margs, row.get("accum", a.grad_accum), "1f1b", seq_len,
-                       bool(row.get("sp", a.sp)), cp)
+        config.check_layout(layout, world, margs, row.get("accum", a.grad_accum), seq_len)
     except P.LayoutError as e:
         refuse(f"invalid parallel layout ({what}): {e}")
 
@@ -772,8 +770,8 @@ def check_comparison(a, world: int):
                f"--standalone --nproc_per_node=2 bench.py {mode} ...")
     for schedule, virtual in bubble_schedules(a) if a.bubble else []:
         try:
-            config.check_layout(world, 1, world, M.PRESETS[a.model], world, schedule, a.seq_len,
-                                virtual=virtual)
+            config.check_layout(P.Layout(pp=world, schedule=schedule, virtual=virtual), world, M.PRESETS[a.model],
+                                world, a.seq_len)
         except P.LayoutError as e:
             refuse(f"invalid parallel layout: {e}")
 
@@ -860,7 +858,7 @@ def run_comparison(a, versions: dict):
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     margs = M.PRESETS[a.model]
-    mesh = P.init_mesh(pp=world if a.bubble else 1, device=device)
+    mesh = P.init_mesh(P.Layout(pp=world) if a.bubble else None, device=device)
     result = {**versions, "threads_per_process": torch.get_num_threads(), "processes": world,
               "model": a.model,
               "params": costs.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len,

@@ -483,7 +483,7 @@ def check_trackers(args):
 
 
 class Spec(NamedTuple):
-    """What check_config found: device, precision, tokenizer, model shape and --ramp's stages."""
+    """What check_config found: device, precision, tokenizer, model shape, --ramp's stages, layout."""
     device: torch.device
     precision: str
     tok: object  # a tiktoken Encoding
@@ -491,6 +491,7 @@ class Spec(NamedTuple):
     attention: str  # the kernel that computes the attention: flex, flash, cudnn, efficient or math
     ramp: list | None = None
     loss_chunk: int = 0  # tokens the loss takes at a time (0: the whole micro-batch's logits; loss_chunk_of)
+    layout: P.Layout = P.Layout()  # the parallel layout (layout_of), which the mesh is made of
 
 
 def check_config(args, recipe) -> Spec:
@@ -509,19 +510,30 @@ def check_config(args, recipe) -> Spec:
     tok = recipe.tokenizer()
     margs = recipe.model_args(tok)
     check_lora(args, margs, recipe)
-    dp, whole = divmod(world, args.tp * args.cp * args.pp)
-    ramp = check_ramp(args, dp) if args.ramp and dp and not whole else None  # (else the layout's error)
+    layout = layout_of(args, world)
+    fits = layout.world == world  # (else check_layout says why)
+    ramp = check_ramp(args, layout.dp) if args.ramp and fits else None
     for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
         if stage:
-            enter_stage(args, stage, dp)
-        check_shape(args, world, margs, device, precision, recipe, bool(masked) or recipe.documents_masked())
+            enter_stage(args, stage, layout.dp)
+        check_shape(args, layout, world, margs, device, precision, recipe,
+                    bool(masked) or recipe.documents_masked())
     if ramp:
-        enter_stage(args, ramp[0], dp)
+        enter_stage(args, ramp[0], layout.dp)
     kernel = attention_kernel(args, margs, device, precision, masked, recipe.documents_masked())
-    check_anneal(args, dp)
+    check_anneal(args, layout.dp)
     checkpoint.check_out_dir(Path(args.out_dir))
     check_overwrite(args)
-    return Spec(device, precision, tok, margs, kernel, ramp, loss_chunk_of(args, recipe, ramp))
+    return Spec(device, precision, tok, margs, kernel, ramp, loss_chunk_of(args, recipe, ramp), layout)
+
+
+def layout_of(args, world: int) -> P.Layout:
+    """The run's parallel layout, from its flags: dp is what the world leaves (check_layout refuses a
+    world that tp x cp x pp does not divide)."""
+    cut = args.tp * args.cp * args.pp
+    return P.Layout(tp=args.tp, cp=args.cp, pp=args.pp, dp=world // cut if cut > 0 else 0, sp=args.sp,
+                    zero=args.zero, schedule=args.schedule, virtual=args.virtual_stages,
+                    split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None)
 
 
 def loss_chunk_of(args, recipe, ramp) -> int:
@@ -534,19 +546,19 @@ def loss_chunk_of(args, recipe, ramp) -> int:
     return loss.loss_chunk_used(args.loss_chunk, args.micro_batch * seq_len // args.cp, args.zero)
 
 
-def check_shape(args, world: int, margs, device, precision: str, recipe, masked: bool = False):
+def check_shape(args, layout: P.Layout, world: int, margs, device, precision: str, recipe,
+                masked: bool = False):
     """Sequence length, layout and memory for these settings (masked: check_attention's verdict)."""
     if args.seq_len > margs.max_seq_len:
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {margs.max_seq_len}")
-    split = parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
+    parse_pp_layers(args.pp_layers)  # a malformed --pp-layers is refused here, whatever --pp is
     try:
-        check_layout(world, args.tp, args.pp, margs, args.grad_accum, args.schedule, args.seq_len, args.sp,
-                       args.cp, args.virtual_stages)
-        if args.pp > 1:  # interleaved: --pp-layers counts each model chunk's layers, pp x virtual of them
-            P.stage_layers(margs.n_layers, args.pp * args.virtual_stages, split)
+        check_layout(layout, world, margs, args.grad_accum, args.seq_len)
+        if layout.pp > 1:  # interleaved: --pp-layers counts each model chunk's layers, pp x virtual of them
+            P.stage_layers(margs.n_layers, layout.pp * layout.virtual, layout.split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
-    check_memory(margs, args, world, device, precision, recipe.rows_per_example, recipe.frozen_copies,
+    check_memory(margs, args, layout, device, precision, recipe.rows_per_example, recipe.frozen_copies,
                  args.loss_chunk if recipe.head_in_loss else 0, masked)
 
 
@@ -585,10 +597,11 @@ def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: s
                           f"head_dim {margs.head_dim}) on {device}: {e}") from None
 
 
-def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches: int, schedule: str,
-                 seq_len: int, sp: bool = False, cp: int = 1, virtual: int = 1):
-    """Every reason a layout cannot work, in one message naming the numbers. Pure arithmetic: each
-    rank reaches the same verdict without talking to the others."""
+def check_layout(layout: P.Layout, world: int, args: M.ModelArgs, micro_batches: int, seq_len: int):
+    """Every reason a layout cannot work in a job of `world` processes, in one message naming the
+    numbers. Pure arithmetic: each rank reaches the same verdict without talking to the others."""
+    tp, cp, pp, sp = layout.tp, layout.cp, layout.pp, layout.sp
+    virtual, schedule = layout.virtual, layout.schedule
     errors = []
     if tp < 1 or pp < 1 or cp < 1:
         errors.append(f"--tp {tp}, --cp {cp} and --pp {pp} must be at least 1")
@@ -618,7 +631,7 @@ def check_layout(world: int, tp: int, pp: int, args: M.ModelArgs, micro_batches:
     if virtual > 1 and pp * virtual > args.n_layers:
         errors.append(f"pp {pp} x {virtual} virtual stages need at least {pp * virtual} layers, the model "
                       f"has {args.n_layers}")
-    if sp and tp > 1 and cp >= 1 and (seq_len // cp) % tp:
+    if sp and cp >= 1 and (seq_len // cp) % tp:
         errors.append(f"sequence parallelism needs each rank's --seq-len / cp = {seq_len}/{cp} tokens "
                       f"divisible by tp {tp}")
     if errors:
@@ -629,28 +642,23 @@ def ramp_stage(args) -> str:
     return f" at --ramp's stage of {args.seq_len}-token sequences" if args.ramp else ""
 
 
-def check_memory(margs, args, world: int, device, precision: str, rows_per_example: int = 1,
+def check_memory(margs, args, layout: P.Layout, device, precision: str, rows_per_example: int = 1,
                  frozen_copies: int = 0, chunk: int = 0, masked: bool = False):  # chunk: --loss-chunk's
     """Refuse a model that cannot fit, before any of it is allocated: one process's busiest pipeline
     stage (costs.memory_estimate, rows_per_example rows an example, kept as costs.kept_by says; plus
     frozen copies of its weights, DPO's reference), or the model while built (costs.build_bytes) if
     that is more, against what the device has free."""
-    split = parse_pp_layers(args.pp_layers) if args.pp > 1 else None
-    rows = args.micro_batch * rows_per_example
-    dp = world // (args.tp * args.cp * args.pp)
-    layout = dict(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, split=split, cp=args.cp,
-                  virtual=args.virtual_stages)
     lora = lora_of(args)
     est_lora = (lora[0], lora[2]) if lora else None  # (rank, targets)
     kept = costs.kept_by(device.type, precision, args.attn_backend, masked, args.compile, args.dropout > 0)
-    est = costs.memory_estimate(margs, precision, rows, args.seq_len, act_ckpt=args.act_ckpt, sp=args.sp,
-                                grad_accum=args.grad_accum, schedule=args.schedule, bucket_mb=args.bucket_mb,
-                                loss_chunk=chunk, lora=est_lora, **layout, kept=kept)
+    shape = costs.Shape(args.micro_batch * rows_per_example, args.seq_len, precision, args.grad_accum,
+                        args.act_ckpt, chunk)
+    est = costs.memory_estimate(margs, layout, shape, bucket_mb=args.bucket_mb, lora=est_lora, kept=kept)
     if frozen_copies:  # in the training precision, cut as the trained model is
-        est["frozen"] = frozen_copies * costs.BYTES[precision] * max(costs.stage_params(
-            margs, args.tp, args.pp, s, split, args.virtual_stages) for s in range(args.pp))
+        est["frozen"] = frozen_copies * costs.BYTES[precision] * max(costs.stage_params(margs, layout, s)
+                                                                      for s in range(layout.pp))
         est["total"] += est["frozen"]
-    build = max(costs.build_bytes(margs, precision, stage=s, lora=est_lora, **layout) for s in range(args.pp))
+    build = max(costs.build_bytes(margs, layout, precision, s, est_lora) for s in range(layout.pp))
     have, need = costs.available_memory(device), max(est["total"], build)
     if have is not None and need > have and args.memory_check:
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in est.items() if k != "total" and v >= 0.05e9)

@@ -63,31 +63,30 @@ def flops_per_token(args: M.ModelArgs, seq_len: int, frozen: bool = False) -> di
     return {"palm": matmuls + attn, "megatron": matmuls + attn / 2}
 
 
-def rank_layers(n_layers: int, pp: int, stage: int, split=None, virtual: int = 1) -> int:
-    """How many layers pipeline rank `stage` holds (over its `virtual` model chunks)."""
-    ranges = P.stage_layers(n_layers, pp * virtual, split)
-    return sum(end - start for start, end in ranges[stage::pp])
+def rank_layers(n_layers: int, layout: P.Layout, stage: int) -> int:
+    """How many layers pipeline rank `stage` holds (over its layout.virtual model chunks)."""
+    ranges = P.stage_layers(n_layers, layout.pp * layout.virtual, layout.split)
+    return sum(end - start for start, end in ranges[stage::layout.pp])
 
 
-def unit_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
-                split: list[int] | None = None, virtual: int = 1) -> list[int]:
+def unit_params(args: M.ModelArgs, layout: P.Layout = P.Layout(), stage: int = 0) -> list[int]:
     """Parameters one rank of pipeline stage `stage` holds, unit by unit in forward order (unit_of):
     the embedding on the first stage, its layers (linears split over tp, norms whole), the final
     norm and the head on the last (vocab padded to tp; a tied head is the embedding's unit)."""
+    tp, pp = layout.tp, layout.pp
     d, hd, V = args.dim, args.head_dim, P.padded_vocab(args.vocab_size, tp)
     per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd
                  + 3 * d * args.hidden_dim) // tp + 2 * d
     units = [V // tp * d] if stage == 0 else []  # embedding
-    units += [per_layer] * rank_layers(args.n_layers, pp, stage, split, virtual)
+    units += [per_layer] * rank_layers(args.n_layers, layout, stage)
     head = P.padded_vocab(args.output_size, tp) // tp * d
     units += [d] + ([head] if not args.tie_embeddings else []) if stage == pp - 1 else []  # norm, head
     return units
 
 
-def stage_params(args: M.ModelArgs, tp: int = 1, pp: int = 1, stage: int = 0,
-                 split: list[int] | None = None, virtual: int = 1) -> int:
+def stage_params(args: M.ModelArgs, layout: P.Layout = P.Layout(), stage: int = 0) -> int:
     """Parameters one rank of pipeline stage `stage` holds."""
-    return sum(unit_params(args, tp, pp, stage, split, virtual))
+    return sum(unit_params(args, layout, stage))
 
 
 def lora_shapes(args: M.ModelArgs) -> dict[str, tuple[int, int]]:
@@ -198,6 +197,18 @@ def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, 
                 loss_backward=(tokens + V) * d * b if b < 4 else 0.0)
 
 
+class Shape(NamedTuple):
+    """What one step computes on a rank, besides its layout: grad_accum micro-batches of micro_batch
+    rows of seq_len tokens (cp cuts each row), in precision, recomputing as act_ckpt says, the loss
+    taking loss_chunk tokens at a time (0: all; loss.loss_chunk_used says where chunks help)."""
+    micro_batch: int = 1
+    seq_len: int = 2048
+    precision: str = "bf16"
+    grad_accum: int = 1
+    act_ckpt: bool | str = False
+    loss_chunk: int = 0
+
+
 def ckpt_mode(act_ckpt) -> str | None:
     """--act-ckpt as the estimates read it: None, "selective", or "full" (any other true value)."""
     return None if not act_ckpt else "selective" if act_ckpt == "selective" else "full"
@@ -208,11 +219,8 @@ def ckpt_label(act_ckpt) -> str:
     return {None: "0", "full": "1", "selective": "sel"}[ckpt_mode(act_ckpt)]
 
 
-def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048, *,
-                    act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
-                    sp: bool = False, grad_accum: int = 1, schedule: str = "1f1b", stage: int | None = None,
-                    split: list[int] | None = None, cp: int = 1, bucket_mb: float = 25.0,
-                    virtual: int = 1, loss_chunk: int = 0, lora: tuple | None = None,
+def memory_estimate(args: M.ModelArgs, layout: P.Layout = P.Layout(), shape: Shape = Shape(),
+                    stage: int | None = None, *, bucket_mb: float = 25.0, lora: tuple | None = None,
                     kept: Kept = Kept()) -> dict[str, float]:
     """Bytes one rank holds at its peak while training, by kind, for pipeline stage `stage` (None:
     the busiest); under cp, activations of seq_len / cp tokens (and every rank's K and V per layer).
@@ -230,23 +238,21 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     a reserve for them), a checkpoint's gathered state (host memory), fp16's overflow check (a byte
     per parameter), packed documents' attention mask (B x T x T booleans), DPO's frozen reference,
     the embedding's dropout mask.
-    loss_chunk: train.py's --loss-chunk (0: whole logits; whole too where chunks would not help:
+    shape.loss_chunk: train.py's --loss-chunk (0: whole logits; whole too where chunks would not help:
     loss.loss_chunk_used). lora (rank, targets): the weights frozen
     (b bytes each, nothing else), the model states above for the adapters alone, no weight gradient
     of the embedding or head; LoRA's own activations (r a token per adapted linear) left out."""
     if stage is None:
-        layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
-                      schedule=schedule, split=split, cp=cp, bucket_mb=bucket_mb, virtual=virtual,
-                      loss_chunk=loss_chunk, lora=lora, kept=kept)
-        return max((memory_estimate(args, precision, micro_batch, seq_len, stage=s, **layout)
-                    for s in range(pp)), key=lambda m: m["total"])
-    out = model_state_bytes(args, precision, tp, pp, dp * cp, zero, stage, split, bucket_mb, virtual, lora)
-    loss_chunk = loss.loss_chunk_used(loss_chunk, micro_batch * seq_len // cp, zero)  # (0 where chunks don't help)
-    a = activation_bytes(args, micro_batch * seq_len // cp, precision, tp, sp, cp, loss_chunk, kept)
+        return max((memory_estimate(args, layout, shape, s, bucket_mb=bucket_mb, lora=lora, kept=kept)
+                    for s in range(layout.pp)), key=lambda m: m["total"])
+    pp, tokens = layout.pp, shape.micro_batch * shape.seq_len // layout.cp
+    out = model_state_bytes(args, layout, shape.precision, stage, bucket_mb, lora)
+    loss_chunk = loss.loss_chunk_used(shape.loss_chunk, tokens, layout.zero)  # (0 where chunks don't help)
+    a = activation_bytes(args, tokens, shape.precision, layout.tp, layout.sp, layout.cp, loss_chunk, kept)
     a["weight_grad"] = 0.0 if lora else a["weight_grad"]
-    act_ckpt = ckpt_mode(act_ckpt)
-    layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
-    out["activations"] = held_activations(a, layers, stage, pp, schedule, grad_accum, virtual, act_ckpt)
+    act_ckpt = ckpt_mode(shape.act_ckpt)
+    layers, first, last = rank_layers(args.n_layers, layout, stage), stage == 0, stage == pp - 1
+    out["activations"] = held_activations(a, layers, stage, layout, shape.grad_accum, act_ckpt)
     in_loss = max(a["loss_forward"] + (a["logits"] if pp > 1 else 0.0), a["loss_backward"]) if last else 0.0
     head_done = a["head"] + a["loss_saved"] if last else 0.0  # freed before backward reaches the layers
     recomputed = {"full": a["layer"], "selective": a["layer"] - a["layer_selective"]}.get(act_ckpt, 0.0)
@@ -257,14 +263,15 @@ def memory_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int
     return out
 
 
-def model_state_bytes(args: M.ModelArgs, precision: str, tp: int, pp: int, dp: int, zero: int, stage: int,
-                      split, bucket_mb: float, virtual: int, lora: tuple | None = None) -> dict:
-    """memory_estimate's model states on a rank of stage `stage`; dp: the ranks holding the same
-    weights (dp x cp, which ZeRO shards over); with lora, the adapters'."""
+def model_state_bytes(args: M.ModelArgs, layout: P.Layout, precision: str, stage: int, bucket_mb: float,
+                      lora: tuple | None = None) -> dict:
+    """memory_estimate's model states on a rank of stage `stage`, padded and sharded over the ranks
+    holding the same weights (dp x cp, which ZeRO shards over); with lora, the adapters'."""
+    dp, zero = layout.dp_cp, layout.zero
     b, zdp = BYTES[precision], dp if zero and dp > 1 else 1
-    n, frozen = stage_params(args, tp, pp, stage, split, virtual), 0
+    n, frozen = stage_params(args, layout, stage), 0
     if lora:
-        n, frozen = lora_params(args, *lora, tp) * rank_layers(args.n_layers, pp, stage, split, virtual), n
+        n, frozen = lora_params(args, *lora, layout.tp) * rank_layers(args.n_layers, layout, stage), n
     n = -(-n // dp) * dp
     out = {"weights": (n + frozen) * b, "grads": n * 4,
            "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
@@ -273,13 +280,12 @@ def model_state_bytes(args: M.ModelArgs, precision: str, tp: int, pp: int, dp: i
         bucket = min(n, bucket_mb * 2 ** 20 / 4)
         out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4
     if zero >= 3 and zdp > 1:
-        out.update(sharded_weights_bytes(args, b, tp, pp, stage, split, dp, virtual))
+        out.update(sharded_weights_bytes(args, b, layout, stage))
     return out
 
 
-def build_bytes(args: M.ModelArgs, precision: str = "bf16", *, tp: int = 1, pp: int = 1, dp: int = 1,
-                zero: int = 0, stage: int = 0, split: list[int] | None = None, cp: int = 1,
-                virtual: int = 1, lora: tuple | None = None) -> float:
+def build_bytes(args: M.ModelArgs, layout: P.Layout = P.Layout(), precision: str = "bf16", stage: int = 0,
+                lora: tuple | None = None) -> float:
     """One rank's peak bytes at stage `stage` while train.py builds its model and optimizer. Each
     parameter is drawn or read whole in fp32, one at a time, and cut to its tp piece (another fp32
     copy if tp cuts). Without ZeRO-3 the pieces make the model (b bytes each), which AdamW copies
@@ -287,26 +293,27 @@ def build_bytes(args: M.ModelArgs, precision: str = "bf16", *, tp: int = 1, pp: 
     writes each piece straight into this rank's 1/dp share of the model copy (materialize_empty,
     AdamW(initial=)): the share beside one parameter or unit's buffer (made and released once).
     lora: the optimizer takes the adapters alone; the frozen model stays as built."""
-    dp, b = dp * cp, BYTES[precision]
-    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    tp, dp, b = layout.tp, layout.dp_cp, BYTES[precision]
+    n = -(-stage_params(args, layout, stage) // dp) * dp
     if lora:
-        n_lora = lora_params(args, *lora, tp) * rank_layers(args.n_layers, pp, stage, split, virtual)
+        n_lora = lora_params(args, *lora, tp) * rank_layers(args.n_layers, layout, stage)
         one_fp32 = 4 * max(args.dim * args.hidden_dim, args.vocab_size * args.dim)  # read whole, then cut
         return n * b + max(one_fp32, n_lora * (2 * b + 4))
     fulls = [args.dim * args.hidden_dim, args.n_heads * args.head_dim * args.dim]
-    fulls += [args.vocab_size * args.dim] if stage in (0, pp - 1) else []
+    fulls += [args.vocab_size * args.dim] if stage in (0, layout.pp - 1) else []
     one = max(4 * f * (1 + (1 / tp if tp > 1 else 0)) for f in fulls)
-    if zero == 3 and dp > 1:
-        return n * b / dp + max(one, max(unit_params(args, tp, pp, stage, split, virtual)) * b)
-    grads = n * 4 if zero < 2 or dp == 1 else 0
+    if layout.zero == 3 and dp > 1:
+        return n * b / dp + max(one, max(unit_params(args, layout, stage)) * b)
+    grads = n * 4 if layout.zero < 2 or dp == 1 else 0
     return max(n * b + one, 2 * n * b + grads)
 
 
-def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, grad_accum: int, virtual: int,
+def held_activations(a: dict, layers: int, stage: int, layout: P.Layout, grad_accum: int,
                      act_ckpt: str | None) -> float:
     """memory_estimate's activations on pipeline rank `stage` over its `layers` layers (`a`:
     activation_bytes) at the schedule's peak: one micro-batch without a pipeline, 1F1B pp - stage at
     most, AFAB all, interleaved its warm-up's chunk forwards + 1 (each 1/virtual of the layers)."""
+    pp, schedule, virtual = layout.pp, layout.schedule, layout.virtual
     per_layer = {"full": a["layer_input"], "selective": a["layer_selective"]}.get(act_ckpt, a["layer"])
     head = a["head"] + a["loss_saved"] if stage == pp - 1 else 0.0
     if schedule == "interleaved" and pp > 1:
@@ -316,15 +323,15 @@ def held_activations(a: dict, layers: int, stage: int, pp: int, schedule: str, g
     return in_flight * (layers * per_layer + head) + (a["logits"] if pp == 1 else 0.0)
 
 
-def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: int, split, dp: int,
-                          virtual: int = 1) -> dict:
+def sharded_weights_bytes(args: M.ModelArgs, b: int, layout: P.Layout, stage: int) -> dict:
     """ZeRO-3's model states on one rank, each unit padded to a multiple of dp (x cp): 1/dp of the
     model copy, master (unless the fp32 model copy is it), gradients, m and v; two neighbouring
     units' whole weights (one computing, one prefetched), three with a tied head (the embedding
     stays whole from the head's backward to its own); up to three units' gradients being staged or
     reduce-scattered (two in flight, GradSync._launch), with two units' pieces."""
-    units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
-    n, first, last = sum(units), stage == 0, stage == pp - 1
+    dp = layout.dp_cp
+    units = [-(-u // dp) * dp for u in unit_params(args, layout, stage)]
+    n, first, last = sum(units), stage == 0, stage == layout.pp - 1
     whole = max([u + v for u, v in zip(units, units[1:])] or units)
     whole += units[0] if args.tie_embeddings and first and last else 0
     return {"weights": n * b / dp + whole * b, "grads": n * 4 / dp, "master": n * 4 / dp if b != 4 else 0.0,
@@ -332,10 +339,8 @@ def sharded_weights_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, stage: in
             + sum(sorted(units)[-2:]) * 4 / dp}
 
 
-def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048, *,
-                  act_ckpt: bool | str = False, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0,
-                  sp: bool = False, grad_accum: int = 1, stage: int | None = None,
-                  split: list[int] | None = None, cp: int = 1, virtual: int = 1) -> dict[str, float]:
+def comm_estimate(args: M.ModelArgs, layout: P.Layout = P.Layout(), shape: Shape = Shape(),
+                  stage: int | None = None) -> dict[str, float]:
     """Bytes one rank sends per step, per dimension, as section 2 counts them (a ring all-reduce
     sends 2(n-1)/n of its buffer, an all-gather or reduce-scatter (n-1)/n), for stage `stage` (None:
     the most any stage sends); scalars (the loss normalizer, train.py's step tally) left out.
@@ -352,17 +357,16 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
       pp: each micro-batch's activations to the next stage, their gradient back (split under SP).
       dp: dp_bytes."""
     if stage is None:  # per dimension, the most any stage sends
-        layout = dict(act_ckpt=act_ckpt, tp=tp, pp=pp, dp=dp, zero=zero, sp=sp, grad_accum=grad_accum,
-                      split=split, cp=cp, virtual=virtual)
-        stages = [comm_estimate(args, precision, micro_batch, seq_len, stage=s, **layout) for s in range(pp)]
+        stages = [comm_estimate(args, layout, shape, s) for s in range(layout.pp)]
         return {dim: max(c[dim] for c in stages) for dim in ("tp", "cp", "pp", "dp")}
-    b, tokens = BYTES[precision], micro_batch * seq_len // cp
+    tp, cp, pp, sp, grad_accum = layout.tp, layout.cp, layout.pp, layout.sp, shape.grad_accum
+    b, tokens = BYTES[shape.precision], shape.micro_batch * shape.seq_len // cp
     stream = tokens * args.dim * b  # one micro-batch of the residual stream
-    layers, first, last = rank_layers(args.n_layers, pp, stage, split, virtual), stage == 0, stage == pp - 1
+    layers, first, last = rank_layers(args.n_layers, layout, stage), stage == 0, stage == pp - 1
     ring = lambda n: (n - 1) / n
     # what recomputing a block sends again, in all-reduces' worth of bytes: selective checkpointing
     # keeps the gathered and scattered sequences (SP, cp's K and V) but reruns the all-reduces
-    act_ckpt, sequence = ckpt_mode(act_ckpt), sp and tp > 1
+    act_ckpt, sequence = ckpt_mode(shape.act_ckpt), sp
     recomputed = {"full": 1.5 if sequence else 1, "selective": 0 if sequence else 1}.get(act_ckpt, 0)
     all_reduces = layers * (4 + recomputed) + first + last
     cross_entropy = (tp + 2) * ring(tp) * tokens * 4  # all-gather: (tp - 1) numbers a token; all-reduce: 2 ring
@@ -371,26 +375,26 @@ def comm_estimate(args: M.ModelArgs, precision: str = "bf16", micro_batch: int =
         tp_bytes += 2 * ring(tp) * args.dim * 4 * (2 * layers + last)
     boundary = stream / tp if sp and tp > 1 else stream  # under SP a stage sends only its sequence chunk
     # each micro-batch crosses every chunk boundary but the model's two ends: forward and back
-    pp_bytes = grad_accum * boundary * (2 * virtual - first - last) if pp > 1 else 0.0
-    kv = micro_batch * seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K and V
+    pp_bytes = grad_accum * boundary * (2 * layout.virtual - first - last) if pp > 1 else 0.0
+    kv = shape.micro_batch * shape.seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K, V
     cp_bytes = grad_accum * layers * (2 + (act_ckpt == "full")) * ring(cp) * kv
     return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
-            "dp": dp_bytes(args, b, tp, pp, dp * cp, zero, grad_accum, stage, split, virtual)}
+            "dp": dp_bytes(args, b, layout, grad_accum, stage)}
 
 
-def dp_bytes(args: M.ModelArgs, b: int, tp: int, pp: int, dp: int, zero: int, grad_accum: int, stage: int,
-             split, virtual: int) -> float:
+def dp_bytes(args: M.ModelArgs, b: int, layout: P.Layout, grad_accum: int, stage: int) -> float:
     """comm_estimate's dp bytes over the dp x cp replicas: fp32 gradients all-reduced; ZeRO-1
     reduce-scatters them, then all-gathers the updated weights (training precision: 0.75 of an
     all-reduce in bf16); ZeRO-2 reduce-scatters each micro-batch's (its buffer cannot hold the sum);
     ZeRO-3 adds two weight all-gathers per micro-batch (forward, backward), none after the step."""
+    dp, zero = layout.dp_cp, layout.zero
     if dp == 1:
         return 0.0
     ring = (dp - 1) / dp
-    n = -(-stage_params(args, tp, pp, stage, split, virtual) // dp) * dp
+    n = -(-stage_params(args, layout, stage) // dp) * dp
     if zero >= 3:  # every micro-batch: each unit gathered for its forward and again for its backward
-        units = [-(-u // dp) * dp for u in unit_params(args, tp, pp, stage, split, virtual)]
-        tied = args.tie_embeddings and stage == 0 and stage == pp - 1
+        units = [-(-u // dp) * dp for u in unit_params(args, layout, stage)]
+        tied = args.tie_embeddings and stage == 0 and stage == layout.pp - 1
         again = units[0] if tied else 0  # for the tied head's forward
         return ring * grad_accum * (sum(units) * (4 + 2 * b) + again * b)
     return ring * n * (4 * (grad_accum if zero >= 2 else 1) + b) if zero else 2 * ring * n * 4
@@ -799,8 +803,7 @@ def tracer_for(args, mesh, device) -> StepTracer | None:
     """--trace-step N's tracer (None without it): step N as the logs number it, into the out-dir."""
     if args.trace_step is None:
         return None
-    layout = {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batches": args.grad_accum,
-              "virtual": args.virtual_stages, "schedule": args.schedule}
+    layout = {**mesh.layout.record(), "micro_batches": args.grad_accum}
     return StepTracer(args.trace_step - 1, Path(args.out_dir) / f"trace_step_{args.trace_step:06d}", mesh,
                       device, layout)
 

@@ -83,10 +83,10 @@ def reference_logps(reference, batches, mesh, args, skip=None) -> list:
     """Sequence log-probs of every micro-batch under the frozen reference (pipelined like the policy), the
     target ids in `skip` left out; only the last stage computes them, the others get None."""
     with M.without_lora(reference):  # (LoRA: the reference is the policy's own frozen model)
-        scored = P.pipeline_forward(reference, batches, mesh, args.seq_len, reference.args.dim,
+        scored = P.pipeline_forward(reference, batches, mesh, args.seq_len,
                                     lambda logits, y: sequence_logps(logits, y, reference.args.vocab_size, mesh,
                                                                      skip),
-                                    next(reference.parameters()).dtype, args.virtual_stages)
+                                    next(reference.parameters()).dtype)
     return scored if mesh.last_stage else [None] * len(batches)
 
 

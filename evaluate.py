@@ -511,8 +511,7 @@ def request_logprobs(run, requests: list) -> list[float]:
         scores.index_add_(0, where[keep], logp.double())
 
     run.model.eval()
-    P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim, score, run.dtype,
-                       args.virtual_stages, head=False)
+    P.pipeline_forward(run.model, batches, mesh, args.seq_len, score, run.dtype, head=False)
     run.model.train()
     for dim in ("cp", "pp"):  # each cp rank scored its chunks; the last stage holds the scores
         P.all_reduce(scores, mesh, dim)

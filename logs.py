@@ -23,11 +23,7 @@ def banner(run, meter: Meter, name: str, data_desc: str):
                f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, heads "
                f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}"
                + (f"; dropout {args.dropout:g} while training" if args.dropout else ""))
-    config.say(f"layout: {mesh.world} processes = dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp}"
-        + (f", {args.schedule} schedule" if mesh.pp > 1 else "")
-        + (f" over {args.virtual_stages} model chunks per rank" if mesh.pp > 1 and args.virtual_stages > 1
-           else "") + (", sequence parallel" if mesh.sp else "")
-        + (f", ZeRO-{args.zero}" if args.zero and mesh.dp_cp > 1 else ""))
+    config.say(f"layout: {mesh.layout.describe()}")
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
     config.say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step ({args.micro_batch}{rows} x "
                f"{args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")

@@ -3,8 +3,8 @@
 No DDP, FSDP, DTensor or torch's pipelining package: every byte that crosses a process boundary is
 sent by a function in this file, and counted. Contents, in reading order:
 
-  1. Mesh                  world = dp x pp x cp x tp, TP innermost (one NVLink domain), then CP, PP, DP;
-                           each rank makes the process groups it is in
+  1. Layout and mesh       world = dp x pp x cp x tp, TP innermost (one NVLink domain), then CP, PP, DP;
+                           the layout one value; each rank makes the process groups it is in
   2. Collectives           all_reduce / all_gather / reduce_scatter that count the bytes each rank sends, per
                            dimension (ring algorithm accounting); the same as custom ops for compiled code
   3. TP communication      Megatron's conjugate pair f (identity forward, all-reduce backward) and g (the
@@ -39,7 +39,7 @@ import os
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ import model as M
 
 
 # ----------------------------------------------------------------------------------------------------
-# 1. Mesh
+# 1. Layout and mesh
 
 # Every live Mesh by its key: the collectives in compiled blocks are torch custom ops (section 3),
 # and a custom op takes tensors, numbers and strings, not objects: it is handed the mesh's key.
@@ -59,21 +59,65 @@ MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _mesh_keys = itertools.count()
 
 
-@dataclass
-class Mesh:
+@dataclass(frozen=True)
+class Layout:
+    """A job's parallel layout, one value: how many ranks each dimension spans (world = dp x pp x cp x
+    tp) and how they are used: sequence parallelism in the tp group, the ZeRO stage over dp x cp, the
+    pipeline's schedule, its model chunks per rank (virtual) and its layers per chunk (split, None:
+    as even as they go). Built once from the flags (config.layout_of), held by the mesh, and passed
+    whole to the checks, the estimates, the planner, the banner and the checkpoint's record; a new
+    dimension is a field here."""
     tp: int = 1
+    cp: int = 1  # context parallelism: each sequence cut along its length over cp ranks
     pp: int = 1
     dp: int = 1
+    sp: bool = False  # (only with tp > 1: the tp group's ranks hold parts of the sequence)
+    zero: int = 0
+    schedule: str = "1f1b"
+    virtual: int = 1
+    split: tuple | None = None
+
+    def __post_init__(self):  # one spelling of each layout: sp only where tp cuts, split a tuple
+        object.__setattr__(self, "sp", self.sp and self.tp > 1)
+        object.__setattr__(self, "split", tuple(self.split) if self.split else None)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """How many ranks hold the same pieces of the weights: the dp replicas, each cut into cp ranks that
+        see different tokens. Gradients are summed over all of them; ZeRO shards over all of them."""
+        return self.dp * self.cp
+
+    def record(self) -> dict:
+        """The layout as a checkpoint's meta.json and bench's rows record it."""
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "sp": self.sp, "zero": self.zero,
+                "schedule": self.schedule, "virtual": self.virtual, "split": list(self.split or []) or None}
+
+    def __str__(self):
+        return f"{self.world} processes = dp {self.dp} x pp {self.pp} x cp {self.cp} x tp {self.tp}"
+
+    def describe(self) -> str:
+        """The banner's line: the sizes, then how they are used where it matters."""
+        pipeline = f", {self.schedule} schedule" if self.pp > 1 else ""
+        pipeline += f" over {self.virtual} model chunks per rank" if self.pp > 1 and self.virtual > 1 else ""
+        return (str(self) + pipeline + (", sequence parallel" if self.sp else "")
+                + (f", ZeRO-{self.zero}" if self.zero and self.dp_cp > 1 else ""))
+
+
+@dataclass
+class Mesh:
+    layout: Layout = Layout()
     rank: int = 0
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
-    cp: int = 1  # context parallelism: each sequence cut along its length over cp ranks
     cp_rank: int = 0
     # "tp" / "cp" / "pp" / "dp" / "dp_cp" (under cp only: see dp_cp) -> ProcessGroup, if size > 1
     groups: dict = field(default_factory=dict)
     pp_peers: list = field(default_factory=list)  # global ranks of my pipeline, stage order
-    sp: bool = False  # sequence parallelism inside the TP group
     # "tp" / "cp" / "pp" / "dp" / "dp_cp" / "world" -> global ranks, for messages
     group_ranks: dict = field(default_factory=dict)
     timeout_s: float = 300.0  # how long any collective may wait for its peers
@@ -91,15 +135,14 @@ class Mesh:
     def __post_init__(self):
         MESHES[self.key] = self
 
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+    # the layout's sizes, read as the mesh's own: mesh.tp, mesh.dp_cp, ...
+    tp, cp, pp, dp, sp, world, dp_cp = (property(lambda self, k=k: getattr(self.layout, k))
+                                        for k in ("tp", "cp", "pp", "dp", "sp", "world", "dp_cp"))
 
-    @property
-    def dp_cp(self) -> int:
-        """How many ranks hold the same pieces of the weights: the dp replicas, each cut into cp ranks that
-        see different tokens. Gradients are summed over all of them; ZeRO shards over all of them."""
-        return self.dp * self.cp
+    def scheduled(self, schedule: str, virtual: int = 1) -> Mesh:
+        """The same ranks and process groups, their pipeline run in another schedule (bench.py's bubble)."""
+        layout = replace(self.layout, schedule=schedule, virtual=virtual)
+        return replace(self, layout=layout, key=next(_mesh_keys))  # (its own key: see MESHES)
 
     @property
     def dp_cp_rank(self) -> int:
@@ -135,18 +178,21 @@ class LayoutError(ValueError):
     """An impossible parallel layout; raised identically on every rank before any communication."""
 
 
-def init_mesh(tp: int = 1, pp: int = 1, sp: bool = False, device: torch.device | None = None,
-              timeout_s: float = 300.0, io_timeout_s: float = 3600.0, cp: int = 1) -> Mesh:
+def init_mesh(layout: Layout | None = None, device: torch.device | None = None, timeout_s: float = 300.0,
+              io_timeout_s: float = 3600.0) -> Mesh:
     """Join the job torchrun started (RANK, WORLD_SIZE, MASTER_ADDR in the environment) and make the
-    groups from one grid: ranks = arange(world).view(dp, pp, cp, tp), TP innermost (the heaviest
-    traffic, inside one NVLink domain), then CP (an all-gather per layer), then PP (point-to-point
-    between neighbours), DP outermost (once per step, overlapped). NCCL on CUDA, gloo on CPU.
-    Collectives give up after timeout_s rather than hang (the first step after io_timeout_s:
-    patient()); the "io" group's waits for disk work, long by nature, after io_timeout_s."""
+    groups of `layout` (None: every rank a dp rank) from one grid: ranks = arange(world).view(dp, pp,
+    cp, tp), TP innermost (the heaviest traffic, inside one NVLink domain), then CP (an all-gather per
+    layer), then PP (point-to-point between neighbours), DP outermost (once per step, overlapped).
+    NCCL on CUDA, gloo on CPU. Collectives give up after timeout_s rather than hang (the first step
+    after io_timeout_s: patient()); the "io" group's waits for disk work, long by nature, after
+    io_timeout_s."""
     rank, world = launch.launch_env()
-    dp = world // (tp * cp * pp)
-    mesh = Mesh(tp=tp, pp=pp, dp=dp, cp=cp, rank=rank, sp=sp and tp > 1, timeout_s=timeout_s,
-                io_timeout_s=io_timeout_s,
+    layout = layout or Layout(dp=world)
+    if layout.world != world:
+        raise LayoutError(f"the layout ({layout}) is not the job's {world} processes")
+    tp, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
+    mesh = Mesh(layout, rank=rank, timeout_s=timeout_s, io_timeout_s=io_timeout_s,
                 device=device if device is not None and device.type == "cuda" else torch.device("cpu"))
     grid = torch.arange(world).view(dp, pp, cp, tp)
     mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
@@ -609,21 +655,27 @@ def stage_layers(n_layers: int, pp: int, split: list[int] | None = None) -> list
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def chunk_layers(n_layers: int, mesh: Mesh, virtual: int = 1, split: list[int] | None = None) -> list:
+def chunk_layers(n_layers: int, mesh: Mesh) -> list:
     """The layer ranges [start, end) this rank runs: one stage's, or under the interleaved schedule its
-    `virtual` model chunks, chunk v being stage v*pp + pp_rank of pp*virtual (Narayanan et al. 2021): rank
-    0 holds layers 0-1 and 8-9 of 16 at pp 4, virtual 2."""
-    ranges = stage_layers(n_layers, mesh.pp * virtual, split)
+    layout.virtual model chunks, chunk v being stage v*pp + pp_rank of pp*virtual (Narayanan et al.
+    2021): rank 0 holds layers 0-1 and 8-9 of 16 at pp 4, virtual 2."""
+    virtual = mesh.layout.virtual
+    ranges = stage_layers(n_layers, mesh.pp * virtual, mesh.layout.split)
     return [ranges[v * mesh.pp + mesh.pp_rank] for v in range(virtual)]
 
 
-def apply_pipeline(model: M.Transformer, mesh: Mesh, split: list[int] | None = None,
-                   virtual: int = 1) -> M.Transformer:
+def model_chunks(model: M.Transformer, mesh: Mesh) -> list:
+    """What the schedules run one at a time on this rank: its model chunks' layer ranges, or [None]
+    (the stage's layers, whatever they are) without the interleaved schedule."""
+    return chunk_layers(model.args.n_layers, mesh) if mesh.layout.virtual > 1 else [None]
+
+
+def apply_pipeline(model: M.Transformer, mesh: Mesh) -> M.Transformer:
     """Keep this stage's layers, or its model chunks' (names keep their global index); the embedding stays
     on the first stage, the final norm and the head on the last."""
     if mesh.pp == 1:
         return model
-    chunks = chunk_layers(model.args.n_layers, mesh, virtual, split)
+    chunks = chunk_layers(model.args.n_layers, mesh)
     for key in list(model.layers):
         if not any(start <= int(key) < end for start, end in chunks):
             del model.layers[key]
@@ -692,12 +744,11 @@ def _backward(output: torch.Tensor, grad: torch.Tensor):
             allow_unreachable=True, accumulate_grad=True)
 
 
-def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, schedule: str = "1f1b",
-                  before_last_backward=None, dtype=torch.float32, stats: dict | None = None,
-                  virtual: int = 1, head: bool = True) -> torch.Tensor:
-    """Phases 2-4 of one step on this stage: every micro-batch's forward and backward, interleaved
-    with the other stages. batches: [(inputs, targets)] for all micro-batches (every stage loads
-    them: the first needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's
+def pipeline_step(model, batches, mesh: Mesh, seq_len: int, loss_fn, before_last_backward=None,
+                  dtype=torch.float32, stats: dict | None = None, head: bool = True) -> torch.Tensor:
+    """Phases 2-4 of one step on this stage, in the layout's schedule: every micro-batch's forward
+    and backward, interleaved with the other stages. batches: [(inputs, targets)] for all
+    micro-batches (every stage loads them: the first needs inputs, the last targets). loss_fn(logits, targets) -> the micro-batch's
     loss as it enters backward (already divided by the global target count, scaled for fp16);
     head=False passes it the final norm's output instead of the logits. Returns the summed loss on
     the last stage, 0 elsewhere. stats, if given, accumulates "busy_s", the seconds this stage
@@ -708,10 +759,8 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, s
     micro-batches alive on the first stage. Both have the same bubble, (p-1)/(m+p-1) of the time.
     Interleaved 1F1B gives each rank `virtual` model chunks (chunk_layers), cutting the bubble to
     (p-1)/(virtual*m + p-1) for more transfers and more activations in flight."""
-    chunks = chunk_layers(model.args.n_layers, mesh, virtual) if virtual > 1 else [None]
-    stage = PipelineStage(model, batches, mesh, seq_len, dim, loss_fn, before_last_backward, dtype, stats,
-                          chunks, head)
-    {"afab": _afab, "1f1b": _one_f_one_b, "interleaved": _interleaved}[schedule](stage)
+    stage = PipelineStage(model, batches, mesh, seq_len, loss_fn, before_last_backward, dtype, stats, head)
+    {"afab": _afab, "1f1b": _one_f_one_b, "interleaved": _interleaved}[mesh.layout.schedule](stage)
     return stage.total
 
 
@@ -788,15 +837,15 @@ class PipelineStage:
     """One step's work on this stage: micro-batch i's forward and backward (on model chunk v under
     the interleaved schedule) and the transfers around them; the schedules above only order them."""
 
-    def __init__(self, model, batches, mesh: Mesh, seq_len: int, dim: int, loss_fn, before_last_backward,
-                 dtype, stats: dict | None, chunks: list | None = None, head: bool = True):
+    def __init__(self, model, batches, mesh: Mesh, seq_len: int, loss_fn, before_last_backward, dtype,
+                 stats: dict | None, head: bool = True):
         self.model, self.batches, self.mesh, self.seq_len = model, batches, mesh, seq_len
         self.loss_fn, self.head = loss_fn, head
         self.before_last_backward, self.dtype, self.stats = before_last_backward, dtype, stats
         self.m, self.device = len(batches), batches[0][0].device
-        self.chunks = chunks or [None]  # each chunk's layer range (None: the stage's layers)
+        self.chunks = model_chunks(model, mesh)  # each chunk's layer range (None: the stage's layers)
         # between stages: the residual stream, (B, T / cp, dim), (B, T / cp / tp, dim) under SP
-        self.shape = (batches[0][0].shape[0], mesh.local_seq_len(seq_len), dim)
+        self.shape = (batches[0][0].shape[0], mesh.local_seq_len(seq_len), model.args.dim)
         self.inputs, self.outputs = {}, {}  # by (micro-batch, chunk)
         self.total = torch.zeros((), device=self.device)
 
@@ -895,19 +944,19 @@ def doc_ids_of(batch):
 
 
 @torch.no_grad()
-def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, dim: int, fn, dtype=torch.float32,
-                     virtual: int = 1, head: bool = True) -> list:
+def pipeline_forward(model, batches, mesh: Mesh, seq_len: int, fn, dtype=torch.float32,
+                     head: bool = True) -> list:
     """Forward only (validation, reference log-probs): micro-batches flow through the stages one after
     another (with model chunks, round the ranks once per chunk); returns [fn(logits, targets) for each
     micro-batch] on the last stage, [] elsewhere (head=False: fn gets the final norm's output)."""
     results = []
-    chunks = chunk_layers(model.args.n_layers, mesh, virtual) if virtual > 1 else [None]
     for batch in batches:
-        for layers in chunks:
+        for layers in model_chunks(model, mesh):
             first, last = chunk_ends(model, mesh, layers)
             x = batch[0]
             if not first:
-                x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), dim), device=x.device, dtype=dtype)
+                x = torch.empty((x.shape[0], mesh.local_seq_len(seq_len), model.args.dim), device=x.device,
+                                dtype=dtype)
                 _p2p(mesh, recv_prev=x)
             out = model(x, doc_ids_of(batch), seq_len=seq_len, layers=layers, head=head)
             if last:

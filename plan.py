@@ -13,6 +13,7 @@ Contents: the plan and its printout, the flags, running it (a ramp too), sizing,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
@@ -32,33 +33,28 @@ def refuse(message: str):
 # The plan: arithmetic only (costs.memory_estimate and comm_estimate, model.flops_per_token)
 
 
-def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, pp: int, micro_batch: int,
-         grad_accum: int, mfu: float, zero: int = 1, act_ckpt: bool = False, precision: str = "bf16",
-         sp: bool = True, reserve_gb: float = 4.0, schedule: str = "1f1b", cp: int = 1,
-         virtual: int = 1, loss_chunk: int = 1024, pue: float = 1.1, usd_per_gpu_hour: float = 2.0,
+def plan(model: str, tokens: float, layout: P.Layout, shape: costs.Shape, gpu: str = "H100",
+         mfu: float = 0.4, *, reserve_gb: float = 4.0, pue: float = 1.1, usd_per_gpu_hour: float = 2.0,
          lora: tuple | None = None) -> dict:
-    """A --plan run (see the module docstring), with its memory under each of ZeRO 0 to 3 and each
-    activation checkpointing mode (the chosen one marked). It fits within the GPU's capacity less
-    reserve_gb, kept for what no tensor count sees: the CUDA context and kernels, NCCL's buffers
-    (one set per process group), the allocator's fragmentation. lora (rank, targets): LoRA
-    fine-tuning: the model frozen (costs.memory_estimate), no weight gradients, FLOPs 4N + 12LdT."""
-    margs = M.PRESETS[model]
-    config.check_layout(gpus, tp, pp, margs, grad_accum, schedule, seq_len, sp, cp, virtual)
-    dp = gpus // (tp * cp * pp)
+    """A --plan run on layout.world GPUs (see the module docstring), with its memory under each of
+    ZeRO 0 to 3 and each activation checkpointing mode (the chosen one marked). It fits within the
+    GPU's capacity less reserve_gb, kept for what no tensor count sees: the CUDA context and kernels,
+    NCCL's buffers (one set per process group), the allocator's fragmentation. lora (rank, targets):
+    LoRA fine-tuning: the model frozen (costs.memory_estimate), no weight gradients, FLOPs 4N + 12LdT."""
+    margs, gpus, tp, cp, pp, dp = M.PRESETS[model], layout.world, layout.tp, layout.cp, layout.pp, layout.dp
+    micro_batch, seq_len, grad_accum = shape.micro_batch, shape.seq_len, shape.grad_accum
+    precision = shape.precision
     n = costs.count_params(margs)
     tokens_micro = micro_batch * seq_len
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
     flops_tok = costs.flops_per_token(margs, seq_len, frozen=lora is not None)
-    layout = dict(tp=tp, pp=pp, dp=dp, sp=sp, grad_accum=grad_accum, cp=cp, virtual=virtual)
-    memory = lambda z, ck: costs.memory_estimate(
-        margs, precision, micro_batch, seq_len, act_ckpt=ck, zero=int(z), schedule=schedule, **layout,
-        loss_chunk=loss_chunk, lora=lora)
+    memory = lambda z, ck: costs.memory_estimate(margs, dataclasses.replace(layout, zero=z),
+                                                 shape._replace(act_ckpt=ck), lora=lora)
     variants = {f"zero{z}_ckpt{costs.ckpt_label(c)}": memory(z, c) for z in (0, 1, 2, 3) if not (lora and z == 3)
                 for c in (False, "selective", "full")}
-    chosen = variants[f"zero{int(zero)}_ckpt{costs.ckpt_label(act_ckpt)}"]
-    comm = costs.comm_estimate(margs, precision, micro_batch, seq_len, act_ckpt=act_ckpt, zero=int(zero),
-                               **layout)
+    chosen = variants[f"zero{layout.zero}_ckpt{costs.ckpt_label(shape.act_ckpt)}"]
+    comm = costs.comm_estimate(margs, layout, shape)
     peak = costs.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
     capacity = costs.SYSTEMS[gpu].memory_gb * 1e9
@@ -70,14 +66,15 @@ def plan(model: str, tokens: float, seq_len: int, gpu: str, gpus: int, tp: int, 
             "steps": steps, "flops": (4 if lora else 6) * n * tokens, "flops_per_token": flops_tok,
             "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
-            "comm_bytes_per_step": comm, "bubble": (pp - 1) / (virtual * grad_accum + pp - 1), "mfu": mfu,
+            "comm_bytes_per_step": comm, "bubble": (pp - 1) / (layout.virtual * grad_accum + pp - 1), "mfu": mfu,
             "peak_flops": peak, "step_time_s": step_s, **costs.run_costs(gpu, gpus, steps * step_s, pue,
                                                                           usd_per_gpu_hour),
             "comm_seconds_per_step": costs.comm_seconds(comm, gpu, tp, cp, pp, gpus),
             "links": costs.links(gpu, tp, cp, pp, gpus),
             "compute_optimal": {"parameters": optimal[0], "tokens": optimal[1]}, "gpu_memory_bytes": capacity,
             "reserve_bytes": reserve_gb * 1e9, "fits": chosen["total"] <= capacity - reserve_gb * 1e9,
-            "zero": zero, "act_ckpt": act_ckpt, "sp": sp, "schedule": schedule, "virtual_stages": virtual,
+            "zero": layout.zero, "act_ckpt": shape.act_ckpt, "sp": layout.sp, "schedule": layout.schedule,
+            "virtual_stages": layout.virtual,
             "lora": {"rank": lora[0], "targets": list(lora[1]),
                      "trained": costs.lora_params(margs, *lora) * margs.n_layers} if lora else None}
 
@@ -174,6 +171,21 @@ def plan_lora(a) -> tuple | None:
     return lora[0], lora[2]
 
 
+def planned_layout(a, grad_accum: int, seq_len: int) -> P.Layout:
+    """The flags' layout on --gpus GPUs (dp: what tp x cp x pp leave; sequence parallelism wherever
+    tp cuts), checked as train.py checks its own (config.check_layout)."""
+    cut = a.tp * a.cp * a.pp
+    layout = P.Layout(tp=a.tp, cp=a.cp, pp=a.pp, dp=a.gpus // cut if cut > 0 else 0, sp=a.sp or a.tp > 1,
+                      zero=int(a.zero), schedule=a.schedule, virtual=a.virtual_stages)
+    config.check_layout(layout, a.gpus, M.PRESETS[a.model], grad_accum, seq_len)
+    return layout
+
+
+def planned_shape(a, seq_len: int, grad_accum: int) -> costs.Shape:
+    return costs.Shape(a.micro_batch, seq_len, "bf16" if a.precision == "auto" else a.precision, grad_accum,
+                       a.act_ckpt, a.loss_chunk)
+
+
 def run_plan(a):
     sizing = sizing_for(a.budget_flops) if a.budget_flops else None
     if sizing and not a.json:
@@ -181,12 +193,11 @@ def run_plan(a):
     if a.ramp:
         return run_ramp_plan(a)
     try:
-        r = plan(a.model, a.tokens, a.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch, a.grad_accum, a.mfu,
-                 a.zero, a.act_ckpt, "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1,
-                 a.reserve_gb, a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour,
-                 plan_lora(a))
+        layout = planned_layout(a, a.grad_accum, a.seq_len)
     except P.LayoutError as e:
         refuse(f"invalid parallel layout: {e}")
+    r = plan(a.model, a.tokens, layout, planned_shape(a, a.seq_len, a.grad_accum), a.gpu, a.mfu,
+             reserve_gb=a.reserve_gb, pue=a.pue, usd_per_gpu_hour=a.usd_per_gpu_hour, lora=plan_lora(a))
     if a.launch:
         return print(launch_script(a, r))
     print(json.dumps({**r, "sizing": sizing} if sizing else r)) if a.json else print_plan(r)
@@ -353,13 +364,13 @@ def run_ramp_plan(a):
                 f"it starts after --tokens {a.tokens:.3g}" if end <= s.seen else
                 f"{s.sequences} sequences do not divide into micro-batches of {a.micro_batch} on {dp} dp "
                 "ranks"))
+        accum = s.sequences // (a.micro_batch * dp)
         try:
-            rows.append(plan(a.model, end - s.seen, s.seq_len, a.gpu, a.gpus, a.tp, a.pp, a.micro_batch,
-                             s.sequences // (a.micro_batch * dp), a.mfu, a.zero, a.act_ckpt,
-                             "bf16" if a.precision == "auto" else a.precision, a.sp or a.tp > 1, a.reserve_gb,
-                             a.schedule, a.cp, a.virtual_stages, a.loss_chunk, a.pue, a.usd_per_gpu_hour))
+            layout = planned_layout(a, accum, s.seq_len)
         except P.LayoutError as e:
             refuse(f"invalid parallel layout at the stage of {s.seq_len}-token sequences: {e}")
+        rows.append(plan(a.model, end - s.seen, layout, planned_shape(a, s.seq_len, accum), a.gpu, a.mfu,
+                         reserve_gb=a.reserve_gb, pue=a.pue, usd_per_gpu_hour=a.usd_per_gpu_hour))
     if a.launch:  # the whole ramp as one run: its steps, its largest stage's memory
         worst = max(rows, key=lambda r: r["memory_per_gpu_bytes"])
         return print(launch_script(a, {**worst, "steps": sum(r["steps"] for r in rows),

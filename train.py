@@ -109,10 +109,8 @@ def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepRes
     batches, total = load_batches(run)  # the whole step's micro-batches, and the loss's normalizer
     timer.mark("1 data")
     if mesh.pp > 1:  # forward, loss and backward of every micro-batch, interleaved across stages
-        loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, run.margs.dim,
-                               lambda *a: scaled_loss(run, *a, total),
-                               args.schedule, before_last_backward=run.sync.start, dtype=run.dtype,
-                               virtual=args.virtual_stages, head=not run.task.takes_hidden)
+        loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, lambda *a: scaled_loss(run, *a, total),
+                               before_last_backward=run.sync.start, dtype=run.dtype, head=not run.task.takes_hidden)
         timer.mark("2-4 pipeline")
     else:
         loss = torch.zeros((), device=run.device)
@@ -262,7 +260,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     spec = config.check_config(args, recipe)
     evaluate.check_benchmarks(args, recipe.kind)
     config.check_ranks_agree(args, spec.device)
-    mesh = P.init_mesh(args.tp, args.pp, args.sp, spec.device, args.dist_timeout, args.io_timeout, args.cp)
+    mesh = P.init_mesh(spec.layout, spec.device, args.dist_timeout, args.io_timeout)
     lock, meter, stop = checkpoint.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
@@ -547,9 +545,9 @@ def validation_loss(run: Run, source: str | None = None) -> tuple[float, list]:
     for size in [min(args.grad_accum, n - i) for i in range(0, n, args.grad_accum)]:
         batches = task.prepare([tuple(t.to(device) for t in scoring.next()) for _ in range(size)])
         batches = [P.context_chunks(b, mesh) for b in batches]
-        for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len, run.margs.dim,
+        for chunk_loss in P.pipeline_forward(run.model, batches, mesh, args.seq_len,
                                              lambda out, targets: task.loss(out, targets, total),
-                                             run.dtype, args.virtual_stages, head=not task.takes_hidden):
+                                             run.dtype, head=not task.takes_hidden):
             loss = loss + chunk_loss
     metrics = task.metrics().to(device)
     sum_over_replicas([loss, metrics], mesh)
@@ -615,7 +613,7 @@ class Checkpointer:
         meta = {"step": step, "loader": run.loader.state_dict(), "args": dict(vars(run.args)),  # (as of now)
                 "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
                 "recipe": self.recipe.kind, "data": self.data, "lora": self.lora,
-                "layout": {"tp": run.mesh.tp, "cp": run.mesh.cp, "pp": run.mesh.pp, "dp": run.mesh.dp}}
+                "layout": run.mesh.layout.record()}
         out, keep = Path(run.args.out_dir), run.args.keep_ckpts
         if self.saver is None:
             write = lambda folder: checkpoint.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
@@ -686,7 +684,7 @@ def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False, lor
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_context_parallel(model, mesh)
-    P.apply_pipeline(model, mesh, config.parse_pp_layers(args.pp_layers), args.virtual_stages)
+    P.apply_pipeline(model, mesh)
     if lora:
         M.add_lora(model, *lora, train)
     model.to(dtype)  # still on the meta device: each piece is cast as it is written, no fp32 model exists

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_plan_reproduces_the_llama3_70b_reference_example():
-    r = plan.plan("llama3-70b", 15e12, 8192, "H100", 16384, tp=8, pp=4, micro_batch=4, grad_accum=4, mfu=0.4,
-                   act_ckpt=True)
+    r = plan.plan("llama3-70b", 15e12, parallel.Layout(tp=8, pp=4, dp=512, sp=True, zero=1),
+                  costs.Shape(4, 8192, grad_accum=4, act_ckpt=True, loss_chunk=1024), "H100", 0.4)
     assert (r["gpus_per_replica"], r["dp"]) == (32, 512)
     assert r["tokens_per_micro_batch"] == 32_768
     assert r["tokens_per_global_batch"] == 67_108_864
@@ -36,7 +36,7 @@ def test_plan_reproduces_the_llama3_70b_reference_example():
     assert not r["memory_variants"]["zero1_ckpt0"]["total"] < 80e9  # 4 micro-batches of activations in flight
     # ZeRO-1: an fp32 reduce-scatter and a bf16 all-gather of the largest stage's parameters (0.75 of an
     # all-reduce)
-    largest = max(costs.stage_params(M.PRESETS["llama3-70b"], tp=8, pp=4, stage=s) for s in range(4))
+    largest = max(costs.stage_params(M.PRESETS["llama3-70b"], parallel.Layout(tp=8, pp=4), s) for s in range(4))
     assert r["comm_bytes_per_step"]["dp"] == pytest.approx(511 / 512 * largest * (4 + 2))
 
 
@@ -56,8 +56,9 @@ def test_what_a_run_costs_by_hand():
     assert costs.links("GB200", 8, 1, 1, 144)["dp"] == "network"
     # Chinchilla itself: 70B parameters on 1.4T tokens, 6 x 70e9 x 1.4e12 = 5.88e23 FLOPs
     assert costs.compute_optimal(5.88e23) == pytest.approx((70e9, 1.4e12))
-    r = plan.plan("llama3-70b", 15e12, 8192, "H100", 16384, tp=8, pp=4, micro_batch=4, grad_accum=4,
-                   mfu=0.4, act_ckpt=True, pue=1.2, usd_per_gpu_hour=3.0)
+    r = plan.plan("llama3-70b", 15e12, parallel.Layout(tp=8, pp=4, dp=512, sp=True, zero=1),
+                  costs.Shape(4, 8192, grad_accum=4, act_ckpt=True, loss_chunk=1024), "H100", 0.4, pue=1.2,
+                  usd_per_gpu_hour=3.0)
     seconds = 223_518 * 481.4e9 * 67_108_864 / (16384 * 989e12 * 0.4)  # steps x FLOPs per step / FLOP/s
     assert r["gpu_hours"] == pytest.approx(16384 * seconds / 3600, rel=1e-3)
     assert r["energy_mwh"] == pytest.approx(r["gpu_hours"] * 700 * 1.2 / 1e6)
@@ -83,8 +84,9 @@ def test_plan_llama31_8b_on_eight_h100():
     longer kept (the fp32 gradients of the head's input and weight are), and the loss makes one chunk's at
     a time. Tensor parallelism over 2 GPUs brings it far lower."""
     n, d, V = 8_030_261_248, 4096, 128_256
-    planned = lambda **kw: plan.plan("llama3.1-8b", 1e12, 8192, "H100", 8, pp=1, mfu=0.4, zero=True,
-                                   act_ckpt=True, micro_batch=1, **kw)
+    planned = lambda tp, grad_accum, loss_chunk=1024: plan.plan(
+        "llama3.1-8b", 1e12, parallel.Layout(tp=tp, dp=8 // tp, sp=True, zero=1),
+        costs.Shape(1, 8192, grad_accum=grad_accum, act_ckpt=True, loss_chunk=loss_chunk), "H100", 0.4)
     whole, r = planned(tp=1, grad_accum=4, loss_chunk=0), planned(tp=1, grad_accum=4)
     m = whole["memory_per_gpu"]
     assert (m["weights"], m["grads"], m["master"] + m["optimizer"]
@@ -104,8 +106,9 @@ def test_plan_reproduces_the_llama3_405b_layouts():
     sequences over cp 16. With ZeRO-1 and activation checkpointing each fits in an 80 GB H100."""
     for gpus, cp, seq, accum, dp in [(8192, 1, 8192, 32, 64), (16384, 1, 8192, 16, 128),
                                      (16384, 16, 131072, 16, 8)]:
-        r = plan.plan("llama3.1-405b", 15.6e12, seq, "H100", gpus, tp=8, pp=16, micro_batch=1,
-                       grad_accum=accum, mfu=0.4, zero=True, act_ckpt=True, cp=cp)
+        r = plan.plan("llama3.1-405b", 15.6e12, parallel.Layout(tp=8, cp=cp, pp=16, dp=dp, sp=True, zero=1),
+                      costs.Shape(1, seq, grad_accum=accum, act_ckpt=True, loss_chunk=1024), "H100", 0.4)
+        assert r["gpus"] == gpus
         assert (r["dp"], r["tokens_per_global_batch"], r["fits"]) == (dp, 2 ** 24, True)
     # cp: per layer and micro-batch, K and V of the whole sequence (8 KV heads over tp 8: one head of 128
     # per rank, bf16) all-gathered, and their gradients reduce-scattered; checkpointing gathers them again.
@@ -114,8 +117,9 @@ def test_plan_reproduces_the_llama3_405b_layouts():
     assert r["comm_bytes_per_step"]["cp"] == pytest.approx(16 * 8 * 3 * 15 / 16 * kv)
     # The first layout with the interleaved schedule, 2 chunks per rank: the bubble (p-1)/(Vm+p-1) instead
     # of (p-1)/(m+p-1), for twice the pipeline's bytes (each micro-batch passes every rank twice each way)
-    one, two = (plan.plan("llama3.1-405b", 15.6e12, 8192, "H100", 8192, tp=8, pp=16, micro_batch=1,
-                           grad_accum=32, mfu=0.4, zero=1, act_ckpt=True, schedule=schedule, virtual=virtual)
+    one, two = (plan.plan("llama3.1-405b", 15.6e12, parallel.Layout(tp=8, pp=16, dp=64, sp=True, zero=1,
+                                                                    schedule=schedule, virtual=virtual),
+                          costs.Shape(1, 8192, grad_accum=32, act_ckpt=True, loss_chunk=1024), "H100", 0.4)
                 for schedule, virtual in (("1f1b", 1), ("interleaved", 2)))
     assert (one["bubble"], two["bubble"]) == (pytest.approx(15 / 47), pytest.approx(15 / 79))
     assert two["comm_bytes_per_step"]["pp"] == pytest.approx(2 * one["comm_bytes_per_step"]["pp"])
@@ -259,8 +263,8 @@ def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
     class Stop(Exception):
         pass
 
-    def init_mesh(**kwargs):
-        meshes.append(kwargs)
+    def init_mesh(layout=None, **kwargs):
+        meshes.append({**kwargs, "layout": layout})
         raise Stop
     monkeypatch.setattr(parallel, "init_mesh", init_mesh)
     as_rank(monkeypatch, 1, 2)
@@ -269,7 +273,7 @@ def test_dp_vs_ddp_and_bubble_run_on_this_ranks_device(monkeypatch):
         with pytest.raises(Stop):
             bench.main()
     assert bound == [torch.device("cuda", 1)] * 2
-    assert [m["device"] for m in meshes] == [torch.device("cuda", 1)] * 2 and meshes[1]["pp"] == 2
+    assert [m["device"] for m in meshes] == [torch.device("cuda", 1)] * 2 and meshes[1]["layout"].pp == 2
 
 
 def test_dp_vs_ddp_and_bubble_run_end_to_end():

@@ -79,17 +79,19 @@ def test_the_estimate_counts_the_adapters_it_trains():
     margs = M.ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=320)
     for tp, targets in [(1, M.LORA_TARGETS), (2, M.LORA_TARGETS), (2, ("wq", "wv", "w2"))]:
         with torch.device("meta"):
-            model = P.apply_tensor_parallel(M.Transformer(margs), P.Mesh(tp=tp))
+            model = P.apply_tensor_parallel(M.Transformer(margs), P.Mesh(P.Layout(tp=tp)))
             M.add_lora(model, 8, 16.0, targets)
         made = sum(p.numel() for n, p in model.named_parameters() if M.is_lora(n))
         assert made == costs.lora_params(margs, 8, targets, tp) * margs.n_layers
     # Llama 3.1 8B SFT with LoRA fits one 24 GB GPU; fully fine-tuned it needs six times that
     big = M.PRESETS["llama3.1-8b"]
-    lora = costs.memory_estimate(big, "bf16", 1, 1024, act_ckpt=True, lora=(16, M.LORA_TARGETS))
-    full = costs.memory_estimate(big, "bf16", 1, 1024, act_ckpt=True)
+    shape = costs.Shape(1, 1024, act_ckpt=True)
+    lora = costs.memory_estimate(big, P.Layout(), shape, lora=(16, M.LORA_TARGETS))
+    full = costs.memory_estimate(big, P.Layout(), shape)
     assert lora["total"] < 20e9 < 6 * 20e9 < full["total"]
-    planned = lambda **kw: plan.plan("llama3.1-8b", 1e8, 1024, "RTX 4090", 1, tp=1, pp=1, micro_batch=1,
-                                   grad_accum=16, mfu=0.4, zero=0, act_ckpt=True, **kw)
+    planned = lambda **kw: plan.plan("llama3.1-8b", 1e8, P.Layout(),
+                                     costs.Shape(1, 1024, grad_accum=16, act_ckpt=True, loss_chunk=1024),
+                                     "RTX 4090", 0.4, **kw)
     assert planned(lora=(16, M.LORA_TARGETS))["fits"] and not planned()["fits"]
 
 

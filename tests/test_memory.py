@@ -109,7 +109,9 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
     peaks = {r["rank"]: r["peak"] for r in (json.loads(f.read_text())
                                             for f in (tmp_path / "o").glob("peak_rank*.json"))}
     assert len(peaks) == processes
-    kw = {"precision": "fp32", **kw}
+    layout = P.Layout(**{k: v for k, v in kw.items() if k in P.Layout.__dataclass_fields__})
+    shape = costs.Shape(4, 64, kw.get("precision", "fp32"), kw.get("grad_accum", 1), kw.get("act_ckpt", False),
+                        kw.get("loss_chunk", 0))
     args = config.get_parser().parse_args(RUN + flags)
     margs = config.model_args_from(args, data.get_tokenizer(args.tokenizer).n_vocab)  # as the run built it
     for rank, peak in peaks.items():
@@ -118,7 +120,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
             #        peak varies with timing (tp 2: +2% to -10% of the total from run to run here); what TP
             #        changes in the memory is held by the deterministic test below
         stage = rank if kw.get("pp") else 0
-        estimate = costs.memory_estimate(margs, micro_batch=4, seq_len=64, stage=stage, **kw,
+        estimate = costs.memory_estimate(margs, layout, shape, stage, bucket_mb=kw.get("bucket_mb", 25.0),
                                          kept=costs.kept_by("cpu", "fp32", "auto", False, False))["total"]
         # ZeRO-3: whether the next unit's prefetched all-gather has landed when the peak comes is timing; on
         # this model the peak is one of two values 0.79 MB apart (24.12 or 24.91 MB against an estimate of
@@ -127,11 +129,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
         assert estimate == pytest.approx(peak, rel=tol), (rank, estimate, peak)
     if processes > 1:
         records = [json.loads(l) for l in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
-        precision = kw.pop("precision")
-        kw.pop("schedule", None)  # the bytes do not depend on it, nor on the bucket size
-        kw.pop("bucket_mb", None)
-        kw.pop("loss_chunk", None)  # the loss's all-reduces send the same numbers in chunks
-        expected = costs.comm_estimate(margs, precision, micro_batch=4, seq_len=64, stage=0, **kw)
+        expected = costs.comm_estimate(margs, layout, shape, 0)  # (the loss's chunks send the same numbers)
         for r in records:
             for dim in ("tp", "cp", "pp", "dp"):
                 sent = r["comm_bytes_per_step"][dim]
@@ -144,16 +142,16 @@ def test_model_states_by_kind():
     master weights, 8 of AdamW's m and v; ZeRO-1 over 8 divides the last two and adds its packed pieces
     of the reduced gradients (fp32); fp32 training keeps no separate master."""
     a, n = M.PRESETS["llama3.1-8b"], 8_030_261_248
-    m = costs.memory_estimate(a, "bf16", micro_batch=1, seq_len=8192)
+    m = costs.memory_estimate(a, P.Layout(), costs.Shape(1, 8192))
     assert (m["weights"], m["grads"], m["master"], m["optimizer"], m["zero_buffers"]) == (2 * n, 4 * n, 4 * n,
                                                                                           8 * n, 0)
-    z = costs.memory_estimate(a, "bf16", 1, 8192, dp=8, zero=1)
+    z = costs.memory_estimate(a, P.Layout(dp=8, zero=1), costs.Shape(1, 8192))
     assert (z["master"], z["optimizer"], z["zero_buffers"]) == (n / 2, n, n / 2)
-    assert costs.memory_estimate(a, "fp32", 1, 8192)["master"] == 0
-    ck = costs.memory_estimate(a, "bf16", 1, 8192, act_ckpt=True)  # each layer's input only; the rest as before
+    assert costs.memory_estimate(a, P.Layout(), costs.Shape(1, 8192, "fp32"))["master"] == 0
+    ck = costs.memory_estimate(a, P.Layout(), costs.Shape(1, 8192, act_ckpt=True))  # each layer's input only
     per_token = costs.activation_bytes(a, 8192, "bf16")
     assert m["activations"] - ck["activations"] == 32 * (per_token["layer"] - per_token["layer_input"])
-    assert costs.stage_params(a) == n and sum(costs.stage_params(a, pp=4, stage=s) for s in range(4)) == n
+    assert costs.stage_params(a) == n and sum(costs.stage_params(a, P.Layout(pp=4), s) for s in range(4)) == n
 
 
 def test_peaks_by_gpu_and_precision():
@@ -199,7 +197,7 @@ SAVED = textwrap.dedent(f"""
     margs, tokens = M.PRESETS["mini"], torch.randint(0, 320, (4, 64))
     out = {{}}
     for tp, sp, dropout in ((1, False, 0), (2, False, 0), (2, True, 0), (1, False, 0.2), (2, True, 0.2)):
-        mesh = P.init_mesh(tp=tp, sp=sp) if tp > 1 else P.Mesh()
+        mesh = P.init_mesh(P.Layout(tp=tp, sp=sp)) if tp > 1 else P.Mesh()
         args = config.get_parser().parse_args(["--dropout", str(dropout)])
         model = train.build_model(margs, None, args, mesh, torch.device("cpu"), torch.float32).train()
         params = {{p.untyped_storage().data_ptr() for p in model.parameters()}}
@@ -242,7 +240,7 @@ def zero3_build(margs, dtype, dp: int, lazy: bool):
     """train.set_up's build of a ZeRO-3 rank (dp rank 1 of dp): the model, AdamW, GradSync. No collective
     runs while building, so one process can be any rank."""
     args = config.get_parser().parse_args(["--zero", "3"])
-    mesh = P.Mesh(dp=dp, dp_rank=1)
+    mesh = P.Mesh(P.Layout(dp=dp), dp_rank=1)
     model = train.build_model(margs, None, args, mesh, torch.device("cpu"), dtype, lazy=lazy)
     initial = train.initial_values(model, margs, None, args, mesh) if lazy else None
     opt = O.AdamW(model.named_parameters(), pad_to=dp, allocate_state=False, full_grad=False,
@@ -264,7 +262,7 @@ def test_a_zero3_rank_never_holds_its_whole_model_while_it_is_built(precision):
     kept = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in (
         opt.model_flat, opt.master, opt.exp_avg, opt.exp_avg_sq, opt.grad)}.values())
     whole = costs.count_params(margs) * costs.BYTES[precision]
-    transient = costs.build_bytes(margs, precision, dp=dp, zero=3) - opt.model_flat.untyped_storage().nbytes()
+    transient = costs.build_bytes(margs, P.Layout(dp=dp, zero=3), precision) - opt.model_flat.untyped_storage().nbytes()
     assert kept <= peak <= kept + transient and peak < whole, (peak, kept, transient, whole)
     reference, peak_whole = bench.cpu_census(lambda: zero3_build(margs, dtype, dp, lazy=False))
     assert peak_whole >= 2 * whole  # (the model, then its flat copy beside it)
@@ -279,17 +277,17 @@ def test_the_memory_check_counts_the_build(monkeypatch):
     args = config.get_parser().parse_args(["--model", "llama3-8b", "--zero", "2", "--seq-len", "128",
                                            "--micro-batch", "1"])
     margs = config.model_args_from(args, 128_256)
-    steady = costs.memory_estimate(margs, "bf16", 1, 128, dp=64, zero=2)["total"]
-    build = costs.build_bytes(margs, "bf16", dp=64, zero=2)
+    layout = config.layout_of(args, 64)  # dp 64, ZeRO-2
+    steady = costs.memory_estimate(margs, layout, costs.Shape(1, 128))["total"]
+    build = costs.build_bytes(margs, layout)
     assert build > steady and build >= 2 * 2 * costs.count_params(margs)
     monkeypatch.setattr(costs, "available_memory", lambda device: (steady + build) / 2)
     with pytest.raises(config.ResourceError, match=f"{build / 1e9:.1f} GB while it is built"):
-        config.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
+        config.check_memory(margs, args, layout, torch.device("cpu"), "bf16")
     monkeypatch.setattr(costs, "available_memory", lambda device: build + 1)
-    config.check_memory(margs, args, 64, torch.device("cpu"), "bf16")
-    big = M.PRESETS["llama3-70b"]
-    assert costs.build_bytes(big, "bf16", dp=512, zero=3) < min(5e9, costs.memory_estimate(
-        big, "bf16", 1, 128, dp=512, zero=3)["total"])
+    config.check_memory(margs, args, layout, torch.device("cpu"), "bf16")
+    big, zero3 = M.PRESETS["llama3-70b"], P.Layout(dp=512, zero=3)
+    assert costs.build_bytes(big, zero3) < min(5e9, costs.memory_estimate(big, zero3, costs.Shape(1, 128))["total"])
 
 
 def test_available_memory_counts_what_this_process_has_cached(monkeypatch):
@@ -304,12 +302,12 @@ def test_available_memory_counts_what_this_process_has_cached(monkeypatch):
     assert costs.available_memory(torch.device("cuda", 0)) == 69 * gb  # 20 free + 49 cached unused
     args = config.get_parser().parse_args(["--model", "llama3.2-1b", "--seq-len", "4096", "--micro-batch", "2"])
     margs = config.model_args_from(args, 128_256)
-    need = costs.memory_estimate(margs, "bf16", 2, 4096, loss_chunk=1024)["total"]
+    need = costs.memory_estimate(margs, P.Layout(), costs.Shape(2, 4096, loss_chunk=1024))["total"]
     assert 20 * gb < need < 69 * gb  # refused by the free memory alone; it fits in what the process can get
-    config.check_memory(margs, args, 1, torch.device("cuda", 0), "bf16", chunk=1024)
+    config.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(1 * gb))
     with pytest.raises(config.ResourceError, match=r"cuda has 20.0 GB available, [\d.]+ GB short; .* "
                                                    r"--no-memory-check"):
-        config.check_memory(margs, args, 1, torch.device("cuda", 0), "bf16", chunk=1024)
+        config.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)
     args.memory_check = False  # --no-memory-check
-    config.check_memory(margs, args, 1, torch.device("cuda", 0), "bf16", chunk=1024)
+    config.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)

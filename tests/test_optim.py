@@ -245,7 +245,7 @@ def test_zero1_allocates_only_this_ranks_share_of_the_optimizer_state(dtype):
         model = tiny_model(dtype=dtype)
         with Allocations() as built:
             opt = O.AdamW(model.named_parameters(), lr=1e-2, pad_to=dp, allocate_state=False)
-            Z.grad_sync(opt, P.Mesh(dp=dp, dp_rank=1), bucket_mb=0.001, zero=1)  # shards the optimizer
+            Z.grad_sync(opt, P.Mesh(P.Layout(dp=dp), dp_rank=1), bucket_mb=0.001, zero=1)  # shards the optimizer
         n = opt.numel
         kept[dp] = state_bytes(opt)
         pieces = opt.grad_shard.numel() * 4 if opt.grad_shard is not opt.grad else 0  # ZeRO's reduced pieces
@@ -267,7 +267,7 @@ def test_loading_a_sharded_state_builds_no_full_length_buffer():
     full.step()
     saved = full.state_dict()
     opt = O.AdamW(tiny_model(seed=3).named_parameters(), lr=1e-2, pad_to=4, allocate_state=False)
-    Z.grad_sync(opt, P.Mesh(dp=4, dp_rank=2), bucket_mb=0.001, zero=1)
+    Z.grad_sync(opt, P.Mesh(P.Layout(dp=4), dp_rank=2), bucket_mb=0.001, zero=1)
     with Allocations() as loading:
         opt.load_state_dict(saved)
     assert loading.bytes < opt.numel * 4 // 4  # the old way made three full-length fp32 buffers

@@ -47,6 +47,12 @@ def spawn(fn, world, *args):
     mp.spawn(_entry, args=(world, port, fn, args), nprocs=world, join=True)
 
 
+def mesh_of(**layout) -> P.Mesh:
+    """A spawned rank's mesh: the layout given, dp what the job's world leaves."""
+    cut = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1)
+    return P.init_mesh(P.Layout(dp=int(os.environ["WORLD_SIZE"]) // cut, **layout))
+
+
 def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -73,7 +79,7 @@ def rel(a, b):
 
 
 def _layers(tp, sp):
-    mesh = P.init_mesh(tp=tp, sp=sp)
+    mesh = mesh_of(tp=tp, sp=sp)
     r, B, T, d = mesh.tp_rank, 2, 8, 16
     torch.manual_seed(0)
     chunk = lambda t, dim: t.chunk(tp, dim=dim)[r]  # this rank's slice
@@ -178,7 +184,7 @@ def _context_attention(cp, packed, block_mask):
     cp are the whole layer's."""
     if block_mask:  # FlexAttention's block mask, CUDA's path: its forward runs on the CPU too
         M.BLOCK_MASK_DEVICES = ("cpu",)
-    mesh = P.init_mesh(cp=cp)
+    mesh = mesh_of(cp=cp)
     args = M.ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64)
     torch.manual_seed(0)
     model, B, T = M.Transformer(args), 2, 32
@@ -254,7 +260,7 @@ def test_context_chunks_balance_causal_work():
     assert len(set(work)) == 1, work
     # under sequence parallelism a rank's T/cp tokens are cut again over tp
     with pytest.raises(P.LayoutError, match=r"--seq-len / cp = 36/2 tokens divisible by tp 4"):
-        config.check_layout(8, 4, 1, M.ModelArgs(n_heads=8, n_kv_heads=4), 1, "1f1b", 36, sp=True, cp=2)
+        config.check_layout(P.Layout(tp=4, cp=2, sp=True), 8, M.ModelArgs(n_heads=8, n_kv_heads=4), 1, 36)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,7 +276,7 @@ def test_each_rank_materializes_exactly_its_slice_of_the_whole_model():
     full = dict(whole.named_parameters())
     for pp_rank in range(2):
         for tp_rank in range(2):
-            mesh = P.Mesh(tp=2, pp=2, tp_rank=tp_rank, pp_rank=pp_rank, rank=pp_rank * 2 + tp_rank)
+            mesh = P.Mesh(P.Layout(tp=2, pp=2), tp_rank=tp_rank, pp_rank=pp_rank, rank=pp_rank * 2 + tp_rank)
             with torch.device("meta"):
                 part = M.Transformer(args)
             P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
@@ -295,7 +301,7 @@ def test_materialized_tied_head_is_the_embedding(tp):
     """Llama 3.2's tied embeddings stay one tensor through meta -> materialize (to_empty unties them)."""
     args = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=301, multiple_of=32,
                        tie_embeddings=True)
-    mesh = P.Mesh(tp=tp, tp_rank=tp - 1, rank=tp - 1)
+    mesh = P.Mesh(P.Layout(tp=tp), tp_rank=tp - 1, rank=tp - 1)
     with torch.device("meta"):
         part = M.Transformer(args)
     P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
@@ -316,7 +322,7 @@ def test_a_rank_reads_only_its_own_weights_from_a_hugging_face_folder(tmp_path, 
                         real(path, names))
     margs, state = W.hf_state(tmp_path / "hf")
     assert reads == []  # checked against the config from the headers alone
-    mesh = P.Mesh(tp=2, pp=2, tp_rank=1, pp_rank=1, rank=3)
+    mesh = P.Mesh(P.Layout(tp=2, pp=2), tp_rank=1, pp_rank=1, rank=3)
     with torch.device("meta"):
         part = M.Transformer(margs)
     P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
@@ -335,7 +341,7 @@ def test_a_rank_of_llama3_8b_holds_only_its_own_pieces():
     1/8 of eight layers (norms replicated), 218M x 8 / 8 numbers, not 8B. (Uninitialized full values keep the
     test fast; the values are test_each_rank_materializes_exactly_its_slice_of_the_whole_model's subject.)"""
     args = M.PRESETS["llama3-8b"]
-    mesh = P.Mesh(tp=8, pp=4, tp_rank=3, pp_rank=1, rank=11)
+    mesh = P.Mesh(P.Layout(tp=8, pp=4), tp_rank=3, pp_rank=1, rank=11)
     with torch.device("meta"):
         part = M.Transformer(args)
     P.apply_pipeline(P.apply_tensor_parallel(part, mesh), mesh)
@@ -643,8 +649,8 @@ def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
     assert_same_training(tmp_path / "compiled", reference)
     dp = 2 // (tp * cp * pp)
     margs = config.model_args_from(config.get_parser().parse_args(TINY), 301)
-    expected = costs.comm_estimate(margs, "fp32", 4, 32, tp=tp, pp=pp, dp=dp, zero=zero, sp="--sp" in flags,
-                                   grad_accum=GLOBAL_BATCH // (4 * dp), stage=0, cp=cp)
+    expected = costs.comm_estimate(margs, P.Layout(tp=tp, cp=cp, pp=pp, dp=dp, sp="--sp" in flags, zero=zero),
+                                   costs.Shape(4, 32, "fp32", GLOBAL_BATCH // (4 * dp)), 0)
     records = [json.loads(l) for l in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
     sent = [r["comm_bytes_per_step"] for r in records if "comm_bytes_per_step" in r]
     assert len(sent) == 3
@@ -740,7 +746,7 @@ def _groups_and_patience(out_file):
         made.append([kw.get("group_desc"), ranks, kw.get("backend")])
         return new_group(ranks, **kw)
     torch.distributed.new_group = counted
-    mesh = P.init_mesh(tp=2, timeout_s=60.0, io_timeout_s=60.0)
+    mesh = P.init_mesh(P.Layout(tp=2, dp=2), timeout_s=60.0, io_timeout_s=60.0)
     mesh.timeout_s = 1.0
     launch.set_timeout(mesh, mesh.timeout_s)
     out = {"made": made, "io": torch.distributed.get_backend(mesh.groups["io"])}
@@ -1091,7 +1097,7 @@ def test_consolidate_averages_the_last_checkpoints_of_one_run(tmp_path, capsys):
 def _comm(out_file, tp, pp, dp, sp):
     """One training step's collectives, per rank, for a model with known shapes."""
     import optim as O
-    mesh = P.init_mesh(tp=tp, pp=pp, sp=sp)
+    mesh = mesh_of(tp=tp, pp=pp, sp=sp)
     torch.manual_seed(0)
     args = M.ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
                        max_seq_len=64)
@@ -1105,7 +1111,7 @@ def _comm(out_file, tp, pp, dp, sp):
     loss_fn = lambda logits, y: loss.loss_sum(logits, y, 64, mesh) / (m * B * T * dp)
     before = dict(mesh.comm_bytes)
     if pp > 1:
-        P.pipeline_step(model, batches, mesh, T, args.dim, loss_fn, before_last_backward=sync.start)
+        P.pipeline_step(model, batches, mesh, T, loss_fn, before_last_backward=sync.start)
     else:
         for i, (x, y) in enumerate(batches):
             if i == m - 1:

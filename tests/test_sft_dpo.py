@@ -391,7 +391,7 @@ def test_dpo_counts_both_rows_of_a_pair_and_the_reference_forward():
     reference computed alongside adds its forward (a third of forward + backward) to the FLOPs."""
     margs = M.PRESETS["tiny"]
     args = dpo.get_parser().parse_args(["--micro-batch", "4", "--seq-len", "32", "--grad-accum", "3"])
-    mesh = P.Mesh(dp=2)
+    mesh = P.Mesh(P.Layout(dp=2))
     live, cached = dpo.DPOTask(margs, mesh, args, reference=object()), dpo.DPOTask(margs, mesh, args,
                                                                                    cached={})
     lm = loss.LMTask(margs, mesh)

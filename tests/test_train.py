@@ -259,9 +259,9 @@ def test_compile_reaches_the_blocks_a_pipeline_stage_runs():
     """--compile compiles each block in place, so a pipeline stage, whose forward runs only the blocks it
     holds, runs them compiled too; the numbers stay those of the eager model."""
     counter = CompileCounter()  # a torch.compile backend that counts the graphs it is given
-    stage = parallel.apply_pipeline(M.Transformer(M.PRESETS["tiny"]), parallel.Mesh(pp=2, pp_rank=1))
+    stage = parallel.apply_pipeline(M.Transformer(M.PRESETS["tiny"]), parallel.Mesh(parallel.Layout(pp=2), pp_rank=1))
     eager = M.Transformer(M.PRESETS["tiny"])
-    parallel.apply_pipeline(eager, parallel.Mesh(pp=2, pp_rank=1)).load_state_dict(stage.state_dict())
+    parallel.apply_pipeline(eager, parallel.Mesh(parallel.Layout(pp=2), pp_rank=1)).load_state_dict(stage.state_dict())
     train.compile_blocks(stage, backend=counter)
     h = torch.randn(2, 16, M.PRESETS["tiny"].dim)  # the residual stream stage 0 would send
     out = stage(h)
@@ -383,15 +383,17 @@ def test_the_memory_check_counts_dpo_pairs_and_its_reference(monkeypatch):
     args = config.get_parser().parse_args(["--model", "small", "--micro-batch", "8", "--seq-len", "256"])
     margs = config.model_args_from(args, 320)
     kept = costs.kept_by("cpu", "fp32", "auto", False, False)  # what the check counts as saved for backward
-    rows = costs.memory_estimate(margs, "fp32", 8, 256, kept=kept)["total"]
-    pairs = costs.memory_estimate(margs, "fp32", 16, 256, kept=kept)["total"] + 4 * costs.stage_params(margs)
+    one = parallel.Layout()
+    rows = costs.memory_estimate(margs, one, costs.Shape(8, 256, "fp32"), kept=kept)["total"]
+    pairs = costs.memory_estimate(margs, one, costs.Shape(16, 256, "fp32"), kept=kept)["total"] + 4 * costs.stage_params(
+        margs)
     dpo = dict(rows_per_example=2, frozen_copies=1)
     monkeypatch.setattr(costs, "available_memory", lambda device: (rows + pairs) / 2)
-    config.check_memory(margs, args, 1, torch.device("cpu"), "fp32")  # pretraining fits
+    config.check_memory(margs, args, one, torch.device("cpu"), "fp32")  # pretraining fits
     with pytest.raises(config.ResourceError, match=r"model small \(9.7M parameters\) needs about"):
-        config.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)
+        config.check_memory(margs, args, parallel.Layout(), torch.device("cpu"), "fp32", **dpo)
     monkeypatch.setattr(costs, "available_memory", lambda device: pairs + 1)
-    config.check_memory(margs, args, 1, torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
+    config.check_memory(margs, args, parallel.Layout(), torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
 
 
 # ----------------------------------------------------------------------------------------------------
