@@ -131,13 +131,20 @@ class Mesh:
                                                       "world": 0.0})
     key: int = field(default_factory=lambda: next(_mesh_keys))  # its name in custom ops (section 3)
     trace: object = None  # in a traced step (costs.StepTrace), every collective records its span
+    # the layout's sizes as the mesh's own (copied: plain attributes, which a step reads without entering
+    # this file; the layout is frozen)
+    tp: int = field(init=False)
+    cp: int = field(init=False)
+    pp: int = field(init=False)
+    dp: int = field(init=False)
+    sp: bool = field(init=False)
+    world: int = field(init=False)
+    dp_cp: int = field(init=False)
 
     def __post_init__(self):
         MESHES[self.key] = self
-
-    # the layout's sizes, read as the mesh's own: mesh.tp, mesh.dp_cp, ...
-    tp, cp, pp, dp, sp, world, dp_cp = (property(lambda self, k=k: getattr(self.layout, k))
-                                        for k in ("tp", "cp", "pp", "dp", "sp", "world", "dp_cp"))
+        for size in ("tp", "cp", "pp", "dp", "sp", "world", "dp_cp"):
+            setattr(self, size, getattr(self.layout, size))
 
     def scheduled(self, schedule: str, virtual: int = 1) -> Mesh:
         """The same ranks and process groups, their pipeline run in another schedule (bench.py's bubble)."""
