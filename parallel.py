@@ -92,7 +92,7 @@ class Layout:
         return self.dp * self.cp
 
     def record(self) -> dict:
-        """The layout as a checkpoint's meta.json and bench's rows record it."""
+        """The layout as a checkpoint's meta.json and a step's trace record it."""
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "sp": self.sp, "zero": self.zero,
                 "schedule": self.schedule, "virtual": self.virtual, "split": list(self.split or []) or None}
 
