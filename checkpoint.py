@@ -16,7 +16,8 @@ Read in this order:
   4. Saving    save(): each writer writes, hashes and fsyncs its shards in .tmp-step_N; rank 0
                then writes meta.json with their manifest, renames the folder into place, replaces
                `latest`, rotate()s. A failure removes the partial folder, never the last checkpoint.
-               AsyncSaver: the same in a background thread, from a copy of the state in host memory
+               AsyncSaver: the same in a background thread, from a copy of the state in host memory;
+               Checkpointer: the training loop's phase 7, which decides when, and what a save holds
   5. Finding   read_latest, damage, find_latest, resolve: the checkpoint --resume or --init uses,
                verified by its manifest; a `latest` pointing out of the folder, a damaged step or
                an unlisted shard file (never read) is said out loud
@@ -41,6 +42,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -486,9 +488,8 @@ def remove(path: Path):
 def _commit(tmp: Path, final: Path, out_dir: Path, meta: dict, manifest: dict):
     write_durably(tmp / "meta.json", json.dumps({**meta, "files": dict(sorted(manifest.items()))}, indent=1))
     data.fsync(tmp)
-    # an earlier attempt at this step (resumed from an older checkpoint), or whatever else is there
-    remove(final)
-    os.replace(tmp, final)
+    # over an earlier attempt at this step (resumed from an older checkpoint), or whatever else is there
+    data.swap_folder(tmp, final, True, f"checkpoint {final.name}")
     try:
         pointer = out_dir / ".latest.tmp"
         write_durably(pointer, final.name + "\n")
@@ -523,6 +524,89 @@ def rotate(out_dir: Path, newest: Path, keep: int):
             remove(d)
         except OSError:  # what cannot be deleted now is tried again at the next rotation
             pass
+
+
+class Checkpointer:
+    """Phase 7 of train.py's step: every --ckpt-every steps, at the last (0: never) and on an early stop. A checkpoint
+    holds every rank's shards with global names (py, section 3), so it loads into any
+    layout, plus the random states, the loss scale and meta.json, whose recipe and data fingerprint
+    let --resume refuse another recipe or other data. py keeps the folder. The step waits
+    only for a copy of the state in host memory; the disk is written in the background (AsyncSaver;
+    --ckpt-sync: the step waits for the disk too). One save at a time: the next, an early stop and the
+    end of the run wait for the one in flight. A background failure reaches every rank in the next
+    step's Tally (through `stop`), and wait() raises it, naming the intact """
+
+    def __init__(self, run, start_step: int, recipe, stop: launch.StopFlag, lora: tuple | None):
+        # run: train.Run; recipe: its recipe (train.Pretraining); lora: config.lora_of's, or None
+        self.run, self.saved_at, self.recipe = run, start_step, recipe
+        self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
+        self.lora = lora_record(lora, recipe.init_folder, run.args.seed)
+        out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
+        self.committed = out / step_name(start_step) if start_step else None
+        self.saver = None if run.args.ckpt_sync else AsyncSaver(run.device, on_failure=stop.fail)
+        self.stalls: dict[int, float] = {}  # step -> seconds the training step waited for its save
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        """The save in flight is waited for, its failure raised, also when an error ends the run (that
+        error then goes on: the checkpoint is not lost with the run); not at a second signal ("now")."""
+        if kind is None:
+            self.wait()
+        elif not issubclass(kind, KeyboardInterrupt):
+            with suppress(Exception):
+                self.wait()
+
+    @property
+    def last_good(self) -> Path | None:
+        """The newest checkpoint known to be complete on disk."""
+        return (self.saver and self.saver.last_committed) or self.committed
+
+    def due(self, step: int) -> bool:
+        every = self.run.args.ckpt_every
+        return every > 0 and (step % every == 0 or step == self.run.args.max_steps)
+
+    def save(self, step: int, wait: bool = False):
+        """Start the save of `step` (unless it was just saved); wait: return once it is on disk. Either
+        way a save in flight before it is waited for first, and its failure raised."""
+        if step != self.saved_at:
+            self.start(step)
+        if wait:
+            self.wait()
+
+    def start(self, step: int):
+        run = self.run
+        run.timer.start()  # timed as an entry of its own, apart from the training step
+        t0 = time.perf_counter()
+        self.wait()  # the save in flight, if any: its host copy is reused, and a failure is raised here
+        extra = {"rng": rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
+        meta = {"step": step, "loader": run.loader.state_dict(), "args": dict(vars(run.args)),  # (as of now)
+                "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
+                "recipe": self.recipe.kind, "data": self.data, "lora": self.lora,
+                "layout": run.mesh.layout.record()}
+        out, keep = Path(run.args.out_dir), run.args.keep_ckpts
+        if self.saver is None:
+            write = lambda folder: save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
+            save(out, step, run.mesh, write, meta, keep, self.last_good)
+            self.committed = out / step_name(step)
+            took = time.perf_counter() - t0
+            run.saves.append({"step": step, "stall_s": took, "write_s": took})  # (the step waited for it all)
+        else:
+            snapshot = lambda copy: shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
+            self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
+            self.stalls[step] = time.perf_counter() - t0
+        run.timer.mark("7 checkpoint")
+        self.saved_at = step
+
+    def wait(self):
+        """Until the save in flight is on disk (its timings then join run.saves); its failure raised."""
+        if self.saver is None:
+            return
+        self.saver.wait()
+        for step, write_s in self.saver.written:
+            self.run.saves.append({"step": step, "stall_s": self.stalls.pop(step), "write_s": write_s})
+        self.saver.written.clear()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ train.py, sft.py, dpo.py, reward.py and rl.py share one parser (get_parser; each
 flags) and one gate, check_config, which refuses every bad input (a flag out of range, a tokenizer
 larger than the model, a layout that does not divide the world or the heads, a model too large for
 the device's memory) on every rank, in one line, before any process talks or the output folder is
-touched. configure_process then makes the process-wide settings once, from the command line, never
-from a library function. --ramp's stages (Llama 3's growing batch and sequence length) are parsed
-and checked here too; train.switch_stage moves between them.
+touched. configure_process then has launch.py make the process-wide settings once, from the command
+line, never from a library function. --ramp's stages (Llama 3's growing batch and sequence length, ramp.py) are
+checked here too.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import importlib.util
 import math
 import os
 import re
-import platform
-import random
 import sys
 import time
 from dataclasses import replace
@@ -33,6 +31,7 @@ import launch
 import loss
 import model as M
 import parallel as P
+import ramp
 
 
 class ConfigError(Exception):
@@ -512,19 +511,19 @@ def check_config(args, recipe) -> Spec:
     check_lora(args, margs, recipe)
     layout = layout_of(args, world)
     fits = layout.world == world  # (else check_layout says why)
-    ramp = check_ramp(args, layout.dp) if args.ramp and fits else None
-    for stage in ramp or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
+    stages = check_ramp(args, layout.dp) if args.ramp and fits else None
+    for stage in stages or [None]:  # each stage's shape must fit: the layout, and the memory of the largest
         if stage:
-            enter_stage(args, stage, layout.dp)
+            ramp.enter(args, stage, layout.dp)
         check_shape(args, layout, world, margs, device, precision, recipe,
                     bool(masked) or recipe.documents_masked())
-    if ramp:
-        enter_stage(args, ramp[0], layout.dp)
+    if stages:
+        ramp.enter(args, stages[0], layout.dp)
     kernel = attention_kernel(args, margs, device, precision, masked, recipe.documents_masked())
     check_anneal(args, layout.dp)
     checkpoint.check_out_dir(Path(args.out_dir))
     check_overwrite(args)
-    return Spec(device, precision, tok, margs, kernel, ramp, loss_chunk_of(args, recipe, ramp), layout)
+    return Spec(device, precision, tok, margs, kernel, stages, loss_chunk_of(args, recipe, stages), layout)
 
 
 def layout_of(args, world: int) -> P.Layout:
@@ -536,13 +535,13 @@ def layout_of(args, world: int) -> P.Layout:
                     split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None)
 
 
-def loss_chunk_of(args, recipe, ramp) -> int:
+def loss_chunk_of(args, recipe, stages) -> int:
     """The run's --loss-chunk as its loss applies it (loss.loss_chunk_used), decided once for the whole run:
     under --ramp, for its longest sequences, so a run resumed in a later stage computes its loss as the
     run that started it did."""
     if not recipe.head_in_loss:
         return 0
-    seq_len = max(s.seq_len for s in ramp) if ramp else args.seq_len
+    seq_len = max(s.seq_len for s in stages) if stages else args.seq_len
     return loss.loss_chunk_used(args.loss_chunk, args.micro_batch * seq_len // args.cp, args.zero)
 
 
@@ -578,7 +577,7 @@ def check_attention(args, device, masked: str | None) -> str | None:
 
 def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: str | None,
                      documents: bool = False) -> str:
-    """The run's attention kernel, asked of model.attention_kernel with this rank's heads at up to
+    """The run's attention kernel, asked of costs.attention_kernel with this rank's heads at up to
     1,024 positions (flex where masked on a GPU); refuses an --attn-backend that cannot run it.
     documents (--doc-mask, not masked in every batch): then that of the batches where documents meet."""
     if documents and not masked:
@@ -591,7 +590,7 @@ def attention_kernel(args, margs: M.ModelArgs, device, precision: str, masked: s
     kv = torch.empty(1, margs.n_kv_heads // args.tp, T, margs.head_dim, device=device, dtype=dtype)
     mask = torch.ones(T, T, dtype=torch.bool, device=device).tril() if masked else None
     try:
-        return M.attention_kernel(q, kv, kv, mask, not masked, args.attn_backend)
+        return costs.attention_kernel(q, kv, kv, mask, not masked, args.attn_backend)
     except ValueError as e:
         raise ConfigError(f"--attn-backend {args.attn_backend} cannot compute this run's attention ({precision}, "
                           f"head_dim {margs.head_dim}) on {device}: {e}") from None
@@ -738,73 +737,7 @@ def check_anneal(args, dp: int):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The batch and sequence-length ramp (--ramp). Llama 3 405B (Dubey et al. 2024, section 3.4.1) began
-# with 4M-token steps of 4,096-token sequences, went to 8M tokens of 8,192 after 252M tokens and to
-# 16M after 2.87T. A stage sets --seq-len and --grad-accum (--micro-batch stays); each step's loss
-# is normalized over its own targets. The learning rate follows steps, as the paper's schedule does
-# (8,000 warmup steps, cosine over 1.2M), and the ramp fixes each stage's steps, so the schedule is
-# known from the start. At a stage's first step, switch_stage makes the loaders anew for its length,
-# the training one as far into its epochs as the run has read.
-
-
-class Stage(NamedTuple):
-    tokens: int  # the ramp's threshold: the stage begins at the first step after this many tokens
-    seq_len: int
-    sequences: int  # per optimizer step, over every dp rank
-    start: int  # its first step
-    seen: int  # tokens trained on (over the whole job) before that step
-
-
-def parse_count(text: str) -> int:
-    """"252M" -> 252,000,000 (K, M, B, T: thousands to trillions)."""
-    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}.get(text[-1:].upper(), 1)
-    number = float(text[:-1] if scale > 1 else text)
-    if not (math.isfinite(number) and number >= 0):
-        raise ValueError(text)
-    return round(number * scale)
-
-
-def parse_ramp(text: str) -> list[Stage]:
-    """--ramp -> its stages with their first steps; one line for a malformed or out-of-order one."""
-    stages, step, seen = [], 0, 0
-    for part in text.split(","):
-        try:
-            tokens, shape = part.split(":")
-            seq_len, sequences = (int(v) for v in shape.lower().split("x"))
-            tokens = parse_count(tokens)
-        except ValueError:
-            raise ConfigError(f"--ramp stage {part!r}: expected TOKENS:SEQ_LENxSEQUENCES, e.g. 252M:8192x1024"
-                              ) from None
-        if seq_len < 1 or sequences < 1:
-            raise ConfigError(f"--ramp stage {part!r}: a sequence length and a count of sequences >= 1")
-        if not stages and tokens != 0:
-            raise ConfigError(f"--ramp must start at 0 tokens; its first stage starts at {tokens:,}")
-        if stages:
-            last = stages[-1]
-            if tokens <= last.tokens:
-                raise ConfigError(f"--ramp stages must be in order of tokens: {part!r} after {last.tokens:,}")
-            steps = math.ceil((tokens - last.seen) / (last.seq_len * last.sequences))
-            step, seen = last.start + steps, last.seen + steps * last.seq_len * last.sequences
-        stages.append(Stage(tokens, seq_len, sequences, step, seen))
-    return stages
-
-
-def stage_at(stages: list[Stage], step: int) -> Stage:
-    return [s for s in stages if s.start <= step][-1]
-
-
-def tokens_before(stages: list[Stage], step: int) -> int:
-    """Tokens trained on in steps 0 .. step-1."""
-    s = stage_at(stages, step)
-    return s.seen + (step - s.start) * s.seq_len * s.sequences
-
-
-def enter_stage(args, stage: Stage, dp: int):
-    """Set --seq-len and --grad-accum to the stage's (the run's settings for its steps)."""
-    if stage.sequences % (args.micro_batch * dp):
-        raise ConfigError(f"--ramp stage at {stage.tokens:,} tokens: {stage.sequences} sequences a step do not "
-                          f"divide into micro-batches of {args.micro_batch} on {dp} dp ranks")
-    args.seq_len, args.grad_accum = stage.seq_len, stage.sequences // (args.micro_batch * dp)
+# The batch and sequence-length ramp (--ramp, ramp.py): its flags and stages checked
 
 
 def check_ramp_flags(args, given: set[str]):
@@ -815,20 +748,23 @@ def check_ramp_flags(args, given: set[str]):
                           f"{' and '.join(both)}")
 
 
-def check_ramp(args, dp: int) -> list[Stage]:
+def check_ramp(args, dp: int) -> list[ramp.Stage]:
     """--ramp's stages, each checked against the flags (its layout and memory: check_config)."""
-    stages = parse_ramp(args.ramp)
-    beyond = [s for s in stages if s.start >= args.max_steps]
-    if beyond:
-        total = tokens_before(stages, args.max_steps)
-        raise ConfigError(f"--ramp stage at {beyond[0].tokens:,} tokens would start at step {beyond[0].start}, "
-                          f"not within the run's --max-steps {args.max_steps} ({total:,} tokens): lower it or "
-                          "train longer")
-    if args.anneal_tokens:
-        raise ConfigError("--anneal-tokens counts steps of one size; with --ramp, end the run with a last "
-                          "stage instead")
-    for stage in stages:
-        enter_stage(args, stage, dp)
+    try:
+        stages = ramp.parse(args.ramp)
+        beyond = [s for s in stages if s.start >= args.max_steps]
+        if beyond:
+            total = ramp.tokens_before(stages, args.max_steps)
+            raise ConfigError(f"--ramp stage at {beyond[0].tokens:,} tokens would start at step "
+                              f"{beyond[0].start}, not within the run's --max-steps {args.max_steps} "
+                              f"({total:,} tokens): lower it or train longer")
+        if args.anneal_tokens:
+            raise ConfigError("--anneal-tokens counts steps of one size; with --ramp, end the run with a last "
+                              "stage instead")
+        for stage in stages:
+            ramp.enter(args, stage, dp)
+    except ramp.RampError as e:
+        raise ConfigError(str(e)) from None
     return stages
 
 
@@ -859,57 +795,17 @@ def pick_device_and_precision(args):
 
 
 def configure_process(args):
-    """Before train(): seeds, this process's GPU, TF32 matmuls on CUDA, --deterministic, and (under
-    torchrun) an exit when the agent dies. --deterministic means deterministic CUDA kernels where
-    torch has them (an error where it has none), cuBLAS with a fixed workspace, no cuDNN autotuning.
-    x86 runs repeat bit for bit without it on one kind of CPU, but MKL and ATen choose kernels by
-    the host's vector unit (AVX-512, AVX2), and other kernels sum in another order: the flag pins
-    both to AVX2. Both read their variables at first use, so this works in a fresh process, as the
-    command line is."""
+    """Before train(): the flags checked, torchrun's variables too, then launch.configure_process's
+    process-wide settings (seeds, this process's GPU, TF32, --deterministic) for the chosen device."""
     validate(args)
     launch.launch_env()
-    device, _ = pick_device_and_precision(args)
-    launch.exit_with_agent()
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    # set or unset (bench.py times both in one process), but only when it changes: the call imports
-    # torch's compiler stack, a second of start-up for every process of a job that never asked for it
-    if args.deterministic != torch.are_deterministic_algorithms_enabled():
-        torch.use_deterministic_algorithms(args.deterministic)
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-        if device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
-            os.environ.setdefault("MKL_CBWR", "AVX2")
-            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-            say("--deterministic: CPU kernels pinned to AVX2 (MKL_CBWR, ATEN_CPU_CAPABILITY); this costs "
-                "throughput: `python bench.py --deterministic` against `python bench.py` measures it")
-        elif device.type == "cuda":
-            say("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this "
-                "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
-
-
-def env_rank() -> int:
-    """torchrun's RANK, for deciding who prints: 0 when unset or not a number (which check_config
-    refuses, in a line this lets through)."""
-    text = os.environ.get("RANK", "0").strip()
-    return int(text) if text.isdigit() else 0
-
-
-def say(msg: str):
-    """Print on global rank 0 only (torchrun's RANK): one line per job, not one per process."""
-    if env_rank() == 0:
-        print(msg, flush=True)
+    launch.configure_process(pick_device_and_precision(args)[0], args.seed, args.deterministic)
 
 
 def run(main_fn, argv=None):
     """main_fn() with user errors as one line on stderr (from rank 0, the rank whose input is bad,
     or each rank whose collective failed) and a non-zero exit; torchrun then stops the others."""
-    rank = env_rank()
+    rank = launch.env_rank()
     try:
         main_fn(argv)
     except (ConfigError, checkpoint.CheckpointError, launch.LaunchError) as e:

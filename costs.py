@@ -6,7 +6,7 @@
               and layout: config.py's memory check refuses a run that cannot fit before allocating;
               bench.py sets them beside a run's measurements and plans runs on machines we lack.
   Instruments peak FLOP/s for MFU (a datasheet table for GPUs, else measured), peak and available
-              memory, and PhaseTimer, the seven phases' seconds.
+              memory, PhaseTimer (the seven phases' seconds), attention_kernel (SDPA's pick)
 
 Each estimate's terms are buffers this code allocates; tests/test_memory.py holds the totals against
 a CPU run's allocations and the bytes against the collectives' own count (parallel.py, section 2).
@@ -22,6 +22,7 @@ import os
 import re
 import resource
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -635,6 +636,28 @@ class PhaseTimer:
         if self.mode:
             sync_device(self.device)
         self.mark(phase)
+
+
+# which kernel computes the attention: named in the banner, and refused where the flags ask one that cannot
+SDPA_KERNELS = {int(b): name for name, b in M.ATTN_BACKENDS.items() if b is not None}  # (torch's numbering)
+
+
+def attention_kernel(q, k, v, mask, is_causal: bool, backend: str = "auto") -> str:
+    """The kernel model.attention uses on these inputs: flex for a BlockMask, else SDPA's own pick under
+    `backend`. ValueError with SDPA's reasons where `backend` cannot take them."""
+    if isinstance(mask, M.BlockMask):
+        return "flex"
+    q, k, v = M.sdpa_inputs(q, k, v, mask, backend)
+    with warnings.catch_warnings(record=True) as why, M.held_to(backend, mask):
+        warnings.simplefilter("always")
+        try:
+            choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, enable_gqa=k.shape[1] != q.shape[1])
+        except RuntimeError:
+            choice = -1
+    if choice not in SDPA_KERNELS:  # SDPA says why each kernel cannot, in warnings
+        reasons = sorted({" ".join(str(w.message).split())[:150] for w in why})
+        raise ValueError("; ".join(reasons) or "no SDPA kernel takes these inputs")
+    return SDPA_KERNELS[choice]
 
 
 # ----------------------------------------------------------------------------------------------------

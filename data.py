@@ -238,6 +238,36 @@ def fsync(path: Path):
         os.close(fd)
 
 
+def swap_folder(new: Path, path: Path, replacing: bool, what: str):
+    """Rename folder `new` to `path` (the one folder swap of exports and checkpoints). What is at
+    `path` (replacing: an earlier copy) is renamed aside first and deleted only once `new` is in place;
+    if the second rename fails, it is put back. Without replacing, a folder that appeared at `path`
+    while `what` was written (another writer) is never replaced: the rename onto it fails, said so."""
+    appeared = (f"{path} appeared while {what} was written (another writer to it at the same time?); "
+                f"it is left as it is, and {what} was not written")
+    if path.exists() and not replacing:
+        raise FileExistsError(appeared)
+    if replacing and (path.exists() or path.is_symlink()):
+        old = path.parent / f".old-{path.name}-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        try:
+            os.rename(new, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    else:
+        try:
+            os.rename(new, path)  # (onto a folder that appeared since the check above: fails unless empty)
+        except OSError as e:
+            raise FileExistsError(f"{appeared} ({e.strerror})") from None
+    fsync(path.parent)  # the rename itself on disk
+
+
 def sha256_file(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -600,7 +630,7 @@ def prepare(source, tokenizer, out_dir=None, mirror=None, val_fraction=0.1, work
                         "input_sha256": _input_sha256(source, inputs)}
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
                 doing = f"replacing the shards in {out}: they are prepared again on the next run"
-                _swap_in(tmp, out)
+                _move_shards_in(tmp, out)
             return out
         except KeyboardInterrupt:
             print(f"interrupted while {doing}", file=sys.stderr)
@@ -660,7 +690,7 @@ def _scratch_folder(out):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _swap_in(tmp, out):
+def _move_shards_in(tmp, out):
     # meta.json is the completion marker: removed first, moved in last, so a crash is always redone
     (out / "meta.json").unlink(missing_ok=True)
     for stale in [*out.glob("train_*.bin"), *out.glob("val_*.bin")]:
@@ -1093,13 +1123,14 @@ class MixtureLoader(Positions):
     its own pace. With anneal = (i0, weights), sequences from i0 on follow a second schedule, each
     source going on from where the first left it; the position is still `consumed`."""
 
-    def __init__(self, sources: list[tuple[str, Path]], weights: list[float], split: str, batch_size: int,
-                 seq_len: int, dp_rank=0, dp_size=1, seed=0, tokenizer=None, anneal=None, bos=None):
-        self.names, self.bos = [name for name, _ in sources], bos
+    def __init__(self, sources: list[tuple[str, Path, float]], split: str, batch_size: int, seq_len: int,
+                 dp_rank=0, dp_size=1, seed=0, tokenizer=None, anneal=None, bos=None):
+        # sources: (name, prepared folder, weight) each
+        self.names, self.bos = [name for name, _, _ in sources], bos
         self.loaders = [Loader(path, split, batch_size, seq_len, seed=seed, tokenizer=tokenizer)
-                        for _, path in sources]
-        self.weights, self.anneal = list(weights), anneal
-        self.schedules = [MixtureSchedule(weights, seed)] + ([MixtureSchedule(anneal[1], seed + 1)]
+                        for _, path, _ in sources]
+        self.weights, self.anneal = [w for _, _, w in sources], anneal
+        self.schedules = [MixtureSchedule(self.weights, seed)] + ([MixtureSchedule(anneal[1], seed + 1)]
                                                              if anneal else [])
         self.num_tokens = sum(loader.num_tokens for loader in self.loaders)
         super().__init__(sum(len(loader) for loader in self.loaders), batch_size, seq_len, dp_rank, dp_size,

@@ -9,6 +9,9 @@ skip. It imports no file of the project.
                     long it waited), and (Work) its asynchronous handle, whose wait does the same; a
                     traced step records its span (costs.StepTrace)
   exit_with_agent   a worker whose torchrun agent was killed ends too, freeing its GPU
+  configure_process the process-wide settings, once, from a command line: seeds, GPU, TF32,
+                    --deterministic; say() prints once per job (global rank 0)
+  StopFlag          preemption (SIGTERM, Ctrl-C) as a flag the training loop reads at each step
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import platform
+import random
 import re
+import signal
 import socket
 import sys
 import threading
@@ -226,3 +232,79 @@ def exit_with_agent(poll_s: float = 1.0):
         os._exit(1)  # from a thread, even while the main thread waits in C++ (a collective, a store)
 
     threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
+
+
+def configure_process(device: torch.device, seed: int, deterministic: bool):
+    """Before train(): seeds, this process's GPU, TF32 matmuls on CUDA, --deterministic, and (under
+    torchrun) an exit when the agent dies. --deterministic means deterministic CUDA kernels where
+    torch has them (an error where it has none), cuBLAS with a fixed workspace, no cuDNN autotuning.
+    x86 runs repeat bit for bit without it on one kind of CPU, but MKL and ATen choose kernels by
+    the host's vector unit (AVX-512, AVX2), and other kernels sum in another order: the flag pins
+    both to AVX2. Both read their variables at first use, so this works in a fresh process, as the
+    command line is."""
+    exit_with_agent()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels, NCCL and new tensors default to it
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # set or unset (bench.py times both in one process), but only when it changes: the call imports
+    # torch's compiler stack, a second of start-up for every process of a job that never asked for it
+    if deterministic != torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(deterministic)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        if device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
+            os.environ.setdefault("MKL_CBWR", "AVX2")
+            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+            say("--deterministic: CPU kernels pinned to AVX2 (MKL_CBWR, ATEN_CPU_CAPABILITY); this costs "
+                "throughput: `python bench.py --deterministic` against `python bench.py` measures it")
+        elif device.type == "cuda":
+            say("--deterministic: deterministic kernels, fixed cuBLAS workspace, no cuDNN autotuning; this "
+                "costs throughput: bench.py --sweep 'deterministic=0;deterministic=1' measures how much")
+
+
+def env_rank() -> int:
+    """torchrun's RANK, for deciding who prints: 0 when unset or not a number (which check_config
+    refuses, in a line this lets through)."""
+    text = os.environ.get("RANK", "0").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def say(msg: str):
+    """Print on global rank 0 only (torchrun's RANK): one line per job, not one per process."""
+    if env_rank() == 0:
+        print(msg, flush=True)
+
+
+class StopFlag:
+    """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only
+    raises a flag: the loop finishes its step, every rank agrees to stop (one rank's signal is
+    enough: the flag is in the step's Tally), a checkpoint is written, and the process exits
+    normally. A second signal 2 s or more later means "now": KeyboardInterrupt wherever the process
+    is (the last complete checkpoint stays good); sooner, it is the same event twice (the scheduler
+    signals every process and torchrun forwards its copy; Ctrl-C reaches torchrun and the workers).
+    fail(why): the same stop for a failed log write, which then fails the run (stopped())."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal, self.at, self.previous, self.failure = None, None, {}, None
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.previous = {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
+
+    def handler(self, signum, frame):
+        if self.at is not None and time.monotonic() - self.at >= 2.0:
+            raise KeyboardInterrupt
+        if self.at is None:
+            self.signal, self.at = signal.Signals(signum).name, time.monotonic()
+
+    def fail(self, why: str):
+        self.failure = self.failure or why
+
+    def release(self):
+        """Give the signals back to whoever had them before the run."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -14,25 +14,27 @@ import checkpoint
 import config
 import costs
 import data
+import launch
+import ramp
 
 
 def banner(run, meter: Meter, name: str, data_desc: str):
     """The run's banner: the model, the layout, the data and what MFU is measured against."""
     margs, mesh, args, task = run.margs, run.mesh, run.args, run.task
-    config.say(f"model {name}: {costs.count_params(margs):,} parameters ({costs.count_params(margs, False):,} "
+    launch.say(f"model {name}: {costs.count_params(margs):,} parameters ({costs.count_params(margs, False):,} "
                f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, heads "
                f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}"
                + (f"; dropout {args.dropout:g} while training" if args.dropout else ""))
-    config.say(f"layout: {mesh.layout.describe()}")
+    launch.say(f"layout: {mesh.layout.describe()}")
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
-    config.say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step ({args.micro_batch}{rows} x "
+    launch.say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step ({args.micro_batch}{rows} x "
                f"{args.seq_len} x {args.grad_accum} accumulation x {mesh.dp} dp)")
     lora = config.lora_of(args)
     if lora:
         trained = sum(p.numel() for p in run.opt.params)
-        config.say(f"LoRA rank {lora[0]}, alpha {lora[1]:g} on {', '.join(lora[2])}: {trained:,} trained "
+        launch.say(f"LoRA rank {lora[0]}, alpha {lora[1]:g} on {', '.join(lora[2])}: {trained:,} trained "
                    f"parameters on this rank, the model frozen in {run.precision}")
-    config.say(f"device {run.device}, {run.precision}, attention {run.attention}; MFU uses the PaLM convention "
+    launch.say(f"device {run.device}, {run.precision}, attention {run.attention}; MFU uses the PaLM convention "
         + ("4N+12LdT (LoRA: no weight gradients)" if lora else "6N+12LdT")
         + (" plus the reference's forward" if task.reference_forwards else "")
         + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "
@@ -72,7 +74,7 @@ class Meter:
 
     def tokens_at(self, step: int) -> int:
         """Tokens trained on in the run's first `step` steps."""
-        return config.tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
+        return ramp.tokens_before(self.run.ramp, step) if self.run.ramp else step * self.tokens_per_step
 
     def clock(self) -> float:
         """Seconds spent training so far: wall time less the pauses."""
@@ -97,7 +99,7 @@ class Meter:
     def append(self, line: bytes):
         """One record, fsynced, so a full disk or a lost mount shows at this record, not at the end
         of the run (some file systems report it only on flush). On failure the log closes and the
-        run stops at the next step with a checkpoint (StopFlag.fail), as for any failed write."""
+        run stops at the next step with a checkpoint (launch.StopFlag.fail), as for any failed write."""
         at = os.fstat(self.file.fileno()).st_size
         try:
             view = memoryview(line)
@@ -142,7 +144,7 @@ class Meter:
         comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
             f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
         extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
-        config.say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm "
+        launch.say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm "
                    f"{rec['grad_norm']:.3f} | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem "
                    f"{rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
         self.write(rec)
@@ -152,7 +154,7 @@ class Meter:
         mixture's loss on each source's validation split; scores: --eval-tasks accuracies."""
         by_source = {f"val_loss/{k}": v for k, v in by_source.items()}
         extra = {**self.named(metrics, "val_"), **by_source, **scores}
-        config.say(f"step {step:6d} | val loss {loss:.4f}"
+        launch.say(f"step {step:6d} | val loss {loss:.4f}"
                    + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
                    + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
         self.write({"step": step, "tokens": self.tokens_at(step), "val_loss": loss, **extra,

@@ -23,7 +23,6 @@ import functools
 import hashlib
 import math
 import sys
-import warnings
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -399,7 +398,6 @@ class Attention(nn.Module):
 # SDPA's choice elsewhere: the flag does not reach it (config.check_attention refuses it).
 ATTN_BACKENDS = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-SDPA_KERNELS = {int(b): name for name, b in ATTN_BACKENDS.items() if b is not None}  # (torch's numbering)
 
 
 def set_attn_backend(model: nn.Module, backend: str):
@@ -443,24 +441,6 @@ def sdpa_inputs(q, k, v, mask, backend: str):
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         q, k, v = q.float(), k.float(), v.float()
     return q, k, v
-
-
-def attention_kernel(q, k, v, mask, is_causal: bool, backend: str = "auto") -> str:
-    """The kernel attention() uses on these inputs: flex for a BlockMask, else SDPA's own pick under
-    `backend`. ValueError with SDPA's reasons where `backend` cannot take them."""
-    if isinstance(mask, BlockMask):
-        return "flex"
-    q, k, v = sdpa_inputs(q, k, v, mask, backend)
-    with warnings.catch_warnings(record=True) as why, held_to(backend, mask):
-        warnings.simplefilter("always")
-        try:
-            choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, enable_gqa=k.shape[1] != q.shape[1])
-        except RuntimeError:
-            choice = -1
-    if choice not in SDPA_KERNELS:  # SDPA says why each kernel cannot, in warnings
-        reasons = sorted({" ".join(str(w.message).split())[:150] for w in why})
-        raise ValueError("; ".join(reasons) or "no SDPA kernel takes these inputs")
-    return SDPA_KERNELS[choice]
 
 
 @functools.cache

@@ -75,8 +75,8 @@ def load_range(ranges: list[tuple[int, int]], compact: torch.Tensor, lo: int, va
         c += rhi - rlo
 
 
-def lay_out(uniq: list, decide, pad_to: int, unit_of) -> tuple[list[int], list, list, int]:
-    """`uniq`'s flat layout: each parameter's offset, the [lo, hi) ranges that decay (`decide`,
+def lay_out(uniq: list, pad_to: int, unit_of) -> tuple[list[int], list, list, int]:
+    """`uniq`'s flat layout: each parameter's offset, the [lo, hi) ranges that decay (`decays`,
     neighbours merged), with unit_of each unit's [lo, hi), and the length. Units and length are
     padded to multiples of pad_to (the padding: zero gradients, never read back)."""
     offsets, decay_ranges, units, off = [], [], [], 0
@@ -85,7 +85,7 @@ def lay_out(uniq: list, decide, pad_to: int, unit_of) -> tuple[list[int], list, 
             off = -(-off // pad_to) * pad_to
             units.append((off, off))
         offsets.append(off)
-        if decide(n, p):
+        if decays(n, p):
             if decay_ranges and decay_ranges[-1][1] == off:
                 decay_ranges[-1] = (decay_ranges[-1][0], off + p.numel())
             else:
@@ -125,15 +125,13 @@ class FlatParams:
     gradient buffer and of the model copy (`model_ranges`)."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
-                 no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
-                 full_grad: bool = True, unit_of: Callable[[str], str] | None = None,
+                 pad_to: int = 1, full_grad: bool = True, unit_of: Callable[[str], str] | None = None,
                  initial: Callable[[str, torch.Size], torch.Tensor] | None = None):
         uniq, seen = [], set()
         for name, p in named_params:
             if p.requires_grad and id(p) not in seen:  # a tied weight appears once, under its first name
                 seen.add(id(p))
                 uniq.append((name, p))
-        decide = (lambda n, p: not no_decay(n, p)) if no_decay else decays
         # reversed: gradients come output first, so dp buckets fill front to back and go out early
         uniq.reverse()
         self.names = [n for n, _ in uniq]
@@ -141,8 +139,7 @@ class FlatParams:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # 16 elements per dp piece: the fused update's vector loop covers a rank's whole shard, so
         # ZeRO matches one full buffer bit for bit (a scalar remainder rounds differently: FMAs).
-        self.offsets, self.decay_ranges, self.units, self.numel = lay_out(uniq, decide, VECTOR * pad_to,
-                                                                          unit_of)
+        self.offsets, self.decay_ranges, self.units, self.numel = lay_out(uniq, VECTOR * pad_to, unit_of)
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
         self.grads_sharded, self.initial = not full_grad, initial
         self.grad = torch.zeros(self.numel if full_grad else 0, dtype=torch.float32, device=self.device)
@@ -225,12 +222,11 @@ class AdamW(FlatParams):
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 no_decay: Callable[[str, torch.Tensor], bool] | None = None, pad_to: int = 1,
-                 allocate_state: bool = True, full_grad: bool = True,
+                 pad_to: int = 1, allocate_state: bool = True, full_grad: bool = True,
                  unit_of: Callable[[str], str] | None = None,
                  initial: Callable[[str, torch.Size], torch.Tensor] | None = None):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        super().__init__(named_params, no_decay, pad_to, full_grad, unit_of, initial)
+        super().__init__(named_params, pad_to, full_grad, unit_of, initial)
         self.step_count, self.master = 0, None  # no state until shard() says what this rank owns
         if allocate_state:
             self.shard([(0, self.numel)])

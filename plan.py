@@ -22,6 +22,7 @@ import config
 import costs
 import model as M
 import parallel as P
+import ramp
 
 
 def refuse(message: str):
@@ -355,7 +356,10 @@ def print_sizing(s: dict):
 def run_ramp_plan(a):
     """--plan --ramp: one plan per stage (its sequence length, its accumulation, its share of
     --tokens) and the run's totals; the largest stage's memory decides whether the layout fits."""
-    stages = config.parse_ramp(a.ramp)
+    try:
+        stages = ramp.parse(a.ramp)
+    except ramp.RampError as e:
+        refuse(str(e))
     dp, rows = a.gpus // (a.tp * a.cp * a.pp), []
     for i, s in enumerate(stages):
         end = stages[i + 1].seen if i + 1 < len(stages) else a.tokens

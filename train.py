@@ -9,14 +9,14 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
   4 backward          gradients accumulate, in fp32, in the optimizer's flat gradient buffer
   5 gradient sync     dp reduces the gradients (zero.py); the Tally, the step's one host-device sync
   6 optimizer step    unless the SkipGuard rejects the step: clip by global norm, AdamW on fp32 masters
-  7 checkpoint        Checkpointer: atomic write to a step directory, `latest` pointer last
+  7 checkpoint        checkpoint.Checkpointer: atomic write to a step directory, `latest` pointer last
 
 Read in this order: train_step, then train() (checks the configuration, sets the run up, loops); the
 recipe (Pretraining, whose task is loss.py's LMTask; FromInit, where post-training starts); the
-pieces around the steps that each decide their own "when" (validation, Checkpointer, StopFlag);
-setting up; the ramp's switch; the command line. The flags and their checks are in config.py, the
-log and its banner in logs.py, the measuring instruments in costs.py; sft.py, dpo.py, reward.py and
-rl.py bring their own recipes.
+pieces around the steps that each decide their own "when" (validation here; checkpoint.py's
+Checkpointer, launch.py's StopFlag); setting up; the command line. The flags and their checks are in
+config.py, --ramp's stages in ramp.py, the log and its banner in logs.py, the measuring instruments in
+costs.py; sft.py, dpo.py, reward.py and rl.py bring their own recipes.
 """
 
 from __future__ import annotations
@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
-import signal
-import threading
-import time
-from contextlib import nullcontext, suppress
-from dataclasses import asdict, dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 from pathlib import Path
 
@@ -46,6 +43,7 @@ import loss
 import model as M
 import optim as O
 import parallel as P
+import ramp
 import zero as Z
 
 
@@ -76,7 +74,7 @@ class Run:
     timer: costs.PhaseTimer
     attention: str = "auto"  # the kernel that computes the attention (config.check_attention)
     anneal_from: int | None = None  # the step --anneal-tokens' annealing starts at (None: none)
-    ramp: list | None = None  # --ramp's stages (switch_stage)
+    ramp: list | None = None  # --ramp's stages (ramp.switch)
     benchmarks: list = ()  # --eval-tasks: [(name, items)], scored at each validation
     saves: list = field(default_factory=list)  # each checkpoint's {step, stall_s, write_s} (bench.py reads)
 
@@ -99,7 +97,7 @@ class StepResult(NamedTuple):
     failed: bool
 
 
-def train_step(run: Run, guard: SkipGuard, stop: StopFlag, step: int) -> StepResult | None:
+def train_step(run: Run, guard: SkipGuard, stop: launch.StopFlag, step: int) -> StepResult | None:
     """One optimizer step, phases 1 to 6 (the loop does 7). None if the guard rejected it: weights,
     optimizer state and loader position are then as they were."""
     args, mesh, timer = run.args, run.mesh, run.timer
@@ -160,7 +158,7 @@ class Tally(NamedTuple):
     failures: int
 
     @classmethod
-    def of(cls, run: Run, loss: torch.Tensor, stop: StopFlag) -> Tally:
+    def of(cls, run: Run, loss: torch.Tensor, stop: launch.StopFlag) -> Tally:
         mesh, device = run.mesh, run.device
         once = float(mesh.tp_rank == 0)
         copy = run.opt.grad_norm() if run.sync.checks_copies else torch.zeros((), device=device)
@@ -210,7 +208,7 @@ class SkipGuard:
     """Phase 6's gate: no rank applies a step with non-finite gradients (fp16 overflows too) or a
     loss spike (--skip-spikes); --max-skips such steps in a row stop the run."""
 
-    def __init__(self, args, meter: logs.Meter, checkpointer: Checkpointer):
+    def __init__(self, args, meter: logs.Meter, checkpointer: checkpoint.Checkpointer):
         self.max_skips, self.spike_factor = args.max_skips, args.skip_spikes
         self.meter, self.checkpointer = meter, checkpointer
         self.recent, self.skipped, self.in_a_row = [], 0, 0
@@ -225,7 +223,7 @@ class SkipGuard:
         # 2^16): it counts toward --max-skips only once the scale is below 1, where gradients overflow alone.
         searching = bad.startswith("fp16") and run.scaler.scale >= 1
         self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + (not searching)
-        config.say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
+        launch.say(f"step {step + 1}: skipped ({bad}); {self.in_a_row} in a row, {self.skipped} in all")
         self.meter.write({"step": step + 1, "skipped": bad, "skipped_total": self.skipped})
         if self.in_a_row >= self.max_skips:
             last = self.checkpointer.last_good
@@ -261,19 +259,19 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     evaluate.check_benchmarks(args, recipe.kind)
     config.check_ranks_agree(args, spec.device)
     mesh = P.init_mesh(spec.layout, spec.device, args.dist_timeout, args.io_timeout)
-    lock, meter, stop = checkpoint.lock_out_dir(Path(args.out_dir), mesh, config.say), None, None
+    lock, meter, stop = checkpoint.lock_out_dir(Path(args.out_dir), mesh, launch.say), None, None
     try:
         run, step, data_desc = set_up(args, recipe, spec, mesh, time_phases)
-        stop = StopFlag()
+        stop = launch.StopFlag()
         meter = logs.Meter(run, stop)
         logs.banner(run, meter, recipe.name(), data_desc)
         run.model.train()
         first = step
-        with Checkpointer(run, step, recipe, stop) as checkpointer:  # (left once its last save is on disk)
+        lora = config.lora_of(args)  # (the checkpoint records it)
+        with checkpoint.Checkpointer(run, step, recipe, stop, lora) as checkpointer:  # left once saved
             guard = SkipGuard(args, meter, checkpointer)
             while step < args.max_steps:
-                if run.ramp and step and config.stage_at(run.ramp, step).start == step:
-                    switch_stage(run, recipe, run.ramp, step)
+                if run.ramp and ramp.switch(run, recipe, step):  # a --ramp stage's first step
                     meter.restage()
                 with launch.patient(mesh) if step == first else nullcontext():  # it compiles
                     result = train_step(run, guard, stop, step)  # phases 1-6
@@ -294,7 +292,7 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
         run.timer.close()  # (a trace of the last step is written now)
         run.sync.wait_params()  # the model's weights are current for whoever uses them next
         if logs.mixture_seen(run):
-            config.say(logs.mixture_seen(run))
+            launch.say(logs.mixture_seen(run))
     finally:
         if meter:
             meter.close()
@@ -304,13 +302,13 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     return run
 
 
-def stopped(stop: StopFlag, step: int, failed: bool):
+def stopped(stop: launch.StopFlag, step: int, failed: bool):
     """After an early stop's checkpoint: say why (a signal), or end the run with the failure's line."""
     saved = f"checkpoint step_{step:06d} written, --resume continues from it"
     if failed:
         raise TrainingError(f"stopped after step {step}: {stop.failure or 'another rank could not write'}; "
                             f"{saved}")
-    config.say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; {saved}")
+    launch.say(f"stopped by signal {stop.signal or '(on another rank)'} after step {step}; {saved}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -379,7 +377,7 @@ class Pretraining:
         anneal = (start * args.micro_batch * args.grad_accum * mesh.dp, weights(final)) if final else None
         bos = data.bos_id(tok) if doc_mask_on(args) else None
         make = lambda split, seed, anneal=None: data.MixtureLoader(
-            list(zip(names, folders)), weights(mixture), split, args.micro_batch, args.seq_len, mesh.dp_rank,
+            list(zip(names, folders, weights(mixture))), split, args.micro_batch, args.seq_len, mesh.dp_rank,
             mesh.dp, seed, tok, anneal, bos)
         train, folder = make("train", args.seed, anneal), dict(zip(names, folders))
         make_val = lambda source=None: make("val", 0) if source is None else data.Loader(
@@ -470,7 +468,7 @@ class FromInit(Pretraining):
         state = self.state
         if self.args.init is not None and checkpoint.is_checkpoint(self.args.init):
             # every rank checks a share of the shards; may fall back past a damaged step
-            verified = checkpoint.resolve(self.args.init, say=config.say, check=checkpoint.shared_check(mesh))
+            verified = checkpoint.resolve(self.args.init, say=launch.say, check=checkpoint.shared_check(mesh))
             verified_margs, state = checkpoint.load_init(verified, self.tok, verify=False)
             self.init_folder = verified  # (a LoRA run's checkpoints name this step, not an out-dir that grows)
             if verified_margs != self.margs:
@@ -556,119 +554,6 @@ def validation_loss(run: Run, source: str | None = None) -> tuple[float, list]:
     return loss, metrics
 
 
-class Checkpointer:
-    """Phase 7: every --ckpt-every steps, at the last (0: never) and on an early stop. A checkpoint
-    holds every rank's shards with global names (checkpoint.py, section 3), so it loads into any
-    layout, plus the random states, the loss scale and meta.json, whose recipe and data fingerprint
-    let --resume refuse another recipe or other data. checkpoint.py keeps the folder. The step waits
-    only for a copy of the state in host memory; the disk is written in the background (AsyncSaver;
-    --ckpt-sync: the step waits for the disk too). One save at a time: the next, an early stop and the
-    end of the run wait for the one in flight. A background failure reaches every rank in the next
-    step's Tally (through `stop`), and wait() raises it, naming the intact checkpoint."""
-
-    def __init__(self, run: Run, start_step: int, recipe: Pretraining, stop: StopFlag):
-        self.run, self.saved_at, self.recipe = run, start_step, recipe
-        self.data = run.loader.fingerprint()  # what the data is, so that --resume can refuse other data
-        self.lora = checkpoint.lora_record(config.lora_of(run.args), recipe.init_folder, run.args.seed)
-        out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
-        self.committed = out / checkpoint.step_name(start_step) if start_step else None
-        self.saver = None if run.args.ckpt_sync else checkpoint.AsyncSaver(run.device, on_failure=stop.fail)
-        self.stalls: dict[int, float] = {}  # step -> seconds the training step waited for its save
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        """The save in flight is waited for, its failure raised, also when an error ends the run (that
-        error then goes on: the checkpoint is not lost with the run); not at a second signal ("now")."""
-        if kind is None:
-            self.wait()
-        elif not issubclass(kind, KeyboardInterrupt):
-            with suppress(Exception):
-                self.wait()
-
-    @property
-    def last_good(self) -> Path | None:
-        """The newest checkpoint known to be complete on disk."""
-        return (self.saver and self.saver.last_committed) or self.committed
-
-    def due(self, step: int) -> bool:
-        every = self.run.args.ckpt_every
-        return every > 0 and (step % every == 0 or step == self.run.args.max_steps)
-
-    def save(self, step: int, wait: bool = False):
-        """Start the save of `step` (unless it was just saved); wait: return once it is on disk. Either
-        way a save in flight before it is waited for first, and its failure raised."""
-        if step != self.saved_at:
-            self.start(step)
-        if wait:
-            self.wait()
-
-    def start(self, step: int):
-        run = self.run
-        run.timer.start()  # timed as an entry of its own, apart from the training step
-        t0 = time.perf_counter()
-        self.wait()  # the save in flight, if any: its host copy is reused, and a failure is raised here
-        extra = {"rng": checkpoint.rng_state(run.device), "scaler": run.scaler.state_dict() if run.scaler else None}
-        meta = {"step": step, "loader": run.loader.state_dict(), "args": dict(vars(run.args)),  # (as of now)
-                "model_args": asdict(run.margs), "tokenizer": run.tok.name, "chat": self.recipe.chat,
-                "recipe": self.recipe.kind, "data": self.data, "lora": self.lora,
-                "layout": run.mesh.layout.record()}
-        out, keep = Path(run.args.out_dir), run.args.keep_ckpts
-        if self.saver is None:
-            write = lambda folder: checkpoint.save_shards(folder, run.model, run.opt, run.mesh, run.sync, extra)
-            checkpoint.save(out, step, run.mesh, write, meta, keep, self.last_good)
-            self.committed = out / checkpoint.step_name(step)
-            took = time.perf_counter() - t0
-            run.saves.append({"step": step, "stall_s": took, "write_s": took})  # (the step waited for it all)
-        else:
-            snapshot = lambda copy: checkpoint.shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
-            self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
-            self.stalls[step] = time.perf_counter() - t0
-        run.timer.mark("7 checkpoint")
-        self.saved_at = step
-
-    def wait(self):
-        """Until the save in flight is on disk (its timings then join run.saves); its failure raised."""
-        if self.saver is None:
-            return
-        self.saver.wait()
-        for step, write_s in self.saver.written:
-            self.run.saves.append({"step": step, "stall_s": self.stalls.pop(step), "write_s": write_s})
-        self.saver.written.clear()
-
-
-class StopFlag:
-    """Preemption. SIGTERM (what schedulers send before taking a node) or SIGINT (Ctrl-C) only
-    raises a flag: the loop finishes its step, every rank agrees to stop (one rank's signal is
-    enough: the flag is in the step's Tally), a checkpoint is written, and the process exits
-    normally. A second signal 2 s or more later means "now": KeyboardInterrupt wherever the process
-    is (the last complete checkpoint stays good); sooner, it is the same event twice (the scheduler
-    signals every process and torchrun forwards its copy; Ctrl-C reaches torchrun and the workers).
-    fail(why): the same stop for a failed log write, which then fails the run (stopped())."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal, self.at, self.previous, self.failure = None, None, {}, None
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            self.previous = {sig: signal.signal(sig, self.handler) for sig in self.SIGNALS}
-
-    def handler(self, signum, frame):
-        if self.at is not None and time.monotonic() - self.at >= 2.0:
-            raise KeyboardInterrupt
-        if self.at is None:
-            self.signal, self.at = signal.Signals(signum).name, time.monotonic()
-
-    def fail(self, why: str):
-        self.failure = self.failure or why
-
-    def release(self):
-        """Give the signals back to whoever had them before the run."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Setting up: the model, the optimizer, the resume point
 
@@ -739,13 +624,13 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     the initial weights, the data, the model, its optimizer and gradient sync, the task; then the
     resumed state. The earlier run's files (--overwrite) go only once all that worked."""
     out_dir = Path(args.out_dir)
-    resume, meta = checkpoint.resume_point(out_dir, args, spec.margs, mesh, config.say)
+    resume, meta = checkpoint.resume_point(out_dir, args, spec.margs, mesh, launch.say)
     if meta and args.trace_step is not None and args.trace_step <= meta["step"]:
         raise config.ConfigError(f"--trace-step {args.trace_step}: this run resumes after step {meta['step']}; "
                                  "trace one of the steps it will run")
     initial = recipe.weights(mesh)  # --init: verified by the ranks likewise
     if spec.ramp:  # the stage of the checkpoint's last step: the loop moves on to the next at its start
-        config.enter_stage(args, config.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
+        ramp.enter(args, ramp.stage_at(spec.ramp, max(meta["step"] - 1, 0) if meta else 0), mesh.dp)
     loader, make_val, data_desc = recipe.data(spec.tok, mesh)
     check_enough_data(loader, args, mesh)
     read = {"the data's contents (their fingerprint)": data_contents(loader),
@@ -779,7 +664,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
         gone = checkpoint.clear_run(out_dir)
         if gone:
-            config.say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
+            launch.say(f"--overwrite: removed {', '.join(gone)} of the earlier run in {out_dir}")
     P.barrier(mesh, long=True)  # (deleting a TB-sized run takes longer than a collective may wait)
     return run, start_step, data_desc
 
@@ -819,7 +704,7 @@ def restore(run: Run, ckpt: Path, meta: dict, recipe: Pretraining) -> int:
         run.scaler.load_state_dict(extra["scaler"])
     checkpoint.restore_rng(extra["rng"], run.device)
     old = meta.get("layout", {"tp": 1, "pp": 1, "dp": 1})
-    config.say(f"resumed from {ckpt} at step {meta['step']} (written at tp {old['tp']}, cp {old.get('cp', 1)}, "
+    launch.say(f"resumed from {ckpt} at step {meta['step']} (written at tp {old['tp']}, cp {old.get('cp', 1)}, "
                f"pp {old['pp']}, dp {old['dp']})")
     return meta["step"]
 
@@ -863,18 +748,6 @@ def check_continues(ckpt: Path, meta: dict, recipe: Pretraining, run: Run):
                                  f"same data: start a new run in another --out-dir{start}")
 
 
-def switch_stage(run: Run, recipe: Pretraining, stages: list[config.Stage], step: int):
-    """At a stage's first step: its settings, and fresh loaders of its length; the training one goes on at
-    global sequence ceil(tokens read / seq_len), as far into its epochs as the run has read."""
-    stage = config.stage_at(stages, step)
-    config.enter_stage(run.args, stage, run.mesh.dp)
-    run.loader, run.make_val, _ = recipe.data(run.tok, run.mesh)
-    first = -(-config.tokens_before(stages, step) // stage.seq_len)  # (a global sequence number)
-    run.loader.load_state_dict({**run.loader.state_dict(), "consumed": first})
-    config.say(f"ramp: step {step}, {config.tokens_before(stages, step):,} tokens: {stage.sequences} sequences "
-               f"of {stage.seq_len} tokens a step ({run.args.grad_accum} accumulation)")
-
-
 # ----------------------------------------------------------------------------------------------------
 # The command line
 
@@ -911,7 +784,7 @@ def main(argv=None):
     config.fit_defaults(args, given)
     config.configure_process(args)
     if sized:
-        config.say(sized)
+        launch.say(sized)
     run = train(args)
     model, tok, mesh, device = run.model, run.tok, run.mesh, run.device
     if args.sample_tokens > 0 and samples_here(run):

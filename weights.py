@@ -371,7 +371,7 @@ def write_export(path, tensors: dict, jsons: dict, ours=HF_EXPORT_FILES):
             (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
         for f in [*tmp.iterdir(), tmp]:  # on disk before the rename makes them the export
             data.fsync(f)
-        _swap_in(tmp, path, replacing)
+        data.swap_folder(tmp, path, replacing, "this export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -389,34 +389,6 @@ def _check_export_target(path: Path, ours):
             raise FileExistsError(f"{path} holds files an export does not write ({', '.join(others[:5])}"
                                   f"{', ...' if len(others) > 5 else ''}); nothing was written: export to a "
                                   "new or empty folder, or move them away")
-
-
-def _swap_in(new: Path, path: Path, replacing: bool):
-    """Rename folder `new` to `path`. An earlier export there (replacing) is renamed aside first and
-    deleted only once the new one is in place; if the second rename fails, it is put back. A folder
-    that appeared at `path` while this export was written (another export to the same new folder) is
-    never replaced: the rename onto it fails, and this export says so."""
-    if path.exists() and not replacing:
-        raise FileExistsError(f"{path} appeared while this export was written (another export to it at "
-                              "the same time?); it is left as it is, and this export was not written")
-    if replacing and path.exists():
-        old = path.parent / f".old-{path.name}-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-        try:
-            os.rename(new, path)
-        except BaseException:
-            os.rename(old, path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        try:
-            os.rename(new, path)  # (onto a folder that appeared since the check above: fails unless it is empty)
-        except OSError as e:
-            raise FileExistsError(f"{path} appeared while this export was written (another export to it at "
-                                  f"the same time?); it is left as it is, and this export was not written "
-                                  f"({e.strerror})") from None
-    data.fsync(path.parent)  # the rename itself on disk
 
 
 def meta_to_hf_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -504,7 +476,6 @@ LLAMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
     "{{ message['content'] }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-
 
 
 def hf_tokenizer_files(enc, chat: bool, max_len: int | None = None) -> dict:

@@ -502,9 +502,8 @@ MIX = "c4_demo:0.5,wiki_demo:0.3,tinyshakespeare:0.2"
 
 def mixture_loader(batch_size=8, dp_rank=0, dp_size=1, seed=3, anneal=None, seq_len=64):
     mix = data.parse_mixture(MIX)
-    sources = [(name, data.resolve_data(name, "byte")) for name, _ in mix]
-    return data.MixtureLoader(sources, [w for _, w in mix], "train", batch_size, seq_len, dp_rank, dp_size,
-                              seed, "byte", anneal)
+    sources = [(name, data.resolve_data(name, "byte"), w) for name, w in mix]
+    return data.MixtureLoader(sources, "train", batch_size, seq_len, dp_rank, dp_size, seed, "byte", anneal)
 
 
 def test_a_mixture_gives_each_source_its_share_and_dp_ranks_split_the_single_process_order(mirror):
@@ -534,7 +533,7 @@ def test_a_short_source_starts_its_next_epoch_without_disturbing_the_others(mirr
     mix = [("tinyshakespeare", 0.5), (str(short), 0.5)]
     sources = [(name, data.resolve_data(name, "byte", val_fraction=0.0) if name == str(short) else
                 data.resolve_data(name, "byte")) for name, _ in mix]
-    loader = data.MixtureLoader(sources, [0.5, 0.5], "train", 8, 64, seed=1, tokenizer="byte")
+    loader = data.MixtureLoader([(*s, 0.5) for s in sources], "train", 8, 64, seed=1, tokenizer="byte")
     alone = data.Loader(sources[0][1], "train", 8, 64, seed=1, tokenizer="byte")
     n_short = len(loader.loaders[1])
     ts_rows = []
@@ -594,7 +593,7 @@ def test_ids_beyond_the_vocabulary_behind_an_intact_header_are_refused_when_read
     poke(tmp_path / "train_000001.bin", 1234, 1000)
     assert data.shard_info(tmp_path / "train_000001.bin")["max_id"] == 199  # the header still says 199
     if reader == "mixture":
-        loader = data.MixtureLoader([("a", tmp_path)], [1.0], "train", 8, 16, tokenizer=get_tokenizer("byte"))
+        loader = data.MixtureLoader([("a", tmp_path, 1.0)], "train", 8, 16, tokenizer=get_tokenizer("byte"))
     else:
         loader = Loader(tmp_path, "train", 8, 16, tokenizer=get_tokenizer("byte") if reader == "encoding"
                         else "byte")
@@ -957,7 +956,8 @@ def test_fingerprint_names_the_content_not_the_folder(tmp_path):
     poke(tmp_path / "copy" / "train_000001.bin", 2_999_999, 7)  # the last token of a large one
     assert len({fp("a"), fp("b"), fp("copy")}) == 3
     mix = lambda folders, weights: data.MixtureLoader(
-        [(f"s{i}", tmp_path / f) for i, f in enumerate(folders)], weights, "train", 4, 16).fingerprint()
+        [(f"s{i}", tmp_path / f, w) for i, (f, w) in enumerate(zip(folders, weights))], "train", 4,
+        16).fingerprint()
     assert mix(["a", "a"], [0.5, 0.5]) == mix(["a", "a"], [0.5, 0.5]) != mix(["a", "a"], [0.25, 0.75])
     assert mix(["a", "b"], [0.5, 0.5]) != mix(["a", "a"], [0.5, 0.5])
 

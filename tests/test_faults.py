@@ -23,6 +23,7 @@ import loss
 import multiproc
 import optim as O
 import parallel
+import launch
 import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,7 +257,7 @@ def test_a_second_signal_interrupts_at_once():
     once (scheduler and torchrun both signal) changes nothing; a second one 2 s later will not wait. When
     the run ends, the process's handlers are the ones it had before."""
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    stop = train.StopFlag()
+    stop = launch.StopFlag()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)

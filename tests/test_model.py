@@ -547,24 +547,24 @@ def test_save_hf_interrupted_leaves_no_half_export(tmp_path, monkeypatch, earlie
 
 
 def test_the_kernel_that_computes_attention_is_asked_of_sdpa(monkeypatch):
-    """model.attention_kernel names the kernel attention() runs (flex for a BlockMask), as SDPA itself picks it
+    """costs.attention_kernel names the kernel attention() runs (flex for a BlockMask), as SDPA itself picks it
     under --attn-backend; a kernel that cannot take the inputs is a ValueError carrying SDPA's reasons, which
     config.attention_kernel turns into one line naming the flag, the precision and the device."""
     import config
     q, kv = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8)
-    assert M.attention_kernel(q, kv, kv, None, True, "math") == "math"
-    assert M.attention_kernel(q, kv, kv, None, True, "flash") == "flash"  # (the CPU's flash kernel)
+    assert costs.attention_kernel(q, kv, kv, None, True, "math") == "math"
+    assert costs.attention_kernel(q, kv, kv, None, True, "flash") == "flash"  # (the CPU's flash kernel)
     mask = torch.ones(16, 16, dtype=torch.bool).tril()
-    assert M.attention_kernel(q, kv, kv, mask, False, "auto") in ("flash", "math")  # SDPA's own choice
+    assert costs.attention_kernel(q, kv, kv, mask, False, "auto") in ("flash", "math")  # SDPA's own choice
     block = M.create_block_mask(lambda b, h, i, j: j <= i, None, None, 16, 16, device="cpu", _compile=False)
-    assert M.attention_kernel(q, kv, kv, block, False) == "flex"
+    assert costs.attention_kernel(q, kv, kv, block, False) == "flex"
 
     def no_kernel(*args, **kwargs):  # what SDPA does on a GPU for flash in fp32
         warnings.warn("Flash attention only supports fp16 and bf16 data types; got torch.float32")
         return -1
     monkeypatch.setattr(torch, "_fused_sdp_choice", no_kernel)
     with pytest.raises(ValueError, match="Flash attention only supports fp16 and bf16"):
-        M.attention_kernel(q, kv, kv, None, True, "flash")
+        costs.attention_kernel(q, kv, kv, None, True, "flash")
     args = config.get_parser().parse_args(["--model", "tiny", "--attn-backend", "flash"])
     with pytest.raises(config.ConfigError, match=r"--attn-backend flash cannot compute this run's attention "
                                                   r"\(fp32, head_dim 16\) on cpu: Flash attention only"):

@@ -22,6 +22,7 @@ import launch
 import loss
 import model as M
 import parallel
+import ramp
 import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -464,13 +465,13 @@ RAMP = RAMP_BASE + ["--ramp", "0:32x8,512:64x16", "--max-steps", "5"]
 
 def test_the_ramp_of_llama3_405b_steps_as_the_paper_counts():
     """4M tokens of 4,096-token sequences a step until 252M tokens, 8M of 8,192 until 2.87T, then 16M."""
-    a, b, c = config.parse_ramp("0:4096x1024,252M:8192x1024,2.87T:8192x2048")
+    a, b, c = ramp.parse("0:4096x1024,252M:8192x1024,2.87T:8192x2048")
     assert (a.start, a.seen) == (0, 0)
     assert (b.start, b.seen) == (61, 61 * 4096 * 1024)  # ceil(252M / 4,194,304) = 61 steps
     steps = math.ceil((2.87e12 - b.seen) / (8192 * 1024))
     assert (c.start, c.seen) == (61 + steps, b.seen + steps * 8192 * 1024)
-    assert config.tokens_before([a, b, c], 62) == b.seen + 8192 * 1024
-    assert config.parse_count("1.5K") == 1500 and config.parse_count("7") == 7
+    assert ramp.tokens_before([a, b, c], 62) == b.seen + 8192 * 1024
+    assert ramp.parse_count("1.5K") == 1500 and ramp.parse_count("7") == 7
 
 
 @pytest.mark.parametrize("chunk", [[], ["--loss-chunk", "128"]])
