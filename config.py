@@ -163,6 +163,8 @@ def add_optimization_flags(p: argparse.ArgumentParser, only=None):
     add("--beta1", type=float, default=0.9, help="AdamW first-moment decay")
     add("--beta2", type=float, default=0.95, help="AdamW second-moment decay")
     add("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    add("--moe-aux-coef", type=float, default=0.01,
+        help="a mixture of experts' load-balancing loss (Switch Transformer's) enters the loss times this")
     add("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
         help="auto: bf16 on CUDA, fp32 elsewhere")
 
@@ -200,6 +202,19 @@ def check_lora(args, margs, recipe):
     if args.zero == 3:
         raise ConfigError("--zero 3 shards the weights the optimizer trains, which under LoRA are the adapters "
                           "alone: use --zero 1 or 2 (the frozen model stays whole on each rank)")
+
+
+def check_experts(args, margs, layout: P.Layout):
+    """What a mixture of experts does not train with yet, refused in one line."""
+    if not margs.n_experts:
+        return
+    cannot = {"--tp": layout.tp > 1, "--cp": layout.cp > 1, "--zero 3": layout.zero == 3,
+              "--lora-rank": args.lora_rank is not None}
+    named = [flag for flag, given in cannot.items() if given]
+    if named:
+        raise ConfigError(f"{', '.join(named)}: a mixture of experts ({margs.n_experts} experts) trains with dp, "
+                          "pp, ZeRO-1 and 2, activation checkpointing and --compile; not with "
+                          f"{' or '.join(named)} yet")
 
 
 def check_lora_shape(rank: int, alpha: float, targets, margs):
@@ -402,6 +417,7 @@ def validate(args):
     need(0 <= args.weight_decay < math.inf, "weight_decay", "a number >= 0")
     need(0 <= args.dropout < 1, "dropout", "in [0, 1)")
     need(0 <= args.grad_clip < math.inf, "grad_clip", "a number >= 0 (0: off)")
+    need(0 <= args.moe_aux_coef < math.inf, "moe_aux_coef", "a number >= 0")
     need(args.skip_spikes == 0 or 1 < args.skip_spikes < math.inf, "skip_spikes",
          "0 (off) or a factor above 1")
     need(0 < args.dist_timeout < math.inf, "dist_timeout", "a positive number of seconds")
@@ -510,6 +526,7 @@ def check_config(args, recipe) -> Spec:
     margs = recipe.model_args(tok)
     check_lora(args, margs, recipe)
     layout = layout_of(args, world)
+    check_experts(args, margs, layout)
     fits = layout.world == world  # (else check_layout says why)
     stages = check_ramp(args, layout.dp) if args.ramp and fits else None
     for stage in stages or [None]:  # each stage's shape must fit: the layout, and the memory of the largest

@@ -42,12 +42,14 @@ import parallel as P
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def count_params(args: M.ModelArgs, embedding: bool = True) -> int:
-    """Exact parameter count of model.Transformer(args), without building it."""
+def count_params(args: M.ModelArgs, embedding: bool = True, active: bool = False) -> int:
+    """Exact parameter count of model.Transformer(args), without building it; active: the parameters
+    one token meets (in an MoE layer the router and top_k of the experts)."""
     d, hd, L, V = args.dim, args.head_dim, args.n_layers, args.vocab_size
     attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2  # wq, wo + wk, wv
-    ffn = 3 * d * args.hidden_dim
-    n = L * (attn + ffn + 2 * d) + d  # + two norms per layer, the final norm
+    ffn, moe = 3 * d * args.hidden_dim, args.moe_layers
+    experts = d * args.n_experts + (args.top_k if active else args.n_experts) * 3 * d * args.expert_dim
+    n = L * (attn + 2 * d) + (L - moe) * ffn + moe * experts + d  # + two norms per layer, the final norm
     n += args.output_size * d if not args.tie_embeddings else 0  # output head
     return n + (V * d if embedding else 0)
 
@@ -55,11 +57,11 @@ def count_params(args: M.ModelArgs, embedding: bool = True) -> int:
 def flops_per_token(args: M.ModelArgs, seq_len: int, frozen: bool = False) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3x forward), by two conventions: 'palm' (PaLM
     appendix B, nanoGPT, torchtitan) 6*N_matmul + 12*L*d*T; 'megatron' (Megatron-LM, llm.c) halves
-    the attention term, as causal masking skips half. N_matmul: every weight in a matmul, all but
-    the embedding table, the head included (a tied matrix counts once, as the head). frozen (LoRA):
+    the attention term, as causal masking skips half. N_matmul: every weight in a matmul a token
+    meets (an MoE layer's top_k experts of n_experts), all but the embedding table, the head included (a tied matrix counts once, as the head). frozen (LoRA):
     no weight gradients, so 4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
-    n_matmul = count_params(args, embedding=False) + (args.vocab_size * args.dim if args.tie_embeddings
-                                                      else 0)
+    n_matmul = count_params(args, embedding=False, active=True) + (args.vocab_size * args.dim
+                                                                   if args.tie_embeddings else 0)
     attn, matmuls = 12 * args.n_layers * args.dim * seq_len, (4 if frozen else 6) * n_matmul
     return {"palm": matmuls + attn, "megatron": matmuls + attn / 2}
 
@@ -76,10 +78,12 @@ def unit_params(args: M.ModelArgs, layout: P.Layout = P.Layout(), stage: int = 0
     norm and the head on the last (vocab padded to tp; a tied head is the embedding's unit)."""
     tp, pp = layout.tp, layout.pp
     d, hd, V = args.dim, args.head_dim, P.padded_vocab(args.vocab_size, tp)
-    per_layer = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd
-                 + 3 * d * args.hidden_dim) // tp + 2 * d
+    attention = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd) // tp + 2 * d  # (and the norms)
+    experts = d * args.n_experts + args.n_experts * 3 * d * args.expert_dim  # the router, the experts
+    ranges = P.stage_layers(args.n_layers, pp * layout.virtual, layout.split)[stage::pp]
     units = [V // tp * d] if stage == 0 else []  # embedding
-    units += [per_layer] * rank_layers(args.n_layers, layout, stage)
+    units += [attention + (experts if args.is_moe(i) else 3 * d * args.hidden_dim // tp)
+              for start, end in ranges for i in range(start, end)]
     head = P.padded_vocab(args.output_size, tp) // tp * d
     units += [d] + ([head] if not args.tie_embeddings else []) if stage == pp - 1 else []  # norm, head
     return units

@@ -25,6 +25,10 @@ def banner(run, meter: Meter, name: str, data_desc: str):
                f"non-embedding), dim {margs.dim}, layers {margs.n_layers}, heads "
                f"{margs.n_heads}/{margs.n_kv_heads}, vocab {margs.vocab_size}"
                + (f"; dropout {args.dropout:g} while training" if args.dropout else ""))
+    if margs.n_experts:  # (MFU counts the active parameters: 6 N_active + 12 L d T)
+        launch.say(f"mixture of experts: {margs.top_k} of {margs.n_experts} experts of {margs.expert_dim} in "
+                   f"{margs.moe_layers} of {margs.n_layers} layers; {costs.count_params(margs, active=True):,} "
+                   f"parameters active per token; load-balancing loss x {args.moe_aux_coef:g}")
     launch.say(f"layout: {mesh.layout.describe()}")
     rows = f" x {task.rows_per_example} rows" if task.rows_per_example > 1 else ""
     launch.say(f"data {data_desc}; {meter.tokens_per_step:,} tokens/step ({args.micro_batch}{rows} x "
@@ -70,7 +74,7 @@ class Meter:
     def restart(self):
         """A new window: steps, tokens, loss and metric sums, time and bytes since the last line."""
         self.steps, self.window_start, self.comm_at = 0, self.clock(), dict(self.mesh.comm_bytes)
-        self.tokens, self.loss, self.metrics = 0, 0.0, [0.0] * len(self.run.task.metric_names)
+        self.tokens, self.loss, self.metrics = 0, 0.0, [0.0] * len(self.run.metric_names)
 
     def tokens_at(self, step: int) -> int:
         """Tokens trained on in the run's first `step` steps."""
@@ -117,7 +121,7 @@ class Meter:
             self.stop.fail(f"cannot write {self.path} ({checkpoint.write_error(e)}); its records from here on are lost")
 
     def named(self, values: list, prefix="") -> dict:
-        return {prefix + k: v for k, v in zip(self.run.task.metric_names, values)}
+        return {prefix + k: v for k, v in zip(self.run.metric_names, values)}
 
     def step(self, step: int, result):
         """Add a finished step; log when due."""

@@ -1,9 +1,11 @@
 """The Llama 3 architecture in one file, free of distributed code.
 
 Read top to bottom:
-  1. ModelArgs and PRESETS        every Llama 3 size, from a CPU toy to 405B, and their checks (1b)
+  1. ModelArgs and PRESETS        every Llama 3 size, from a CPU toy to 405B, Mixtral 8x7B, and their
+                                 checks (1b)
   2. RMSNorm, RoPE                normalization; rotary positions with Llama 3.1's frequency scaling
-  3. Attention, FeedForward       grouped-query attention (SDPA), SwiGLU MLP, packed-document masks
+  3. Attention, FeedForward, MoE  grouped-query attention (SDPA), SwiGLU MLP, packed-document masks; a
+                                 mixture of SwiGLU experts with a router and its load-balancing loss
   4. Transformer                  embedding -> Blocks -> norm -> head; LoRA (add_lora, merge_lora)
   5. Generation                   sampling with a KV cache (temperature, top-k, top-p; 0 = greedy), and K
                                  replies to one prompt in one batch (sample)
@@ -11,8 +13,8 @@ Read top to bottom:
 
 Nothing here knows about tensor/pipeline/data parallelism: parallel.py changes a built model from
 the outside (sharding linears, dropping other stages' layers). So layers are keyed by *global* index
-("0", "1", ...), and parameter names do not depend on which a stage keeps; attention infers its
-local head count from its tensors. Names follow Meta's code (tok_embeddings, layers.N.attention.wq,
+("0", "1", ...), as a mixture's experts are, and parameter names do not depend on which a rank keeps;
+attention infers its local head count from its tensors. Names follow Meta's code (tok_embeddings, layers.N.attention.wq,
 feed_forward.w1, ...); RoPE uses Hugging Face's "rotate half" layout (weights.py converts both).
 """
 
@@ -60,6 +62,13 @@ class ModelArgs:
     # a head of num_labels outputs in place of the vocabulary's logits: a reward model's score (1), as
     # Hugging Face's LlamaForSequenceClassification; None: a language model
     num_labels: Optional[int] = None
+    # a mixture of experts (Mixtral, Jiang et al. 2024): every moe_every-th layer's feed-forward is
+    # n_experts SwiGLU experts of expert_hidden (None: hidden_dim), each token routed to top_k of them
+    # (Llama 4 interleaves MoE and dense layers: moe_every 2); 0 experts: a dense model
+    n_experts: int = 0
+    top_k: int = 2
+    expert_hidden: Optional[int] = None
+    moe_every: int = 1
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -79,6 +88,18 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer` (a global index) has experts: the moe_every-th, 2 x moe_every-th, ..."""
+        return self.n_experts > 0 and layer % self.moe_every == self.moe_every - 1
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
+
+    @property
+    def expert_dim(self) -> int:
+        return self.expert_hidden if self.expert_hidden is not None else self.hidden_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -177,6 +198,19 @@ def check_args(a: ModelArgs):
         raise ValueError(f"ffn_dim_multiplier {a.ffn_dim_multiplier} makes the FFN hidden size of dim "
                          f"{a.dim} less than 1 or more than {_MAX_SIZE}")
     check_rope_scaling(a.rope_scaling)
+    check_experts(a)
+
+
+def check_experts(a: ModelArgs):
+    """A mixture's sizes: 0 experts (dense) or 2 or more, top_k of them, every moe_every-th layer."""
+    if not is_int(a.n_experts) or not (a.n_experts == 0 or 2 <= a.n_experts <= 4096):
+        raise ValueError(f"n_experts must be 0 (a dense model) or 2 to 4096, got {show(a.n_experts)}")
+    if a.n_experts and not (is_int(a.top_k) and 1 <= a.top_k <= a.n_experts):
+        raise ValueError(f"top_k must be 1 to n_experts {a.n_experts}, got {show(a.top_k)}")
+    if a.expert_hidden is not None and not (is_int(a.expert_hidden) and 1 <= a.expert_hidden <= _MAX_SIZE):
+        raise ValueError(f"expert_hidden must be null or a positive integer, got {show(a.expert_hidden)}")
+    if not (is_int(a.moe_every) and 1 <= a.moe_every <= a.n_layers):
+        raise ValueError(f"moe_every must be 1 to n_layers {a.n_layers}, got {show(a.moe_every)}")
 
 
 def check_record(d, known: list[str]):
@@ -222,6 +256,14 @@ PRESETS: dict[str, ModelArgs] = {
                       rope_theta=10000.0),
     "small": ModelArgs(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=320, max_seq_len=1024),
     "medium": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=320, max_seq_len=1024),
+    # mixtures of experts: Mixtral 8x7B (Mistral's params.json), then CPU-sized ones whose two active
+    # experts of half the dense FFN make as many active parameters per token as tiny and mini
+    "mixtral-8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_hidden=14336,
+                              rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2),
+    "moe-tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=256,
+                          n_experts=4, top_k=2, expert_hidden=96),
+    "moe-mini": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=512,
+                          rope_theta=10000.0, n_experts=8, top_k=2, expert_hidden=192),
 }
 
 
@@ -450,16 +492,88 @@ def compiled_flex_attention():
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x), of hidden size `hidden` (default: args.hidden_dim)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden: int | None = None):
         super().__init__()
-        self.w1 = Linear(args.dim, args.hidden_dim)  # gate
-        self.w3 = Linear(args.dim, args.hidden_dim)  # up
-        self.w2 = Linear(args.hidden_dim, args.dim)  # down
+        hidden = hidden or args.hidden_dim
+        self.w1 = Linear(args.dim, hidden)  # gate
+        self.w3 = Linear(args.dim, hidden)  # up
+        self.w2 = Linear(hidden, args.dim)  # down
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse feed-forward: a router (gate, a linear dim -> n_experts) scores each token;
+    softmax over the experts, the top_k kept, their weights renormalized to sum to 1; each expert is
+    a SwiGLU FeedForward, and the token's output is its experts' outputs summed by weight. Dropless:
+    every token reaches its top_k experts, however many choose the same one. Experts are keyed by
+    global index, as layers are, so expert parallelism (parallel.py) keeps a rank's own and sets
+    `dispatch`, which takes each token to the rank holding its expert and back.
+
+    The load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4-6, as Mixtral trains with
+    it): n_experts x sum over experts of (the fraction of token-expert pairs it got) x (its mean
+    router probability); 1 x top_k when balanced. Its gradient reaches the router here, in backward
+    (AuxLoss), weighted by aux_weight (set_moe_aux); the task's loss is untouched."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k, self.n_experts = args.top_k, args.n_experts
+        self.gate = Linear(args.dim, args.n_experts)
+        self.experts = nn.ModuleDict({str(e): FeedForward(args, args.expert_dim) for e in range(args.n_experts)})
+        self.dispatch = run_experts  # (expert parallelism: parallel.py's all-to-all)
+        self.aux_weight = 0.0  # a training setting (set_moe_aux)
+        self.stats = None  # (aux, busiest expert's share / even share, 1) summed while training: moe_stats
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, dim): N = B * T tokens
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, n_experts), in fp32
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, top_k)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        y = self.dispatch(self.experts, x, chosen, weights).view(shape)
+        pairs = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # (n_experts,) pairs per expert
+        aux = self.n_experts * (pairs / x.shape[0] * probs.mean(0)).sum()
+        if self.training:
+            self.record(aux.detach(), pairs)
+        return AuxLoss.apply(y, aux, self.aux_weight) if self.aux_weight and self.training else y
+
+    @torch.no_grad()
+    def record(self, aux, pairs):
+        """Sums for the log; activation checkpointing's recompute records twice, which no mean sees."""
+        busiest = pairs.max() * self.n_experts / pairs.sum()
+        s = torch.stack([aux, busiest.to(aux.dtype), torch.ones_like(aux)])
+        self.stats = s if self.stats is None else self.stats + s
+
+
+def run_experts(experts: nn.ModuleDict, x, chosen, weights):
+    """x (N, dim) through the experts: each (token, slot) pair goes to its expert, grouped by expert
+    so each runs one matmul over all its tokens; chosen, weights (N, top_k). -> (N, dim)."""
+    n, k = chosen.shape
+    order = chosen.flatten().argsort(stable=True)  # the N * top_k pairs, grouped by expert
+    counts = torch.bincount(chosen.flatten(), minlength=len(experts)).tolist()  # (a host sync: the sizes)
+    grouped = x[order // k]  # (N * top_k, dim): each pair's token
+    y = torch.cat([experts[key](part) for key, part in zip(experts, grouped.split(counts))])
+    out = torch.empty_like(y)
+    out[order] = y * weights.flatten()[order, None]  # back in (token, slot) order
+    return out.view(n, k, -1).sum(1)  # each token's top_k outputs, summed in slot order (deterministic)
+
+
+class AuxLoss(torch.autograd.Function):
+    """The layer's output unchanged; in backward the load-balancing loss gets the gradient `weight`, as
+    though weight x aux had been added to the loss (Megatron-LM's MoEAuxLossAutoScaler): the router
+    learns it on its own pipeline stage, recomputed with its block under activation checkpointing."""
+
+    @staticmethod
+    def forward(ctx, y, aux, weight: float):
+        ctx.weight = weight
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.weight, device=grad.device), None
 
 
 def dropped(x, p: float, training: bool):
@@ -470,18 +584,36 @@ def dropped(x, p: float, training: bool):
 class Block(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + ffn(norm(.)), each branch dropped out."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if moe else FeedForward(args)
         self.dropout = 0.0  # a training setting, not the architecture's (set_dropout)
 
     def forward(self, x, cos, sin, mask=None, cache=None, start_pos=0):
         x = x + dropped(self.attention(self.attention_norm(x), cos, sin, mask, cache, start_pos),
                         self.dropout, self.training)
         return x + dropped(self.feed_forward(self.ffn_norm(x)), self.dropout, self.training)
+
+
+def set_moe_aux(model: nn.Module, weight: float):
+    """The load-balancing loss's gradient weight in every MoE layer: --moe-aux-coef over the MoE layers
+    and the step's micro-batches (over every dp rank), times fp16's loss scale."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.aux_weight = weight
+
+
+def moe_stats(model: nn.Module) -> torch.Tensor | None:
+    """(aux loss, busiest expert's share over the even share, count) summed over this rank's MoE
+    layers and forwards since the last call, which clears them; None for a dense model."""
+    sums = [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.stats = None
+    return torch.stack(sums).sum(0) if sums else None
 
 
 def set_dropout(model: nn.Module, p: float):
@@ -525,7 +657,7 @@ class Transformer(nn.Module):
         # device nn.Embedding's own normal_ would import torch's compiler stack: a second of start-up
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
                                            _weight=torch.empty(args.vocab_size, args.dim))
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, args.is_moe(i)) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.output_size, bias=False)
         if args.tie_embeddings:
@@ -783,5 +915,9 @@ if __name__ == "__main__":  # python model.py: list the presets with their sizes
     for name, a in PRESETS.items():
         with torch.device("meta"):
             params = sum(p.numel() for p in Transformer(a).parameters())  # (a tied head counted once)
-        print(f"{name:14s} params {params:>16,d}  dim {a.dim:5d} layers {a.n_layers:3d} heads "
-              f"{a.n_heads:3d}/{a.n_kv_heads:<2d} ffn {a.hidden_dim:6d} vocabulary {a.vocab_size:7,d}")
+        # a token meets its top_k experts in each MoE layer, not the others
+        active = params - a.moe_layers * (a.n_experts - a.top_k) * 3 * a.dim * a.expert_dim
+        experts = f" experts {a.top_k} of {a.n_experts} ({a.expert_dim})" if a.n_experts else ""
+        print(f"{name:14s} params {params:>16,d} active {active:>16,d}  dim {a.dim:5d} layers {a.n_layers:3d} "
+              f"heads {a.n_heads:3d}/{a.n_kv_heads:<2d} ffn {a.hidden_dim:6d}{experts} vocabulary "
+              f"{a.vocab_size:7,d}")

@@ -86,6 +86,16 @@ class Run:
     def phases(self) -> list:
         return self.timer.steps
 
+    @property
+    def metric_names(self) -> tuple:
+        """What a step's metrics are: the task's, then a mixture of experts' load balance (Tally)."""
+        return tuple(self.task.metric_names) + (MOE_METRICS if self.margs.n_experts else ())
+
+
+# the load-balancing loss, and the busiest expert's share of token-expert pairs over the even share
+# (1: balanced; n_experts / top_k: all to one), each a mean over the MoE layers and micro-batches
+MOE_METRICS = ("moe_aux", "moe_load")
+
 
 class StepResult(NamedTuple):
     """A finished step, as the host knows it (see Tally)."""
@@ -103,6 +113,7 @@ def train_step(run: Run, guard: SkipGuard, stop: launch.StopFlag, step: int) -> 
     args, mesh, timer = run.args, run.mesh, run.timer
     timer.start(step)
     seed_dropout(run, step)
+    weigh_moe_aux(run)
     rewind = run.loader.state_dict()
     batches, total = load_batches(run)  # the whole step's micro-batches, and the loss's normalizer
     timer.mark("1 data")
@@ -166,11 +177,33 @@ class Tally(NamedTuple):
                              torch.full((), float(stop.signal is not None), device=device),
                              torch.full((), float(stop.failure is not None), device=device)])
         v = torch.cat([Z.grad_sq(run.sync, run.model).view(1), loss.view(1) * once, flags,
-                       run.task.metrics() * once])
+                       run.task.metrics() * once, moe_sums(run) * once])
         P.all_reduce(v, mesh, "world")
         host = v.tolist()  # the step's one host-device synchronization
-        return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], host[5:], int(host[2]),
+        metrics = host[5:]
+        if run.margs.n_experts:  # (aux, load, count) summed over the MoE layers of every rank: means
+            *metrics, aux, load, count = metrics
+            metrics += [aux / max(count, 1), load / max(count, 1)]
+        return cls(v[0].clamp(min=0).sqrt(), math.sqrt(max(host[0], 0.0)), host[1], metrics, int(host[2]),
                    int(host[3]), int(host[4]))
+
+
+def moe_sums(run: Run) -> torch.Tensor:
+    """This rank's (aux loss, load, count) sums over its MoE layers' forwards this step (model.moe_stats);
+    none for a dense model."""
+    if not run.margs.n_experts:
+        return torch.zeros(0, device=run.device)
+    sums = M.moe_stats(run.model)  # (None: this pipeline stage holds no MoE layer)
+    return sums.to(run.device) if sums is not None else torch.zeros(3, device=run.device)
+
+
+def weigh_moe_aux(run: Run):
+    """--moe-aux-coef x the load-balancing loss, as a mean over the MoE layers, the step's micro-batches
+    and the dp replicas (whose gradients are summed), in fp16's scaled units: its weight in backward."""
+    if run.margs.n_experts:
+        scale = run.scaler.scale if run.scaler else 1.0
+        micro_batches = run.args.grad_accum * run.mesh.dp
+        M.set_moe_aux(run.model, run.args.moe_aux_coef * scale / (run.margs.moe_layers * micro_batches))
 
 
 def seed_dropout(run: Run, step: int):

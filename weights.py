@@ -182,10 +182,14 @@ def folder_format(path) -> str | None:
 
 
 def hf_name(ours: str, classifier: bool = False) -> str:
-    """Our parameter name -> Hugging Face's; classifier: LlamaForSequenceClassification's head."""
+    """Our parameter name -> Hugging Face's; classifier: LlamaForSequenceClassification's head. A
+    mixture's router and experts keep Mistral's names (feed_forward.gate, feed_forward.experts.E.w1)
+    under Mixtral's block_sparse_moe, as transformers writes them."""
     if ours.startswith("layers."):
         _, i, rest = ours.split(".", 2)
-        return f"model.layers.{i}.{_HF_LAYER_NAMES[rest]}"
+        moe = rest.startswith(("feed_forward.gate.", "feed_forward.experts."))
+        return f"model.layers.{i}." + (rest.replace("feed_forward.", "block_sparse_moe.", 1) if moe
+                                       else _HF_LAYER_NAMES[rest])
     return {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             "output.weight": "score.weight" if classifier else "lm_head.weight"}[ours]
 
@@ -217,7 +221,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         scaling = {ours: rope[hf] for ours, hf in _HF_ROPE_KEYS.items()}
     elif kind not in ("default", None):  # another scaling (linear, yarn...): ignoring it is wrong
         raise ValueError(f"unsupported rope type {M.show(kind)}: only llama3 and default are")
-    labels = classifier_labels(cfg)
+    labels, experts = classifier_labels(cfg), hf_experts(cfg)
     args = ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
                      n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
                      vocab_size=cfg["vocab_size"], ffn_hidden=cfg["intermediate_size"],
@@ -225,11 +229,23 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
                      max_seq_len=cfg.get("max_position_embeddings", 2048),
                      # (a classifier's head is its own "score": nothing to tie)
                      tie_embeddings=False if labels else cfg.get("tie_word_embeddings", False),
-                     num_labels=labels)
+                     num_labels=labels, **experts)
     if cfg.get("head_dim") not in (None, args.head_dim):
         raise ValueError(f"head_dim {M.show(cfg['head_dim'])} is not hidden_size / num_attention_heads = "
                          f"{args.head_dim}, which this model requires")
     return args
+
+
+def hf_experts(cfg: dict) -> dict:
+    """A Mixtral config's experts as ModelArgs fields (every layer a mixture; intermediate_size is
+    each expert's); {} for a Llama. Mixtral's sliding-window attention is refused: ours attends to
+    the whole context."""
+    if cfg.get("model_type") != "mixtral":
+        return {}
+    if cfg.get("sliding_window") is not None:
+        raise ValueError(f"sliding_window {M.show(cfg['sliding_window'])}: this model attends to the whole "
+                         "context (Mixtral's sliding window is not supported)")
+    return {"n_experts": cfg.get("num_local_experts", 8), "top_k": cfg.get("num_experts_per_tok", 2)}
 
 
 def classifier_labels(cfg: dict) -> int | None:
@@ -241,10 +257,16 @@ def classifier_labels(cfg: dict) -> int | None:
 
 
 def hf_config(args: ModelArgs) -> dict:
-    """config.json of a LlamaForCausalLM, or LlamaForSequenceClassification given num_labels."""
-    kind = "LlamaForSequenceClassification" if args.num_labels else "LlamaForCausalLM"
-    cfg = {"architectures": [kind], "model_type": "llama", "hidden_act": "silu",
-           "hidden_size": args.dim, "intermediate_size": args.hidden_dim, "num_hidden_layers": args.n_layers,
+    """config.json of a LlamaForCausalLM (a MixtralForCausalLM for a mixture of experts in every
+    layer), or its ForSequenceClassification given num_labels."""
+    family = "Mixtral" if args.n_experts else "Llama"
+    if args.n_experts and args.moe_every > 1:
+        raise ValueError(f"a Hugging Face Mixtral has experts in every layer, this model in one of every "
+                         f"{args.moe_every}: it has no Hugging Face form here (its checkpoints load with --init)")
+    kind = f"{family}ForSequenceClassification" if args.num_labels else f"{family}ForCausalLM"
+    ffn = args.expert_dim if args.n_experts else args.hidden_dim
+    cfg = {"architectures": [kind], "model_type": family.lower(), "hidden_act": "silu",
+           "hidden_size": args.dim, "intermediate_size": ffn, "num_hidden_layers": args.n_layers,
            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
            "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
            "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
@@ -258,6 +280,8 @@ def hf_config(args: ModelArgs) -> dict:
                                "original_max_position_embeddings": s["original_max_seq_len"]}
     if args.num_labels:
         cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(args.num_labels)}
+    if args.n_experts:
+        cfg.update(num_local_experts=args.n_experts, num_experts_per_tok=args.top_k, sliding_window=None)
     return cfg
 
 
