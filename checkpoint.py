@@ -63,7 +63,7 @@ class CheckpointError(Exception):
 # 1. Names
 
 STEP_RE = weights.STEP_RE
-SHARD_RE = re.compile(r"shard_pp\d+_tp\d+\.pt")  # one per (pp, tp) rank: section 3
+SHARD_RE = re.compile(r"shard_pp\d+_tp\d+(_ep\d+)?\.pt")  # one per (pp, tp) rank (and ep): section 3
 
 
 def step_name(step: int) -> str:
@@ -202,7 +202,8 @@ def lock_out_dir(out_dir: Path, mesh, say=print) -> RunLock:
 # 3. The shard files: fp32 masters only, as the model copy is always the master, rounded.
 
 def shard_file(mesh: P.Mesh) -> str:
-    return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
+    ep = f"_ep{mesh.ep_rank:02d}" if mesh.ep > 1 else ""  # (under ep, each block of experts its own file)
+    return f"shard_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}{ep}.pt"
 
 
 def save_shards(folder: Path, model, opt, mesh: P.Mesh, sync, extra: dict) -> dict:
@@ -217,13 +218,15 @@ def shard_contents(model, opt, mesh: P.Mesh, sync, extra: dict, keep=None) -> di
     Collective over dp_cp. keep(key, flat) -> a copy in host memory, for a snapshot that training
     may change under (an asynchronous save); without it, views of the optimizer's own buffers."""
     full = sync.gather_optimizer_state() if sync is not None else opt.full_state()
-    if mesh.dp_cp_rank != 0:
+    if mesh.dp_cp_rank >= mesh.ep:  # (under ep, dp ranks 0 .. ep-1: one of each block of experts)
         return None
     if keep is not None:  # ZeRO's gathered state is a fresh host copy already; the live buffers are not
         full = {k: keep(k, v) if v is getattr(opt, k) else v for k, v in full.items()}
     placement = model.tp_placement
     entries = {}
     for i, name in enumerate(opt.names):
+        if mesh.ep_rank > 0 and not P.is_expert(name):  # the rest is ep rank 0's to write
+            continue
         sl = slice(opt.offsets[i], opt.offsets[i] + opt.params[i].numel())
         shape = opt.params[i].shape
         state = {k: v[sl].view(shape) for k, v in full.items()}

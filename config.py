@@ -205,16 +205,24 @@ def check_lora(args, margs, recipe):
 
 
 def check_experts(args, margs, layout: P.Layout):
-    """What a mixture of experts does not train with yet, refused in one line."""
+    """Expert parallelism against the model and the layout, and what a mixture of experts does not
+    train with yet: refused in one line."""
+    if layout.ep > 1 and not margs.n_experts:
+        raise ConfigError(f"--ep {layout.ep}: model {args.model} is dense; expert parallelism cuts a mixture "
+                          "of experts' experts (e.g. --model moe-tiny)")
+    if layout.ep > 1 and (margs.n_experts % layout.ep or layout.dp % layout.ep):
+        raise ConfigError(f"--ep {layout.ep} must divide the {margs.n_experts} experts and dp {layout.dp} (the "
+                          "expert-parallel ranks are dp ranks)")
     if not margs.n_experts:
         return
     cannot = {"--tp": layout.tp > 1, "--cp": layout.cp > 1, "--zero 3": layout.zero == 3,
-              "--lora-rank": args.lora_rank is not None}
+              "--lora-rank": args.lora_rank is not None,
+              f"--zero {layout.zero} with --ep": layout.ep > 1 and layout.zero > 0}
     named = [flag for flag, given in cannot.items() if given]
     if named:
-        raise ConfigError(f"{', '.join(named)}: a mixture of experts ({margs.n_experts} experts) trains with dp, "
-                          "pp, ZeRO-1 and 2, activation checkpointing and --compile; not with "
-                          f"{' or '.join(named)} yet")
+        raise ConfigError(f"{', '.join(named)}: a mixture of experts ({margs.n_experts} experts) does not train "
+                          f"with {' or '.join(named)} yet (it does with dp, pp, ep, ZeRO-1 and 2 without ep, "
+                          "activation checkpointing and --compile)")
 
 
 def check_lora_shape(rank: int, alpha: float, targets, margs):
@@ -265,6 +273,9 @@ def add_parallel_flags(p: argparse.ArgumentParser, only=None):
     add("--virtual-stages", type=int, default=1,
         help="model chunks per pipeline rank for --schedule interleaved (2 or more)")
     add("--sp", action="store_true", help="sequence parallelism inside the TP group")
+    add("--ep", type=int, default=1,
+        help="expert parallelism: a mixture of experts' experts cut over this many of the dp ranks, each "
+             "token sent to its experts' ranks and back by all-to-all (it divides dp and the experts)")
     add("--zero", type=int, default=0, choices=[0, 1, 2, 3],
         help="1: shard the optimizer state over dp (ZeRO-1); 2: the fp32 gradients too (ZeRO-2); "
              "3: the weights too, gathered a layer at a time when used (ZeRO-3, FSDP)")
@@ -425,6 +436,7 @@ def validate(args):
     need(0 < args.bucket_mb < math.inf, "bucket_mb", "a positive number")
     need(0 <= args.seed < 2 ** 63, "seed", "in [0, 2^63)")
     need(args.virtual_stages >= 1, "virtual_stages", "at least 1 (2 or more with --schedule interleaved)")
+    need(args.ep >= 1, "ep", "at least 1")
     need(args.trace_step is None or 1 <= args.trace_step <= args.max_steps, "trace_step",
          f"a step of the run, 1 to --max-steps {args.max_steps}")
     need(args.warmup <= args.max_steps, "warmup", f"at most --max-steps {args.max_steps} (a longer warmup "
@@ -549,7 +561,7 @@ def layout_of(args, world: int) -> P.Layout:
     cut = args.tp * args.cp * args.pp
     return P.Layout(tp=args.tp, cp=args.cp, pp=args.pp, dp=world // cut if cut > 0 else 0, sp=args.sp,
                     zero=args.zero, schedule=args.schedule, virtual=args.virtual_stages,
-                    split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None)
+                    split=parse_pp_layers(args.pp_layers) if args.pp > 1 else None, ep=args.ep)
 
 
 def loss_chunk_of(args, recipe, stages) -> int:

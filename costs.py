@@ -79,7 +79,7 @@ def unit_params(args: M.ModelArgs, layout: P.Layout = P.Layout(), stage: int = 0
     tp, pp = layout.tp, layout.pp
     d, hd, V = args.dim, args.head_dim, P.padded_vocab(args.vocab_size, tp)
     attention = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd) // tp + 2 * d  # (and the norms)
-    experts = d * args.n_experts + args.n_experts * 3 * d * args.expert_dim  # the router, the experts
+    experts = d * args.n_experts + args.n_experts // layout.ep * 3 * d * args.expert_dim  # router, experts (/ ep)
     ranges = P.stage_layers(args.n_layers, pp * layout.virtual, layout.split)[stage::pp]
     units = [V // tp * d] if stage == 0 else []  # embedding
     units += [attention + (experts if args.is_moe(i) else 3 * d * args.hidden_dim // tp)

@@ -16,6 +16,8 @@ sent by a function in this file, and counted. Contents, in reading order:
   5. Context parallelism   each sequence cut into 2cp chunks, two per rank (balanced causal work); K and V
                            all-gathered over cp per layer, as Llama 3 trained (Dubey et al. 2024); the
                            model's attention inputs swapped for this rank's positions
+  5b. Expert parallelism   a mixture's experts cut over ep of the dp ranks; tokens to their experts and
+                           back by all-to-all
   6. Pipeline              contiguous layer ranges per stage (or model chunks); schedules AFAB
                            (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2021) and
                            interleaved 1F1B over model chunks (Narayanan et al. 2021)
@@ -76,6 +78,12 @@ class Layout:
     schedule: str = "1f1b"
     virtual: int = 1
     split: tuple | None = None
+    ep: int = 1  # expert parallelism: each mixture layer's experts cut over ep of the dp ranks
+
+    @property
+    def edp(self) -> int:
+        """How many dp ranks hold the same experts (expert weights' replicas): dp / ep."""
+        return self.dp // self.ep if self.ep else 0
 
     def __post_init__(self):  # one spelling of each layout: sp only where tp cuts, split a tuple
         object.__setattr__(self, "sp", self.sp and self.tp > 1)
@@ -94,10 +102,12 @@ class Layout:
     def record(self) -> dict:
         """The layout as a checkpoint's meta.json and a step's trace record it."""
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "sp": self.sp, "zero": self.zero,
-                "schedule": self.schedule, "virtual": self.virtual, "split": list(self.split or []) or None}
+                "schedule": self.schedule, "virtual": self.virtual, "split": list(self.split or []) or None,
+                "ep": self.ep}
 
     def __str__(self):
-        return f"{self.world} processes = dp {self.dp} x pp {self.pp} x cp {self.cp} x tp {self.tp}"
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return f"{self.world} processes = dp {self.dp}{ep} x pp {self.pp} x cp {self.cp} x tp {self.tp}"
 
     def describe(self) -> str:
         """The banner's line: the sizes, then how they are used where it matters."""
@@ -127,7 +137,7 @@ class Mesh:
     device: torch.device = torch.device("cpu")  # for a collective's small flags (NCCL: the GPU)
     # bytes sent, per dimension ("dp": the gradients' reduction over dp_cp); "world": the step's tally
     # (train.py), a few numbers over every rank at once
-    comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0,
+    comm_bytes: dict = field(default_factory=lambda: {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0,
                                                       "world": 0.0})
     key: int = field(default_factory=lambda: next(_mesh_keys))  # its name in custom ops (section 3)
     trace: object = None  # in a traced step (costs.StepTrace), every collective records its span
@@ -140,10 +150,12 @@ class Mesh:
     sp: bool = field(init=False)
     world: int = field(init=False)
     dp_cp: int = field(init=False)
+    ep: int = field(init=False)
+    edp: int = field(init=False)
 
     def __post_init__(self):
         MESHES[self.key] = self
-        for size in ("tp", "cp", "pp", "dp", "sp", "world", "dp_cp"):
+        for size in ("tp", "cp", "pp", "dp", "sp", "world", "dp_cp", "ep", "edp"):
             setattr(self, size, getattr(self.layout, size))
 
     def scheduled(self, schedule: str, virtual: int = 1) -> Mesh:
@@ -154,6 +166,15 @@ class Mesh:
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        """Which experts this rank holds: dp ranks ep_rank, ep + ep_rank, ... hold the same (ep innermost)."""
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
 
     @property
     def grad_dim(self) -> str:
@@ -214,6 +235,10 @@ def init_mesh(layout: Layout | None = None, device: torch.device | None = None, 
              "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp), "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp)}
     if cp > 1:
         lines["dp_cp"] = grid.permute(1, 3, 0, 2).reshape(-1, dp * cp)
+    if layout.ep > 1:  # dp rank d = edp_rank * ep + ep_rank: "ep" the ranks holding all the experts between
+        ep = grid.view(dp // layout.ep, layout.ep, pp, cp, tp)  # them, "edp" those holding the same ones
+        lines["ep"], lines["edp"] = (ep.permute(0, 2, 3, 4, 1).reshape(-1, layout.ep),
+                                     ep.permute(1, 2, 3, 4, 0).reshape(-1, dp // layout.ep))
     # Only the groups this rank is in, of dimensions larger than 1, each agreed on by its members
     # alone (use_local_synchronization): a rank makes 3 or 4 groups, not one per line of every
     # dimension (a thousand splits of the world at a thousand GPUs). Each group needs its own
@@ -247,7 +272,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def _count(mesh: Mesh, dim: str, nbytes: float) -> float:
     """Bytes sent on a group, counted under its dimension (dp_cp's as "dp": see Mesh.comm_bytes)."""
-    mesh.comm_bytes["dp" if dim == "dp_cp" else dim] += nbytes
+    mesh.comm_bytes["dp" if dim in ("dp_cp", "edp") else dim] += nbytes  # (edp: the experts' gradients)
     return nbytes
 
 
@@ -644,6 +669,79 @@ def apply_context_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
             layer.attention = ContextParallelAttention(layer.attention, mesh)
         model.attention_inputs = functools.partial(attention_inputs, model.args, mesh)
     return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5b. Expert parallelism (--ep): each mixture layer's experts cut over ep of the dp ranks, E / ep each
+#     (GShard, Lepikhin et al. 2020). A token stays on its rank for attention; in a mixture layer its
+#     hidden state goes to the ranks holding its top_k experts and comes back: two all-to-alls each
+#     way per layer, of counts, then of tokens in uneven splits. The experts' gradients are summed
+#     over the dp ranks holding the same experts ("edp", zero.py), the rest over all of dp.
+
+
+def all_to_all(inp: torch.Tensor, send: list[int], recv: list[int], mesh: Mesh, dim: str = "ep") -> torch.Tensor:
+    """Rows send[j] of inp (in rank order) to rank j of the group; returns the rows each rank sent here,
+    recv[j] of them from rank j, concatenated in rank order. Counted: every row that leaves this rank."""
+    out = inp.new_empty((sum(recv), *inp.shape[1:]))
+    me = mesh.ep_rank if dim == "ep" else 0
+    _count(mesh, dim, (sum(send) - send[me]) * inp[:1].numel() * inp.element_size())
+    launch.run_collective(("all_to_all", inp), mesh, dim, lambda: dist.all_to_all_single(
+        out, inp.contiguous(), recv, send, group=mesh.groups[dim]))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all, whose backward sends each row's gradient back the way the row came."""
+
+    @staticmethod
+    def forward(ctx, inp, send: list[int], recv: list[int], mesh_key: int):
+        ctx.send, ctx.recv, ctx.key = send, recv, mesh_key
+        return all_to_all(inp, send, recv, MESHES[mesh_key])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.recv, ctx.send, MESHES[ctx.key]), None, None, None
+
+
+def expert_parallel_dispatch(experts: nn.ModuleDict, x, chosen, weights, mesh: Mesh) -> torch.Tensor:
+    """model.run_experts across the ep group: x (N, dim), chosen and weights (N, top_k) -> (N, dim).
+    The (token, slot) pairs, sorted by expert, are sorted by the rank holding it; a first all-to-all
+    of counts tells each rank how many rows of each of its experts every rank sends."""
+    n, k = chosen.shape
+    local, ep = len(experts), mesh.ep  # (experts are numbered globally; this rank holds `local`)
+    order = chosen.flatten().argsort(stable=True)
+    counts = torch.bincount(chosen.flatten(), minlength=local * ep)  # (E,) this rank's pairs per expert
+    got = all_to_all(counts, [local] * ep, [local] * ep, mesh).view(ep, local)  # [source, my expert]
+    send, got = counts.view(ep, local).sum(1).tolist(), got.tolist()  # (the host sync: split sizes)
+    rows = _AllToAll.apply(x[order // k], send, [sum(g) for g in got], mesh.key)  # by (source, expert)
+    pieces = rows.split([c for g in got for c in g])
+    outs = [experts[key](torch.cat(pieces[e::local])) for e, key in enumerate(experts)]  # each expert once
+    back = [o.split([g[e] for g in got]) for e, o in enumerate(outs)]  # by source again
+    y = _AllToAll.apply(torch.cat([back[e][s] for s in range(ep) for e in range(local)]),
+                        [sum(g) for g in got], send, mesh.key)
+    out = torch.empty_like(y)
+    out[order] = y * weights.flatten()[order, None]
+    return out.view(n, k, -1).sum(1)
+
+
+def apply_expert_parallel(model: M.Transformer, mesh: Mesh) -> M.Transformer:
+    """Keep this rank's experts, E / ep of them (ep_rank's contiguous block, by global index), in every
+    mixture layer of a model built on the meta device, and route its tokens by all-to-all."""
+    if mesh.ep == 1:
+        return model
+    for layer in model.layers.values():
+        moe = layer.feed_forward
+        if isinstance(moe, M.MoE):
+            share = moe.n_experts // mesh.ep
+            mine = range(mesh.ep_rank * share, (mesh.ep_rank + 1) * share)
+            moe.experts = nn.ModuleDict({str(e): moe.experts[str(e)] for e in mine})
+            moe.dispatch = functools.partial(expert_parallel_dispatch, mesh=mesh)
+    return model
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter `name` is an expert's (under ep, held by the ranks of one edp group only)."""
+    return ".feed_forward.experts." in name
 
 
 # ----------------------------------------------------------------------------------------------------

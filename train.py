@@ -602,6 +602,7 @@ def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False, lor
         model = M.Transformer(margs)
     P.apply_tensor_parallel(model, mesh)
     P.apply_context_parallel(model, mesh)
+    P.apply_expert_parallel(model, mesh)
     P.apply_pipeline(model, mesh)
     if lora:
         M.add_lora(model, *lora, train)
@@ -669,12 +670,13 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     read = {"the data's contents (their fingerprint)": data_contents(loader),
             "the tokenizer's vocabulary": spec.tok.n_vocab}
     config.refuse_differences(P.all_gather_objects(read, mesh))  # (paths may differ per node; this may not)
-    dtype, zero = M.DTYPES[spec.precision], Z.needs(args.zero, mesh.dp_cp)
+    dtype, zero = M.DTYPES[spec.precision], Z.needs(args.zero, mesh.dp_cp, mesh.ep)
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, zero.lazy, config.lora_of(args),
                             recipe.trained_whole)
         recipe.extend(model, spec.device, dtype)
-        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # (LoRA: adapters)
+        trained = Z.laid_out([(name, p) for name, p in model.named_parameters() if p.requires_grad],  # (LoRA:
+                             mesh)  # adapters; under ep the experts, whose gradients sum over edp, apart)
         opt = O.AdamW(trained, lr=args.lr, betas=(args.beta1, args.beta2),
                       weight_decay=args.weight_decay, pad_to=mesh.dp_cp,
                       allocate_state=False,  # GradSync shards

@@ -89,19 +89,31 @@ class GradSync:
             raise ValueError(f"the optimizer's flat buffer ({opt.numel}) must be padded to a multiple of dp "
                              f"{dp}")
         self.buckets = self.make_buckets(bucket_mb)
+        self.bucket_dims = [self.dim if lo < self.experts_from else "edp" for lo, _ in self.buckets]
         self.param_buckets, self.expected = bucket_map(opt, self.buckets)
         self.enabled, self.handles, self.pending = False, {}, list(self.expected)
         # this dp rank's piece of every bucket: its shard under ZeRO, its share of the gradient norm always
-        r = mesh.dp_cp_rank
+        # (an experts' bucket: this rank's piece among the edp ranks holding the same experts)
+        place = {self.dim: (dp, mesh.dp_cp_rank), "edp": (mesh.edp, mesh.edp_rank)}
+        piece = lambda lo, hi, n, r: (lo + r * (hi - lo) // n, lo + (r + 1) * (hi - lo) // n)
         self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
-            [(lo + r * (hi - lo) // dp, lo + (r + 1) * (hi - lo) // dp) for lo, hi in self.buckets]
+            [piece(lo, hi, *place[d]) for (lo, hi), d in zip(self.buckets, self.bucket_dims)]
         self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
                              for b in range(len(self.buckets))]
         self.own()
         opt.call_on_grad_ready(self._on_grad_ready)
 
+    @property
+    def experts_from(self) -> int:
+        """Where the experts' region of the flat buffer begins (laid_out; the end without ep)."""
+        starts = [off for off, name in zip(self.opt.offsets, self.opt.names) if P.is_expert(name)]
+        return min(starts) if self.mesh.ep > 1 and starts else self.opt.numel
+
     def make_buckets(self, bucket_mb: float) -> list[tuple[int, int]]:
-        return buckets_of(self.opt.numel, self.mesh.dp_cp, bucket_mb)
+        """Buckets of the flat buffer; the experts' region (under ep) in buckets of its own."""
+        start, dp = self.experts_from, self.mesh.dp_cp
+        return buckets_of(start, dp, bucket_mb) + [(start + lo, start + hi) for lo, hi in
+                                                   buckets_of(self.opt.numel - start, dp, bucket_mb)]
 
     def own(self):
         """Without ZeRO the optimizer keeps state for the whole flat buffer (built with
@@ -123,8 +135,8 @@ class GradSync:
                 self._launch(b)
 
     def _launch(self, b: int):
-        lo, hi = self.buckets[b]
-        self.handles[b] = P.all_reduce(self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
+        lo, hi = self.buckets[b]  # (None: an experts' bucket on a single holder of its experts, edp 1)
+        self.handles[b] = P.all_reduce(self.opt.grad[lo:hi], self.mesh, self.bucket_dims[b], async_op=True)
 
     def finish(self):
         """Wait for every bucket (launching, in bucket order, any whose parameters got no gradient),
@@ -141,7 +153,8 @@ class GradSync:
                 if b not in self.handles:
                     self._launch(b)
             for b in sorted(self.handles):
-                self.handles[b].wait()
+                if self.handles[b] is not None:
+                    self.handles[b].wait()
             self.handles, self.enabled = {}, False
 
     def partial_grads(self) -> list[torch.Tensor]:
@@ -528,10 +541,23 @@ class BuildNeeds(NamedTuple):
     unit_of: object  # name -> unit, where weights move a unit at a time (ZeRO-3), else None
 
 
-def needs(zero: int, replicas: int) -> BuildNeeds:
-    """The build of ZeRO stage `zero` over `replicas` (dp x cp) ranks; a single replica shards nothing."""
+def needs(zero: int, replicas: int, ep: int = 1) -> BuildNeeds:
+    """The build of ZeRO stage `zero` over `replicas` (dp x cp) ranks; a single replica shards nothing.
+    Under expert parallelism the experts are a unit of their own (laid_out puts them last)."""
     return BuildNeeds(lazy=zero == 3 and replicas > 1, full_grad=zero < 2 or replicas == 1,
-                      unit_of=unit_of if zero == 3 else None)
+                      unit_of=unit_of if zero == 3 else region_of if ep > 1 else None)
+
+
+def region_of(name: str) -> str:
+    """Under ep, the flat buffer's two regions: the experts', whose gradients sum over the edp ranks
+    holding the same experts, and the rest's, over all of dp."""
+    return "experts" if P.is_expert(name) else "dense"
+
+
+def laid_out(named: list, mesh: P.Mesh) -> list:
+    """The trained parameters in the order the optimizer takes them: under ep, the experts first, so that
+    after optim.FlatParams' reversal (gradients come output first) they are the buffer's last region."""
+    return sorted(named, key=lambda item: not P.is_expert(item[0])) if mesh.ep > 1 else named
 
 
 def grad_sync(opt, mesh: P.Mesh, bucket_mb: float = 25.0, zero: int = 0, partial_tp: list[int] = ()) -> GradSync:

@@ -182,8 +182,11 @@ def test_a_mixture_trains_as_the_single_process_does(tmp_path, moe_reference, n,
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--tp", "2"], "--tp: a mixture of experts (4 experts) trains with dp, pp, ZeRO-1 and 2"),
-    (["--zero", "3"], "not with --zero 3 yet")])
+    (["--tp", "2"], "--tp: a mixture of experts (4 experts) does not train with --tp yet"),
+    (["--zero", "3"], "does not train with --zero 3 yet"),
+    (["--zero", "1", "--ep", "2"], "does not train with --zero 1 with --ep yet"),
+    (["--ep", "2", "--model", "tiny"], "--ep 2: model tiny is dense"),
+    (["--ep", "3"], "--ep 3 must divide the 4 experts and dp 2")])
 def test_what_a_mixture_does_not_train_with_is_one_line(tmp_path, flags, message):
     p = job(2, tmp_path / "o", *MOE, *flags, check=False, timeout=120)
     assert p.returncode != 0 and message in p.stderr, p.stderr[-2000:]
@@ -203,3 +206,41 @@ def test_a_trained_mixture_consolidates_to_a_mixtral_folder_transformers_loads(t
     tokens = torch.randint(0, 301, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Expert parallelism (--ep): the experts cut over dp ranks, tokens to them and back by all-to-all
+
+from test_parallel import losses, masters, rel  # noqa: E402
+
+
+@pytest.mark.parametrize("n,flags", [(2, ["--ep", "2"]), (4, ["--ep", "2"]), (4, ["--ep", "4"]),
+                                     (4, ["--pp", "2", "--ep", "2"])])
+def test_expert_parallelism_trains_as_the_single_process_does(tmp_path, moe_reference, n, flags):
+    """dp 2 with ep 2, dp 4 with ep 2 and ep 4, pp 2 x dp 2 with ep 2: the single process's losses,
+    load-balancing losses and weights; each step's all-to-all bytes are counted under "ep"."""
+    job(n, tmp_path, *MOE, *flags)
+    assert_same_training(tmp_path, moe_reference)
+    for a, b in zip(moe_records(tmp_path), moe_records(moe_reference)):
+        assert a["moe_aux"] == pytest.approx(b["moe_aux"], rel=1e-5)
+        assert a["comm_bytes_per_step"]["ep"] > 0
+
+
+def test_an_expert_parallel_checkpoint_continues_under_another_ep(tmp_path):
+    """A checkpoint of dp 2 with ep 2 (each block of experts in a file of its own) continues at ep 4 and on one
+    process with the single process's losses: it holds every expert under its global name."""
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    job(1, straight, *MOE, "--ckpt-every", "2", steps=4)
+    job(2, cut, *MOE, "--ep", "2", "--ckpt-every", "2", steps=2)
+    assert sorted(p.name for p in (cut / "step_000002").glob("shard_*")) == ["shard_pp00_tp00_ep00.pt",
+                                                                            "shard_pp00_tp00_ep01.pt"]
+    for n, flags in ((4, ["--ep", "4"]), (1, [])):
+        other = tmp_path / f"other{n}"
+        other.mkdir()
+        (other / "step_000002").symlink_to(cut / "step_000002")
+        (other / "latest").write_text("step_000002\n")
+        job(n, other, *MOE, *flags, "--resume", steps=4)
+        la, lb = losses(other)[0], losses(straight)[0][2:]
+        assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (n, la, lb)
+        wa, wb = masters(other), masters(straight)
+        assert wa.keys() == wb.keys() and max(rel(wa[k], wb[k]) for k in wb) <= 1e-5
