@@ -217,11 +217,11 @@ def check_experts(args, margs, layout: P.Layout):
         return
     cannot = {"--tp": layout.tp > 1, "--cp": layout.cp > 1, "--zero 3": layout.zero == 3,
               "--lora-rank": args.lora_rank is not None,
-              f"--zero {layout.zero} with --ep": layout.ep > 1 and layout.zero > 0}
+              f"--zero {layout.zero} with --ep": layout.ep > 1 and layout.zero > 1}
     named = [flag for flag, given in cannot.items() if given]
     if named:
         raise ConfigError(f"{', '.join(named)}: a mixture of experts ({margs.n_experts} experts) does not train "
-                          f"with {' or '.join(named)} yet (it does with dp, pp, ep, ZeRO-1 and 2 without ep, "
+                          f"with {' or '.join(named)} yet (it does with dp, pp, ep, ZeRO-1, ZeRO-2 without ep, "
                           "activation checkpointing and --compile)")
 
 

@@ -98,7 +98,8 @@ class GradSync:
         piece = lambda lo, hi, n, r: (lo + r * (hi - lo) // n, lo + (r + 1) * (hi - lo) // n)
         self.norm_ranges = [(0, opt.numel)] if dp == 1 else \
             [piece(lo, hi, *place[d]) for (lo, hi), d in zip(self.buckets, self.bucket_dims)]
-        self.piece_starts = [sum((hi - lo) // dp for lo, hi in self.buckets[:b])
+        self.bucket_sizes = [place[d][0] for d in self.bucket_dims]  # how many ranks share each bucket
+        self.piece_starts = [sum((hi - lo) // n for (lo, hi), n in zip(self.buckets[:b], self.bucket_sizes))
                              for b in range(len(self.buckets))]
         self.own()
         opt.call_on_grad_ready(self._on_grad_ready)
@@ -277,8 +278,8 @@ class ZeRO1Sync(GradSync):
         """The buckets each unit's forward needs (unit_of), units in forward order, a bucket shared by two
         units listed under the first."""
         per_unit = {}  # in the flat buffer's order: reverse model order
-        for i, name in enumerate(self.opt.names):
-            per_unit.setdefault(unit_of(name), set()).update(self.param_buckets[i])
+        for i, name in enumerate(self.opt.names):  # (under ep a unit's experts apart: other buckets, group)
+            per_unit.setdefault((unit_of(name), P.is_expert(name)), set()).update(self.param_buckets[i])
         groups, seen = [], set()
         for unit in reversed(list(per_unit)):
             if per_unit[unit] - seen:
@@ -287,9 +288,14 @@ class ZeRO1Sync(GradSync):
         return groups
 
     def _launch(self, b: int):
-        lo, hi = self.buckets[b]
-        piece = self.opt.grad_shard[self.piece_starts[b]:self.piece_starts[b] + (hi - lo) // self.mesh.dp_cp]
-        self.handles[b] = P.reduce_scatter(piece, self.opt.grad[lo:hi], self.mesh, self.dim, async_op=True)
+        (lo, hi), n = self.buckets[b], self.bucket_sizes[b]
+        piece = self.opt.grad_shard[self.piece_starts[b]:self.piece_starts[b] + (hi - lo) // n]
+        if n == 1:  # an experts' bucket whose experts no other rank holds (edp 1): all of it is this rank's
+            piece.copy_(self.opt.grad[lo:hi])
+            self.handles[b] = None
+        else:
+            self.handles[b] = P.reduce_scatter(piece, self.opt.grad[lo:hi], self.mesh, self.bucket_dims[b],
+                                               async_op=True)
 
     def partial_grads(self) -> list[torch.Tensor]:
         return self.parts_in_pieces(self.partial_tp)  # the parts this rank applies
@@ -306,11 +312,13 @@ class ZeRO1Sync(GradSync):
         """After the optimizer step, every rank's updated pieces -> every rank's weights, in place
         (each piece already lies where NCCL's in-place all-gather wants it), one collective per unit
         (all_gather_many), launched without waiting, the first layers first."""
-        flat, dp, r = self.opt.model_flat, self.mesh.dp_cp, self.mesh.dp_cp_rank
+        flat = self.opt.model_flat
         for g, group in enumerate(self.gather_groups):
-            spans = [self.buckets[b] for b in group]
-            pieces = [flat[lo + r * (hi - lo) // dp:lo + (r + 1) * (hi - lo) // dp] for lo, hi in spans]
-            self.gathers[g] = P.all_gather_many([flat[lo:hi] for lo, hi in spans], pieces, self.mesh, self.dim)
+            spans, dim = [self.buckets[b] for b in group], self.bucket_dims[group[0]]  # (one dim a group)
+            n, r = (self.mesh.dp_cp, self.mesh.dp_cp_rank) if dim != "edp" else (self.mesh.edp, self.mesh.edp_rank)
+            if n > 1:
+                pieces = [flat[lo + r * (hi - lo) // n:lo + (r + 1) * (hi - lo) // n] for lo, hi in spans]
+                self.gathers[g] = P.all_gather_many([flat[lo:hi] for lo, hi in spans], pieces, self.mesh, dim)
 
     def wait_params(self, buckets=None):
         """Wait for the all-gathers of these buckets (default: all): their weights are then current."""
@@ -331,17 +339,19 @@ class ZeRO1Sync(GradSync):
         """Full-length master / moment buffers for a checkpoint, on dp rank 0 (None elsewhere),
         assembled a bucket at a time in host memory through a bucket-sized device buffer, so no
         device ever holds the unsharded state ZeRO exists to avoid."""
-        dp, keep = self.mesh.dp_cp, self.mesh.dp_cp_rank == 0
+        keep = self.mesh.dp_cp_rank < self.mesh.ep  # (the writers: checkpoint.shard_contents)
         keys = ("master", "exp_avg", "exp_avg_sq")
         out = {key: torch.empty(self.opt.numel) for key in keys} if keep else None
         buf = torch.empty(max(hi - lo for lo, hi in self.buckets), device=self.opt.grad.device)
         c = 0  # where this bucket's piece starts in the compact (owned-only) buffers
-        for lo, hi in self.buckets:
-            piece = (hi - lo) // dp
+        for (lo, hi), n, dim in zip(self.buckets, self.bucket_sizes, self.bucket_dims):
+            piece = (hi - lo) // n
             for key in keys:
-                P.all_gather(buf[:hi - lo], getattr(self.opt, key)[c:c + piece], self.mesh, self.dim)
+                mine = getattr(self.opt, key)[c:c + piece]
+                if n > 1:
+                    P.all_gather(buf[:hi - lo], mine, self.mesh, dim)
                 if keep:
-                    out[key][lo:hi].copy_(buf[:hi - lo])
+                    out[key][lo:hi].copy_(buf[:hi - lo] if n > 1 else mine)
             c += piece
         return out
 

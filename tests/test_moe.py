@@ -184,7 +184,7 @@ def test_a_mixture_trains_as_the_single_process_does(tmp_path, moe_reference, n,
 @pytest.mark.parametrize("flags,message", [
     (["--tp", "2"], "--tp: a mixture of experts (4 experts) does not train with --tp yet"),
     (["--zero", "3"], "does not train with --zero 3 yet"),
-    (["--zero", "1", "--ep", "2"], "does not train with --zero 1 with --ep yet"),
+    (["--zero", "2", "--ep", "2"], "does not train with --zero 2 with --ep yet"),
     (["--ep", "2", "--model", "tiny"], "--ep 2: model tiny is dense"),
     (["--ep", "3"], "--ep 3 must divide the 4 experts and dp 2")])
 def test_what_a_mixture_does_not_train_with_is_one_line(tmp_path, flags, message):
@@ -215,10 +215,12 @@ from test_parallel import losses, masters, rel  # noqa: E402
 
 
 @pytest.mark.parametrize("n,flags", [(2, ["--ep", "2"]), (4, ["--ep", "2"]), (4, ["--ep", "4"]),
-                                     (4, ["--pp", "2", "--ep", "2"])])
+                                     (4, ["--pp", "2", "--ep", "2"]), (2, ["--ep", "2", "--zero", "1"]),
+                                     (4, ["--ep", "2", "--zero", "1", "--act-ckpt"])])
 def test_expert_parallelism_trains_as_the_single_process_does(tmp_path, moe_reference, n, flags):
-    """dp 2 with ep 2, dp 4 with ep 2 and ep 4, pp 2 x dp 2 with ep 2: the single process's losses,
-    load-balancing losses and weights; each step's all-to-all bytes are counted under "ep"."""
+    """dp 2 with ep 2, dp 4 with ep 2 and ep 4, pp 2 x dp 2 with ep 2, dp 2 with ep 2 under ZeRO-1, dp 4
+    with ep 2 under ZeRO-1 with activation checkpointing: the single process's losses, load-balancing
+    losses and weights; each step's all-to-all bytes are counted under "ep"."""
     job(n, tmp_path, *MOE, *flags)
     assert_same_training(tmp_path, moe_reference)
     for a, b in zip(moe_records(tmp_path), moe_records(moe_reference)):
