@@ -648,7 +648,7 @@ def get_parser() -> argparse.ArgumentParser:
 # train.py's flags that a measured run passes on (train_args), as train.py has them
 TRAIN_FLAGS = {"--data", "--seq-len", "--micro-batch", "--grad-accum", "--doc-mask", "--precision", "--act-ckpt",
                "--compile", "--attn-backend", "--memory-check", "--loss-chunk", "--tp", "--cp", "--pp", "--sp",
-               "--zero", "--bucket-mb", "--deterministic", "--device", "--ckpt-sync"}
+               "--zero", "--ep", "--bucket-mb", "--deterministic", "--device", "--ckpt-sync"}
 
 
 def add_train_args(p: argparse.ArgumentParser):

@@ -89,6 +89,13 @@ def unit_params(args: M.ModelArgs, layout: P.Layout = P.Layout(), stage: int = 0
     return units
 
 
+def expert_units(args: M.ModelArgs, layout: P.Layout, stage: int) -> list[int]:
+    """The expert parameters one rank of pipeline stage `stage` holds, mixture layer by layer (E / ep each)."""
+    ranges = P.stage_layers(args.n_layers, layout.pp * layout.virtual, layout.split)[stage::layout.pp]
+    return [args.n_experts // layout.ep * 3 * args.dim * args.expert_dim
+            for start, end in ranges for i in range(start, end) if args.is_moe(i)]
+
+
 def stage_params(args: M.ModelArgs, layout: P.Layout = P.Layout(), stage: int = 0) -> int:
     """Parameters one rank of pipeline stage `stage` holds."""
     return sum(unit_params(args, layout, stage))
@@ -360,10 +367,13 @@ def comm_estimate(args: M.ModelArgs, layout: P.Layout = P.Layout(), shape: Shape
       cp: per layer and micro-batch, K and V all-gathered (all ranks' tokens, this rank's kv heads),
         their gradients reduce-scattered, again on recompute; all else carries seq_len / cp tokens.
       pp: each micro-batch's activations to the next stage, their gradient back (split under SP).
+      ep: per mixture layer and micro-batch, each token's top_k rows to its experts' ranks and back,
+        forward and backward, again on recompute, (ep-1)/ep of them off this rank when the router
+        balances the experts; and each expert's count of rows (ep_bytes).
       dp: dp_bytes."""
     if stage is None:  # per dimension, the most any stage sends
         stages = [comm_estimate(args, layout, shape, s) for s in range(layout.pp)]
-        return {dim: max(c[dim] for c in stages) for dim in ("tp", "cp", "pp", "dp")}
+        return {dim: max(c[dim] for c in stages) for dim in ("tp", "cp", "pp", "dp", "ep")}
     tp, cp, pp, sp, grad_accum = layout.tp, layout.cp, layout.pp, layout.sp, shape.grad_accum
     b, tokens = BYTES[shape.precision], shape.micro_batch * shape.seq_len // cp
     stream = tokens * args.dim * b  # one micro-batch of the residual stream
@@ -384,7 +394,20 @@ def comm_estimate(args: M.ModelArgs, layout: P.Layout = P.Layout(), shape: Shape
     kv = shape.micro_batch * shape.seq_len * 2 * args.n_kv_heads * args.head_dim // tp * b  # every rank's K, V
     cp_bytes = grad_accum * layers * (2 + (act_ckpt == "full")) * ring(cp) * kv
     return {"tp": tp_bytes if tp > 1 else 0.0, "cp": cp_bytes, "pp": pp_bytes,
-            "dp": dp_bytes(args, b, layout, grad_accum, stage)}
+            "dp": dp_bytes(args, b, layout, grad_accum, stage), "ep": ep_bytes(args, layout, shape, stage)}
+
+
+def ep_bytes(args: M.ModelArgs, layout: P.Layout, shape: Shape, stage: int) -> float:
+    """comm_estimate's all-to-all bytes under expert parallelism, with the router balancing the experts."""
+    if layout.ep == 1:
+        return 0.0
+    ranges = P.stage_layers(args.n_layers, layout.pp * layout.virtual, layout.split)[stage::layout.pp]
+    moe = sum(args.is_moe(i) for start, end in ranges for i in range(start, end))
+    forwards = 1 + bool(ckpt_mode(shape.act_ckpt))  # (the all-to-alls run again when a block is recomputed)
+    rows = shape.micro_batch * shape.seq_len * args.top_k * args.dim * BYTES[shape.precision]
+    # each forward: the counts (int64), the rows out and back; backward: their gradients, out and back
+    per_layer = forwards * (args.n_experts * 8 + 2 * rows) + 2 * rows
+    return shape.grad_accum * moe * (layout.ep - 1) / layout.ep * per_layer
 
 
 def dp_bytes(args: M.ModelArgs, b: int, layout: P.Layout, grad_accum: int, stage: int) -> float:
@@ -397,6 +420,11 @@ def dp_bytes(args: M.ModelArgs, b: int, layout: P.Layout, grad_accum: int, stage
         return 0.0
     ring = (dp - 1) / dp
     n = -(-stage_params(args, layout, stage) // dp) * dp
+    if layout.ep > 1:  # the experts' gradients go over the edp ranks holding the same experts: fewer hops
+        experts = sum(u for u in expert_units(args, layout, stage))
+        n, edp = n - experts, layout.edp
+        also = (edp - 1) / edp * experts * ((4 + b) if zero else 8)
+        return ring * n * (4 + b) + also if zero else 2 * ring * n * 4 + also
     if zero >= 3:  # every micro-batch: each unit gathered for its forward and again for its backward
         units = [-(-u // dp) * dp for u in unit_params(args, layout, stage)]
         tied = args.tie_embeddings and stage == 0 and stage == layout.pp - 1
@@ -448,18 +476,18 @@ def run_costs(gpu: str, gpus: int, seconds: float, pue: float, usd_per_gpu_hour:
             "energy_mwh": gpu_hours * SYSTEMS[gpu].watts * pue / 1e6, "usd": gpu_hours * usd_per_gpu_hour}
 
 
-def links(gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict[str, str]:
+def links(gpu: str, tp: int, cp: int, pp: int, gpus: int, ep: int = 1) -> dict[str, str]:
     """Each dimension's link: the GPU's own ("NVLink", "PCIe", ...) where a group lies in one of its
     domains, else "network". The mesh puts tp innermost, then cp, pp, dp (parallel.init_mesh), so a
-    group spans the product of the sizes up to its own."""
-    span = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": gpus}
+    group spans the product of the sizes up to its own; ep's, the innermost ep of the dp ranks."""
+    span = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": gpus, "ep": tp * cp * pp * ep}
     return {dim: SYSTEMS[gpu].link if n <= SYSTEMS[gpu].domain else "network" for dim, n in span.items()}
 
 
-def comm_seconds(comm: dict, gpu: str, tp: int, cp: int, pp: int, gpus: int) -> dict:
+def comm_seconds(comm: dict, gpu: str, tp: int, cp: int, pp: int, gpus: int, ep: int = 1) -> dict:
     """Seconds per step each dimension's bytes (comm_estimate's, sent by one GPU) take on its link:
     bytes over bandwidth each way, all exposed (latency and overlap with compute left out)."""
-    system, link = SYSTEMS[gpu], links(gpu, tp, cp, pp, gpus)
+    system, link = SYSTEMS[gpu], links(gpu, tp, cp, pp, gpus, ep)
     return {dim: sent / 1e9 / (system.network_gbs if link[dim] == "network" else system.link_gbs)
             for dim, sent in comm.items()}
 

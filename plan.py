@@ -45,7 +45,7 @@ def plan(model: str, tokens: float, layout: P.Layout, shape: costs.Shape, gpu: s
     margs, gpus, tp, cp, pp, dp = M.PRESETS[model], layout.world, layout.tp, layout.cp, layout.pp, layout.dp
     micro_batch, seq_len, grad_accum = shape.micro_batch, shape.seq_len, shape.grad_accum
     precision = shape.precision
-    n = costs.count_params(margs)
+    n, active = costs.count_params(margs), costs.count_params(margs, active=True)  # (a mixture: top_k experts)
     tokens_micro = micro_batch * seq_len
     tokens_step = tokens_micro * grad_accum * dp
     steps = math.ceil(tokens / tokens_step)
@@ -59,19 +59,20 @@ def plan(model: str, tokens: float, layout: P.Layout, shape: costs.Shape, gpu: s
     peak = costs.gpu_peak(gpu, precision)[0]
     step_s = flops_tok["palm"] * tokens_step / (gpus * peak * mfu)
     capacity = costs.SYSTEMS[gpu].memory_gb * 1e9
-    optimal = costs.compute_optimal(6 * n * tokens)
-    return {"model": model, "params": n, "gpus": gpus, "gpu": gpu, "tp": tp, "cp": cp, "pp": pp, "dp": dp,
+    optimal = costs.compute_optimal(6 * active * tokens)
+    return {"model": model, "params": n, "active_params": active, "gpus": gpus, "gpu": gpu, "tp": tp, "cp": cp,
+            "pp": pp, "dp": dp, "ep": layout.ep,
             "gpus_per_replica": tp * cp * pp, "micro_batch": micro_batch, "seq_len": seq_len,
             "grad_accum": grad_accum,
             "tokens_per_micro_batch": tokens_micro, "tokens_per_global_batch": tokens_step, "tokens": tokens,
-            "steps": steps, "flops": (4 if lora else 6) * n * tokens, "flops_per_token": flops_tok,
+            "steps": steps, "flops": (4 if lora else 6) * active * tokens, "flops_per_token": flops_tok,
             "precision": precision,
             "memory_per_gpu_bytes": chosen["total"], "memory_per_gpu": chosen, "memory_variants": variants,
             "comm_bytes_per_step": comm, "bubble": (pp - 1) / (layout.virtual * grad_accum + pp - 1), "mfu": mfu,
             "peak_flops": peak, "step_time_s": step_s, **costs.run_costs(gpu, gpus, steps * step_s, pue,
                                                                           usd_per_gpu_hour),
-            "comm_seconds_per_step": costs.comm_seconds(comm, gpu, tp, cp, pp, gpus),
-            "links": costs.links(gpu, tp, cp, pp, gpus),
+            "comm_seconds_per_step": costs.comm_seconds(comm, gpu, tp, cp, pp, gpus, layout.ep),
+            "links": costs.links(gpu, tp, cp, pp, gpus, layout.ep),
             "compute_optimal": {"parameters": optimal[0], "tokens": optimal[1]}, "gpu_memory_bytes": capacity,
             "reserve_bytes": reserve_gb * 1e9, "fits": chosen["total"] <= capacity - reserve_gb * 1e9,
             "zero": layout.zero, "act_ckpt": shape.act_ckpt, "sp": layout.sp, "schedule": layout.schedule,
@@ -82,8 +83,10 @@ def plan(model: str, tokens: float, layout: P.Layout, shape: costs.Shape, gpu: s
 
 def print_plan(r: dict):
     gb = lambda x: f"{x / 1e9:,.2f} GB"
-    print(f"{r['model']}: {r['params']:,} parameters on {r['gpus']:,} {r['gpu']} = {r['dp']} replicas x "
-          f"{r['gpus_per_replica']} GPUs (tp {r['tp']} x cp {r['cp']} x pp {r['pp']})")
+    active = f" ({r['active_params']:,} active)" if r["active_params"] != r["params"] else ""
+    experts = f", the experts over ep {r['ep']} of them" if r["ep"] > 1 else ""
+    print(f"{r['model']}: {r['params']:,} parameters{active} on {r['gpus']:,} {r['gpu']} = {r['dp']} replicas "
+          f"x {r['gpus_per_replica']} GPUs (tp {r['tp']} x cp {r['cp']} x pp {r['pp']}){experts}")
     print(f"  batch: {r['micro_batch']} x {r['seq_len']:,} = {r['tokens_per_micro_batch']:,} tokens per "
           f"micro-batch, x {r['grad_accum']} accumulation x {r['dp']} dp = {r['tokens_per_global_batch']:,} "
           "tokens per step")
@@ -177,8 +180,9 @@ def planned_layout(a, grad_accum: int, seq_len: int) -> P.Layout:
     tp cuts), checked as train.py checks its own (config.check_layout)."""
     cut = a.tp * a.cp * a.pp
     layout = P.Layout(tp=a.tp, cp=a.cp, pp=a.pp, dp=a.gpus // cut if cut > 0 else 0, sp=a.sp or a.tp > 1,
-                      zero=int(a.zero), schedule=a.schedule, virtual=a.virtual_stages)
+                      zero=int(a.zero), schedule=a.schedule, virtual=a.virtual_stages, ep=a.ep)
     config.check_layout(layout, a.gpus, M.PRESETS[a.model], grad_accum, seq_len)
+    config.check_experts(a, M.PRESETS[a.model], layout)
     return layout
 
 
@@ -230,7 +234,8 @@ def train_flags(a, r: dict) -> list[str]:
     """train.py's flags for the planned run (the data, its tokenizer and the steps included)."""
     flags = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--micro-batch",
              str(a.micro_batch), "--grad-accum", str(a.grad_accum), "--tp", str(a.tp), "--cp", str(a.cp),
-             "--pp", str(a.pp), "--zero", str(a.zero), "--max-steps", str(r["steps"])]
+             "--pp", str(a.pp), "--zero", str(a.zero), "--max-steps", str(r["steps"])] + (
+                 ["--ep", str(a.ep)] if a.ep > 1 else [])
     flags += ["--tokenizer", "llama3"] if a.model.startswith("llama") else []
     flags += ["--sp"] if a.sp or a.tp > 1 else []
     flags += (["--act-ckpt"] + (["selective"] if a.act_ckpt == "selective" else [])) if a.act_ckpt else []

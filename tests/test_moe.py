@@ -13,6 +13,7 @@ import data
 import helpers
 import model as M
 import weights as W
+from conftest import REPO
 
 transformers = pytest.importorskip("transformers")  # test-only dependency: requirements-test.txt
 
@@ -246,3 +247,27 @@ def test_an_expert_parallel_checkpoint_continues_under_another_ep(tmp_path):
         assert len(la) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(la, lb)), (n, la, lb)
         wa, wb = masters(other), masters(straight)
         assert wa.keys() == wb.keys() and max(rel(wa[k], wb[k]) for k in wb) <= 1e-5
+
+
+def test_the_plan_of_mixtral_8x7b_divides_its_experts_over_ep(tmp_path):
+    """bench.py --plan on 64 H100s: total and active parameters, FLOPs on the active ones (6 N_active per
+    token), each GPU's weights with 1/ep of the experts, the all-to-all bytes; tp is refused as training
+    refuses it."""
+    import subprocess
+    import sys
+    base = [sys.executable, "bench.py", "--plan", "--model", "mixtral-8x7b", "--gpus", "64", "--pp", "4",
+            "--zero", "1", "--act-ckpt", "--seq-len", "4096", "--micro-batch", "1", "--grad-accum", "16",
+            "--tokens", "1e12", "--json"]
+    plan = lambda *flags: json.loads(subprocess.run(base + list(flags), capture_output=True, text=True,
+                                                    check=True, cwd=REPO).stdout)
+    one, eight = plan(), plan("--ep", "8")
+    assert eight["params"] == 46_702_792_704 and eight["active_params"] == 12_879_925_248
+    assert eight["flops"] == 6 * 12_879_925_248 * 1e12
+    experts = 32 // 4 * 8 * 3 * 4096 * 14336 * 2  # a stage's 8 layers' experts, in bf16
+    assert one["memory_per_gpu"]["weights"] - eight["memory_per_gpu"]["weights"] == pytest.approx(experts * 7 / 8)
+    assert one["comm_bytes_per_step"]["ep"] == 0 < eight["comm_bytes_per_step"]["ep"]
+    rows = 4096 * 2 * 4096 * 2  # one micro-batch's top-2 rows of 4,096 numbers in bf16
+    expected = 16 * 8 * 7 / 8 * (2 * (8 * 8 + 2 * rows) + 2 * rows)  # act-ckpt: each forward twice
+    assert eight["comm_bytes_per_step"]["ep"] == pytest.approx(expected)
+    refused = subprocess.run(base + ["--ep", "8", "--tp", "2"], capture_output=True, text=True, cwd=REPO)
+    assert refused.returncode == 1 and "does not train with --tp yet" in refused.stderr
