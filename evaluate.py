@@ -823,6 +823,16 @@ def matrix_change(a: torch.Tensor, b: torch.Tensor) -> dict:
     return out
 
 
+def weight_shape(margs: M.ModelArgs) -> dict:
+    """What decides a model's weights' names and shapes: the dense FFN's size only where a layer is dense,
+    a mixture's experts where there are any."""
+    keys = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings", "num_labels",
+            "n_experts"]
+    keys += ["hidden_dim"] if margs.moe_layers < margs.n_layers else []
+    keys += ["expert_dim", "moe_every"] if margs.n_experts else []
+    return {k: getattr(margs, k) for k in keys}
+
+
 def weight_diff(a_path, b_path, mirror=None) -> dict:
     """--diff A B, two checkpoints or exports of one model: each parameter's change and the layers
     and kinds that moved most. A is read with B's tokenizer: where B grew the vocabulary (SFT's chat
@@ -834,10 +844,9 @@ def weight_diff(a_path, b_path, mirror=None) -> dict:
     with contextlib.redirect_stdout(sys.stderr):
         (margs_a, a), (margs_b, b) = checkpoint.load_init(a_path, tok_b), checkpoint.load_init(b_path, tok_b)
     # compare what shapes the weights: a preset's FFN rule and an export's hidden_dim are one model
-    shaping = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "tie_embeddings",
-               "num_labels")
-    differ = ", ".join(f"{k} {getattr(margs_a, k)} vs {getattr(margs_b, k)}" for k in shaping
-                       if getattr(margs_a, k) != getattr(margs_b, k))
+    shape_a, shape_b = weight_shape(margs_a), weight_shape(margs_b)
+    differ = ", ".join(f"{k} {shape_a.get(k)} vs {shape_b.get(k)}" for k in {**shape_a, **shape_b}
+                       if shape_a.get(k) != shape_b.get(k))
     if differ:
         raise config.ConfigError(f"--diff: {a_path} and {b_path} are different models ({differ})")
     tied = {"output.weight"} if margs_b.tie_embeddings else set()  # the embedding's own numbers

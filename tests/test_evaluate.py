@@ -438,7 +438,11 @@ def test_diff_of_two_different_models_is_one_line(tmp_path, capsys):
               tmp_path / "b", BYTE)
     gpt2 = data.get_tokenizer("gpt2", os.environ.get("DATA_MIRROR"))
     W.save_hf(small, tmp_path / "gpt2", W.hf_tokens(gpt2, chat=False))
-    for other, said in (("b", "are different models (n_layers 2 vs 3)"), ("gpt2", "reads the tokenizer")):
+    mixture = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, n_experts=4)
+    W.save_hf(M.Transformer(mixture), tmp_path / "moe", BYTE)
+    for other, said in (("b", "are different models (n_layers 2 vs 3)"), ("gpt2", "reads the tokenizer"),
+                        ("moe", "are different models (n_experts 0 vs 4, hidden_dim 192 vs None, expert_dim "
+                                "None vs 192, moe_every None vs 1)")):
         with pytest.raises(SystemExit):
             config.run(E.main, ["--diff", str(tmp_path / "a"), str(tmp_path / other)])
         err = capsys.readouterr().err
