@@ -530,14 +530,14 @@ def rotate(out_dir: Path, newest: Path, keep: int):
 
 
 class Checkpointer:
-    """Phase 7 of train.py's step: every --ckpt-every steps, at the last (0: never) and on an early stop. A checkpoint
-    holds every rank's shards with global names (py, section 3), so it loads into any
+    """Phase 7 of train.py's step: every --ckpt-every steps, at the last (0: never) and on an early
+    stop. A checkpoint holds every rank's shards with global names (section 3), so it loads into any
     layout, plus the random states, the loss scale and meta.json, whose recipe and data fingerprint
-    let --resume refuse another recipe or other data. py keeps the folder. The step waits
-    only for a copy of the state in host memory; the disk is written in the background (AsyncSaver;
-    --ckpt-sync: the step waits for the disk too). One save at a time: the next, an early stop and the
-    end of the run wait for the one in flight. A background failure reaches every rank in the next
-    step's Tally (through `stop`), and wait() raises it, naming the intact """
+    let --resume refuse another recipe or other data. The functions above keep the folder. The step
+    waits only for a copy of the state in host memory; the disk is written in the background
+    (AsyncSaver; --ckpt-sync: the step waits for the disk too). One save at a time: the next, an early
+    stop and the end of the run wait for the one in flight. A background failure reaches every rank
+    in the next step's Tally (through `stop`), and wait() raises it, naming the intact checkpoint."""
 
     def __init__(self, run, start_step: int, recipe, stop: launch.StopFlag, lora: tuple | None):
         # run: train.Run; recipe: its recipe (train.Pretraining); lora: config.lora_of's, or None

@@ -5,8 +5,8 @@ flags) and one gate, check_config, which refuses every bad input (a flag out of 
 larger than the model, a layout that does not divide the world or the heads, a model too large for
 the device's memory) on every rank, in one line, before any process talks or the output folder is
 touched. configure_process then has launch.py make the process-wide settings once, from the command
-line, never from a library function. --ramp's stages (Llama 3's growing batch and sequence length, ramp.py) are
-checked here too.
+line, never from a library function. --ramp's stages (Llama 3's growing batch and sequence length,
+ramp.py) are checked here too.
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ def flops_per_token(args: M.ModelArgs, seq_len: int, frozen: bool = False) -> di
     """Training FLOPs per token (forward + backward = 3x forward), by two conventions: 'palm' (PaLM
     appendix B, nanoGPT, torchtitan) 6*N_matmul + 12*L*d*T; 'megatron' (Megatron-LM, llm.c) halves
     the attention term, as causal masking skips half. N_matmul: every weight in a matmul a token
-    meets (an MoE layer's top_k experts of n_experts), all but the embedding table, the head included (a tied matrix counts once, as the head). frozen (LoRA):
-    no weight gradients, so 4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
+    meets (an MoE layer's top_k experts of n_experts), all but the embedding table, the head
+    included (a tied matrix counts once, as the head). frozen (LoRA): no weight gradients, so
+    4*N_matmul (the adapters' own FLOPs, r/dim of that, left out)."""
     n_matmul = count_params(args, embedding=False, active=True) + (args.vocab_size * args.dim
                                                                    if args.tie_embeddings else 0)
     attn, matmuls = 12 * args.n_layers * args.dim * seq_len, (4 if frozen else 6) * n_matmul

@@ -230,15 +230,7 @@ def init_mesh(layout: Layout | None = None, device: torch.device | None = None, 
     if not dist.is_initialized():
         launch.join_job(rank, world, device, timeout_s)
     mesh.group_ranks["world"] = list(range(world))
-    # each group: the ranks that differ only in that dimension (dp_cp: in dp and cp), in rank order
-    lines = {"tp": grid.reshape(-1, tp), "cp": grid.permute(0, 1, 3, 2).reshape(-1, cp),
-             "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp), "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp)}
-    if cp > 1:
-        lines["dp_cp"] = grid.permute(1, 3, 0, 2).reshape(-1, dp * cp)
-    if layout.ep > 1:  # dp rank d = edp_rank * ep + ep_rank: "ep" the ranks holding all the experts between
-        ep = grid.view(dp // layout.ep, layout.ep, pp, cp, tp)  # them, "edp" those holding the same ones
-        lines["ep"], lines["edp"] = (ep.permute(0, 2, 3, 4, 1).reshape(-1, layout.ep),
-                                     ep.permute(1, 2, 3, 4, 0).reshape(-1, dp // layout.ep))
+    lines = group_lines(layout, grid)
     # Only the groups this rank is in, of dimensions larger than 1, each agreed on by its members
     # alone (use_local_synchronization): a rank makes 3 or 4 groups, not one per line of every
     # dimension (a thousand splits of the world at a thousand GPUs). Each group needs its own
@@ -258,6 +250,21 @@ def init_mesh(layout: Layout | None = None, device: torch.device | None = None, 
         mesh.group_ranks[dim] = list(range(world))
     barrier(mesh)
     return mesh
+
+
+def group_lines(layout: Layout, grid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each dimension's groups, one per row: the ranks that differ only in that dimension (dp_cp: in dp
+    and cp), in rank order, from grid = arange(world).view(dp, pp, cp, tp)."""
+    tp, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
+    lines = {"tp": grid.reshape(-1, tp), "cp": grid.permute(0, 1, 3, 2).reshape(-1, cp),
+             "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp), "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp)}
+    if cp > 1:
+        lines["dp_cp"] = grid.permute(1, 3, 0, 2).reshape(-1, dp * cp)
+    if layout.ep > 1:  # dp rank d = edp_rank * ep + ep_rank: "ep" the ranks holding all the experts between
+        ep = grid.view(dp // layout.ep, layout.ep, pp, cp, tp)  # them, "edp" those holding the same ones
+        lines["ep"], lines["edp"] = (ep.permute(0, 2, 3, 4, 1).reshape(-1, layout.ep),
+                                     ep.permute(1, 2, 3, 4, 0).reshape(-1, dp // layout.ep))
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------
