@@ -481,7 +481,8 @@ def links(gpu: str, tp: int, cp: int, pp: int, gpus: int, ep: int = 1) -> dict[s
     """Each dimension's link: the GPU's own ("NVLink", "PCIe", ...) where a group lies in one of its
     domains, else "network". The mesh puts tp innermost, then cp, pp, dp (parallel.init_mesh), so a
     group spans the product of the sizes up to its own; ep's, the innermost ep of the dp ranks."""
-    span = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": gpus, "ep": tp * cp * pp * ep}
+    span = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": gpus}
+    span |= {"ep": tp * cp * pp * ep} if ep > 1 else {}  # (a dimension there is no need for named nowhere)
     return {dim: SYSTEMS[gpu].link if n <= SYSTEMS[gpu].domain else "network" for dim, n in span.items()}
 
 
@@ -490,7 +491,7 @@ def comm_seconds(comm: dict, gpu: str, tp: int, cp: int, pp: int, gpus: int, ep:
     bytes over bandwidth each way, all exposed (latency and overlap with compute left out)."""
     system, link = SYSTEMS[gpu], links(gpu, tp, cp, pp, gpus, ep)
     return {dim: sent / 1e9 / (system.network_gbs if link[dim] == "network" else system.link_gbs)
-            for dim, sent in comm.items()}
+            for dim, sent in comm.items() if dim in link}  # (ep: only where there is expert parallelism)
 
 
 TOKENS_PER_PARAMETER = 20  # Chinchilla's own shape: 70B parameters on 1.4T tokens

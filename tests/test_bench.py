@@ -52,8 +52,7 @@ def test_what_a_run_costs_by_hand():
     # HGX board; pp and dp leave it. On a GB200 rack the 72 GPUs are one NVLink domain: dp 9 x tp 8 on it.
     sent = {"tp": 450e9, "cp": 0.0, "pp": 50e9, "dp": 100e9}
     assert costs.comm_seconds(sent, "H100", tp=8, cp=1, pp=2, gpus=64) == {"tp": 1, "cp": 0, "pp": 1, "dp": 2}
-    assert costs.links("GB200", 8, 1, 1, 72) == {"tp": "NVLink", "cp": "NVLink", "pp": "NVLink", "dp": "NVLink",
-                                                 "ep": "NVLink"}
+    assert costs.links("GB200", 8, 1, 1, 72) == {"tp": "NVLink", "cp": "NVLink", "pp": "NVLink", "dp": "NVLink"}
     assert costs.links("GB200", 8, 1, 1, 144)["dp"] == "network"
     # Chinchilla itself: 70B parameters on 1.4T tokens, 6 x 70e9 x 1.4e12 = 5.88e23 FLOPs
     assert costs.compute_optimal(5.88e23) == pytest.approx((70e9, 1.4e12))

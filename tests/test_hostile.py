@@ -704,7 +704,7 @@ def test_a_process_not_started_as_part_of_a_job_says_so(tmp_path, capsys, monkey
 
 @pytest.mark.parametrize("case,expected", [
     ("negative consumed", "the loader's 'consumed' is not a count"),
-    ("unknown model args", "model args have unknown keys 'n_experts'"),
+    ("unknown model args", "model args have unknown keys 'sliding_window'"),
     ("meta.json nested too deep", "meta.json unreadable: RecursionError"),
 ])
 def test_a_tampered_meta_json_is_one_line(tmp_path, capsys, case, expected):
@@ -715,7 +715,7 @@ def test_a_tampered_meta_json_is_one_line(tmp_path, capsys, case, expected):
     if case == "negative consumed":
         meta["loader"]["consumed"] = -8
     elif case == "unknown model args":
-        meta["model_args"]["n_experts"] = 8
+        meta["model_args"]["sliding_window"] = 4096
     path.write_text("[" * 100_000 + "]" * 100_000 if case.endswith("too deep") else json.dumps(meta))
     assert expected in refused(capsys, train.main, TINY + ["--max-steps", "4", "--out-dir", str(out),
                                                            "--resume"])
