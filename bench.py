@@ -74,6 +74,7 @@ def train_args(a, out_dir: str, ckpt_every: int = 0, **over) -> argparse.Namespa
                                                                                               a.grad_accum)),
             "--tp", str(over.get("tp", a.tp)), "--pp", str(over.get("pp", a.pp)),
             "--cp", str(over.get("cp", a.cp)), "--zero", str(over.get("zero", a.zero)),
+            "--ep", str(over.get("ep", a.ep)), "--moe-aux-coef", str(a.moe_aux_coef),
             "--bucket-mb", str(a.bucket_mb), "--loss-chunk", str(over.get("loss_chunk", a.loss_chunk)),
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
             "--ckpt-every", str(ckpt_every),
@@ -192,7 +193,7 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
                          args.compile, args.dropout > 0)
     est = costs.memory_estimate(margs, mesh.layout, shape, mesh.pp_rank, bucket_mb=args.bucket_mb, kept=kept)
     comm_est = costs.comm_estimate(margs, mesh.layout, shape, mesh.pp_rank)
-    return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "micro_batch": args.micro_batch,
+    return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "ep": mesh.ep, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": run.task.chunk,
@@ -285,6 +286,7 @@ def row_line(r: dict) -> str:
             f"{100 * r['mfu']['megatron']:7.2f}% "
             f"{r['peak_memory_gb']:7.3f} {r['memory_estimate_gb']['total']:7.3f}  {ph}"
             + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
+            + (f"  ep {r['ep']}" if r["ep"] > 1 else "")
             + f"  attn {r['attn_kernel']}")
     if r["loss_rate_vs_blocks"] is not None:
         line += f"\n       the loss phase's FLOP rate / the blocks': {r['loss_rate_vs_blocks']:.2f}"
@@ -365,7 +367,7 @@ def measure_apart(argv: list[str], over: dict) -> dict:
     return {"setting": over, "error": why.removeprefix("error: ")}
 
 
-SWEEP_KEYS = ("tp", "cp", "pp", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile", "loss_chunk",
+SWEEP_KEYS = ("tp", "cp", "pp", "ep", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile", "loss_chunk",
               "deterministic", "attn")
 # what a --sweep key may be set to: its flag's rule (the others: at least 1)
 SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1, "full", "selective"), "compile": (0, 1),
@@ -648,7 +650,7 @@ def get_parser() -> argparse.ArgumentParser:
 # train.py's flags that a measured run passes on (train_args), as train.py has them
 TRAIN_FLAGS = {"--data", "--seq-len", "--micro-batch", "--grad-accum", "--doc-mask", "--precision", "--act-ckpt",
                "--compile", "--attn-backend", "--memory-check", "--loss-chunk", "--tp", "--cp", "--pp", "--sp",
-               "--zero", "--ep", "--bucket-mb", "--deterministic", "--device", "--ckpt-sync"}
+               "--zero", "--ep", "--moe-aux-coef", "--bucket-mb", "--deterministic", "--device", "--ckpt-sync"}
 
 
 def add_train_args(p: argparse.ArgumentParser):

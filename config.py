@@ -215,14 +215,12 @@ def check_experts(args, margs, layout: P.Layout):
                           "expert-parallel ranks are dp ranks)")
     if not margs.n_experts:
         return
-    cannot = {"--tp": layout.tp > 1, "--cp": layout.cp > 1, "--zero 3": layout.zero == 3,
-              "--lora-rank": args.lora_rank is not None,
-              f"--zero {layout.zero} with --ep": layout.ep > 1 and layout.zero > 1}
-    named = [flag for flag, given in cannot.items() if given]
-    if named:
-        raise ConfigError(f"{', '.join(named)}: a mixture of experts ({margs.n_experts} experts) does not train "
-                          f"with {' or '.join(named)} yet (it does with dp, pp, ep, ZeRO-1, ZeRO-2 without ep, "
-                          "activation checkpointing and --compile)")
+    for flag, given in ((f"--tp {layout.tp}", layout.tp > 1), (f"--cp {layout.cp}", layout.cp > 1),
+                        ("--zero 3", layout.zero == 3), ("--lora-rank", args.lora_rank is not None),
+                        (f"--zero {layout.zero} with --ep", layout.ep > 1 and layout.zero > 1)):
+        if given:
+            raise ConfigError(f"{flag}: a mixture of experts does not train with it yet (it does with dp, pp, ep, "
+                              "ZeRO-1, ZeRO-2 without ep, activation checkpointing and --compile)")
 
 
 def check_lora_shape(rank: int, alpha: float, targets, margs):

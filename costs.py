@@ -152,7 +152,7 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
       loss_forward / loss_backward: what the loss holds on top while it runs: an fp32 copy of the
         logits (bf16, or vocab-parallel on a rank with padding), the vocab-parallel loss's shifted
         logits and their exponentials; in backward two fp32 gradients (one and a cast under TP).
-      layer_backward: one block's backward (3 hidden-sized gradients).
+      layer_backward: one block's backward (its feed-forward's, ffn_bytes).
       weight_grad: the embedding's or head's weight gradient, whole before it joins the fp32 buffer.
     With loss_chunk, the loss's terms are chunked_loss_bytes'."""
     d, b, s = args.dim, BYTES[precision], tp if sp else 1
@@ -165,11 +165,13 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
            "loss_saved": rows * 4,
            "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
            "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
-           "layer_backward": 3 * tokens * args.hidden_dim * b / tp, "weight_grad": V * d * b}
+           "layer_backward": tokens * ffn_bytes(args, b, tp, kept.compiled)["backward"], "weight_grad": V * d * b}
     kv = args.n_kv_heads * args.head_dim
-    matmuls = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d + 2 * args.hidden_dim / tp
+    matmuls = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d
     sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
-    out["layer_selective"] = out["layer_input"] + tokens * ((matmuls + sequence) * b + args.n_heads // tp * 4)
+    ffn = ffn_bytes(args, b, tp, kept.compiled)
+    out["layer_selective"] = out["layer_input"] + tokens * ((matmuls + sequence) * b + ffn["selective"]
+                                                            + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:
         out.update(chunked_loss_bytes(args, tokens, precision, tp, loss_chunk))
     return out
@@ -189,11 +191,31 @@ def layer_bytes(args: M.ModelArgs, tokens: int, b: int, tp: int, sp: bool, cp: i
     ab = 4 if kept.fp32_attention else b
     kv = args.n_kv_heads * args.head_dim if kept.grouped_kv else d
     attention = (2 * d + 2 * kv * cp) * ab + (d * b if ab != b else 0)
-    if kept.compiled:
-        per_token = 2 * d * b / s + 2 * d * b + (attention + 3 * args.hidden_dim * b) / tp
-    else:
-        per_token = 2 * d * (4 + b) / s + 2 * d * b + (attention + 4 * args.hidden_dim * b) / tp
+    norms = 2 * d * b / s if kept.compiled else 2 * d * (4 + b) / s
+    per_token = norms + 2 * d * b + attention / tp + ffn_bytes(args, b, tp, kept.compiled)["kept"]
     return tokens * (per_token + heads * 4 + 2 * d * kept.dropout / s)
+
+
+def ffn_bytes(args: M.ModelArgs, b: int, tp: int, compiled: bool) -> dict:
+    """A block's feed-forward per token, b bytes a number: what backward keeps of it, what selective
+    checkpointing keeps (the matmuls' outputs beside w2's, counted with wo's) and its backward's
+    temporaries. SwiGLU keeps w1 x, silu(w1 x), w3 x and their product (hidden each, split over tp;
+    compiled, SiLU recomputed: 3), selectively w1 x and w3 x; backward makes 3 hidden-sized gradients.
+    A mixture layer does that for each of a token's top_k rows (each at expert_dim), and keeps each
+    row's gathered input and its expert's output (dim each; selectively the outputs of top_k - 1 rows
+    more than a dense w2), the router's scores and its fp32 probabilities (n_experts each). Routing
+    balanced: a rank whose experts get more rows under ep holds more. Mixed layers: the mean, the
+    largest backward."""
+    h, swiglu = args.hidden_dim / tp, 3 if compiled else 4
+    dense = dict(kept=swiglu * h * b, selective=2 * h * b, backward=3 * h * b)
+    if not args.n_experts:
+        return dense
+    k, e, d, share = args.top_k, args.n_experts, args.dim, args.moe_layers / args.n_layers
+    moe = dict(kept=k * (swiglu * args.expert_dim + 2 * d) * b + e * (b + 4),
+               selective=k * 2 * args.expert_dim * b + (k - 1) * d * b + e * b,
+               backward=k * (3 * args.expert_dim + 2 * d) * b)
+    mean = {key: share * moe[key] + (1 - share) * dense[key] for key in ("kept", "selective")}
+    return dict(mean, backward=max(moe["backward"], dense["backward"] if share < 1 else 0.0))
 
 
 def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, loss_chunk: int) -> dict:
@@ -286,9 +308,11 @@ def model_state_bytes(args: M.ModelArgs, layout: P.Layout, precision: str, stage
     if lora:
         n, frozen = lora_params(args, *lora, layout.tp) * rank_layers(args.n_layers, layout, stage), n
     n = -(-n // dp) * dp
+    experts = sum(expert_units(args, layout, stage)) if layout.ep > 1 and not lora else 0
+    shard = (n - experts) / zdp + experts / (layout.edp if zdp > 1 else 1)  # (ep: experts over edp)
     out = {"weights": (n + frozen) * b, "grads": n * 4,
-           "master": n * 4 / zdp if precision != "fp32" or zdp > 1 else 0.0,
-           "optimizer": 2 * n * 4 / zdp, "zero_buffers": n * 4 / zdp if zdp > 1 else 0.0}
+           "master": shard * 4 if precision != "fp32" or zdp > 1 else 0.0,
+           "optimizer": 2 * shard * 4, "zero_buffers": shard * 4 if zdp > 1 else 0.0}
     if zero >= 2 and zdp > 1:  # staging (GradSync._launch): the bucket filling, two in flight, their pieces
         bucket = min(n, bucket_mb * 2 ** 20 / 4)
         out["grads"], out["zero_buffers"] = n * 4 / zdp, (3 * bucket + 2 * bucket / zdp) * 4

@@ -533,8 +533,8 @@ class MoE(nn.Module):
         probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, n_experts), in fp32
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, top_k)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        y = self.dispatch(self.experts, x, chosen, weights).view(shape)
         pairs = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # (n_experts,) pairs per expert
+        y = self.dispatch(self.experts, x, chosen, weights, pairs).view(shape)
         aux = self.n_experts * (pairs / x.shape[0] * probs.mean(0)).sum()
         if self.training:
             self.record(aux.detach(), pairs)
@@ -548,12 +548,13 @@ class MoE(nn.Module):
         self.stats = s if self.stats is None else self.stats + s
 
 
-def run_experts(experts: nn.ModuleDict, x, chosen, weights):
+def run_experts(experts: nn.ModuleDict, x, chosen, weights, pairs):
     """x (N, dim) through the experts: each (token, slot) pair goes to its expert, grouped by expert
-    so each runs one matmul over all its tokens; chosen, weights (N, top_k). -> (N, dim)."""
+    so each runs one matmul over all its tokens; chosen, weights (N, top_k); pairs (n_experts,) the
+    pairs each expert got. -> (N, dim)."""
     n, k = chosen.shape
     order = chosen.flatten().argsort(stable=True)  # the N * top_k pairs, grouped by expert
-    counts = torch.bincount(chosen.flatten(), minlength=len(experts)).tolist()  # (a host sync: the sizes)
+    counts = pairs.tolist()  # (a host sync: the sizes)
     grouped = x[order // k]  # (N * top_k, dim): each pair's token
     y = torch.cat([experts[key](part) for key, part in zip(experts, grouped.split(counts))])
     out = torch.empty_like(y)
@@ -598,21 +599,24 @@ class Block(nn.Module):
         return x + dropped(self.feed_forward(self.ffn_norm(x)), self.dropout, self.training)
 
 
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """This rank's mixture layers (its pipeline stage's), in layer order."""
+    return [b.feed_forward for b in model.layers.values() if isinstance(b.feed_forward, MoE)]
+
+
 def set_moe_aux(model: nn.Module, weight: float):
     """The load-balancing loss's gradient weight in every MoE layer: --moe-aux-coef over the MoE layers
     and the step's micro-batches (over every dp rank), times fp16's loss scale."""
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.aux_weight = weight
+    for m in moe_layers(model):
+        m.aux_weight = weight
 
 
 def moe_stats(model: nn.Module) -> torch.Tensor | None:
     """(aux loss, busiest expert's share over the even share, count) summed over this rank's MoE
     layers and forwards since the last call, which clears them; None for a dense model."""
-    sums = [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.stats = None
+    sums = [m.stats for m in moe_layers(model) if m.stats is not None]
+    for m in moe_layers(model):
+        m.stats = None
     return torch.stack(sums).sum(0) if sums else None
 
 

@@ -710,16 +710,15 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all(grad, ctx.recv, ctx.send, MESHES[ctx.key]), None, None, None
 
 
-def expert_parallel_dispatch(experts: nn.ModuleDict, x, chosen, weights, mesh: Mesh) -> torch.Tensor:
-    """model.run_experts across the ep group: x (N, dim), chosen and weights (N, top_k) -> (N, dim).
-    The (token, slot) pairs, sorted by expert, are sorted by the rank holding it; a first all-to-all
+def expert_parallel_dispatch(experts: nn.ModuleDict, x, chosen, weights, pairs, mesh: Mesh) -> torch.Tensor:
+    """model.run_experts across the ep group: x (N, dim), chosen and weights (N, top_k), pairs (E,) this
+    rank's pairs per expert -> (N, dim). The (token, slot) pairs, sorted by expert, are sorted by the rank holding it; a first all-to-all
     of counts tells each rank how many rows of each of its experts every rank sends."""
     n, k = chosen.shape
     local, ep = len(experts), mesh.ep  # (experts are numbered globally; this rank holds `local`)
     order = chosen.flatten().argsort(stable=True)
-    counts = torch.bincount(chosen.flatten(), minlength=local * ep)  # (E,) this rank's pairs per expert
-    got = all_to_all(counts, [local] * ep, [local] * ep, mesh).view(ep, local)  # [source, my expert]
-    send, got = counts.view(ep, local).sum(1).tolist(), got.tolist()  # (the host sync: split sizes)
+    got = all_to_all(pairs, [local] * ep, [local] * ep, mesh).view(ep, local)  # [source, my expert]
+    send, got = pairs.view(ep, local).sum(1).tolist(), got.tolist()  # (the host sync: split sizes)
     rows = _AllToAll.apply(x[order // k], send, [sum(g) for g in got], mesh.key)  # by (source, expert)
     pieces = rows.split([c for g in got for c in g])
     outs = [experts[key](torch.cat(pieces[e::local])) for e, key in enumerate(experts)]  # each expert once

@@ -47,6 +47,9 @@ CENSUS = textwrap.dedent(f"""
 # several buckets a step, so that reductions overlap the backward as they do at scale
 SMALL_BUCKETS = ["--bucket-mb", "0.25"]
 GPT2 = ["--tokenizer", "gpt2"]  # a 50K vocabulary: the logits, the loss and the embedding weigh in the total
+# a mixture of experts (routing is what a census on one process cannot get wrong: every token's rows are
+# its own; under ep a rank holds what its experts are sent, which at random init is far from even)
+MOE = ["--model", "moe-mini"]
 LAYOUTS = {  # name: (processes, flags, estimate's keywords); TP's memory: see the test after this one
     "fp32": (1, [], {}),
     "gpt2 vocabulary": (1, GPT2, {}),
@@ -88,6 +91,11 @@ LAYOUTS = {  # name: (processes, flags, estimate's keywords); TP's memory: see t
     "pp 2 gpt2": (2, GPT2 + ["--pp", "2", "--grad-accum", "4"], dict(pp=2, grad_accum=4)),
     "pp 2 AFAB gpt2": (2, GPT2 + ["--pp", "2", "--grad-accum", "4", "--schedule", "afab"],
                        dict(pp=2, grad_accum=4, schedule="afab")),
+    "moe-mini": (1, MOE, {}),
+    "moe-mini, checkpointing": (1, MOE + ["--act-ckpt"], dict(act_ckpt=True)),
+    "moe-mini bf16, selective checkpointing": (1, MOE + ["--act-ckpt", "selective", "--precision", "bf16"],
+                                               dict(act_ckpt="selective", precision="bf16")),
+    "moe-mini pp 2": (2, MOE + ["--pp", "2", "--grad-accum", "2"], dict(pp=2, grad_accum=2)),
     "pp 2 gpt2, the loss in chunks": (2, GPT2 + ["--pp", "2", "--grad-accum", "4", "--loss-chunk", "64"],
                                       dict(pp=2, grad_accum=4, loss_chunk=64)),
 }
