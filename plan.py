@@ -52,7 +52,9 @@ def plan(model: str, tokens: float, layout: P.Layout, shape: costs.Shape, gpu: s
     flops_tok = costs.flops_per_token(margs, seq_len, frozen=lora is not None)
     memory = lambda z, ck: costs.memory_estimate(margs, dataclasses.replace(layout, zero=z),
                                                  shape._replace(act_ckpt=ck), lora=lora)
-    variants = {f"zero{z}_ckpt{costs.ckpt_label(c)}": memory(z, c) for z in (0, 1, 2, 3) if not (lora and z == 3)
+    stages = [z for z in (0, 1, 2, 3) if not (lora and z == 3) and not (margs.n_experts and z == 3)
+              and not (layout.ep > 1 and z == 2)]  # (what training refuses: config.check_experts, LoRA)
+    variants = {f"zero{z}_ckpt{costs.ckpt_label(c)}": memory(z, c) for z in stages
                 for c in (False, "selective", "full")}
     chosen = variants[f"zero{layout.zero}_ckpt{costs.ckpt_label(shape.act_ckpt)}"]
     comm = costs.comm_estimate(margs, layout, shape)
