@@ -193,6 +193,10 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
                          args.compile, args.dropout > 0)
     est = costs.memory_estimate(margs, mesh.layout, shape, mesh.pp_rank, bucket_mb=args.bucket_mb, kept=kept)
     comm_est = costs.comm_estimate(margs, mesh.layout, shape, mesh.pp_rank)
+    rates = costs.measured_rates(run.device, run.precision)
+    owned = sum(hi - lo for lo, hi in run.opt.ranges)
+    floors = costs.phase_floors(margs, args.seq_len, tokens / mesh.world, owned, run.precision, rates,
+                                run.task.takes_hidden, "2-4 pipeline" in phases)
     return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp, "ep": mesh.ep, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
@@ -207,6 +211,9 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
             "comm_bytes_per_step": logged_comm(args.out_dir) or {k: v / (a.warmup_steps + a.steps)
                                                                 for k, v in mesh.comm_bytes.items()},
             "comm_estimate_bytes": comm_est,
+            "matmul_flops_measured": rates[0], "copy_bytes_per_s_measured": rates[1],
+            "floors_ms": {k: 1000 * v for k, v in floors.items()},
+            "ceiling_mfu": {k: v * tokens / (sum(floors.values()) * peak * mesh.world) for k, v in flops.items()},
             "loss_rate_vs_blocks": loss_vs_blocks(margs, flops["palm"], phases, run.task.takes_hidden)}
 
 
@@ -288,6 +295,9 @@ def row_line(r: dict) -> str:
             + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
             + (f"  ep {r['ep']}" if r["ep"] > 1 else "")
             + f"  attn {r['attn_kernel']}")
+    line += "\n       floors (ms): " + " ".join(f"{k.split()[0]}:{v:.1f}" for k, v in r["floors_ms"].items()) + (
+        f"; ceiling MFU {100 * r['ceiling_mfu']['palm']:.1f}% (matmul {costs.rate(r['matmul_flops_measured'])}, "
+        f"copy {r['copy_bytes_per_s_measured'] / 1e9:.1f} GB/s, measured)")
     if r["loss_rate_vs_blocks"] is not None:
         line += f"\n       the loss phase's FLOP rate / the blocks': {r['loss_rate_vs_blocks']:.2f}"
     comm = {k: v for k, v in r["comm_bytes_per_step"].items() if v and k != "world"}  # world: tiny

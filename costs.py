@@ -602,6 +602,7 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     return peak, source
 
 
+@functools.lru_cache(maxsize=None)
 def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
     """The best FLOP/s of square matmuls through F.linear, the model's kernel (on a CPU without
     native bf16, `a @ b` in bf16 is 10x slower, understating the peak and overstating MFU): three
@@ -620,6 +621,51 @@ def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
             if tries >= 1 and time.perf_counter() - t_start > 0.3:
                 break
     return best
+
+
+@functools.lru_cache(maxsize=None)
+def measured_rates(device: torch.device, precision: str) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) on this device, measured once per process: the best square
+    matmul in the precision (measured_peak, whatever the peak table says), and the best copy of a
+    buffer of 64 MB on a CPU, 1 GB on a GPU, bytes read plus written (a smaller buffer, inside a
+    CPU's caches, copies faster)."""
+    n = 2 ** 24 if device.type == "cpu" else 2 ** 28
+    src, dst, best = torch.ones(n, device=device), torch.empty(n, device=device), 0.0
+    for _ in range(5):
+        sync_device(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync_device(device)
+        best = max(best, 2 * 4 * n / (time.perf_counter() - t0))
+    return measured_peak(device, M.DTYPES[precision]), best
+
+
+def optimizer_bytes(owned: int, precision: str) -> float:
+    """The least the optimizer step must move for `owned` parameters: AdamW reads and writes the fp32
+    master and both moments (24 bytes), reads the fp32 gradient (4) and, below fp32, writes the
+    model's copy in the compute precision (2); the clipping norm's read and the gradients' reset are
+    above this floor."""
+    return owned * (24 + 4 + (BYTES[precision] if precision != "fp32" else 0))
+
+
+def phase_floors(args: M.ModelArgs, seq_len: int, tokens: float, owned: int, precision: str,
+                 rates: tuple[float, float], chunked: bool, pipeline: bool) -> dict[str, float]:
+    """The seconds each phase of a rank's step could not beat: phases 2-4 their FLOPs (PaLM's count,
+    as MFU's) for `tokens` tokens at the matmul rate, phase 6 optimizer_bytes at the copy rate (rates:
+    measured_rates). With the chunked loss the head's forward and backward (6 x dim x vocabulary a
+    token) are phase 3's, the blocks' forward a third of the rest, their backward two thirds; with
+    whole logits the head's are in 2 and 4, and the loss, element-wise, has no floor here; a pipeline
+    times 2-4 as one. Data, grad sync and the checkpoint have none here either."""
+    matmul, copy = rates
+    flops = flops_per_token(args, seq_len)["palm"] * tokens
+    head = 6 * args.dim * args.output_size * tokens if chunked else 0.0
+    if pipeline:
+        out = {"2-4 pipeline": flops / matmul}
+    else:
+        out = {"2 forward": (flops - head) / 3 / matmul, "3 loss": head / matmul,
+               "4 backward": 2 * (flops - head) / 3 / matmul}
+        out = {k: v for k, v in out.items() if v or k != "3 loss"}
+    return {**out, "6 optimizer": optimizer_bytes(owned, precision) / copy}
 
 
 def rate(flops: float) -> str:

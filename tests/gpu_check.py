@@ -431,7 +431,10 @@ def llama_rows(day: Report, work: Path, seconds: float) -> bool:
         day.add("1B rows", name, "fail" if warned else "measured", took, r,
                 f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']['palm']:.1f}%, attention "
                 f"{r['attn_kernel']}, peak {r['peak_memory_gb']:.1f} GB (estimate "
-                f"{r['memory_estimate_gb']['total']:.1f}), step {1000 * r['step_s']:.0f} ms"
+                f"{r['memory_estimate_gb']['total']:.1f}), step {1000 * r['step_s']:.0f} ms; phases (ms) "
+                + " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items()) + "; floors "
+                + " ".join(f"{k.split()[0]}:{v:.1f}" for k, v in r["floors_ms"].items())
+                + f", ceiling MFU {100 * r['ceiling_mfu']['palm']:.1f}%"
                 + (f"; dynamo warned: {warned[0][:100]}" if warned else ""))
         good &= not warned
     return good

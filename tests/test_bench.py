@@ -195,11 +195,29 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
                                       "6 optimizer"}  # a row times the step alone: no checkpoint
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"]["megatron"] < r["mfu"]["palm"]
         assert r["memory_estimate_gb"]["total"] > 0
+        assert_floors(r)
     for precision in ("fp32", "bf16"):  # bf16: the case that once ended in an IndexError
         hf = json.loads(subprocess.run(cmd + ["--compare-hf", "--precision", precision], capture_output=True,
                                        text=True, check=True, env=env).stdout.splitlines()[-1])["compare_hf"]
         assert len(hf["ours_tokens_per_s"]) == len(hf["hf_tokens_per_s"]) == 2
         assert hf["ratio_ours_over_hf"] > 0 and "fp32 gradients, master weights" in hf["ours_keeps"]
+
+
+def assert_floors(r):
+    """A row's floors, from its own fields: phases 2 and 4 the step's FLOPs on the rank (PaLM's count, as
+    MFU's; with whole logits the head's are theirs) at the measured matmul rate, a third and two thirds;
+    phase 6 AdamW's bytes (fp32 master, m and v read and written, the gradient read: 28 a parameter in
+    fp32) at the measured copy rate; the ceiling MFU the step's FLOPs over the floors' sum."""
+    floors = r["floors_ms"]
+    assert set(floors) == {"2 forward", "4 backward", "6 optimizer"}, floors
+    step_flops = r["mfu"]["palm"] * r["peak_flops"] * r["step_s"]  # the step's PaLM FLOPs (one rank)
+    assert floors["2 forward"] + floors["4 backward"] == pytest.approx(
+        1000 * step_flops / r["matmul_flops_measured"], rel=1e-6)
+    assert floors["4 backward"] == pytest.approx(2 * floors["2 forward"], rel=1e-9)
+    assert floors["6 optimizer"] == pytest.approx(1000 * 28 * r["params"] / r["copy_bytes_per_s_measured"],
+                                                  rel=0.01)  # (the flat buffer pads a few numbers)
+    assert r["ceiling_mfu"]["palm"] == pytest.approx(
+        step_flops / (sum(floors.values()) / 1000 * r["peak_flops"]), rel=1e-6)
 
 
 def test_a_refused_row_is_a_row_and_the_sweep_goes_on(tmp_path):
