@@ -202,7 +202,8 @@ def measure_in(out_dir: str, a, timing: str, **over) -> dict:
             "grad_accum": args.grad_accum, "act_ckpt": args.act_ckpt, "sp": args.sp, "zero": args.zero,
             "deterministic": args.deterministic, "compile": args.compile, "loss_chunk": run.task.chunk,
             "attn_backend": args.attn_backend, "attn_kernel": run.attention, "params": costs.count_params(margs),
-            "precision": run.precision, "step_s": step_s, "phases_s": phases, "tokens_per_s": tokens / step_s,
+            "precision": run.precision, "fp8": args.precision == "fp8", "step_s": step_s, "phases_s": phases,
+            "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / mesh.world,
             "mfu": {k: v * tokens / step_s / (peak * mesh.world) for k, v in flops.items()},
             "peak_flops": peak, "peak_flops_source": peak_src, "peak_memory_gb": max(peaks),
@@ -267,7 +268,8 @@ class Table:
 
     def heading(self, r0: dict):
         a = self.a
-        print(f"{a.model} ({r0['params']:,} params), {r0['precision']}, peak "
+        fp8 = " (fp8 matmuls in the blocks: MFU against the bf16 peak)" if a.precision == "fp8" else ""
+        print(f"{a.model} ({r0['params']:,} params), {r0['precision']}{fp8}, peak "
               f"{costs.rate(r0['peak_flops'])} per device ({r0['peak_flops_source']}); medians of "
               f"{a.steps} steps after {a.warmup_steps} warm-up")
         print(f"  {'tp cp pp dp':>11s} {'mb':>3s} {'ckpt':>4s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "

@@ -165,8 +165,9 @@ def add_optimization_flags(p: argparse.ArgumentParser, only=None):
     add("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     add("--moe-aux-coef", type=float, default=0.01,
         help="a mixture of experts' load-balancing loss (Switch Transformer's) enters the loss times this")
-    add("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-        help="auto: bf16 on CUDA, fp32 elsewhere")
+    add("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
+        help="auto: bf16 on CUDA, fp32 elsewhere; fp8: bf16 training whose blocks' linears multiply in "
+             "float8 (an FP8 GPU: sm_89 or newer; a CPU)")
 
 
 def add_lora_flags(p: argparse.ArgumentParser, only=None):
@@ -818,7 +819,20 @@ def pick_device_and_precision(args):
     precision = args.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "fp8":  # bf16 training but for the blocks' matmuls (train.py: model.set_fp8)
+        check_fp8(device)
+        precision = "bf16"
     return device, precision
+
+
+def check_fp8(device):
+    """Float8 matmuls (torch._scaled_mm) run on a CPU and on CUDA GPUs from sm_89 (Ada, Hopper) on."""
+    if device.type == "mps":
+        raise ConfigError("--precision fp8: MPS has no float8 matmul; use bf16")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"--precision fp8: {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no "
+                          "float8 matmul (sm_89 or newer: Ada, Hopper, Blackwell); use bf16")
 
 
 def configure_process(args):

@@ -38,7 +38,8 @@ def banner(run, meter: Meter, name: str, data_desc: str):
         trained = sum(p.numel() for p in run.opt.params)
         launch.say(f"LoRA rank {lora[0]}, alpha {lora[1]:g} on {', '.join(lora[2])}: {trained:,} trained "
                    f"parameters on this rank, the model frozen in {run.precision}")
-    launch.say(f"device {run.device}, {run.precision}, attention {run.attention}; MFU uses the PaLM convention "
+    fp8 = " with the blocks' matmuls in fp8 (MFU against the bf16 peak)" if args.precision == "fp8" else ""
+    launch.say(f"device {run.device}, {run.precision}{fp8}, attention {run.attention}; MFU uses the PaLM convention "
         + ("4N+12LdT (LoRA: no weight gradients)" if lora else "6N+12LdT")
         + (" plus the reference's forward" if task.reference_forwards else "")
         + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "

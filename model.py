@@ -381,20 +381,71 @@ class KVCache:
 
 
 class Linear(nn.Linear):
-    """x W^T, no bias: the linears of attention and the MLP. One may carry a LoRA update (add_lora):
-    x W^T + (alpha / r) (x A^T) B^T, A (r, in) and B (out, r)."""
+    """x W^T, no bias: the linears of attention and the MLP, in float8 where set_fp8 says (FP8Linear).
+    One may carry a LoRA update (add_lora): x W^T + (alpha / r) (x A^T) B^T, A (r, in) and B (out, r)."""
 
     def __init__(self, in_features: int, out_features: int, device=None):
         super().__init__(in_features, out_features, bias=False, device=device)
         self.register_parameter("lora_A", None)
         self.register_parameter("lora_B", None)
         self.lora_scale, self.lora_on = 0.0, True
+        self.fp8 = False  # a training setting (set_fp8)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = FP8Linear.apply(x, self.weight) if self.fp8 and self.training else F.linear(x, self.weight)
         if self.lora_A is not None and self.lora_on:  # (B, T, in) -> (B, T, r) -> (B, T, out)
             y = y + self.lora_scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
         return y
+
+
+# FP8 training (--precision fp8): a block's linears multiply in float8 (8 bits: e4m3, 3 mantissa bits and
+# 4 of exponent, or e5m2), at twice bf16's matmul rate on an H100; everything else stays bf16, the master
+# weights, gradients and optimizer state as bf16 training keeps them. Tensorwise dynamic scaling: each
+# operand is multiplied so its largest magnitude this step lands on the format's largest, cast, and the
+# matmul divides the product by both scales (torch._scaled_mm, on an FP8 GPU or a CPU).
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def to_fp8(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (2-D) scaled so its amax lands on dtype's largest number, cast -> (t8, fp32 inverse scale)."""
+    amax = t.detach().abs().amax().float().clamp(min=1e-12)  # (an all-zero t: any scale serves)
+    scale = FP8_MAX[dtype] / amax
+    return (t.float() * scale).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype), scale.reciprocal()
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column by column: _scaled_mm's layout for its second operand."""
+    return t.t().contiguous().t()
+
+
+class FP8Linear(torch.autograd.Function):
+    """y = x W^T in float8, the three matmuls of a linear each in _scaled_mm: forward x8 W8^T; backward
+    dx = g8 W8 and dW = g8^T x8. x and W in e4m3 (precision where values are bounded), the output's
+    gradient g in e5m2 (its range: gradients span more orders of magnitude than they need digits).
+    Backward keeps x8 and W8 (1 byte a number, not bf16's 2). x (..., in), W (out, in)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        x8, sx = to_fp8(x.reshape(-1, x.shape[-1]), E4M3)  # (N, in)
+        w8, sw = to_fp8(weight, E4M3)  # (out, in)
+        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)  # (N, out)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, sx, w8, sw = ctx.saved_tensors
+        g8, sg = to_fp8(grad.reshape(-1, grad.shape[-1]), E5M2)  # (N, out)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._scaled_mm(g8, column_major(w8), scale_a=sg, scale_b=sw, out_dtype=ctx.dtypes[0])
+            dx = dx.view(ctx.shape)  # (N, out) x (out, in)
+        if ctx.needs_input_grad[1]:  # (out, N) x (N, in)
+            dw = torch._scaled_mm(g8.t().contiguous(), column_major(x8), scale_a=sg, scale_b=sx,
+                                  out_dtype=ctx.dtypes[1])
+        return dx, dw
 
 
 class Attention(nn.Module):
@@ -618,6 +669,16 @@ def moe_stats(model: nn.Module) -> torch.Tensor | None:
     for m in moe_layers(model):
         m.stats = None
     return torch.stack(sums).sum(0) if sums else None
+
+
+def set_fp8(model: nn.Module, on: bool):
+    """Float8 matmuls (FP8Linear) in every block's linears while training, the experts' included; the
+    router, the embedding and the head stay in the compute precision, as evaluation and generation do."""
+    for block in model.layers.values():
+        routers = {id(m.gate) for m in block.modules() if isinstance(m, MoE)}
+        for m in block.modules():
+            if isinstance(m, Linear) and id(m) not in routers:
+                m.fp8 = on
 
 
 def set_dropout(model: nn.Module, p: float):

@@ -189,8 +189,9 @@ def planned_layout(a, grad_accum: int, seq_len: int) -> P.Layout:
 
 
 def planned_shape(a, seq_len: int, grad_accum: int) -> costs.Shape:
-    return costs.Shape(a.micro_batch, seq_len, "bf16" if a.precision == "auto" else a.precision, grad_accum,
-                       a.act_ckpt, a.loss_chunk)
+    """The run's shape; fp8 planned as bf16 (its weights, and activations it keeps no larger)."""
+    precision = {"auto": "bf16", "fp8": "bf16"}.get(a.precision, a.precision)
+    return costs.Shape(a.micro_batch, seq_len, precision, grad_accum, a.act_ckpt, a.loss_chunk)
 
 
 def run_plan(a):

@@ -619,6 +619,7 @@ def build_model(margs, state, args, mesh, device, dtype, lazy: bool = False, lor
     model.act_ckpt = args.act_ckpt
     M.set_attn_backend(model, args.attn_backend)
     M.set_dropout(model, args.dropout)
+    M.set_fp8(model, args.precision == "fp8")
     return model
 
 
