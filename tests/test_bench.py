@@ -236,8 +236,9 @@ def test_a_refused_row_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert rows[1]["error"] == ("--attn-backend cudnn runs on CUDA GPUs only, and this run is on cpu: use auto, "
                                 "flash or math")
     text = subprocess.run(cmd, capture_output=True, text=True, env=env).stdout.splitlines()
-    assert "  mb=4,attn=cudnn: --attn-backend cudnn runs on CUDA GPUs only" in text[3]
-    assert len(text) == 6 and text[1].split()[:2] == ["tp", "cp"]  # 2 lines of heading, 3 rows, a note
+    assert "  mb=4,attn=cudnn: --attn-backend cudnn runs on CUDA GPUs only" in text[4]
+    assert [line.split()[0] for line in text[3:7:3]] == ["floors", "floors"]  # under each measured row
+    assert len(text) == 8 and text[1].split()[:2] == ["tp", "cp"]  # 2 lines of heading, 3 rows, a note
     assert not list((tmp_path / "tmp").iterdir())
 
 
