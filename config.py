@@ -585,8 +585,22 @@ def check_shape(args, layout: P.Layout, world: int, margs, device, precision: st
             P.stage_layers(margs.n_layers, layout.pp * layout.virtual, layout.split)
     except P.LayoutError as e:
         raise ConfigError(f"invalid parallel layout{ramp_stage(args)}: {e}") from None
+    if args.precision == "fp8" and device.type == "cuda":
+        check_fp8_shapes(margs, layout, args.micro_batch * recipe.rows_per_example * args.seq_len // layout.cp)
     check_memory(margs, args, layout, device, precision, recipe.rows_per_example, recipe.frozen_copies,
                  args.loss_chunk if recipe.head_in_loss else 0, masked)
+
+
+def check_fp8_shapes(margs, layout: P.Layout, tokens: int):
+    """CUDA's float8 matmul takes sides that are multiples of 16: a micro-batch's tokens on a rank and
+    every side of a block's linears on a tp rank."""
+    tp, kv = layout.tp, margs.n_kv_heads * margs.head_dim
+    sides = {"tokens in a micro-batch on a rank (--micro-batch x --seq-len / cp)": tokens, "dim": margs.dim,
+             "the heads' width / tp": margs.n_heads * margs.head_dim // tp, "the kv heads' width / tp": kv // tp,
+             "the FFN's hidden size / tp": margs.hidden_dim // tp, "the experts' hidden size": margs.expert_dim}
+    bad = [f"{name} {n}" for name, n in sides.items() if n % 16]
+    if bad:
+        raise ConfigError(f"--precision fp8 on CUDA needs multiples of 16, and {', '.join(bad)} are not")
 
 
 def check_attention(args, device, masked: str | None) -> str | None:

@@ -403,7 +403,8 @@ def default_run(day: Report, work: Path, seconds: float) -> bool:
 # longer write: about 27 s eager and 37-50 s compiled now (not measured yet).
 LLAMA_1B = ["--model", "llama3.2-1b", "--precision", "bf16", "--seq-len", "4096", "--steps", "5",
             "--warmup-steps", "3"]
-QUICK_ROWS = [["--micro-batch", "4", "--compile"], ["--micro-batch", "4"],
+QUICK_ROWS = [["--micro-batch", "4", "--compile"], ["--micro-batch", "4", "--compile", "--precision", "fp8"],
+              ["--micro-batch", "4"],
               ["--micro-batch", "4", "--compile", "--no-doc-mask", "--attn-backend", "cudnn"],
               ["--micro-batch", "4", "--compile", "--no-doc-mask", "--attn-backend", "flash"],
               ["--micro-batch", "2", "--compile"]]
@@ -412,7 +413,7 @@ QUICK_ROWS = [["--micro-batch", "4", "--compile"], ["--micro-batch", "4"],
 def llama_rows(day: Report, work: Path, seconds: float) -> bool:
     """QUICK_ROWS, each within what is left of the part's time (at most 90 s a row: a compiled one compiles
     for about half a minute the first time, less once inductor's cache holds its kernels)."""
-    deadline, good = time.monotonic() + seconds, True
+    deadline, good, first = time.monotonic() + seconds, True, None
     for flags in QUICK_ROWS:
         left = deadline - time.monotonic()
         name = " ".join(flags)
@@ -427,6 +428,8 @@ def llama_rows(day: Report, work: Path, seconds: float) -> bool:
             good = False
             continue
         r = rows[-1]
+        first = first or r  # (the compiled bf16 row, which an fp8 row is measured against)
+        versus = f"; {r['tokens_per_s'] / first['tokens_per_s']:.2f}x the first row's tokens/s" if r["fp8"] else ""
         warned = [line for line in out.splitlines() if "compiled_flex_attention" in line]  # dynamo's warning
         day.add("1B rows", name, "fail" if warned else "measured", took, r,
                 f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']['palm']:.1f}%, attention "
@@ -434,7 +437,7 @@ def llama_rows(day: Report, work: Path, seconds: float) -> bool:
                 f"{r['memory_estimate_gb']['total']:.1f}), step {1000 * r['step_s']:.0f} ms; phases (ms) "
                 + " ".join(f"{k.split()[0]}:{1000 * v:.1f}" for k, v in r["phases_s"].items()) + "; floors "
                 + " ".join(f"{k.split()[0]}:{v:.1f}" for k, v in r["floors_ms"].items())
-                + f", ceiling MFU {100 * r['ceiling_mfu']['palm']:.1f}%"
+                + f", ceiling MFU {100 * r['ceiling_mfu']['palm']:.1f}%" + versus
                 + (f"; dynamo warned: {warned[0][:100]}" if warned else ""))
         good &= not warned
     return good

@@ -737,3 +737,26 @@ def test_a_full_disk_in_a_row_is_one_line_not_a_traceback(monkeypatch, capsys):
     assert bench.measure_here(a, {"mb": 2}) == {"setting": {"mb": 2}, "error": "could not write checkpoint "
                                                 "/tmp/x/step_000001: No space left on device"}
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_quick_days_1b_rows_give_floors_and_fp8_against_bf16(tmp_path, monkeypatch):
+    """gpu_check's 1B rows, their bench.py runs replaced by a row each: every record's line gives the phases,
+    the floors and the ceiling MFU; the fp8 row its tokens/s over the first (compiled bf16) row's."""
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    import gpu_check
+
+    def fake_row(cmd, seconds):
+        fp8 = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--precision"][-1] == "fp8"  # (the last wins)
+        row = {"tokens_per_s": 60_000.0 if fp8 else 50_000.0, "mfu": {"palm": 0.5}, "attn_kernel": "cudnn",
+               "peak_memory_gb": 45.0, "memory_estimate_gb": {"total": 44.6}, "step_s": 0.29, "fp8": fp8,
+               "phases_s": {"2 forward": 0.062, "6 optimizer": 0.017}, "ceiling_mfu": {"palm": 0.7},
+               "floors_ms": {"2 forward": 40.0, "6 optimizer": 8.6}}
+        return True, "", json.dumps(row), 1.0
+    monkeypatch.setattr(gpu_check, "timed_run", fake_row)
+    day = gpu_check.Report(tmp_path / "r")
+    assert gpu_check.llama_rows(day, tmp_path, 1000)
+    records = [json.loads(line) for line in (tmp_path / "r" / "report.jsonl").read_text().splitlines()]
+    assert len(records) == len(gpu_check.QUICK_ROWS) and all("floors 2:40.0 6:8.6, ceiling MFU 70.0%" in r["detail"]
+                                                              for r in records)
+    fp8 = [r for r in records if "fp8" in r["name"]]
+    assert len(fp8) == 1 and fp8[0]["detail"].endswith("; 1.20x the first row's tokens/s")
