@@ -392,7 +392,8 @@ class Linear(nn.Linear):
         self.fp8 = False  # a training setting (set_fp8)
 
     def forward(self, x):
-        y = FP8Linear.apply(x, self.weight) if self.fp8 and self.training else F.linear(x, self.weight)
+        fp8 = self.fp8 and self.training and x.numel() > 0  # (an expert no token chose: nothing to scale)
+        y = FP8Linear.apply(x, self.weight) if fp8 else F.linear(x, self.weight)
         if self.lora_A is not None and self.lora_on:  # (B, T, in) -> (B, T, r) -> (B, T, out)
             y = y + self.lora_scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
         return y
