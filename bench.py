@@ -79,7 +79,8 @@ def train_args(a, out_dir: str, ckpt_every: int = 0, **over) -> argparse.Namespa
             "--max-steps", str(a.warmup_steps + a.steps), "--warmup", "1", "--eval-every", "-1",
             "--ckpt-every", str(ckpt_every),
             "--log-every", str(10 ** 9), "--sample-tokens", "0", "--out-dir", out_dir,
-            "--precision", a.precision, f"--data={a.data}"] + (["--device", a.device] if a.device else [])
+            "--precision", over.get("precision", a.precision), f"--data={a.data}"]
+    argv += ["--device", a.device] if a.device else []
     ckpt = costs.ckpt_mode(over.get("act_ckpt", a.act_ckpt))
     argv += ["--act-ckpt", ckpt] if ckpt else []
     argv += ["--sp"] if over.get("sp", a.sp) else []
@@ -294,7 +295,7 @@ def row_line(r: dict) -> str:
             f"{r['tokens_per_s_per_device']:9,.0f} {100 * r['mfu']['palm']:7.2f}% "
             f"{100 * r['mfu']['megatron']:7.2f}% "
             f"{r['peak_memory_gb']:7.3f} {r['memory_estimate_gb']['total']:7.3f}  {ph}"
-            + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic") if r[k])
+            + "".join(f"  {k}" for k in ("sp", "zero", "compile", "deterministic", "fp8") if r[k])
             + (f"  ep {r['ep']}" if r["ep"] > 1 else "")
             + f"  attn {r['attn_kernel']}")
     line += "\n       floors (ms): " + " ".join(f"{k.split()[0]}:{v:.1f}" for k, v in r["floors_ms"].items()) + (
@@ -380,13 +381,15 @@ def measure_apart(argv: list[str], over: dict) -> dict:
 
 
 SWEEP_KEYS = ("tp", "cp", "pp", "ep", "mb", "accum", "seq_len", "zero", "sp", "act_ckpt", "compile", "loss_chunk",
-              "deterministic", "attn")
+              "deterministic", "attn", "precision")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # what a --sweep key may be set to: its flag's rule (the others: at least 1)
 SWEEP_CHOICES = {"zero": (0, 1, 2, 3), "sp": (0, 1), "act_ckpt": (0, 1, "full", "selective"), "compile": (0, 1),
-                 "deterministic": (0, 1), "attn": tuple(M.ATTN_BACKENDS)}
-SWEEP_WORDS = {"act_ckpt": ("full", "selective"), "attn": tuple(M.ATTN_BACKENDS)}  # keys with words
+                 "deterministic": (0, 1), "attn": tuple(M.ATTN_BACKENDS), "precision": PRECISIONS}
+SWEEP_WORDS = {"act_ckpt": ("full", "selective"), "attn": tuple(M.ATTN_BACKENDS),
+               "precision": PRECISIONS}  # keys with words
 SWEEP_FORMAT = ("';'-separated settings of key=integer pairs (act_ckpt also full or selective; attn a train.py "
-                "--attn-backend), e.g. 'tp=2,mb=8;act_ckpt=selective;attn=flash'")
+                "--attn-backend; precision fp32, bf16, fp16 or fp8), e.g. 'tp=2,mb=8;act_ckpt=selective;attn=flash'")
 
 
 def refuse(message: str):

@@ -5,7 +5,8 @@ Read top to bottom:
                                  checks (1b)
   2. RMSNorm, RoPE                normalization; rotary positions with Llama 3.1's frequency scaling
   3. Attention, FeedForward, MoE  grouped-query attention (SDPA), SwiGLU MLP, packed-document masks; a
-                                 mixture of SwiGLU experts with a router and its load-balancing loss
+                                 mixture of SwiGLU experts with a router and its load-balancing loss;
+                                 a linear's matmuls in float8 (FP8Linear, --precision fp8)
   4. Transformer                  embedding -> Blocks -> norm -> head; LoRA (add_lora, merge_lora)
   5. Generation                   sampling with a KV cache (temperature, top-k, top-p; 0 = greedy), and K
                                  replies to one prompt in one batch (sample)

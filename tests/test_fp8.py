@@ -100,12 +100,20 @@ def test_a_gpu_without_float8_matmuls_is_refused_in_one_line(monkeypatch):
     config.check_fp8(torch.device("cuda", 0))  # an H100: no refusal
 
 
-def test_bench_says_an_fp8_row_counts_mfu_against_bf16(tmp_path):
-    out = subprocess.run([sys.executable, "bench.py", "--model", "tiny", "--precision", "fp8", "--seq-len", "32",
-                          "--micro-batch", "2", "--steps", "2", "--warmup-steps", "1", "--json"],
-                         capture_output=True, text=True, check=True, cwd=REPO)
-    row = json.loads(out.stdout.splitlines()[-1])
-    assert row["fp8"] and row["precision"] == "bf16" and row["tokens_per_s"] > 0
+def test_bench_measures_fp8_beside_bf16_in_one_run():
+    """--sweep "precision=bf16;precision=fp8": two rows of one run, the fp8 one marked, both counted against
+    the bf16 peak (the heading of a --precision fp8 run says so)."""
+    base = [sys.executable, "bench.py", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2",
+            "--warmup-steps", "1"]
+    out = subprocess.run(base + ["--sweep", "precision=bf16;precision=fp8", "--json"], capture_output=True,
+                         text=True, check=True, cwd=REPO)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["setting"], r["fp8"], r["precision"]) for r in rows] == [
+        ({"precision": "bf16"}, False, "bf16"), ({"precision": "fp8"}, True, "bf16")]
+    assert all("the best bf16 nn.Linear matmul" in r["peak_flops_source"] and r["tokens_per_s"] > 0 for r in rows)
+    text = subprocess.run(base + ["--precision", "fp8"], capture_output=True, text=True, check=True,
+                          cwd=REPO).stdout
+    assert "(fp8 matmuls in the blocks: MFU against the bf16 peak)" in text and "  fp8  attn" in text
 
 
 def test_an_fp8_checkpoint_resumes_in_bf16_and_back(tmp_path):
