@@ -160,16 +160,16 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
     rows = tokens * V
     norm = tokens * d * (4 + b) / s
     copy = 4 if b < 4 or P.padded_vocab(args.vocab_size, tp) != args.vocab_size else 0
+    ffn = ffn_bytes(args, b, tp, kept.compiled)
     out = {"layer": layer_bytes(args, tokens, b, tp, sp, cp, kept),
            "layer_input": tokens * d * b / s, "head": norm + tokens * d * b, "logits": rows * b,
            "loss_saved": rows * 4,
            "loss_forward": rows * ((4 if b < 4 else 0) if tp == 1 else copy + 8),
            "loss_backward": rows * (8 if tp == 1 else 4 + (b if b < 4 else 0)),
-           "layer_backward": tokens * ffn_bytes(args, b, tp, kept.compiled)["backward"], "weight_grad": V * d * b}
+           "layer_backward": tokens * ffn["backward"], "weight_grad": V * d * b}
     kv = args.n_kv_heads * args.head_dim
     matmuls = (2 * d + 2 * kv * (1 + (cp if cp > 1 else 0))) / tp + 2 * d
     sequence = (2 * d + 2 * d / tp) if sp else 0.0  # SP: the gathered inputs, the scattered outputs
-    ffn = ffn_bytes(args, b, tp, kept.compiled)
     out["layer_selective"] = out["layer_input"] + tokens * ((matmuls + sequence) * b + ffn["selective"]
                                                             + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:

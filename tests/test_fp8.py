@@ -77,17 +77,23 @@ def test_fp8_trains_as_bf16_does(tmp_path):
     assert all(abs(a - b) <= 0.02 * b for a, b in zip(fp8[9::10], bf16[9::10])), (fp8[9::10], bf16[9::10])
 
 
+@pytest.fixture(scope="module")
+def fp8_reference(tmp_path_factory):
+    """The single fp8 process's 20 steps, which every layout below is held to."""
+    out = tmp_path_factory.mktemp("fp8_one")
+    job(1, out, "--precision", "fp8", steps=20)
+    return out
+
+
 @pytest.mark.parametrize("flags", [["--tp", "2", "--sp"], ["--zero", "1"], ["--zero", "3"], ["--pp", "2"],
                                    ["--cp", "2"]])
-def test_fp8_trains_under_other_layouts(tmp_path, flags):
+def test_fp8_trains_under_other_layouts(tmp_path, fp8_reference, flags):
     """tp 2 with sp, dp 2 under ZeRO-1 and ZeRO-3, pp 2 and cp 2 train the fp8 model, each shard's scales
     its own (a tp rank's weights, a dp or cp rank's activations: amax over what the rank holds), so their
     losses are the single process's within fp8's rounding, not bit for bit: 2% over 20 steps."""
-    one = job(1, tmp_path / "one", "--precision", "fp8", steps=20)
-    two = job(2, tmp_path / "two", "--precision", "fp8", *flags, steps=20)
-    a, b = losses(tmp_path / "one")[0], losses(tmp_path / "two")[0]
+    job(2, tmp_path / "two", "--precision", "fp8", *flags, steps=20)
+    a, b = losses(fp8_reference)[0], losses(tmp_path / "two")[0]
     assert len(a) == len(b) == 20 and all(abs(x - y) <= 0.02 * y for x, y in zip(b, a)), (a, b)
-    assert one.returncode == two.returncode == 0
 
 
 def test_a_gpu_without_float8_matmuls_is_refused_in_one_line(monkeypatch):
