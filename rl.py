@@ -19,10 +19,20 @@ clipped objective is written out in full all the same.
       k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman's k3, unbiased and >= 0)
   the token loss is  -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) + beta k3_t  (beta: --kl-coef),
   averaged over each reply's tokens, then over the global batch's replies: the paper's
-  1/G sum_i 1/|o_i| sum_t, TRL's loss_type="grpo" with use_bias_correction_kl=False (TRL 1.16
-  defaults to True, weighting each k3_t by rho_t, and to loss_type "dapo", a mean over all tokens).
+  1/G sum_i 1/|o_i| sum_t, TRL's loss_type="grpo" with use_bias_correction_kl=False.
   Logged as TRL's GRPOTrainer: reward, reward_std (within groups), kl, completion_length, clip_ratio
   (kl, clip_ratio: means over all reply tokens of the global batch).
+
+  The GRPO family, each as TRL 1.16's GRPOTrainer defines it (tests/test_rl_trl.py runs TRL on the same
+  rollouts): --loss-type (LOSS_TYPES: what the token losses are averaged over: grpo, bnpo, dr_grpo, dapo),
+  --epsilon-high (DAPO's clip-higher: clip(rho, 1 - eps, 1 + eps_high)), --scale-rewards (the std an
+  advantage is divided by: the group's, the global batch's, or none as in Dr. GRPO), --importance-sampling
+  sequence (GSPO: one ratio per reply, exp(1/|o_i| sum_t (logp_t - old_t))), --mask-truncated (replies cut
+  at --max-new-tokens are not trained on), --kl-bias-correction (each k3_t weighted by rho_t: the KL
+  estimated from p_old's samples) and --dynamic-sampling N (DAPO: groups whose rewards are all equal carry
+  no signal; they are dropped and the micro-batch refilled from the prompt stream, at most N more
+  micro-batches drawn; logged per step as dropped_groups and refills). TRL's defaults: --loss-type dapo
+  --kl-coef 0 (its epsilon_high is its epsilon, and use_bias_correction_kl weighs nothing at beta 0).
 
   PPO (Ouyang et al. 2022's InstructGPT, --algo ppo): a value head V (a linear map of the policy's last
   hidden state; its gradient stops there, so the critic's loss never moves the policy, where InstructGPT
@@ -90,15 +100,26 @@ def clipped_ratio(logp, old_logp, clip_eps: float) -> tuple[torch.Tensor, torch.
     return rho, rho.clamp(1 - clip_eps, 1 + clip_eps)
 
 
-def grpo_token_losses(logp, old_logp, ref_logp, adv, clip_eps: float, beta: float):
-    """GRPO per token (rows, T): -min(rho A, clip(rho) A) + beta k3, with k3 the KL estimate (0 where there is
-    no reference: ref_logp None). Also returns k3 and where the clipped term won (no gradient there)."""
-    rho, clipped = clipped_ratio(logp, old_logp, clip_eps)
+def importance_ratio(logp, old_logp, mask, level: str) -> torch.Tensor:
+    """rho = p / p_old: per token (rows, T), or (level "sequence", GSPO) one per reply (rows, 1), the
+    geometric mean of its tokens' ratios, exp(1/|o| sum_t (logp_t - old_t))."""
+    log_ratio = logp - old_logp
+    return torch.exp(log_ratio if level == "token" else reply_mean(log_ratio, mask)[:, None])
+
+
+def grpo_token_losses(logp, old_logp, ref_logp, adv, mask, clip: tuple[float, float], beta: float,
+                      level: str = "token", kl_times_ratio: bool = False):
+    """GRPO per token (rows, T): -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta k3, with k3
+    the KL estimate (0 where there is no reference: ref_logp None), weighted by rho where kl_times_ratio
+    (the importance-sampling correction of a KL estimated from p_old's samples). Also returns k3 and
+    where the clipped term won (no gradient there)."""
+    rho = importance_ratio(logp, old_logp, mask, level)
     adv = adv[:, None] if adv.dim() == 1 else adv
-    plain, safe = rho * adv, clipped * adv
+    plain, safe = rho * adv, rho.clamp(1 - clip[0], 1 + clip[1]) * adv
     losses = -torch.min(plain, safe)
     kl = torch.zeros_like(logp) if ref_logp is None else torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-    return losses + beta * kl, kl, safe < plain
+    kl = kl * rho if kl_times_ratio else kl
+    return losses + beta * kl, kl, (safe < plain).expand_as(logp)
 
 
 def ppo_token_losses(logp, old_logp, adv, values, old_values, returns, a):
@@ -114,6 +135,22 @@ def ppo_token_losses(logp, old_logp, adv, values, old_values, returns, a):
 def reply_mean(x, mask) -> torch.Tensor:
     """(rows, T) -> (rows,): the mean over each reply's tokens."""
     return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+
+
+# --loss-type: how the token losses l_it (reply i's tokens t, |o_i| of them) of a global batch of N replies
+# become one number. Each gives a micro-batch's share (l, mask: (rows, T); n: N); the loop adds the shares.
+LOSS_TYPES = {
+    # the paper's GRPO: each reply's mean, then the replies'            1/N sum_i 1/|o_i| sum_t l_it
+    "grpo": lambda l, mask, e, a, n: reply_mean(l, mask).sum() / n,
+    # BNPO: each micro-batch's mean over its tokens, then the micro-batches' mean (so it depends on
+    # --micro-batch: TRL's per-device batch of --micro-batch x --group replies)
+    "bnpo": lambda l, mask, e, a, n: (l * mask).sum() / mask.sum().clamp(min=1) * mask.shape[0] / n,
+    # Dr. GRPO (Liu et al. 2025): no length in the weights, L = --max-new-tokens   1/(N L) sum_it l_it
+    "dr_grpo": lambda l, mask, e, a, n: (l * mask).sum() / a.max_new_tokens / n,
+    # DAPO (Yu et al. 2025): every token of the global batch alike          sum_it l_it / sum_i |o_i|
+    # (e's counts are of the replies rolled out together: the step's global batch)
+    "dapo": lambda l, mask, e, a, n: (l * mask).sum() / e["tokens"] * e["replies"] / n,
+}
 
 
 class ValueHead(nn.Module):
@@ -140,23 +177,40 @@ class ValueHead(nn.Module):
 # Rollouts: replies sampled, scored, laid out as training rows
 
 
-def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int, pad: int):
+def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int, pad: int, end=None):
     """Prompt and reply token lists (a pair per row) -> int64 inputs and targets (rows, seq_len): a
     row is prompt + reply shifted by one; targets are the reply's tokens (<|eot_id|> included),
-    IGNORE_INDEX elsewhere."""
+    IGNORE_INDEX elsewhere. end (--mask-truncated: <|eot_id|>): a reply that does not end with it (cut
+    at the length limit) has no targets, so it is not trained on."""
     x = torch.full((len(replies), seq_len), pad, dtype=torch.long)
     y = torch.full((len(replies), seq_len), data.IGNORE_INDEX, dtype=torch.long)
     for i, (prompt, reply) in enumerate(zip(prompts, replies)):
         row = prompt + reply
         x[i, :len(row) - 1] = torch.tensor(row[:-1])
-        y[i, len(prompt) - 1:len(row) - 1] = torch.tensor(reply)
+        if end is None or reply[-1:] == [end]:
+            y[i, len(prompt) - 1:len(row) - 1] = torch.tensor(reply)
     return x, y
 
 
-def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
-    """(rows,) rewards in consecutive groups of `group` replies -> (rows,) GRPO advantages."""
+def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group", batch_std=None) -> torch.Tensor:
+    """(rows,) rewards in consecutive groups of `group` replies -> (rows,) GRPO advantages: each reward less
+    its group's mean, over a std (Bessel's) + 1e-4: its group's (scale "group"), the global batch's
+    (batch_std, "batch"), or none ("none", Dr. GRPO: a group of nearly equal rewards is not blown up)."""
     r = rewards.view(-1, group)
-    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1)
+    centered = r - r.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centered.view(-1)
+    std = r.std(dim=1, keepdim=True) if scale == "group" else batch_std
+    return (centered / (std + 1e-4)).view(-1)
+
+
+def global_std(x: torch.Tensor, mesh) -> torch.Tensor:
+    """The std (Bessel's) of x's values on every dp rank together, as fp32 (the sums in fp64)."""
+    x = x.double()
+    stats = torch.stack([x.sum(), (x * x).sum(), torch.ones_like(x).sum()])
+    P.all_reduce(stats, mesh, "dp")
+    mean = stats[0] / stats[2]
+    return ((stats[1] - stats[2] * mean ** 2).clamp(min=0) / (stats[2] - 1).clamp(min=1)).sqrt().float()
 
 
 def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +235,19 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, mesh) -> torch.Tensor:
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
+def varied(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """(rows,) rewards in groups -> (groups,) bool: whether a group's rewards differ (else its advantages are 0)."""
+    r = rewards.view(-1, group)
+    return r.amax(dim=1) > r.amin(dim=1)
+
+
+def take_rows(xs: list, targets: list, rows: torch.Tensor):
+    """The rows `rows` (indices into the concatenation) of rolled-out parts: inputs (rows, T) and
+    (targets, extras), each extra a tensor with a row per reply or None."""
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)[rows]
+    return cat(xs), (cat([y for y, _ in targets]), {k: cat([e[k] for _, e in targets]) for k in targets[0][1]})
+
+
 # ----------------------------------------------------------------------------------------------------
 # The algorithms, one small class each (ALGOS, --algo): their defaults and refusals, what they add to
 # the rollouts (targets: advantages), their token losses and the metrics they log
@@ -195,26 +262,40 @@ class GRPO:
     metric_names = ("reward", "reward_std", "kl", "completion_length", "clip_ratio")
 
     @staticmethod
-    def check(a):
+    def check(a, given):
         if a.group < 2:
             raise config.ConfigError(f"--group {a.group}: GRPO's advantage compares the replies to one prompt; "
                                      "a group needs at least 2")
         if a.temperature == 0:
             raise config.ConfigError("--temperature 0: every reply of a group would be the same, and its "
                                      "advantages 0")
+        if "kl_bias_correction" in given and a.kl_coef == 0:
+            raise config.ConfigError("--kl-bias-correction weights the KL penalty, and --kl-coef 0 has none")
+        if not 0 < a.epsilon_high < math.inf or a.dynamic_sampling < 0:
+            raise config.ConfigError("need --epsilon-high > 0 and --dynamic-sampling >= 0")
 
     @staticmethod
     def targets(task, rolled):
-        """Each reply's advantage within its group of --group replies to one prompt."""
+        """Each reply's advantage within its group of --group replies to one prompt (over the global batch's
+        std under --scale-rewards batch), and the count of replies and of their tokens rolled out together
+        on all dp ranks (dapo's normalizer)."""
+        a, rewards = task.args, torch.cat([e["reward"] for _, (_, e) in rolled])
+        batch_std = global_std(rewards, task.mesh) if a.scale_rewards == "batch" else None
+        counts = torch.stack([sum((y != data.IGNORE_INDEX).sum() for _, (y, _) in rolled).float(),
+                              torch.tensor(float(rewards.numel()), device=rewards.device)])
+        P.all_reduce(counts, task.mesh, "dp")
         for _, (_, e) in rolled:
-            e["adv"] = group_advantages(e["reward"], task.group)
+            e["adv"] = group_advantages(e["reward"], task.group, a.scale_rewards, batch_std)
+            e["tokens"], e["replies"] = counts
         return rolled
 
     @staticmethod
-    def token_losses(task, logp, e) -> tuple[torch.Tensor, dict]:
+    def token_losses(task, logp, e, mask) -> tuple[torch.Tensor, dict]:
         # one update per rollout: the sampling policy is this one, so p_old is p's own value (ratio 1)
-        losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], task.args.clip_eps,
-                                                task.beta)
+        a = task.args
+        losses, kl, clipped = grpo_token_losses(logp, logp.detach(), e["ref"], e["adv"], mask,
+                                                (a.clip_eps, a.epsilon_high), task.beta, a.importance_sampling,
+                                                a.kl_bias_correction)
         return losses, {"reward_std": e["reward_std"], "kl": kl, "clip_ratio": clipped}
 
 
@@ -228,8 +309,11 @@ class PPO:
                     "completion_length")
 
     @staticmethod
-    def check(a):
-        pass
+    def check(a, given):
+        mine = [f for f in GRPO_FLAGS if f in given]
+        if mine:
+            raise config.ConfigError(f"--{mine[0].replace('_', '-')}: a setting of GRPO's loss, which --algo ppo "
+                                     "does not use")
 
     @staticmethod
     @torch.no_grad()
@@ -253,7 +337,7 @@ class PPO:
         return [(x, target) for x, target, _ in out]
 
     @staticmethod
-    def token_losses(task, logp, e) -> tuple[torch.Tensor, dict]:
+    def token_losses(task, logp, e, mask) -> tuple[torch.Tensor, dict]:
         losses, value_loss, clipped = ppo_token_losses(logp, e["old"], e["adv"], task.value_head(), e["values"],
                                                        e["returns"], task.args)
         return losses, {"objective/kl": e["kl_sum"], "objective/entropy": e["entropy"],
@@ -261,6 +345,8 @@ class PPO:
 
 
 ALGOS = {"grpo": GRPO, "ppo": PPO}
+GRPO_FLAGS = ("loss_type", "epsilon_high", "scale_rewards", "importance_sampling", "mask_truncated",
+              "dynamic_sampling", "kl_bias_correction")  # (refused under --algo ppo)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -268,6 +354,7 @@ ALGOS = {"grpo": GRPO, "ppo": PPO}
 
 
 TOKEN_MEANS = ("kl", "clip_ratio", "policy/clipfrac_avg", "loss/value_avg")  # TRL's: over all reply tokens
+STEP_COUNTS = ("dropped_groups", "refills")  # --dynamic-sampling's, over the global batch: counts a step
 
 
 class RLTask:
@@ -278,8 +365,9 @@ class RLTask:
 
     takes_hidden = False  # the loss is given the logits
 
-    def __init__(self, mesh, args, policy, tok, prompts, score, reference=None, value_head=None):
+    def __init__(self, mesh, args, policy, tok, prompts, score, reference=None, value_head=None, refill=None):
         self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
+        self.refill = refill  # --dynamic-sampling: the training prompts' loader, to draw more from
         self.score, self.reference, self.value_head = score, reference, value_head
         self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
         self.temperature = args.temperature or 1.0  # (0: greedy, no distribution to divide by)
@@ -287,7 +375,8 @@ class RLTask:
         # forwards besides the trained one's: the reference's, and the algorithm's rollout forwards
         self.reference_forwards = (reference is not None) + self.algo.rollout_forwards
         self.with_answers = all("answer" in p for p in prompts)
-        self.metric_names = self.algo.metric_names + (("accuracy",) if self.with_answers else ())
+        self.metric_names = (self.algo.metric_names + (("accuracy",) if self.with_answers else ())
+                             + (STEP_COUNTS if refill is not None else ()))
         self.per_token = torch.tensor([n in TOKEN_MEANS for n in self.metric_names], device=mesh.device)
         self._sums = torch.zeros(len(self.metric_names), device=mesh.device)  # (tally)
         self._tokens = torch.zeros((), device=mesh.device)
@@ -298,7 +387,35 @@ class RLTask:
         return torch.full((), rows, device=batch[0].device)
 
     def prepare(self, batches):
-        return self.algo.targets(self, [self.roll_out(seqs, items) for seqs, items in batches])
+        rolled = [self.roll_out(seqs, items) for seqs, items in batches]
+        if self.refill is not None and self.policy.training:
+            rolled = [self.with_signal(part) for part in rolled]
+        return self.algo.targets(self, rolled)
+
+    def with_signal(self, rolled):
+        """--dynamic-sampling (DAPO): a micro-batch's groups whose rewards are all equal (advantages 0, no
+        signal) dropped, and groups with one drawn in their place from the next micro-batches of the
+        prompt stream, at most --dynamic-sampling of them. Every dp rank draws as many as the neediest,
+        so that their loaders stay at one position (a checkpoint holds one)."""
+        G, want, parts = self.group, self.args.micro_batch, [rolled]
+        while True:
+            keep = [varied(e["reward"], G) for _, (_, e) in parts]
+            kept = sum(int(k.sum()) for k in keep)
+            short = torch.tensor([float(kept < want), float(kept == 0)], device=self.mesh.device)
+            P.all_reduce(short, self.mesh, "dp")
+            if short[0] == 0 or len(parts) > self.args.dynamic_sampling:
+                break
+            parts.append(self.roll_out(*(t.to(rolled[0].device) for t in self.refill.next())))
+        if short[1] > 0:
+            seen = sorted({round(r, 4) for _, (_, e) in parts for r in e["reward"].tolist()})
+            raise train.TrainingError(
+                f"--dynamic-sampling {self.args.dynamic_sampling}: {int(short[1])} dp rank(s) found no group of "
+                f"replies whose rewards differ in {len(parts)} micro-batches of prompts (the rewards here: "
+                f"{', '.join(map(str, seen[:8]))}{' ...' if len(seen) > 8 else ''})")
+        counts = torch.tensor([sum(len(k) for k in keep) - kept, len(parts) - 1.0], device=self._sums.device)
+        self._sums[-len(STEP_COUNTS):] += counts
+        rows = torch.cat([k.repeat_interleave(G) for k in keep]).nonzero().view(-1)[:want * G]
+        return take_rows([x for x, _ in parts], [t for _, t in parts], rows)
 
     def sample(self, seq: int, prompt: dict) -> list[list[int]]:
         """G replies to one prompt: sampled from its own stream, or (eval mode) one greedy reply G times."""
@@ -326,10 +443,11 @@ class RLTask:
             replies += rows
             rewards += self.score(prompt, texts)
             correct += [float(is_correct(prompt, t)) for t in texts] if self.with_answers else []
-        x, y = (t.to(device) for t in reply_rows(prompts, replies, a.seq_len, data.pad_id(self.tok)))
+        end = data.eot_id(self.tok) if a.mask_truncated else None
+        x, y = (t.to(device) for t in reply_rows(prompts, replies, a.seq_len, data.pad_id(self.tok), end))
         r = torch.tensor(rewards, device=device)
         grouped = r.view(-1, G)
-        extras = {"reward": r, "length": (y != data.IGNORE_INDEX).sum(dim=-1).float(),
+        extras = {"reward": r, "length": torch.tensor([float(len(row)) for row in replies], device=device),
                   "reward_std": grouped.std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(r),
                   "correct": torch.tensor(correct, device=device) if self.with_answers else None,
                   "ref": self.reference_logps(x, y) if self.reference is not None else None}
@@ -354,16 +472,17 @@ class RLTask:
         y, e = targets
         mask = (y != data.IGNORE_INDEX).float()
         logp = self.logps(logits, y)  # (rows, T), 0 outside the replies
-        losses, stats = self.algo.token_losses(self, logp, e)
+        losses, stats = self.algo.token_losses(self, logp, e, mask)
         self.tally({**stats, "reward": e["reward"], "completion_length": e["length"], "accuracy": e["correct"]},
                    mask, total)
-        return reply_mean(losses, mask).sum() / total
+        return LOSS_TYPES[self.args.loss_type](losses, mask, e, self.args, total)
 
     @torch.no_grad()
     def tally(self, stats: dict, mask, total):
         """Add a micro-batch to the metric sums: a reply's metric (rows,) over the global reply count; a token
         metric (TOKEN_MEANS, (rows, T)) summed over the reply tokens, whose count is kept beside."""
-        sums = [(stats[n].float() * mask).sum() if n in TOKEN_MEANS else stats[n].float().sum() / total
+        sums = [(stats[n].float() * mask).sum() if n in TOKEN_MEANS else
+                torch.zeros((), device=mask.device) if n in STEP_COUNTS else stats[n].float().sum() / total
                 for n in self.metric_names]
         self._sums += torch.stack(sums).to(self._sums.device)
         self._tokens += mask.sum().to(self._tokens.device)
@@ -624,7 +743,8 @@ class RL(train.FromInit):
         self.prompts = fit + val  # the loaders' indices point here, validation's after training's
         make = lambda part, seed, offset: PromptLoader(part, a.micro_batch, a.seq_len, mesh.dp_rank, mesh.dp,
                                                        seed, offset)
-        return (make(fit, a.seed, 0), lambda: make(val, 0, len(fit)),
+        self.loader = make(fit, a.seed, 0)  # (--dynamic-sampling draws more from it: RLTask.with_signal)
+        return (self.loader, lambda: make(val, 0, len(fit)),
                 f"{len(fit):,} prompts ({len(val):,} held out) x {a.group} replies")
 
     def extend(self, model, device, dtype):
@@ -637,20 +757,23 @@ class RL(train.FromInit):
         a = self.args
         reference = self.reference(spec, mesh, dtype, model) if a.kl_coef > 0 else None
         score = make_scorer(a, self.rule, self.tok, spec.device, dtype, mesh, a.seq_len)
-        return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, self.value_head)
+        return RLTask(mesh, a, model, self.tok, self.prompts, score, reference, self.value_head,
+                      refill=self.loader if a.dynamic_sampling else None)
 
 
-def check_flags(a):
-    """One line for each setting that cannot work, before anything starts."""
+def check_flags(a, given=frozenset()):
+    """One line for each setting that cannot work, before anything starts (given: the flags the command
+    line named, config.given_flags)."""
     if not a.prompts or bool(a.reward) == bool(a.reward_fn):
         raise config.ConfigError("rl.py needs --prompts FILE and one of --reward (a reward model) or "
                                  "--reward-fn")
     algo = ALGOS[a.algo]
     a.group = a.group if a.group is not None else algo.group
     a.kl_coef = a.kl_coef if a.kl_coef is not None else algo.kl_coef
+    a.epsilon_high = a.epsilon_high if a.epsilon_high is not None else a.clip_eps  # (symmetric clipping)
     if a.group < 1 or a.max_new_tokens < 1:
         raise config.ConfigError("--group and --max-new-tokens must be at least 1")
-    algo.check(a)
+    algo.check(a, given)
     if not (0 <= a.kl_coef < math.inf and 0 < a.clip_eps < 1 and 0 <= a.gamma <= 1 and 0 <= a.lam <= 1
             and 0 <= a.vf_coef < math.inf and 0 < a.clip_value < math.inf):
         raise config.ConfigError("need --kl-coef >= 0, --clip-eps in (0, 1), --gamma and --lam in [0, 1], "
@@ -745,7 +868,24 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling of the rollouts")
     g.add_argument("--kl-coef", type=float, default=None,
                    help="beta, the KL penalty's weight (default: grpo 0.04, ppo 0.05; 0: no reference)")
-    g.add_argument("--clip-eps", type=float, default=0.2, help="the ratio's clip range")
+    g.add_argument("--clip-eps", type=float, default=0.2, help="the ratio's clip range (its low side, if "
+                                                                "--epsilon-high is given)")
+    g.add_argument("--loss-type", default="grpo", choices=list(LOSS_TYPES),
+                   help="GRPO: how token losses are averaged (LOSS_TYPES; TRL's default: dapo)")
+    g.add_argument("--epsilon-high", type=float, default=None,
+                   help="GRPO: the clip range's high side, 1 + eps_high (DAPO's clip-higher: 0.28; default: "
+                        "--clip-eps)")
+    g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
+                   help="GRPO: the std an advantage is divided by: its group's, the global batch's, or none")
+    g.add_argument("--importance-sampling", default="token", choices=["token", "sequence"],
+                   help="GRPO: the ratio p / p_old per token, or per reply (GSPO)")
+    g.add_argument("--mask-truncated", action="store_true",
+                   help="GRPO: replies cut at --max-new-tokens (no <|eot_id|>) are not trained on")
+    g.add_argument("--dynamic-sampling", type=int, default=0, metavar="TRIES",
+                   help="GRPO: drop groups whose rewards are all equal (no signal) and refill the micro-batch "
+                        "from the prompt stream, drawing at most TRIES more micro-batches (DAPO; 0: off)")
+    g.add_argument("--kl-bias-correction", action="store_true",
+                   help="GRPO: weight the KL estimate by the ratio p / p_old (TRL's use_bias_correction_kl)")
     g.add_argument("--gamma", type=float, default=1.0, help="PPO: discount")
     g.add_argument("--lam", type=float, default=0.95, help="PPO: GAE's lambda")
     g.add_argument("--vf-coef", type=float, default=0.1, help="PPO: the value loss's weight")
@@ -764,7 +904,7 @@ def main(argv=None):
     if argv[:1] == ["eval"]:
         return eval_main(argv[1:])
     args = config.parse(get_parser(), argv)
-    check_flags(args)
+    check_flags(args, config.given_flags(get_parser(), argv))
     config.configure_process(args)
     run = train.train(args, RL(args))
     if run.mesh.world > 1:

@@ -115,7 +115,7 @@ def train_step(run: Run, guard: SkipGuard, stop: launch.StopFlag, step: int) -> 
     seed_dropout(run, step)
     weigh_moe_aux(run)
     rewind = run.loader.state_dict()
-    batches, total = load_batches(run)  # the whole step's micro-batches, and the loss's normalizer
+    batches, total = load_batches(run, step)  # the whole step's micro-batches, and the loss's normalizer
     timer.mark("1 data")
     if mesh.pp > 1:  # forward, loss and backward of every micro-batch, interleaved across stages
         loss = P.pipeline_step(run.model, batches, mesh, args.seq_len, lambda *a: scaled_loss(run, *a, total),
@@ -219,15 +219,19 @@ def seed_dropout(run: Run, step: int):
                                      "little") >> 1)
 
 
-def load_batches(run: Run) -> tuple[list, torch.Tensor]:
+def load_batches(run: Run, step: int) -> tuple[list, torch.Tensor]:
     """Phase 1: the step's --grad-accum micro-batches on the device, prepared by the task (DPO adds the
-    reference's log-probs), and the task's normalizer over the global batch."""
+    reference's log-probs), and the task's normalizer over the global batch. A task that cannot prepare
+    them (RL's dynamic sampling finding no signal) stops the run with a line that names the step."""
     # From pinned (page-locked) host memory a copy to the GPU is asynchronous: the host goes on queueing
     # kernels. From ordinary memory, non_blocking=True would still wait for each copy.
     pinned = (lambda t: t.pin_memory()) if run.device.type == "cuda" else (lambda t: t)
     batches = [tuple(pinned(t).to(run.device, non_blocking=True) for t in run.loader.next())
                for _ in range(run.args.grad_accum)]
-    batches = [P.context_chunks(b, run.mesh) for b in run.task.prepare(batches)]  # cp: this rank's chunks
+    try:
+        batches = [P.context_chunks(b, run.mesh) for b in run.task.prepare(batches)]  # cp: this rank's chunks
+    except TrainingError as e:
+        raise TrainingError(f"step {step + 1}: {e}") from None
     return batches, global_total(run.task, batches, run.mesh, run.device)
 
 

@@ -1,8 +1,7 @@
-"""rl.py: GRPO's loss and group advantages against TRL's GRPOTrainer's formulas written out here (from the
-logits: the log-probs at the sampling temperature, the loss, its gradient and the logged token means; PPO's
-token means likewise), PPO's GAE and clipped losses against hand-computed values, rollouts deterministic
-under a seed, --resume bit-identical, the same run under tp 2 and dp 2 as on one process, and bad input
-refused in one line."""
+"""rl.py: GRPO's gradient in closed form (test_rl_trl.py holds the GRPO family against TRL itself), PPO's
+log-probs and token means against TRL's PPOTrainer's formulas written out here, PPO's GAE and clipped losses
+against hand-computed values, rollouts deterministic under a seed, --resume bit-identical (with dynamic
+sampling too), the same run under tp 2 and dp 2 as on one process, and bad input refused in one line."""
 
 import json
 import math
@@ -53,45 +52,25 @@ def prompts(tmp_path_factory):
 # The formulas
 
 
-def trl_grpo_loss(logp, old_logp, ref_logp, rewards, mask, group, eps, beta):
-    """GRPOTrainer's loss as TRL writes it (loss_type="grpo", use_bias_correction_kl=False, one iteration's
-    tensors given)."""
-    grouped = rewards.view(-1, group)
-    mean = grouped.mean(dim=1).repeat_interleave(group)
-    std = grouped.std(dim=1).repeat_interleave(group)
-    advantages = (rewards - mean) / (std + 1e-4)
-    per_token_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-    coef_1 = torch.exp(logp - old_logp)
-    coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
-    per_token_loss = -torch.min(coef_1 * advantages[:, None], coef_2 * advantages[:, None])
-    per_token_loss = per_token_loss + beta * per_token_kl
-    return ((per_token_loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
-
-
-def ours_grpo_loss(logp, old_logp, ref_logp, rewards, mask, group, eps, beta):
+def ours_grpo_loss(logp, ref_logp, rewards, mask, group, beta):
     adv = rl.group_advantages(rewards, group)
-    losses, _, _ = rl.grpo_token_losses(logp, old_logp, ref_logp, adv, eps, beta)
+    losses, _, _ = rl.grpo_token_losses(logp, logp.detach(), ref_logp, adv, mask, (0.2, 0.2), beta)
     return rl.reply_mean(losses, mask).mean()
 
 
-def test_grpo_loss_is_trls_and_its_gradient_the_closed_form():
+def test_grpo_losss_gradient_is_the_closed_form():
+    """At ratio 1 (one update per rollout: p_old = p detached) each token's gradient is
+    (-A + beta (1 - exp(ref - logp))) / (reply length) / rows."""
     g = torch.Generator().manual_seed(0)
     rows, T, group = 8, 6, 4
     logp = -torch.rand(rows, T, generator=g, dtype=torch.float64) * 3
-    old = logp + 0.3 * torch.randn(rows, T, generator=g, dtype=torch.float64)  # ratios far from 1: clipped
     ref = logp + 0.5 * torch.randn(rows, T, generator=g, dtype=torch.float64)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.9, 0.4, 0.4], dtype=torch.float64)
     mask = torch.ones(rows, T, dtype=torch.float64)
     mask[:, 4:] = 0
     mask[3, 2:] = 0
-    for eps, beta in ((0.2, 0.04), (0.1, 0.0)):
-        theirs = trl_grpo_loss(logp, old, ref, rewards, mask, group, eps, beta)
-        assert ours_grpo_loss(logp, old, ref, rewards, mask, group, eps, beta).item() == pytest.approx(
-            theirs.item(), rel=1e-12)
-    # at ratio 1 (one update per rollout: old = logp detached) each token's gradient is the closed form
-    # (-A + beta (1 - exp(ref - logp))) / (reply length) / rows
     x = logp.clone().requires_grad_(True)
-    ours_grpo_loss(x, x.detach(), ref, rewards, mask, group, 0.2, 0.04).backward()
+    ours_grpo_loss(x, ref, rewards, mask, group, 0.04).backward()
     adv = rl.group_advantages(rewards, group)[:, None]
     expected = (-adv + 0.04 * (1 - torch.exp(ref - logp))) * mask / mask.sum(dim=1, keepdim=True) / rows
     assert torch.allclose(x.grad, expected, atol=1e-12)
@@ -105,7 +84,7 @@ def trl_logps(logits, ids, temperature):
 
 def rl_task(algo, temperature, vocab_size, value_head=None):
     args = SimpleNamespace(algo=algo, group=4, kl_coef=0.04, temperature=temperature, clip_eps=0.2, seq_len=6,
-                           vf_coef=0.1, clip_value=0.2)
+                           vf_coef=0.1, clip_value=0.2, loss_type="grpo", mask_truncated=False)
     return rl.RLTask(P.Mesh(), args, SimpleNamespace(args=SimpleNamespace(vocab_size=vocab_size)), None,
                      [{"where": "p:1"}], None, value_head=value_head)
 
@@ -113,42 +92,6 @@ def rl_task(algo, temperature, vocab_size, value_head=None):
 def micro_batches(logits, y, extras, cuts=(slice(0, 4), slice(4, 8))):
     """One global batch of 8 replies as two micro-batches (whole groups of 4, of unequal token counts)."""
     return [(logits[c], (y[c], {k: None if v is None else v[c] for k, v in extras.items()})) for c in cuts]
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_grpo_tasks_log_probs_loss_gradient_and_metrics_are_trls(temperature):
-    """RLTask from logits against GRPOTrainer's formulas: the policy's and the reference's log-probs are of
-    logits / temperature; the loss over a global batch of two micro-batches and its gradient in the logits
-    are TRL's; the logged kl is its mean over all reply tokens of the batch (TRL's global_masked_mean), not
-    the mean of each reply's mean."""
-    g = torch.Generator().manual_seed(0)
-    rows, T, V, group = 8, 6, 11, 4
-    logits, ref_logits = (torch.randn(rows, T, V, generator=g) for _ in range(2))
-    ids = torch.randint(0, V, (rows, T), generator=g)
-    mask = (torch.arange(T) < torch.tensor([6, 5, 4, 6, 1, 2, 1, 3])[:, None]).float()
-    y = torch.where(mask.bool(), ids, data.IGNORE_INDEX)
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.2, 0.9, 0.4, 0.4])
-    task = rl_task("grpo", temperature, V)
-    ref = task.logps(ref_logits, y)
-    torch.testing.assert_close(ref, trl_logps(ref_logits, ids, temperature) * mask)
-    extras = {"reward": rewards, "reward_std": torch.zeros(rows), "length": mask.sum(-1), "correct": None,
-              "adv": rl.group_advantages(rewards, group), "ref": ref}
-    ours = logits.clone().requires_grad_(True)
-    loss = sum(task.loss(x, target, torch.tensor(float(rows))) for x, target in micro_batches(ours, y, extras))
-    loss.backward()
-    theirs = logits.clone().requires_grad_(True)
-    logp, ref_theirs = trl_logps(theirs, ids, temperature), trl_logps(ref_logits, ids, temperature)
-    want = trl_grpo_loss(logp, logp.detach(), ref_theirs, rewards, mask, group, 0.2, 0.04)
-    want.backward()
-    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
-    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-7)
-    logged = dict(zip(task.metric_names, task.metrics().tolist()))
-    per_token_kl = (torch.exp(ref_theirs - logp) - (ref_theirs - logp) - 1).detach() * mask
-    assert logged["kl"] == pytest.approx((per_token_kl.sum() / mask.sum()).item(), rel=1e-5)
-    assert logged["kl"] != pytest.approx(rl.reply_mean(per_token_kl, mask).mean().item(), rel=1e-2)
-    assert logged["clip_ratio"] == 0.0  # one update per rollout: every ratio is 1 (TRL's num_iterations=1)
-    assert logged["reward"] == pytest.approx(rewards.mean().item())
-    assert logged["completion_length"] == pytest.approx(mask.sum(-1).mean().item())
 
 
 def test_the_ppo_tasks_log_probs_and_token_metrics_are_trls():
@@ -263,12 +206,24 @@ def state_of(out):
     return C.read_full_state(C.read_latest(out))[0]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def half_signal(tmp_path) -> Path:
+    """A reward rule under which about half the groups carry no signal: for an odd answer, 0 for every reply;
+    for an even one, the parity of the sum of the reply's bytes."""
+    path = tmp_path / "half.py"
+    path.write_text("def reward(record, reply):\n    return float(sum(reply.encode()) % 2) if int(record['answer']) % 2 == 0 else 0.0\n")
+    return path
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dynamic"])
 def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path, prompts, algo, capsys):
     """Two runs of one seed give the same rollouts and updates; the second, cut back to its step-2
-    checkpoint and resumed, ends bit for bit where the first did (weights, Adam moments, PPO's critic);
-    `rl.py eval` and an export read the policy without the critic."""
-    flags = ["--algo", algo, "--max-steps", "4"] + (["--group", "2"] if algo == "ppo" else [])
+    checkpoint and resumed, ends bit for bit where the first did (weights, Adam moments, PPO's critic; under
+    --dynamic-sampling, the prompt stream's position after its extra draws); `rl.py eval` and an export read
+    the policy without the critic."""
+    flags = ["--max-steps", "4"] + {"grpo": ["--algo", "grpo"], "ppo": ["--algo", "ppo", "--group", "2"],
+                                    "dynamic": ["--dynamic-sampling", "3", "--reward-fn",
+                                                f"{half_signal(tmp_path)}:reward"]}[algo]
+    algo = "grpo" if algo == "dynamic" else algo
     one = run_rl(tmp_path / "one", prompts, *flags)
     cut = tmp_path / "cut"
     again = run_rl(cut, prompts, *flags, "--ckpt-every", "2")
@@ -280,8 +235,8 @@ def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     (cut / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
     other = "grpo" if algo == "ppo" else "ppo"  # (its checkpoints hold another set of parameters)
-    err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), *flags, "--algo", other, "--out-dir",
-                                            str(cut), "--resume"])
+    err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), "--max-steps", "4", "--algo", other,
+                                            "--out-dir", str(cut), "--resume"])
     assert f"was trained with --algo {algo}, this run has --algo {other}: resume it with --algo {algo}" in err
     run_rl(cut, prompts, *flags, "--ckpt-every", "2", "--resume")
     assert [[r[k] for k in keys] for r in steps(cut)] == [[r[k] for k in keys] for r in one]
@@ -295,6 +250,9 @@ def test_rollouts_are_the_same_under_a_seed_and_resume_is_bit_identical(tmp_path
         assert {"objective/kl", "objective/entropy", "policy/clipfrac_avg", "loss/value_avg"} <= one[0].keys()
     else:
         assert {"reward", "reward_std", "kl", "completion_length", "clip_ratio", "accuracy"} <= one[0].keys()
+    if "--dynamic-sampling" in flags:  # groups were dropped and refilled, and none without a signal trained
+        assert sum(r["dropped_groups"] for r in one) > 0 and sum(r["refills"] for r in one) > 0
+        assert all(r["reward_std"] > 0 for r in one)
     assert rl.main(["eval", "--init", str(tmp_path / "one"), "--prompts", str(prompts), "--reward-fn",
                     "arithmetic", "--max-new-tokens", "4", "--seq-len", "48"]) == 0
 
@@ -307,13 +265,16 @@ def _job(n, out, prompts, *flags):
     return steps(out)
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])
 def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
     """tp 2 (each tp pair samples from the gathered vocabulary) and dp 2 (each replica its own prompts, PPO's
-    whitening over both) against one process: the same replies (rewards and lengths), losses and token
-    means (kl, loss/value_avg: over the reply tokens of both replicas) within 1e-5, the final weights within
-    1e-4 of each tensor's norm."""
-    common = ["--algo", algo, "--max-steps", "3", "--grad-accum", "2"]
+    whitening over both; DAPO's token count and the batch's reward std over both) against one process: the
+    same replies (rewards and lengths), losses and token means (kl, loss/value_avg: over the reply tokens of
+    both replicas) within 1e-5, the final weights within 1e-4 of each tensor's norm."""
+    family = ["--loss-type", "dapo", "--scale-rewards", "batch", "--epsilon-high", "0.28", "--kl-bias-correction",
+              "--importance-sampling", "sequence"]
+    common = ["--algo", "grpo" if algo == "dapo" else algo, "--max-steps", "3", "--grad-accum", "2",
+              *(family if algo == "dapo" else [])]
     one = _job(1, tmp_path / "one", prompts, *common)
     for name, flags in (("tp", ["--tp", "2"]), ("dp", ["--micro-batch", "1"])):
         got = _job(2, tmp_path / name, prompts, *common, *flags)
@@ -323,7 +284,7 @@ def test_the_same_rollouts_and_losses_under_tp_and_dp(tmp_path, prompts, algo):
             assert (a["reward"], a["completion_length"]) == pytest.approx((b["reward"], b["completion_length"]),
                                                                           rel=1e-6), (name, a, b)
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (name, a, b)
-            token_mean = "kl" if algo == "grpo" else "loss/value_avg"
+            token_mean = "loss/value_avg" if algo == "ppo" else "kl"
             assert a[token_mean] == pytest.approx(b[token_mean], rel=1e-5, abs=1e-7), (name, a, b)
         w, w1 = state_of(tmp_path / name), state_of(tmp_path / "one")
         for k, v in w1.items():
@@ -353,12 +314,27 @@ def bad_run(capsys, tmp_path, argv):
     (["--temperature", "0"], "--temperature 0: every reply of a group would be the same"),
     (["--data", "x.jsonl"], "--data x.jsonl: rl.py reads its prompts from --prompts"),
     (["--doc-mask"], "--doc-mask: fine-tuning gives each example of a row its own document always"),
+    (["--algo", "ppo", "--epsilon-high", "0.28"], "--epsilon-high: a setting of GRPO's loss, which --algo ppo "
+                                                  "does not use"),
+    (["--algo", "ppo", "--mask-truncated"], "--mask-truncated: a setting of GRPO's loss, which --algo ppo"),
+    (["--kl-coef", "0", "--kl-bias-correction"], "--kl-bias-correction weights the KL penalty, and --kl-coef 0"),
+    (["--epsilon-high", "0"], "need --epsilon-high > 0 and --dynamic-sampling >= 0"),
 ])
 def test_bad_rl_input_is_one_line(tmp_path, prompts, capsys, flags, message):
     err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), "--out-dir", str(tmp_path / "o"),
                                             *flags])
     assert message in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_dynamic_sampling_that_finds_no_signal_stops_in_one_line(tmp_path, prompts, capsys):
+    """Every reply rewarded alike: after its tries, the run stops naming the step and the rewards seen."""
+    rule = tmp_path / "flat.py"
+    rule.write_text("def reward(record, reply):\n    return 0.5\n")
+    err = bad_run(capsys, tmp_path, BASE + ["--prompts", str(prompts), "--out-dir", str(tmp_path / "o"),
+                                            "--reward-fn", f"{rule}:reward", "--dynamic-sampling", "2"])
+    assert ("error: step 1: --dynamic-sampling 2: 1 dp rank(s) found no group of replies whose rewards differ "
+            "in 3 micro-batches of prompts (the rewards here: 0.5)") in err, err
 
 
 def test_sums_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
