@@ -41,7 +41,7 @@ def banner(run, meter: Meter, name: str, data_desc: str):
     fp8 = " with the blocks' matmuls in fp8 (MFU against the bf16 peak)" if args.precision == "fp8" else ""
     launch.say(f"device {run.device}, {run.precision}{fp8}, attention {run.attention}; MFU uses the PaLM convention "
         + ("4N+12LdT (LoRA: no weight gradients)" if lora else "6N+12LdT")
-        + (" plus the reference's forward" if task.reference_forwards else "")
+        + (" plus the frozen models' forwards" if task.reference_forwards else "")  # (a reference, a teacher)
         + f" = {meter.flops_per_token / 1e6:.1f} MFLOP/token against {costs.rate(meter.peak)} "
         f"per device ({meter.peak_source})")
 

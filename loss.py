@@ -35,10 +35,15 @@ def check_targets(targets: torch.Tensor, vocab_size: int):
 
 
 def token_losses(logits, targets, vocab_size: int, mesh: P.Mesh):
-    """Per-token cross-entropy (= -log p(target)) for any layout, shaped like targets; data.IGNORE_INDEX -> 0."""
+    """Per-token cross-entropy (= -log p(target)) for any layout, shaped like targets; data.IGNORE_INDEX -> 0.
+    The distribution is over the ids below vocab_size (a tokenizer's, inside a padded head: RL's sampler
+    never draws the padding rows)."""
     if mesh.tp == 1:
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=data.IGNORE_INDEX, reduction="none").view(targets.shape)
+        x = logits.float()
+        if vocab_size < x.shape[-1]:
+            x = x.masked_fill(torch.arange(x.shape[-1], device=x.device) >= vocab_size, float("-inf"))
+        return F.cross_entropy(x.view(-1, x.size(-1)), targets.reshape(-1), ignore_index=data.IGNORE_INDEX,
+                               reduction="none").view(targets.shape)
     return vocab_parallel_cross_entropy(logits, targets, vocab_size, mesh)
 
 
@@ -66,9 +71,7 @@ def cross_entropy_and_grad(logits, targets, start: int, n_valid: int, mesh_key: 
     x = logits.float()
     if n_valid < x.shape[-1]:  # the vocabulary padding on the last rank never wins
         x[:, n_valid:] = float("-inf")
-    lse = x.logsumexp(dim=-1)  # (N,)
-    if tp > 1:
-        lse = P.all_gather_op(lse, mesh_key, "tp").view(tp, -1).logsumexp(dim=0)
+    lse = vocab_logsumexp(x, mesh_key, tp)  # (N,)
     local = targets - start
     mine = (local >= 0) & (local < x.shape[-1])
     local = local.masked_fill(~mine, 0)  # a gather and a scatter of 0 there: no host sync to count rows
@@ -80,6 +83,13 @@ def cross_entropy_and_grad(logits, targets, start: int, n_valid: int, mesh_key: 
     grad = x.sub_(lse[:, None]).exp_()  # softmax, in x's place
     grad.scatter_add_(1, local[:, None], -(mine.to(x.dtype) * valid)[:, None])
     return losses, grad.mul_(valid[:, None])
+
+
+def vocab_logsumexp(x, mesh_key: int, tp: int) -> torch.Tensor:
+    """log sum_v exp(x_v) over the whole vocabulary of x (N, V/tp): each rank's columns', gathered over tp
+    and combined (N,)."""
+    lse = x.logsumexp(dim=-1)
+    return lse if tp == 1 else P.all_gather_op(lse, mesh_key, "tp").view(tp, -1).logsumexp(dim=0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -364,12 +364,28 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 # 3. Attention and feed-forward
 
 
+def left_padding(pad: torch.Tensor, start_pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows left-padded by pad (B,) tokens, at positions start_pos .. start_pos+T-1 of a KV cache ->
+    each row's RoPE positions (B, T), counted from its first real token (so a row's numbers are those of
+    its prompt alone), and the mask (B, 1, T, start_pos+T): a query sees the keys at or before it that are
+    not padding; a padding query sees itself too, so that no softmax row is empty (NaN)."""
+    q = torch.arange(start_pos, start_pos + T, device=pad.device)[None, :, None]  # (1, T, 1)
+    kv = torch.arange(start_pos + T, device=pad.device)[None, None, :]  # (1, 1, S)
+    first = pad[:, None, None]  # (B, 1, 1)
+    mask = (kv <= q) & (kv >= first) | (kv == q)
+    return (q[..., 0] - pad[:, None]).clamp(min=0), mask[:, None]
+
+
 class KVCache:
     """One layer's keys and values, (B, kv heads, max_len, head_dim), filled in order; head count,
     dtype and device come from the first keys (a tp rank holds only its own heads)."""
 
     def __init__(self, max_len: int):
         self.max_len, self.k, self.v = max_len, None, None
+
+    def select(self, rows: torch.Tensor):
+        """Keep the rows `rows` (indices, repeats allowed: a prompt's cache for each of its continuations)."""
+        self.k, self.v = self.k[rows], self.v[rows]
 
     def update(self, start_pos: int, k, v):
         B, heads, T, head_dim = k.shape
@@ -529,8 +545,11 @@ def groups_kv(backend: str, cuda: bool) -> bool:
 def sdpa_inputs(q, k, v, mask, backend: str):
     """q, k, v as SDPA gets them: K and V grouped (enable_gqa, no copy) where groups_kv says, else
     repeated to n_heads (masked kernels do not all group; where one cannot, the call falls to the
-    slow math path); bf16 on a CPU as fp32, faster there (the flash backward above all)."""
-    if k.shape[1] != q.shape[1] and not (mask is None and groups_kv(backend, q.is_cuda)):
+    slow math path); bf16 on a CPU as fp32, faster there (the flash backward above all). A decoded token
+    on a CPU reads the KV cache grouped, masked or not: repeating the cache would copy it at every token
+    (and the grouped kernel is the faster one there, about 2x at 256 rows)."""
+    grouped = groups_kv(backend, q.is_cuda) and mask is None or q.shape[2] == 1 and not q.is_cuda
+    if k.shape[1] != q.shape[1] and not grouped:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_heads, S, head_dim)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
@@ -753,13 +772,14 @@ class Transformer(nn.Module):
 
     def forward(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, start_pos: int = 0, seq_len: int | None = None,
-                layers: tuple[int, int] | None = None, head: bool = True) -> torch.Tensor:
+                layers: tuple[int, int] | None = None, head: bool = True, pad: torch.Tensor | None = None):
         """tokens (B, T) int64 -> logits (B, T, vocab_size), for what this model holds.
 
         doc_ids (B, T), optional: non-decreasing ids of packed documents; attention stays inside
         each and RoPE positions restart at 0 in each. caches, start_pos: KV-cached generation at
-        positions start_pos .. start_pos+T-1. head=False: stop at the final norm (B, T, dim), for a
-        loss that applies the head itself (loss.py's chunks).
+        positions start_pos .. start_pos+T-1; pad (B,): each row's count of left padding there
+        (prompts of unequal lengths generated in one batch: left_padding). head=False: stop at the
+        final norm (B, T, dim), for a loss that applies the head itself (loss.py's chunks).
 
         A pipeline stage (parallel.py) holds some layers: it embeds only if it holds the embedding
         (inputs are then token ids, else the previous stage's residual stream (B, T, dim)) and ends
@@ -771,19 +791,21 @@ class Transformer(nn.Module):
         last = self.output is not None if layers is None else layers[1] == self.args.n_layers
         h = dropped(self.tok_embeddings(inputs), self.dropout, self.training) if first else inputs  # (B, T, dim)
         T = inputs.shape[1] if seq_len is None else seq_len
-        cos, sin, mask = self.attention_inputs(T, h.device, doc_ids, caches, start_pos)
+        cos, sin, mask = self.attention_inputs(T, h.device, doc_ids, caches, start_pos, pad)
         keys = None if layers is None else [str(i) for i in range(*layers)]
         h = self.run_layers(h, cos, sin, mask, caches, start_pos, keys)
         if not last:
             return h
         return self.output(self.norm(h)) if head else self.norm(h)
 
-    def attention_inputs(self, T: int, device, doc_ids=None, caches=None, start_pos: int = 0):
+    def attention_inputs(self, T: int, device, doc_ids=None, caches=None, start_pos: int = 0, pad=None):
         """RoPE cos/sin for each position and the attention mask (None: plain causal) for T tokens."""
         mask = None
         if doc_ids is not None:
             positions = document_positions(doc_ids)  # (B, T)
             mask = document_mask(doc_ids)
+        elif pad is not None:
+            positions, mask = left_padding(pad, start_pos, T)
         else:
             positions = torch.arange(start_pos, start_pos + T, device=device)
             # prefill after a prefix: query i sees keys <= start_pos+i
@@ -973,9 +995,72 @@ def sample(model: Transformer, ids: list[int], k: int, max_new_tokens: int, gene
            temperature: float = 1.0, top_p: float | None = None, whole_vocab=None) -> list[list[int]]:
     """K continuations of `ids` in one batch (one prefill shape, one KV cache) -> each one's new
     tokens, with its eos if it finished within max_new_tokens. whole_vocab: as generate's."""
-    new = generate(model, [ids] * k, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=eos,
-                   generator=generator, n_vocab=n_vocab, whole_vocab=whole_vocab)
-    return [row[:row.index(eos) + 1] if eos in row else row for row in new.tolist()]
+    return sample_groups(model, [ids], k, [max_new_tokens], [generator], eos, n_vocab, temperature, top_p,
+                         whole_vocab)[0][0]
+
+
+@torch.no_grad()
+def sample_groups(model: Transformer, prompts: list[list[int]], k: int, rooms: list[int], generators: list,
+                  eos: int, n_vocab: int, temperature: float = 1.0, top_p: float | None = None,
+                  whole_vocab=None) -> tuple[list, list]:
+    """K continuations of each prompt, all in one batch: the prompts left-padded to one length (forward's
+    pad), one prefill of each prompt (prefill_groups), one KV cache, one forward a token; a prompt whose
+    rows have all ended leaves the batch. Prompt i's rows are drawn from generators[i] alone, as many
+    times as sample() would draw them for that prompt by itself (until its rows have all ended at eos, or
+    after rooms[i] tokens), so each prompt's replies are its own stream's, whatever else shares the batch
+    (equal up to the float rounding of the batched forward). -> for each prompt, its k replies, each with
+    its eos if it finished, and each reply token's log-probability under the distribution it was drawn
+    from, softmax(logits / temperature) over the tokenizer's ids (before top_p cuts it; temperature 0:
+    1). whole_vocab: as generate's."""
+    check_sampling(temperature, None, top_p)
+    was_training, device = model.training, model.tok_embeddings.weight.device
+    model.eval()
+    T, n = max(map(len, prompts)), len(prompts)
+    room = [min(r, model.args.max_seq_len - len(p)) for r, p in zip(rooms, prompts)]
+    if min(room) < 1:
+        raise ValueError(f"a prompt of {len(prompts[room.index(min(room))])} tokens leaves no room for a reply "
+                         f"(max_seq_len {model.args.max_seq_len})")
+    whole_vocab = whole_vocab or (lambda logits: logits)
+    caches, logits, pad = prefill_groups(model, prompts, k, T + max(room), whole_vocab)
+    live, rows = list(range(n)), torch.arange(n * k, device=device)  # the prompts, and rows, in the batch
+    out, lps = torch.full((n * k, max(room)), eos, device=device), torch.zeros(n * k, max(room), device=device)
+    for step in range(max(room)):
+        logits[:, n_vocab:] = float("-inf")
+        nxt = torch.cat([sample_next(logits[j * k:(j + 1) * k], temperature, None, top_p, generators[i])
+                         for j, i in enumerate(live)])  # each prompt's rows from its own stream
+        out[rows, step] = nxt
+        lps[rows, step] = torch.log_softmax(logits.float() / (temperature or 1), dim=-1).gather(1, nxt[:, None])[:, 0]
+        ended = (out[rows, :step + 1] == eos).any(dim=1).view(-1, k).all(dim=1).tolist()
+        stay = [j for j, i in enumerate(live) if not ended[j] and step + 1 < room[i]]
+        if not stay:
+            break
+        if len(stay) < len(live):  # prompts whose replies have all ended leave the batch
+            keep = torch.tensor([j * k + r for j in stay for r in range(k)], device=device)
+            for cache in caches:
+                cache.select(keep)
+            nxt, rows, pad = nxt[keep], rows[keep], None if pad is None else pad[keep]
+            live = [live[j] for j in stay]
+        logits = whole_vocab(model(nxt[:, None], caches=caches, start_pos=T + step, pad=pad)[:, -1])
+    model.train(was_training)
+    new, lps = out.tolist(), lps.tolist()
+    ends = [row.index(eos) + 1 if eos in row[:room[r // k]] else room[r // k] for r, row in enumerate(new)]
+    grouped = lambda rows: [[rows[i * k + j][:ends[i * k + j]] for j in range(k)] for i in range(n)]
+    return grouped(new), grouped(lps)
+
+
+def prefill_groups(model: Transformer, prompts: list[list[int]], k: int, max_len: int, whole_vocab):
+    """The prompts, left-padded to the longest, through the model once each; then each one's KV cache copied
+    for its k continuations (a prompt's work done once, not k times). -> the caches, the next token's
+    logits (n k, vocab) and each row's padding (n k,) (None where no prompt has any: a plain causal prefill)."""
+    T, device = max(map(len, prompts)), model.tok_embeddings.weight.device
+    pad = torch.tensor([T - len(p) for p in prompts], device=device)
+    tokens = torch.tensor([[0] * (T - len(p)) + p for p in prompts], device=device)  # (n, T)
+    caches = [KVCache(max_len) for _ in range(model.args.n_layers)]
+    pad = pad if pad.any() else None
+    logits = whole_vocab(model(tokens, caches=caches, start_pos=0, pad=pad)[:, -1])
+    for cache in caches:
+        cache.select(torch.arange(len(prompts), device=device).repeat_interleave(k))
+    return caches, logits.repeat_interleave(k, dim=0), None if pad is None else pad.repeat_interleave(k)
 
 
 if __name__ == "__main__":  # python model.py: list the presets with their sizes

@@ -4,10 +4,13 @@ updated to raise the reward while a KL penalty holds it near the model it starte
     python rl.py sums --out-dir sums                       # worked sums for SFT, prompts for RL and a test
     python rl.py --init out-sft --algo grpo --reward-fn arithmetic --prompts sums/prompts.jsonl --out-dir out-rl
     python rl.py eval --init out-rl --reward-fn arithmetic --prompts sums/test.jsonl    # greedy accuracy
+    python rl.py rollouts --init out-sft --prompts sums/prompts.jsonl     # rollout tokens/s, batched or not
 
-Each step first rolls out (phase 1): every prompt gets --group replies from the current policy, one
-generate batch per prompt with a random stream seeded by --seed and the prompt's global sequence
-number (the same rollouts under any dp and after --resume), scored by --reward-fn (a rule:
+Each step first rolls out (phase 1): every prompt gets --group replies from the current policy, a
+micro-batch's prompts and their groups in one generate batch (left-padded, one KV cache:
+model.sample_groups), each prompt's drawn from its own random stream seeded by --seed and the
+prompt's global sequence number (the same rollouts under any dp and after --resume, and the same
+tokens as the prompt sampled alone), scored by --reward-fn (a rule:
 `arithmetic`, 1 for the right answer; or FILE.py:FUNCTION) or --reward (a reward.py model, read at
 the reply's <|eot_id|> as trained). Then one optimizer step: one update per rollout, so the sampling
 policy is the one updated and the ratio starts at exactly 1 (TRL's default num_iterations=1); the
@@ -45,9 +48,12 @@ clipped objective is written out in full all the same.
   -logp), policy/clipfrac_avg and loss/value_avg (means over every reply token), completion_length.
 
 Every log-prob (the policy's, the reference's, PPO's rollout's) is of the sampling distribution,
-log softmax(logits / --temperature), as TRL computes them; validation's greedy replies are read at
-the same temperature, so val_kl is the quantity kl is. --temperature 0 (greedy PPO rollouts) has no
-distribution: the model's own (temperature 1) is read.
+log softmax(logits / --temperature) over the tokenizer's ids (a head padded past them is never drawn
+from), as TRL computes them; validation's greedy replies are read at the same temperature, so val_kl is
+the quantity kl is. --temperature 0 (greedy PPO rollouts) has no distribution: the model's own
+(temperature 1) is read. The sampler keeps each drawn token's log-prob; the log's
+sampling/sampling_logp_difference/max is a step's largest difference from the trainer's (float error,
+unless the sampler's forward and the trainer's differ).
 
 Prompts with an "answer" also log `accuracy`, the share of replies whose last number is the answer
 (as numbers: 2.0 is 2), whatever the reward says (a flawed reward can rise while accuracy falls:
@@ -71,6 +77,7 @@ import math
 import os
 import re
 import sys
+import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -190,6 +197,15 @@ def reply_rows(prompts: list[list[int]], replies: list[list[int]], seq_len: int,
         if end is None or reply[-1:] == [end]:
             y[i, len(prompt) - 1:len(row) - 1] = torch.tensor(reply)
     return x, y
+
+
+def reply_values(prompts: list[list[int]], values: list[list[float]], seq_len: int) -> torch.Tensor:
+    """A number per reply token (the sampler's log-probs) laid out as reply_rows lays out the targets:
+    (rows, seq_len) fp32, 0 elsewhere."""
+    out = torch.zeros(len(values), seq_len)
+    for i, (prompt, row) in enumerate(zip(prompts, values)):
+        out[i, len(prompt) - 1:len(prompt) - 1 + len(row)] = torch.tensor(row)
+    return out
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group", batch_std=None) -> torch.Tensor:
@@ -355,6 +371,9 @@ GRPO_FLAGS = ("loss_type", "epsilon_high", "scale_rewards", "importance_sampling
 
 TOKEN_MEANS = ("kl", "clip_ratio", "policy/clipfrac_avg", "loss/value_avg")  # TRL's: over all reply tokens
 STEP_COUNTS = ("dropped_groups", "refills")  # --dynamic-sampling's, over the global batch: counts a step
+# the largest difference of a step between a reply token's log-prob as the sampler drew it (KV cache, batched,
+# eval mode) and as the trainer recomputes it: 0 up to float error, unless the two forwards differ (TRL's name)
+GAP = "sampling/sampling_logp_difference/max"
 
 
 class RLTask:
@@ -369,17 +388,18 @@ class RLTask:
         self.mesh, self.args, self.policy, self.tok, self.prompts = mesh, args, policy, tok, prompts
         self.refill = refill  # --dynamic-sampling: the training prompts' loader, to draw more from
         self.score, self.reference, self.value_head = score, reference, value_head
-        self.vocab_size, self.group, self.beta = policy.args.vocab_size, args.group, args.kl_coef
+        # the sampler draws the tokenizer's ids only: log-probs are over them, not the head's padding rows
+        self.vocab_size, self.group, self.beta = tok.n_vocab, args.group, args.kl_coef
         self.temperature = args.temperature or 1.0  # (0: greedy, no distribution to divide by)
         self.rows_per_example, self.algo = args.group, ALGOS[args.algo]
         # forwards besides the trained one's: the reference's, and the algorithm's rollout forwards
         self.reference_forwards = (reference is not None) + self.algo.rollout_forwards
         self.with_answers = all("answer" in p for p in prompts)
-        self.metric_names = (self.algo.metric_names + (("accuracy",) if self.with_answers else ())
+        self.metric_names = (self.algo.metric_names + (("accuracy",) if self.with_answers else ()) + (GAP,)
                              + (STEP_COUNTS if refill is not None else ()))
         self.per_token = torch.tensor([n in TOKEN_MEANS for n in self.metric_names], device=mesh.device)
         self._sums = torch.zeros(len(self.metric_names), device=mesh.device)  # (tally)
-        self._tokens = torch.zeros((), device=mesh.device)
+        self._tokens, self._gap = (torch.zeros((), device=mesh.device) for _ in range(2))
 
     def count(self, batch) -> torch.Tensor:
         """Replies: G per prompt of a loader's batch, or the rows of a rolled-out one."""
@@ -413,49 +433,57 @@ class RLTask:
                 f"replies whose rewards differ in {len(parts)} micro-batches of prompts (the rewards here: "
                 f"{', '.join(map(str, seen[:8]))}{' ...' if len(seen) > 8 else ''})")
         counts = torch.tensor([sum(len(k) for k in keep) - kept, len(parts) - 1.0], device=self._sums.device)
-        self._sums[-len(STEP_COUNTS):] += counts
+        first = self.metric_names.index(STEP_COUNTS[0])
+        self._sums[first:first + len(STEP_COUNTS)] += counts
         rows = torch.cat([k.repeat_interleave(G) for k in keep]).nonzero().view(-1)[:want * G]
         return take_rows([x for x, _ in parts], [t for _, t in parts], rows)
 
-    def sample(self, seq: int, prompt: dict) -> list[list[int]]:
-        """G replies to one prompt: sampled from its own stream, or (eval mode) one greedy reply G times."""
-        a = self.args
-        room = min(a.max_new_tokens, a.seq_len + 1 - len(prompt["ids"]))
+    def sample(self, seqs: list[int], prompts: list[dict]) -> tuple[list, list]:
+        """G replies to each prompt of a micro-batch, all in one generate batch (model.sample_groups), each
+        prompt's from its own random stream, seeded by --seed and the prompt's global sequence number (the
+        same replies under any dp, and after --resume); or (eval mode) one greedy reply each, G times.
+        -> per prompt, its G replies and their tokens' log-probabilities as the sampler drew them."""
+        a, G = self.args, self.group
+        ids = [p["ids"] for p in prompts]
+        rooms = [min(a.max_new_tokens, a.seq_len + 1 - len(i)) for i in ids]
         eot, n_vocab = data.eot_id(self.tok), self.tok.n_vocab
         whole_vocab = lambda logits: P.gather_vocab(logits, self.mesh)  # (tp: every rank draws the same)
         if not self.policy.training:
-            return M.sample(self.policy, prompt["ids"], 1, room, None, eot, n_vocab, 0.0,
-                            whole_vocab=whole_vocab) * self.group
-        generator = M.replies_stream(a.seed, seq, self.policy.tok_embeddings.weight.device)
-        return M.sample(self.policy, prompt["ids"], self.group, room, generator, eot, n_vocab, a.temperature,
-                        a.top_p, whole_vocab)
+            replies, lps = M.sample_groups(self.policy, ids, 1, rooms, [None] * len(ids), eot, n_vocab, 0.0,
+                                           whole_vocab=whole_vocab)
+            return [r * G for r in replies], [lp * G for lp in lps]
+        streams = [M.replies_stream(a.seed, seq, self.policy.tok_embeddings.weight.device) for seq in seqs]
+        return M.sample_groups(self.policy, ids, G, rooms, streams, eot, n_vocab, a.temperature, a.top_p,
+                               whole_vocab)
 
     @torch.no_grad()
     def roll_out(self, seqs, items):
         """One micro-batch of prompts -> (inputs, (targets, extras)) of its B x G replies."""
-        a, G, device = self.args, self.group, seqs.device
+        a, G, device, eot = self.args, self.group, seqs.device, data.eot_id(self.tok)
+        records = [self.prompts[i] for i in items.tolist()]
+        groups, sampled = self.sample(seqs.tolist(), records)
         prompts, replies, rewards, correct = [], [], [], []
-        for seq, item in zip(seqs.tolist(), items.tolist()):  # (one host read: generation reads many)
-            prompt = self.prompts[item]
-            rows = self.sample(seq, prompt)
-            texts = [self.tok.decode(r[:-1] if r[-1:] == [data.eot_id(self.tok)] else r) for r in rows]
+        for prompt, rows in zip(records, groups):
+            texts = [self.tok.decode(r[:-1] if r[-1:] == [eot] else r) for r in rows]
             prompts += [prompt["ids"]] * G
             replies += rows
             rewards += self.score(prompt, texts)
             correct += [float(is_correct(prompt, t)) for t in texts] if self.with_answers else []
-        end = data.eot_id(self.tok) if a.mask_truncated else None
-        x, y = (t.to(device) for t in reply_rows(prompts, replies, a.seq_len, data.pad_id(self.tok), end))
+        x, y = (t.to(device) for t in reply_rows(prompts, replies, a.seq_len, data.pad_id(self.tok),
+                                                 eot if a.mask_truncated else None))
         r = torch.tensor(rewards, device=device)
         grouped = r.view(-1, G)
         extras = {"reward": r, "length": torch.tensor([float(len(row)) for row in replies], device=device),
                   "reward_std": grouped.std(dim=1).repeat_interleave(G) if G > 1 else torch.zeros_like(r),
                   "correct": torch.tensor(correct, device=device) if self.with_answers else None,
-                  "ref": self.reference_logps(x, y) if self.reference is not None else None}
+                  "ref": self.reference_logps(x, y) if self.reference is not None else None,
+                  "sampled": reply_values(prompts, [lp for g in sampled for lp in g], a.seq_len).to(device)
+                  if self.policy.training else None}
         return x, (y, extras)
 
     def logps(self, logits, y) -> torch.Tensor:
-        """log p(target) per token (rows, T) of the sampling distribution, softmax(logits / temperature); 0
-        where the target is IGNORE_INDEX."""
+        """log p(target) per token (rows, T) of the sampling distribution, softmax(logits / temperature) over
+        the tokenizer's ids; 0 where the target is IGNORE_INDEX."""
         if self.temperature != 1:
             logits = logits / self.temperature
         return -loss.token_losses(logits, y, self.vocab_size, self.mesh)
@@ -473,6 +501,8 @@ class RLTask:
         mask = (y != data.IGNORE_INDEX).float()
         logp = self.logps(logits, y)  # (rows, T), 0 outside the replies
         losses, stats = self.algo.token_losses(self, logp, e, mask)
+        if e.get("sampled") is not None:  # (None: validation's greedy replies, drawn from no distribution)
+            self._gap = torch.maximum(self._gap, ((logp.detach() - e["sampled"]).abs() * mask).max())
         self.tally({**stats, "reward": e["reward"], "completion_length": e["length"], "accuracy": e["correct"]},
                    mask, total)
         return LOSS_TYPES[self.args.loss_type](losses, mask, e, self.args, total)
@@ -482,7 +512,7 @@ class RLTask:
         """Add a micro-batch to the metric sums: a reply's metric (rows,) over the global reply count; a token
         metric (TOKEN_MEANS, (rows, T)) summed over the reply tokens, whose count is kept beside."""
         sums = [(stats[n].float() * mask).sum() if n in TOKEN_MEANS else
-                torch.zeros((), device=mask.device) if n in STEP_COUNTS else stats[n].float().sum() / total
+                torch.zeros((), device=mask.device) if n in STEP_COUNTS + (GAP,) else stats[n].float().sum() / total
                 for n in self.metric_names]
         self._sums += torch.stack(sums).to(self._sums.device)
         self._tokens += mask.sum().to(self._tokens.device)
@@ -490,11 +520,14 @@ class RLTask:
     def metrics(self) -> torch.Tensor:
         """Each metric's share of its global mean since the last call, which the loop's sum over
         replicas completes: reply metrics over the global reply count, token metrics over the global
-        count of reply tokens (summed over dp here: one small all-reduce)."""
-        tokens = self._tokens.clone()
+        count of reply tokens (summed over dp here: one small all-reduce); GAP, the max over dp, a dp-th
+        of it from each replica."""
+        tokens, gap = self._tokens.clone(), self._gap.clone()
         P.all_reduce(tokens, self.mesh, "dp")
+        P.all_reduce(gap, self.mesh, "dp", op=torch.distributed.ReduceOp.MAX)
         out = torch.where(self.per_token, self._sums / tokens.clamp(min=1), self._sums)
-        self._sums, self._tokens = torch.zeros_like(self._sums), torch.zeros_like(self._tokens)
+        out[self.metric_names.index(GAP)] = gap / self.mesh.dp
+        self._sums, self._tokens, self._gap = (torch.zeros_like(t) for t in (self._sums, self._tokens, self._gap))
         return out
 
 
@@ -846,6 +879,53 @@ def eval_main(argv) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
+# rl.py rollouts: the rollout's speed, one prompt at a time against a micro-batch at once
+
+
+def rollouts_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="rl.py rollouts", description="Generation tokens/s of GRPO's rollouts: "
+                                "each prompt's --group replies as one batch, against a micro-batch's prompts "
+                                "and their groups as one (model.sample_groups), on the same streams.")
+    p.add_argument("--init", required=True, help="the policy: a checkpoint, HF or Meta folder")
+    p.add_argument("--prompts", required=True, help="JSON/JSONL prompts, as rl.py reads them")
+    for flag, default in (("--group", 8), ("--micro-batch", 8), ("--max-new-tokens", 32), ("--seq-len", 64),
+                          ("--batches", 16), ("--seed", 1337)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
+    a = p.parse_args(argv)
+    tok = checkpoint.tokenizer_for(a.init, None, a.mirror)
+    prompts = read_rl_prompts(a.prompts, tok, a.seq_len, say=lambda msg: print(msg, file=sys.stderr))
+    policy = evaluate.load_model(a.init, tok, torch.device("cpu"), torch.float32, P.Mesh())
+    eot, n = data.eot_id(tok), a.micro_batch
+    batches = [prompts[i:i + n] for i in range(0, min(len(prompts), n * a.batches), n)]
+    cut = lambda row: row[:row.index(eot) + 1] if eot in row else row
+    ways = {"per prompt": lambda seqs, ids, rooms: [  # (as rl.py sampled before: each prompt's group alone)
+                [cut(row) for row in M.generate(policy, [i] * a.group, r, a.temperature, eos_id=eot, n_vocab=tok.n_vocab,
+                                                generator=M.replies_stream(a.seed, s, "cpu")).tolist()]
+                for s, i, r in zip(seqs, ids, rooms)],
+            "per micro-batch": lambda seqs, ids, rooms: M.sample_groups(
+                policy, ids, a.group, rooms, [M.replies_stream(a.seed, s, "cpu") for s in seqs], eot,
+                tok.n_vocab, a.temperature)[0]}
+    out, replies = {}, {}
+    for _ in range(3):  # the two ways in turn, the best of three each (the machine may be shared)
+        for name, way in ways.items():
+            start, replies[name] = time.perf_counter(), []
+            for b, batch in enumerate(batches):
+                ids = [q["ids"] for q in batch]
+                rooms = [min(a.max_new_tokens, a.seq_len + 1 - len(i)) for i in ids]
+                replies[name] += way(range(b * n, b * n + len(batch)), ids, rooms)
+            tokens = sum(len(r) for group in replies[name] for r in group)
+            rate = round(tokens / (time.perf_counter() - start), 1)
+            out[name] = {"tokens": tokens, "tokens_per_s": max(rate, out.get(name, {}).get("tokens_per_s", 0))}
+    same = replies["per prompt"] == replies["per micro-batch"]
+    speedup = out["per micro-batch"]["tokens_per_s"] / out["per prompt"]["tokens_per_s"]
+    print(json.dumps({"init": str(a.init), "prompts": sum(map(len, batches)), "group": a.group,
+                      "micro_batch": n, **out, "speedup": round(speedup, 2), "same_replies": same}), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
 # The command line
 
 
@@ -903,6 +983,8 @@ def main(argv=None):
         return sums_main(argv[1:])
     if argv[:1] == ["eval"]:
         return eval_main(argv[1:])
+    if argv[:1] == ["rollouts"]:
+        return rollouts_main(argv[1:])
     args = config.parse(get_parser(), argv)
     check_flags(args, config.given_flags(get_parser(), argv))
     config.configure_process(args)

@@ -20,6 +20,7 @@ import config
 import data
 import dpo
 import evaluate
+import model as M
 import multiproc
 import parallel as P
 import reward
@@ -85,7 +86,8 @@ def trl_logps(logits, ids, temperature):
 def rl_task(algo, temperature, vocab_size, value_head=None):
     args = SimpleNamespace(algo=algo, group=4, kl_coef=0.04, temperature=temperature, clip_eps=0.2, seq_len=6,
                            vf_coef=0.1, clip_value=0.2, loss_type="grpo", mask_truncated=False)
-    return rl.RLTask(P.Mesh(), args, SimpleNamespace(args=SimpleNamespace(vocab_size=vocab_size)), None,
+    return rl.RLTask(P.Mesh(), args, SimpleNamespace(args=SimpleNamespace(vocab_size=vocab_size)),
+                     SimpleNamespace(n_vocab=vocab_size),
                      [{"where": "p:1"}], None, value_head=value_head)
 
 
@@ -135,6 +137,30 @@ def test_group_advantages_by_hand():
     assert adv[4:].tolist() == [0.0] * 4  # a group all alike teaches nothing
     assert rl.group_advantages(r[8:], 2).tolist() == pytest.approx([1 / (math.sqrt(2) + 1e-4),
                                                                     -1 / (math.sqrt(2) + 1e-4)])
+
+
+def test_a_batch_of_prompts_samples_each_prompts_own_replies():
+    """model.sample_groups: prompts of unequal lengths left-padded into one batch give each prompt the replies
+    it gets alone from its own stream (the same tokens, rows ending at eos at different steps, each prompt cut
+    at its own room, no id past the tokenizer's), and each reply token's log-probability is that of a plain
+    forward of prompt + reply, softmax over the tokenizer's ids (the left padding moves no position)."""
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40))
+    prompts, rooms, eos, n_vocab = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15]], [6, 9, 9, 3], 7, 32
+    streams = lambda: [M.replies_stream(0, i, "cpu") for i in range(len(prompts))]
+    together, lps = M.sample_groups(model, prompts, 5, rooms, streams(), eos, n_vocab, temperature=0.8)
+    alone = [M.sample_groups(model, [p], 5, [r], [g], eos, n_vocab, temperature=0.8)
+             for p, r, g in zip(prompts, rooms, streams())]
+    assert together == [replies[0] for replies, _ in alone]
+    rows = [(p, r, lp) for p, group, lp_group in zip(prompts, together, lps) for r, lp in zip(group, lp_group)]
+    assert {r[-1] == eos for _, r, _ in rows} == {True, False} and len({len(r) for _, r, _ in rows}) > 2
+    assert all(len(r) <= room for group, room in zip(together, rooms) for r in group)
+    assert max(t for _, r, _ in rows for t in r) < n_vocab
+    with torch.no_grad():
+        for prompt, reply, lp in rows:
+            logits = model(torch.tensor([prompt + reply]))[0, len(prompt) - 1:-1, :n_vocab] / 0.8
+            want = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(reply)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(lp), want, atol=1e-5, rtol=0)
 
 
 def test_gae_by_hand():

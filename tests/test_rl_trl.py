@@ -47,7 +47,9 @@ def models(tmp_path_factory):
     """Our policy and reference in float64 (the policy a step away from the reference, so that the KL is not
     0) and the reference's Hugging Face export (TRL loads its reference from the policy's folder)."""
     torch.manual_seed(0)
-    reference = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320)).double()
+    # (a head of the tokenizer's width: rl.py's log-probs leave out a padded head's rows, TRL's take them in)
+    args = M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=BYTE.n_vocab)
+    reference = M.Transformer(args).double()
     folder = tmp_path_factory.mktemp("hf")
     W.save_hf(reference, folder, W.hf_tokens(BYTE, chat=True), W.hf_tokenizer_files(BYTE, chat=True))
     return reference, folder
