@@ -148,7 +148,7 @@ class Meter:
                **metrics, **tokens_by_source(self.run)}
         comm_txt = "" if mesh.world == 1 else " | comm/step " + " ".join(  # (the tally's bytes: in the file)
             f"{k} {v / 1e6:.2f}MB" for k, v in comm.items() if k != "world" and v > 0)
-        extra_txt = "".join(f" | {k} {v:.3f}" for k, v in metrics.items())
+        extra_txt = "".join(f" | {k} {short(v)}" for k, v in metrics.items())
         launch.say(f"step {step:6d} | loss {rec['loss']:.4f} | lr {result.lr:.2e} | grad norm "
                    f"{rec['grad_norm']:.3f} | {tps:,.0f} tok/s | MFU {100 * rec['mfu']:.2f}% | mem "
                    f"{rec['peak_mem_gb']:.2f} GB{comm_txt}{extra_txt}")
@@ -160,7 +160,7 @@ class Meter:
         by_source = {f"val_loss/{k}": v for k, v in by_source.items()}
         extra = {**self.named(metrics, "val_"), **by_source, **scores}
         launch.say(f"step {step:6d} | val loss {loss:.4f}"
-                   + "".join(f" | {k} {v:.3f}" for k, v in extra.items())
+                   + "".join(f" | {k} {short(v)}" for k, v in extra.items())
                    + f" | train time {self.clock():.1f} s | eval {time.perf_counter() - self.paused_at:.1f} s")
         self.write({"step": step, "tokens": self.tokens_at(step), "val_loss": loss, **extra,
                     "time_s": self.clock()})
@@ -206,6 +206,12 @@ class Trackers:
 def step_tokens(args, task, mesh) -> int:
     """Tokens trained on per optimizer step: every row of every micro-batch on every dp rank."""
     return args.micro_batch * task.rows_per_example * args.seq_len * args.grad_accum * mesh.dp
+
+
+def short(v: float) -> str:
+    """A metric in the log line: three decimals, or two digits where it is smaller than they show (a gap of
+    5e-7 is not 0.000)."""
+    return f"{v:.3f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.1e}"
 
 
 def model_flops_per_token(margs, seq_len: int, task, lora: bool = False) -> float:

@@ -637,11 +637,11 @@ def context_chunks(batch: tuple, mesh: Mesh) -> tuple:
 
 
 def attention_inputs(args: M.ModelArgs, mesh: Mesh, seq_len: int, device, doc_ids=None, caches=None,
-                     start_pos: int = 0):
+                     start_pos: int = 0, pad=None):
     """Transformer.attention_inputs under cp (apply_context_parallel puts it in the model's): RoPE's cos/sin
     and the attention mask for this rank's tokens. The queries are this rank's seq_len/cp tokens; the keys
     are all seq_len, in the order the all-gather lays them out (rank 0's two chunks, then rank 1's, ...)."""
-    assert caches is None and start_pos == 0, "generation runs unsharded"
+    assert caches is None and start_pos == 0 and pad is None, "generation runs unsharded"
     q_pos = context_positions(seq_len, mesh.cp, mesh.cp_rank, device)  # (T/cp,)
     kv_pos = torch.cat([context_positions(seq_len, mesh.cp, r, device) for r in range(mesh.cp)])  # (T,)
     rope_pos = q_pos if doc_ids is None else M.document_positions(doc_ids)[:, q_pos]

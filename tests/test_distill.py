@@ -87,17 +87,17 @@ def _job(n, out, *flags):
 
 
 def test_the_same_distillation_under_tp_and_dp(tmp_path, teacher):
-    """tp 2 (the vocabulary-parallel KL: both heads cut alike, two numbers per token across ranks) and dp 2
-    against one process: the same losses, KL and cross-entropy within 1e-5, the final weights within 1e-4
+    """tp 2 (the vocabulary-parallel KL: both heads cut alike, two numbers per token across ranks), pp 2 (the
+    teacher pipelined as the student is, its logits on the last stage) and dp 2 against one process: the same losses, KL and cross-entropy within 1e-5, the final weights within 1e-4
     of each tensor's norm; the reverse KL (its gradient reads the reduced KL: forward's collectives and
     more), the data's cross-entropy mixed in (--ce-weight) and a temperature."""
     flags = ["--teacher", str(teacher), "--kl", "reverse", "--ce-weight", "0.25", "--temperature", "1.5",
              "--grad-accum", "2"]
     one = _job(1, tmp_path / "one", *flags)
-    for name, more in (("tp", ["--tp", "2"]), ("dp", ["--micro-batch", "2"])):
+    for name, more in (("tp", ["--tp", "2"]), ("pp", ["--pp", "2"]), ("dp", ["--micro-batch", "2"])):
         got = _job(2, tmp_path / name, *flags, *more)
         assert len(got) == len(one) == 4  # 3 steps and the validation (dp splits its batches otherwise)
-        for a, b in zip(got, one) if name == "tp" else zip(got[:3], one[:3]):
+        for a, b in zip(got, one) if name != "dp" else zip(got[:3], one[:3]):
             for key in ("loss", "kl", "ce"):
                 k = key if key in b else f"val_{key}" if key != "loss" else "val_loss"
                 assert a[k] == pytest.approx(b[k], rel=1e-5), (name, key, a, b)
