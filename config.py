@@ -684,11 +684,11 @@ def ramp_stage(args) -> str:
 
 
 def check_memory(margs, args, layout: P.Layout, device, precision: str, rows_per_example: int = 1,
-                 frozen_copies: int = 0, chunk: int = 0, masked: bool = False):  # chunk: --loss-chunk's
+                 frozen_copies: float = 0, chunk: int = 0, masked: bool = False):  # chunk: --loss-chunk's
     """Refuse a model that cannot fit, before any of it is allocated: one process's busiest pipeline
     stage (costs.memory_estimate, rows_per_example rows an example, kept as costs.kept_by says; plus
-    frozen copies of its weights, DPO's reference), or the model while built (costs.build_bytes) if
-    that is more, against what the device has free."""
+    frozen copies of its weights: DPO's reference, 1; distill.py's teacher, its size in the student's),
+    or the model while built (costs.build_bytes) if that is more, against what the device has free."""
     lora = lora_of(args)
     est_lora = (lora[0], lora[2]) if lora else None  # (rank, targets)
     kept = costs.kept_by(device.type, precision, args.attn_backend, masked, args.compile, args.dropout > 0)

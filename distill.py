@@ -170,12 +170,19 @@ class Distill(train.FromInit):
             margs = super().model_args(tok)
         else:
             margs, self.state = train.Pretraining.model_args(self, tok), None
-        rows = teacher_rows(self.args.teacher, tok)
-        if rows != margs.vocab_size:
-            raise config.ConfigError(f"--teacher {self.args.teacher} has a head of {rows:,} rows, the student "
-                                     f"{margs.vocab_size:,}: distillation compares their logits id by id "
+        teacher = teacher_args(self.args.teacher, tok)
+        if teacher.vocab_size != margs.vocab_size:
+            raise config.ConfigError(f"--teacher {self.args.teacher} has a head of {teacher.vocab_size:,} rows, the "
+                                     f"student {margs.vocab_size:,}: distillation compares their logits id by id "
                                      "(give the student the teacher's --vocab-size)")
+        # the teacher's weights in the memory check, in copies of the student's (config.check_memory)
+        self.frozen_copies = costs.count_params(teacher) / costs.count_params(margs)
         return margs
+
+    def weights(self, mesh) -> dict | None:
+        state = super().weights(mesh)
+        self.initial = None  # (FromInit keeps --init's weights for a frozen copy of them; the teacher is another)
+        return state
 
     def masked_attention(self) -> str | None:
         return "fine-tuning keeps it within each example of a row" if self.chat else None
@@ -191,12 +198,14 @@ class Distill(train.FromInit):
         return DistillTask(mesh, self.args, teacher, self.tok.n_vocab, forwards)
 
 
-def teacher_rows(path, tok) -> int:
-    """The teacher's head rows, as the student would hold them for tok (before any weight is read)."""
-    rows = checkpoint.recorded(path).get("vocab_size")
-    if rows is None:  # (a Meta folder may leave it to the tokenizer)
-        rows = tok.n_vocab
-    return checkpoint.with_room_for(M.ModelArgs(vocab_size=rows), tok.n_vocab).vocab_size
+def teacher_args(path, tok) -> M.ModelArgs:
+    """The teacher's shape as it is built for tok, before any weight is read (but a Meta folder's, which
+    records no shape of its own: those are read twice)."""
+    if checkpoint.is_checkpoint(path):
+        margs = checkpoint.checkpoint_args(checkpoint.resolve(path, say=lambda msg: None, verify=False))
+    else:
+        margs = checkpoint.load_init(path, None)[0]  # (a Hugging Face folder: its headers alone)
+    return checkpoint.with_room_for(margs, tok.n_vocab)
 
 
 def load_teacher(path, tok, mesh) -> tuple[M.ModelArgs, dict]:

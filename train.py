@@ -362,6 +362,7 @@ class Pretraining:
     chat = False  # trains on the chat format: checkpoints say so, and exports then stop at <|eot_id|>
     rows_per_example = 1  # model input rows per example of the loader (check_memory; DPO: a pair's two)
     frozen_copies = 0  # frozen copies of the model held beside the trained one (check_memory; DPO: 1)
+    # (distill.py: its teacher's size in the model's)
     head_in_loss = True  # LMTask applies the head in its loss, --loss-chunk tokens at a time (check_memory)
     trained_whole = ()  # under LoRA, the parameters (by name prefix) trained whole all the same (a new head)
     unused_flags: dict = {}  # flag -> why this recipe has no use for it (refused when given)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import checkpoint as C
 import config
+import costs
 import data
 import distill
 import model as M
@@ -72,6 +73,15 @@ def test_a_student_that_is_its_teacher_has_nothing_to_learn(tmp_path, teacher):
                   str(out)])
     first = steps(out)[0]
     assert abs(first["kl"]) < 1e-6 and first["grad_norm"] < 1e-5 and first["ce"] > 4
+
+
+def test_the_memory_check_counts_the_teacher(teacher):
+    """The teacher's weights are in the estimate, as so many copies of the student's (config.check_memory)."""
+    args = config.parse(distill.get_parser(), ["--teacher", str(teacher), *BASE])
+    recipe = distill.Distill(args)
+    student = recipe.model_args(recipe.tokenizer())
+    want = costs.count_params(distill.teacher_args(teacher, BYTE)) / costs.count_params(student)
+    assert recipe.frozen_copies == pytest.approx(want) and want > 2  # (3 layers of 96 against 2 of 64)
 
 
 # ----------------------------------------------------------------------------------------------------
