@@ -409,34 +409,10 @@ class RLTask:
     def prepare(self, batches):
         rolled = [self.roll_out(seqs, items) for seqs, items in batches]
         if self.refill is not None and self.policy.training:
-            rolled = [self.with_signal(part) for part in rolled]
-        return self.algo.targets(self, rolled)
-
-    def with_signal(self, rolled):
-        """--dynamic-sampling (DAPO): a micro-batch's groups whose rewards are all equal (advantages 0, no
-        signal) dropped, and groups with one drawn in their place from the next micro-batches of the
-        prompt stream, at most --dynamic-sampling of them. Every dp rank draws as many as the neediest,
-        so that their loaders stay at one position (a checkpoint holds one)."""
-        G, want, parts = self.group, self.args.micro_batch, [rolled]
-        while True:
-            keep = [varied(e["reward"], G) for _, (_, e) in parts]
-            kept = sum(int(k.sum()) for k in keep)
-            short = torch.tensor([float(kept < want), float(kept == 0)], device=self.mesh.device)
-            P.all_reduce(short, self.mesh, "dp")
-            if short[0] == 0 or len(parts) > self.args.dynamic_sampling:
-                break
-            parts.append(self.roll_out(*(t.to(rolled[0].device) for t in self.refill.next())))
-        if short[1] > 0:
-            seen = sorted({round(r, 4) for _, (_, e) in parts for r in e["reward"].tolist()})
-            raise train.TrainingError(
-                f"--dynamic-sampling {self.args.dynamic_sampling}: {int(short[1])} dp rank(s) found no group of "
-                f"replies whose rewards differ in {len(parts)} micro-batches of prompts (the rewards here: "
-                f"{', '.join(map(str, seen[:8]))}{' ...' if len(seen) > 8 else ''})")
-        counts = torch.tensor([sum(len(k) for k in keep) - kept, len(parts) - 1.0], device=self._sums.device)
-        first = self.metric_names.index(STEP_COUNTS[0])
-        self._sums[first:first + len(STEP_COUNTS)] += counts
-        rows = torch.cat([k.repeat_interleave(G) for k in keep]).nonzero().view(-1)[:want * G]
-        return take_rows([x for x, _ in parts], [t for _, t in parts], rows)
+            rolled, counts = zip(*(with_signal(self, part) for part in rolled))
+            first = self.metric_names.index(STEP_COUNTS[0])
+            self._sums[first:first + len(STEP_COUNTS)] += torch.tensor(counts, device=self._sums.device).sum(0)
+        return self.algo.targets(self, list(rolled))
 
     def sample(self, seqs: list[int], prompts: list[dict]) -> tuple[list, list]:
         """G replies to each prompt of a micro-batch, all in one generate batch (model.sample_groups), each
@@ -529,6 +505,32 @@ class RLTask:
         out[self.metric_names.index(GAP)] = gap / self.mesh.dp
         self._sums, self._tokens, self._gap = (torch.zeros_like(t) for t in (self._sums, self._tokens, self._gap))
         return out
+
+
+def with_signal(task: RLTask, rolled):
+    """--dynamic-sampling (DAPO): a micro-batch's groups whose rewards are all equal (advantages 0, no
+    signal) dropped, and groups with one drawn in their place from the next micro-batches of the
+    prompt stream, at most --dynamic-sampling of them. Every dp rank draws as many as the neediest,
+    so that their loaders stay at one position (a checkpoint holds one). -> the micro-batch, and
+    [groups dropped, micro-batches drawn]."""
+    G, want, parts = task.group, task.args.micro_batch, [rolled]
+    while True:
+        keep = [varied(e["reward"], G) for _, (_, e) in parts]
+        kept = sum(int(k.sum()) for k in keep)
+        short = torch.tensor([float(kept < want), float(kept == 0)], device=task.mesh.device)
+        P.all_reduce(short, task.mesh, "dp")
+        if short[0] == 0 or len(parts) > task.args.dynamic_sampling:
+            break
+        parts.append(task.roll_out(*(t.to(rolled[0].device) for t in task.refill.next())))
+    if short[1] > 0:
+        seen = sorted({round(r, 4) for _, (_, e) in parts for r in e["reward"].tolist()})
+        raise train.TrainingError(
+            f"--dynamic-sampling {task.args.dynamic_sampling}: {int(short[1])} dp rank(s) found no group of "
+            f"replies whose rewards differ in {len(parts)} micro-batches of prompts (the rewards here: "
+            f"{', '.join(map(str, seen[:8]))}{' ...' if len(seen) > 8 else ''})")
+    rows = torch.cat([k.repeat_interleave(G) for k in keep]).nonzero().view(-1)[:want * G]
+    counts = [sum(len(k) for k in keep) - kept, len(parts) - 1]  # (STEP_COUNTS: groups dropped, refills)
+    return take_rows([x for x, _ in parts], [t for _, t in parts], rows), counts
 
 
 # ----------------------------------------------------------------------------------------------------
