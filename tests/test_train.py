@@ -147,10 +147,16 @@ def test_activation_checkpointing_gives_the_same_training(tmp_path):
 
 def test_default_configuration_runs(tmp_path):
     """No model/data flags: the embedded default (TinyShakespeare, byte tokenizer) for a few steps, with the
-    sample at the end."""
-    code, stdout, stderr = run_cli("--max-steps", "3", "--warmup", "1", "--eval-batches", "1", "--out-dir",
-                                   str(tmp_path), "--sample-tokens", "20")
-    assert code == 0, stderr[-2000:]
+    sample at the end. Without --compile, --deterministic or --act-ckpt it never imports torch's compiler
+    stack (sympy, its symbolic shapes): a second of every process's start."""
+    args = ["--max-steps", "3", "--warmup", "1", "--eval-batches", "1", "--out-dir", str(tmp_path),
+            "--sample-tokens", "20"]
+    code = (f"import runpy, sys; sys.argv = {[str(REPO / 'train.py'), *args]!r}; "
+            f"runpy.run_path(sys.argv[0], run_name='__main__'); print('sympy imported:', 'sympy' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    stdout = p.stdout
+    assert "sympy imported: False" in stdout
     assert "val loss" in stdout and "MFU" in stdout
     assert "device cpu, fp32, attention flash;" in stdout  # the kernel that ran: SDPA's CPU flash kernel
     assert (tmp_path / "latest").exists()
