@@ -354,10 +354,23 @@ def barrier(mesh: Mesh, long: bool = False, dim: str | None = None):
 # loss.py's in its compiled chunks, so each is a torch custom op: one opaque graph node whose body
 # (the wrappers above: the byte count, the timing, the CommError) runs as plain Python at every
 # call. Called directly, that body would break the graph (the clock cannot be traced) and recompile
-# each call (the byte counter's value would become a guard).
+# each call (the byte counter's value would become a guard). Eager code calls the body itself: a custom
+# op called eagerly imports torch's compiler stack (sympy: a second of every process's start).
 
 
-@torch.library.custom_op("llama3::all_reduce_", mutates_args=("t",))
+def custom_op(name: str, mutates_args=()):
+    """torch.library.custom_op for code torch.compile traces, the plain function otherwise."""
+    def wrap(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+        call.register_fake = op.register_fake
+        return call
+    return wrap
+
+
+@custom_op("llama3::all_reduce_", mutates_args=("t",))
 def all_reduce_op(t: torch.Tensor, mesh_key: int, dim: str) -> None:
     all_reduce(t, MESHES[mesh_key], dim)
 
@@ -367,7 +380,7 @@ def _(t, mesh_key, dim):
     return None
 
 
-@torch.library.custom_op("llama3::all_gather", mutates_args=())
+@custom_op("llama3::all_gather")
 def all_gather_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
     mesh = MESHES[mesh_key]
     out = inp.new_empty((inp.shape[0] * mesh.size(dim), *inp.shape[1:]))
@@ -380,7 +393,7 @@ def _(inp, mesh_key, dim):
     return inp.new_empty((inp.shape[0] * MESHES[mesh_key].size(dim), *inp.shape[1:]))
 
 
-@torch.library.custom_op("llama3::reduce_scatter", mutates_args=())
+@custom_op("llama3::reduce_scatter")
 def reduce_scatter_op(inp: torch.Tensor, mesh_key: int, dim: str) -> torch.Tensor:
     mesh = MESHES[mesh_key]
     out = inp.new_empty((inp.shape[0] // mesh.size(dim), *inp.shape[1:]))
@@ -508,7 +521,10 @@ class RowParallelLinear(M.Linear):
 
     def __init__(self, full: nn.Linear, mesh: Mesh):
         super().__init__(full.in_features // mesh.tp, full.out_features, device="meta")
-        self.weight = nn.Parameter(full.weight.detach().chunk(mesh.tp, dim=1)[mesh.tp_rank].clone())
+        # (a column slice is strided: cloned into contiguous memory, which on the meta device spares the
+        # compiler stack's import that a stride-preserving clone makes)
+        piece = full.weight.detach().chunk(mesh.tp, dim=1)[mesh.tp_rank]
+        self.weight = nn.Parameter(piece.clone(memory_format=torch.contiguous_format))
         self.mesh = mesh
 
     def forward(self, x):
