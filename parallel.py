@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import launch
 import model as M
@@ -354,17 +355,20 @@ def barrier(mesh: Mesh, long: bool = False, dim: str | None = None):
 # loss.py's in its compiled chunks, so each is a torch custom op: one opaque graph node whose body
 # (the wrappers above: the byte count, the timing, the CommError) runs as plain Python at every
 # call. Called directly, that body would break the graph (the clock cannot be traced) and recompile
-# each call (the byte counter's value would become a guard). Eager code calls the body itself: a custom
-# op called eagerly imports torch's compiler stack (sympy: a second of every process's start).
+# each call (the byte counter's value would become a guard). Selective activation checkpointing finds
+# the gathers by these names too (model.KEPT_OPS). Other code calls the body itself: a custom op called
+# eagerly imports torch's compiler stack (sympy: a second of every process's start).
 
 
 def custom_op(name: str, mutates_args=()):
-    """torch.library.custom_op for code torch.compile traces, the plain function otherwise."""
+    """torch.library.custom_op where the dispatcher is watched (torch.compile tracing, a dispatch mode:
+    selective checkpointing's), the plain function otherwise."""
     def wrap(fn):
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
 
         def call(*args):
-            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+            watched = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            return op(*args) if watched else fn(*args)
         call.register_fake = op.register_fake
         return call
     return wrap
