@@ -915,6 +915,13 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """logits (B, vocab) -> next token ids (B,). temperature 0 is greedy (argmax)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
+    return torch.multinomial(next_probs(logits, temperature, top_k, top_p), 1, generator=generator).squeeze(-1)
+
+
+def next_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+               top_p: float | None = None) -> torch.Tensor:
+    """logits (B, vocab) -> the distribution each row's next token is drawn from (temperature > 0), row
+    by row: rows batched together get the probabilities each would get alone."""
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
@@ -926,8 +933,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         drop_sorted = cum - sorted_logits.softmax(-1) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(-1)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
@@ -1004,14 +1010,13 @@ def sample_groups(model: Transformer, prompts: list[list[int]], k: int, rooms: l
                   eos: int, n_vocab: int, temperature: float = 1.0, top_p: float | None = None,
                   whole_vocab=None) -> tuple[list, list]:
     """K continuations of each prompt, all in one batch: the prompts left-padded to one length (forward's
-    pad), one prefill of each prompt (prefill_groups), one KV cache, one forward a token; a prompt whose
-    rows have all ended leaves the batch. Prompt i's rows are drawn from generators[i] alone, as many
-    times as sample() would draw them for that prompt by itself (until its rows have all ended at eos, or
-    after rooms[i] tokens), so each prompt's replies are its own stream's, whatever else shares the batch
-    (equal up to the float rounding of the batched forward). -> for each prompt, its k replies, each with
-    its eos if it finished, and each reply token's log-probability under the distribution it was drawn
-    from, softmax(logits / temperature) over the tokenizer's ids (before top_p cuts it; temperature 0:
-    1). whole_vocab: as generate's."""
+    pad), one prefill of each prompt (prefill_groups), one KV cache, one forward a token; a row leaves the
+    batch once it has drawn eos or filled its room. Prompt i's rows are drawn from generators[i] alone, as
+    sample() draws them for that prompt by itself (draw_rows), so each prompt's replies are its own
+    stream's, whatever else shares the batch (equal up to the float rounding of the batched forward). ->
+    for each prompt, its k replies, each with its eos if it finished, and each reply token's
+    log-probability under the distribution it was drawn from, softmax(logits / temperature) over the
+    tokenizer's ids (before top_p cuts it; temperature 0: 1). whole_vocab: as generate's."""
     check_sampling(temperature, None, top_p)
     was_training, device = model.training, model.tok_embeddings.weight.device
     model.eval()
@@ -1022,30 +1027,47 @@ def sample_groups(model: Transformer, prompts: list[list[int]], k: int, rooms: l
                          f"(max_seq_len {model.args.max_seq_len})")
     whole_vocab = whole_vocab or (lambda logits: logits)
     caches, logits, pad = prefill_groups(model, prompts, k, T + max(room), whole_vocab)
-    live, rows = list(range(n)), torch.arange(n * k, device=device)  # the prompts, and rows, in the batch
+    rows = torch.arange(n * k, device=device)  # the batch's rows: indices into the n k replies, ascending
+    last = torch.tensor(room, device=device).repeat_interleave(k) - 1  # each row's last step
     out, lps = torch.full((n * k, max(room)), eos, device=device), torch.zeros(n * k, max(room), device=device)
     for step in range(max(room)):
         logits[:, n_vocab:] = float("-inf")
-        nxt = torch.cat([sample_next(logits[j * k:(j + 1) * k], temperature, None, top_p, generators[i])
-                         for j, i in enumerate(live)])  # each prompt's rows from its own stream
+        nxt = draw_rows(logits, rows, k, generators, temperature, top_p)
         out[rows, step] = nxt
         lps[rows, step] = torch.log_softmax(logits.float() / (temperature or 1), dim=-1).gather(1, nxt[:, None])[:, 0]
-        ended = (out[rows, :step + 1] == eos).any(dim=1).view(-1, k).all(dim=1).tolist()
-        stay = [j for j, i in enumerate(live) if not ended[j] and step + 1 < room[i]]
-        if not stay:
+        going = (nxt != eos) & (last[rows] > step)
+        if not going.any():
             break
-        if len(stay) < len(live):  # prompts whose replies have all ended leave the batch
-            keep = torch.tensor([j * k + r for j in stay for r in range(k)], device=device)
+        if not going.all():  # rows that have ended leave the batch, and their keys and values with them
+            keep = going.nonzero()[:, 0]
             for cache in caches:
                 cache.select(keep)
             nxt, rows, pad = nxt[keep], rows[keep], None if pad is None else pad[keep]
-            live = [live[j] for j in stay]
         logits = whole_vocab(model(nxt[:, None], caches=caches, start_pos=T + step, pad=pad)[:, -1])
     model.train(was_training)
     new, lps = out.tolist(), lps.tolist()
     ends = [row.index(eos) + 1 if eos in row[:room[r // k]] else room[r // k] for r, row in enumerate(new)]
     grouped = lambda rows: [[rows[i * k + j][:ends[i * k + j]] for j in range(k)] for i in range(n)]
     return grouped(new), grouped(lps)
+
+
+def draw_rows(logits: torch.Tensor, rows: torch.Tensor, k: int, generators: list, temperature: float,
+              top_p: float | None) -> torch.Tensor:
+    """The next token of each row in the batch (logits (R, vocab); rows (R,), ascending, row r the
+    (r % k)-th reply of prompt r // k), each prompt's from its own generator, in one draw of k rows as
+    sample_next draws a prompt's k rows alone: a row that has left stands in with a uniform distribution
+    and its token is dropped. torch.multinomial consumes its generator row by row, the same whatever
+    the rows' probabilities, so the rows still there get the tokens they would get with all k."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = next_probs(logits, temperature, None, top_p)  # every row at once
+    prompts = sorted(set((rows // k).tolist()))
+    slot = torch.searchsorted(torch.tensor(prompts, device=rows.device), rows // k) * k + rows % k
+    full = probs.new_full((len(prompts) * k, probs.shape[1]), 1 / probs.shape[1])
+    full[slot] = probs
+    drawn = torch.cat([torch.multinomial(full[j * k:(j + 1) * k], 1, generator=generators[i])[:, 0]
+                       for j, i in enumerate(prompts)])
+    return drawn[slot]
 
 
 def prefill_groups(model: Transformer, prompts: list[list[int]], k: int, max_len: int, whole_vocab):

@@ -142,7 +142,8 @@ def test_group_advantages_by_hand():
 def test_a_batch_of_prompts_samples_each_prompts_own_replies():
     """model.sample_groups: prompts of unequal lengths left-padded into one batch give each prompt the replies
     it gets alone from its own stream (the same tokens, rows ending at eos at different steps, each prompt cut
-    at its own room, no id past the tokenizer's), and each reply token's log-probability is that of a plain
+    at its own room, no id past the tokenizer's), those of generate's plain loop (whose rows all run to the
+    end) although a row leaves the batch at its eos, and each reply token's log-probability is that of a plain
     forward of prompt + reply, softmax over the tokenizer's ids (the left padding moves no position)."""
     torch.manual_seed(0)
     model = M.Transformer(M.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40))
@@ -152,6 +153,10 @@ def test_a_batch_of_prompts_samples_each_prompts_own_replies():
     alone = [M.sample_groups(model, [p], 5, [r], [g], eos, n_vocab, temperature=0.8)
              for p, r, g in zip(prompts, rooms, streams())]
     assert together == [replies[0] for replies, _ in alone]
+    plain = [[row[:row.index(eos) + 1] if eos in row else row  # generate: a prompt's k rows to the end
+              for row in M.generate(model, [p] * 5, r, 0.8, eos_id=eos, n_vocab=n_vocab, generator=g).tolist()]
+             for p, r, g in zip(prompts, rooms, streams())]
+    assert together == plain
     rows = [(p, r, lp) for p, group, lp_group in zip(prompts, together, lps) for r, lp in zip(group, lp_group)]
     assert {r[-1] == eos for _, r, _ in rows} == {True, False} and len({len(r) for _, r, _ in rows}) > 2
     assert all(len(r) <= room for group, room in zip(together, rooms) for r in group)
