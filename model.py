@@ -1057,7 +1057,8 @@ def draw_rows(logits: torch.Tensor, rows: torch.Tensor, k: int, generators: list
     (r % k)-th reply of prompt r // k), each prompt's from its own generator, in one draw of k rows as
     sample_next draws a prompt's k rows alone: a row that has left stands in with a uniform distribution
     and its token is dropped. torch.multinomial consumes its generator row by row, the same whatever
-    the rows' probabilities, so the rows still there get the tokens they would get with all k."""
+    the rows' probabilities, so the rows still there get the tokens they would get with all k (tested on
+    a CPU against generate, whose rows all stay; a GPU's kernel is not checked here)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = next_probs(logits, temperature, None, top_p)  # every row at once
