@@ -8,7 +8,8 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       cp, pp and dp beside costs.comm_estimate.
   python bench.py --sweep "tp=1,mb=4;tp=2,mb=8;mb=8,act_ckpt=1;act_ckpt=selective"
       several layouts / micro-batch sizes / activation checkpointing in one run, one table (keys:
-      tp, cp, pp, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic, attn).
+      tp, cp, pp, ep, mb, accum, seq_len, zero, sp, act_ckpt, compile, loss_chunk, deterministic, attn,
+      precision).
   python bench.py --compare-hf
       transformers.LlamaForCausalLM + torch.optim.AdamW on the same model and batch, alternating
       with ours in the same run, and the throughput ratio.
@@ -622,7 +623,7 @@ def measure_bubble(args, mesh, model, opt, m: int, device) -> dict:
 
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=launch.HelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sweep", default=None, help="';'-separated settings, e.g. 'tp=2,mb=8;act_ckpt=1'")
     mode.add_argument("--compare-hf", action="store_true",

@@ -1169,7 +1169,8 @@ def export_peft(folder: Path, out: Path):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tools for sharded checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into a Hugging Face folder")
+    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into a Hugging Face folder",
+                       formatter_class=launch.HelpFormatter)
     c.add_argument("checkpoint", help="a step directory, or an --out-dir (its newest intact checkpoint)")
     out = c.add_mutually_exclusive_group(required=True)
     out.add_argument("--hf", help="write a Hugging Face Llama folder here (a LoRA checkpoint: merged)")

@@ -1,6 +1,6 @@
 """A run's configuration: the command line's flags, their checks, the device and the process.
 
-train.py, sft.py, dpo.py, reward.py and rl.py share one parser (get_parser; each script adds its own
+train.py, sft.py, dpo.py, reward.py, rl.py and distill.py share one parser (get_parser; each script adds its own
 flags) and one gate, check_config, which refuses every bad input (a flag out of range, a tokenizer
 larger than the model, a layout that does not divide the world or the heads, a model too large for
 the device's memory) on every rank, in one line, before any process talks or the output folder is
@@ -49,7 +49,7 @@ class ResourceError(ConfigError):
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a Llama 3 model: `python train.py` (or `torchrun "
                                             "--standalone --nproc_per_node=1 train.py`).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=launch.HelpFormatter)
     add_model_flags(p)
     add_data_flags(p)
     add_optimization_flags(p)

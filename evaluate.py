@@ -896,7 +896,7 @@ def plot_diff(r: dict, path) -> Path:
 
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=launch.HelpFormatter)
     p.add_argument("--init",
                    help="a train.py/sft.py/dpo.py --out-dir or step folder, a Hugging Face or a Meta folder")
     p.add_argument("--task", action="append", default=[],

@@ -12,10 +12,12 @@ skip. It imports no file of the project.
   configure_process the process-wide settings, once, from a command line: seeds, GPU, TF32,
                     --deterministic; say() prints once per job (global rank 0)
   StopFlag          preemption (SIGTERM, Ctrl-C) as a flag the training loop reads at each step
+  HelpFormatter     every script's --help: each flag's default, where it has one its help leaves unsaid
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import os
@@ -308,3 +310,13 @@ class StopFlag:
         """Give the signals back to whoever had them before the run."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default appended, except where there is none to say (None; a switch's
+    False) or its help already says it (in words such as "default: the model's context")."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)

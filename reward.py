@@ -161,7 +161,8 @@ class RewardModel(train.FromInit):
 
 def score_main(argv) -> int:
     p = argparse.ArgumentParser(prog="reward.py score",
-                                description="A reward model's accuracy and mean margin on preference pairs.")
+                                description="A reward model's accuracy and mean margin on preference pairs.",
+                                formatter_class=launch.HelpFormatter)
     p.add_argument("--reward", required=True, help="a reward model: reward.py's --out-dir, or an HF folder")
     p.add_argument("--data", required=True, help="preference pairs, as dpo.py --data reads them")
     p.add_argument("--seq-len", type=int, default=None, help="cut rows here (default: the model's context)")
@@ -250,7 +251,8 @@ def sample_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reward.py sample", description=(
         "Rejection sampling: K replies per prompt from --policy, scored by --reward; the best finished reply "
         "of each prompt is written to --out as an SFT conversation (sft.py --data reads it), with every "
-        "reply and score. Under torchrun the ranks share the prompts."))
+        "reply and score. Under torchrun the ranks share the prompts."),
+        formatter_class=launch.HelpFormatter)
     p.add_argument("--reward", required=True, help="a reward model: reward.py's --out-dir, or an HF folder")
     p.add_argument("--policy", required=True, help="the model that replies: an sft.py/dpo.py checkpoint or "
                                                    "a Hugging Face / Meta folder")

@@ -697,13 +697,14 @@ def sums(n: int, seed: int, high: int = 30) -> list[dict]:
 
 
 def sums_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="rl.py sums", description="Sums a + b as SFT data, RL prompts and a test.")
-    p.add_argument("--out-dir", default="sums")
+    p = argparse.ArgumentParser(prog="rl.py sums", description="Sums a + b as SFT data, RL prompts and a test.",
+                                formatter_class=launch.HelpFormatter)
+    p.add_argument("--out-dir", default="sums", help="the folder for sft.jsonl, prompts.jsonl, test.jsonl")
     p.add_argument("--high", type=int, default=30, help="a and b are below this")
     p.add_argument("--sft", type=int, default=300, help="worked sums for SFT (sft.jsonl)")
     p.add_argument("--rl", type=int, default=500, help="prompts for RL (prompts.jsonl)")
     p.add_argument("--test", type=int, default=100, help="held-out prompts (test.jsonl)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="which pairs go where")
     a = p.parse_args(argv)
     total = a.sft + a.rl + a.test
     if min(a.sft, a.rl, a.test) < 1 or total > a.high ** 2:
@@ -838,13 +839,14 @@ def check_flags(a, given=frozenset()):
 
 def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rl.py eval", description="Greedy replies to prompts: mean reward and "
-                                                               "accuracy (the share with the answer).")
+                                                               "accuracy (the share with the answer).",
+                                formatter_class=launch.HelpFormatter)
     p.add_argument("--init", required=True, help="the policy: a checkpoint, HF or Meta folder")
     p.add_argument("--prompts", required=True, help="JSON/JSONL prompts, as rl.py reads them")
     p.add_argument("--reward", default=None, help="a reward model")
     p.add_argument("--reward-fn", default=None,
                    help="a rule: " + ", ".join(REWARD_FNS) + " or FILE.py:FUNCTION")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="the longest reply")
     p.add_argument("--seq-len", type=int, default=256, help="prompt and reply together")
     p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
@@ -887,13 +889,16 @@ def eval_main(argv) -> int:
 def rollouts_main(argv) -> int:
     p = argparse.ArgumentParser(prog="rl.py rollouts", description="Generation tokens/s of GRPO's rollouts: "
                                 "each prompt's --group replies as one batch, against a micro-batch's prompts "
-                                "and their groups as one (model.sample_groups), on the same streams.")
+                                "and their groups as one (model.sample_groups), on the same streams.",
+                                formatter_class=launch.HelpFormatter)
     p.add_argument("--init", required=True, help="the policy: a checkpoint, HF or Meta folder")
     p.add_argument("--prompts", required=True, help="JSON/JSONL prompts, as rl.py reads them")
-    for flag, default in (("--group", 8), ("--micro-batch", 8), ("--max-new-tokens", 32), ("--seq-len", 64),
-                          ("--batches", 16), ("--seed", 1337)):
-        p.add_argument(flag, type=int, default=default)
-    p.add_argument("--temperature", type=float, default=1.0)
+    for flag, default, what in (("--group", 8, "replies a prompt"), ("--micro-batch", 8, "prompts a batch"),
+                                ("--max-new-tokens", 32, "the longest reply"),
+                                ("--seq-len", 64, "prompt and reply together"),
+                                ("--batches", 16, "micro-batches measured"), ("--seed", 1337, "the replies' streams")):
+        p.add_argument(flag, type=int, default=default, help=what)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--mirror", default=None, help="local mirror folder for downloads")
     a = p.parse_args(argv)
     tok = checkpoint.tokenizer_for(a.init, None, a.mirror)

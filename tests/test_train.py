@@ -612,3 +612,21 @@ def test_phases_2_and_3_of_a_single_process_step_enter_only_the_model_and_the_lo
     finally:
         sys.settrace(None)
     assert entered == {"model.py", "loss.py", "train.py"}, entered
+
+
+@pytest.mark.parametrize("script, argv, shown", [
+    ("train", [], "(default: 2400)"), ("bench", [], "(default: 3)"), ("evaluate", [], "(default: "),
+    ("rl", ["rollouts"], "replies a prompt (default: 8)"), ("rl", ["sums"], "(default: 300)"),
+    ("rl", ["eval"], "the longest reply (default: 64)"), ("reward", ["score"], "(default: 8)"),
+    ("reward", ["sample"], "(default: 4)"), ("checkpoint", ["consolidate"], "(default: 1)")])
+def test_help_gives_each_default_once(script, argv, shown, capsys):
+    """Every script's --help (subcommands too) gives the defaults there are, once: a flag whose help already
+    says its default, or whose default is None or a switch's False, gets no "(default: ...)" appended."""
+    main = __import__(script).main
+    with pytest.raises(SystemExit) as exit:
+        main(argv + ["--help"])
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: one line of words
+    assert shown in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert not re.search(r"default[^()]*\) \(default:", text), text  # said twice
