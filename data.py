@@ -1356,23 +1356,24 @@ def _print_info(path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Download, tokenize and inspect training data.")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenize a source into train/val shards",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = commands.add_parser("prepare", help="tokenize a source into train/val shards")
     p.add_argument("--source", required=True, help=f"{' | '.join(DATASETS)} | a file, folder or glob")
-    p.add_argument("--tokenizer", default="byte", help=f"{' | '.join(TOKENIZERS)} | path to tokenizer.model")
+    p.add_argument("--tokenizer", default="byte",
+                   help=f"{' | '.join(TOKENIZERS)} | path to tokenizer.model (default: %(default)s)")
     p.add_argument("--out", help="output folder (default: <DATA_CACHE>/shards/<source>-<tokenizer>)")
     p.add_argument("--mirror",
                    help="local mirror folder holding the registry's files (default: $DATA_MIRROR)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents held out")
-    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="share of documents held out (default: %(default)s)")
+    p.add_argument("--text-field", default="text",
+                   help="field holding the text in .jsonl records (default: %(default)s)")
     p.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
-    d = commands.add_parser("download", help="fetch a registry file into the cache",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                   help="tokens per shard file (default: %(default)s)")
+    d = commands.add_parser("download", help="fetch a registry file into the cache")
     d.add_argument("name", help=" | ".join(registry()))
     d.add_argument("--mirror", help="local mirror folder (default: $DATA_MIRROR)")
-    i = commands.add_parser("info", help="print the header of a shard, or of every shard in a folder",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    i = commands.add_parser("info", help="print the header of a shard, or of every shard in a folder")
     i.add_argument("path", help="a shard (.bin) or a folder of them")
     args = parser.parse_args(argv)
     try:

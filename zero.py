@@ -261,7 +261,7 @@ class ZeRO1Sync(GradSync):
     bucket (all pieces the same size, as bucket lengths are multiples of dp) straight into its
     optimizer's packed gradient (opt.grad_shard), keeps optimizer state for those pieces only and
     updates them into the model copy's owned ranges. all_gather_params() then gathers every rank's
-    pieces into every rank's weights, one collective per unit, each waited for as that unit's
+    pieces into every rank's weights, one launch per unit (on NCCL), each waited for as that unit's
     forward starts (prefetch_into): later layers' weights arrive while earlier ones compute."""
     sharded = True
 
@@ -310,8 +310,8 @@ class ZeRO1Sync(GradSync):
 
     def all_gather_params(self):
         """After the optimizer step, every rank's updated pieces -> every rank's weights, in place
-        (each piece already lies where NCCL's in-place all-gather wants it), one collective per unit
-        (all_gather_many), launched without waiting, the first layers first."""
+        (each piece already lies where NCCL's in-place all-gather wants it), one launch per unit on NCCL
+        (all_gather_many; one per bucket on gloo), launched without waiting, the first layers first."""
         flat = self.opt.model_flat
         for g, group in enumerate(self.gather_groups):
             spans, dim = [self.buckets[b] for b in group], self.bucket_dims[group[0]]  # (one dim a group)

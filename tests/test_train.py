@@ -618,7 +618,8 @@ def test_phases_2_and_3_of_a_single_process_step_enter_only_the_model_and_the_lo
     ("train", [], "(default: 2400)"), ("bench", [], "(default: 3)"), ("evaluate", [], "(default: "),
     ("rl", ["rollouts"], "replies a prompt (default: 8)"), ("rl", ["sums"], "(default: 300)"),
     ("rl", ["eval"], "the longest reply (default: 64)"), ("reward", ["score"], "(default: 8)"),
-    ("reward", ["sample"], "(default: 4)"), ("checkpoint", ["consolidate"], "(default: 1)")])
+    ("reward", ["sample"], "(default: 4)"), ("checkpoint", ["consolidate"], "(default: 1)"),
+    ("data", ["prepare"], "held out (default: 0.1)"), ("data", ["download"], "(default: $DATA_MIRROR)")])
 def test_help_gives_each_default_once(script, argv, shown, capsys):
     """Every script's --help (subcommands too) gives the defaults there are, once: a flag whose help already
     says its default, or whose default is None or a switch's False, gets no "(default: ...)" appended."""
