@@ -381,11 +381,17 @@ class KVCache:
     dtype and device come from the first keys (a tp rank holds only its own heads)."""
 
     def __init__(self, max_len: int):
-        self.max_len, self.k, self.v = max_len, None, None
+        self.max_len, self.k, self.v, self.filled = max_len, None, None, 0
 
     def select(self, rows: torch.Tensor):
-        """Keep the rows `rows` (indices, repeats allowed: a prompt's cache for each of its continuations)."""
-        self.k, self.v = self.k[rows], self.v[rows]
+        """Keep the rows `rows` (indices, repeats allowed: a prompt's cache for each of its continuations),
+        copying only the positions filled so far: a row that ends early costs a copy of what is written,
+        not of all max_len positions (those past it are written before they are read)."""
+        k = self.k.new_empty(len(rows), *self.k.shape[1:])
+        v = torch.empty_like(k)
+        k[:, :, :self.filled] = self.k[rows, :, :self.filled]
+        v[:, :, :self.filled] = self.v[rows, :, :self.filled]
+        self.k, self.v = k, v
 
     def update(self, start_pos: int, k, v):
         B, heads, T, head_dim = k.shape
@@ -394,6 +400,7 @@ class KVCache:
             self.v = torch.zeros_like(self.k)
         self.k[:, :, start_pos:start_pos + T] = k
         self.v[:, :, start_pos:start_pos + T] = v
+        self.filled = max(self.filled, start_pos + T)
         return self.k[:, :, :start_pos + T], self.v[:, :, :start_pos + T]
 
 
