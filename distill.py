@@ -87,7 +87,7 @@ def distill_kl(student, teacher, targets, kind: str, tau: float, n_vocab: int, m
     """Per-token KL (B, T) of the student's logits from the teacher's (B, T, V/tp each), 0 where the target
     is data.IGNORE_INDEX; the distributions are over the tokenizer's n_vocab ids."""
     Vl = student.shape[-1]
-    n_valid = max(0, min(Vl, n_vocab - mesh.tp_rank * Vl))
+    n_valid = loss.vocab_columns(Vl, n_vocab, mesh)[1]
     valid = (targets != data.IGNORE_INDEX).float().reshape(-1)
     kl = _DistillKL.apply(student.reshape(-1, Vl), teacher.reshape(-1, Vl), valid, kind, tau, n_valid, mesh)
     return kl.view(targets.shape)

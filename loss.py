@@ -6,7 +6,7 @@
                             implementation for the whole logits and for chunks of them)
   head_loss_sum             the head and the loss together, --loss-chunk tokens at a time, each chunk's
                             gradients made with its loss, so a micro-batch's logits never exist whole
-  chunk_used                when chunks are worth it
+  loss_chunk_used           when chunks are worth it
   LMTask                    next-token prediction as the training loop sees it: count the targets,
                             take the loss over the global batch's count, report metrics
 
@@ -114,11 +114,16 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_size: int, mesh: P.Mesh)
     """logits (..., V/tp) on each TP rank, targets (...) global ids -> per-token losses (...)."""
     check_targets(targets, vocab_size)
     Vl = logits.shape[-1]
-    start = mesh.tp_rank * Vl
-    n_valid = max(0, min(Vl, vocab_size - start))
-    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1), start, n_valid,
-                                              mesh)
+    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, Vl), targets.reshape(-1),
+                                              *vocab_columns(Vl, vocab_size, mesh), mesh)
     return losses.view(targets.shape)
+
+
+def vocab_columns(Vl: int, vocab_size: int, mesh: P.Mesh) -> tuple[int, int]:
+    """This rank's Vl columns of the head -> (the id of its first, how many of them are ids below vocab_size):
+    the last ranks' columns may be padding past the tokenizer's vocabulary."""
+    start = mesh.tp_rank * Vl
+    return start, max(0, min(Vl, vocab_size - start))
 
 
 def chunk_loss_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
@@ -176,9 +181,7 @@ def head_loss_sum(h, head: nn.Module, targets, vocab_size: int, mesh: P.Mesh, ch
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad):
         check_targets(targets, vocab_size)
-        Vl = head.weight.shape[0]
-        start = mesh.tp_rank * Vl
-        n_valid = max(0, min(Vl, vocab_size - start))
+        start, n_valid = vocab_columns(head.weight.shape[0], vocab_size, mesh)
         # compiled for one shape: a shorter last chunk runs eager, so nothing is compiled twice
         fn = lambda n: compiled_chunk_loss_and_grad() if compiled and n == chunk else chunk_loss_and_grad
         loss_and_grad = lambda logits, t: fn(len(t))(logits, t, start, n_valid, mesh.key, mesh.tp)
