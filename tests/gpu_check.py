@@ -399,8 +399,7 @@ def default_run(day: Report, work: Path, seconds: float) -> bool:
 
 
 # Llama 3.2 1B at 4,096 tokens a sequence: each row a bench.py run (its own process), in order of importance.
-# On one H200 (2026-11-27) a row took 66 s eager and 76-88 s compiled, 39 s of each a checkpoint that rows no
-# longer write: about 27 s eager and 37-50 s compiled now (not measured yet).
+# On one H200 (2026-11-29) a row took 17 s eager and 34-46 s compiled.
 LLAMA_1B = ["--model", "llama3.2-1b", "--precision", "bf16", "--seq-len", "4096", "--steps", "5",
             "--warmup-steps", "3"]
 QUICK_ROWS = [["--micro-batch", "4", "--compile"], ["--micro-batch", "4", "--compile", "--precision", "fp8"],
@@ -577,15 +576,14 @@ def one_gpu_checks(day: Report, work: Path, seconds: float) -> bool:
     return good and synced and refused
 
 
-# Each part's limit, sized from the H200 day of 2026-11-27 (in brackets what it took or is expected to take
-# now; not measured yet where no day ran it): the default run 90, its goal (100 s wall then for 2,000
-# steps; 600 now, about 30 s of them at that day's 35 ms a step), the 1B rows 200 (five rows of 27-50 s),
-# the checkpoint 70 (a 1B build, two steps, a 15 GB write of 39 s), ours against transformers 120 (both
-# models built on the GPU now, no checkpoints: at most 90 s is the goal), the profile 70 (four compiled
-# steps), the one-GPU checks 50: 600 s in all, the --budget default.
-QUICK_PARTS = [("default run", 90, default_run), ("1B rows", 200, llama_rows),
-               ("checkpoint", 70, checkpoint_stall), ("ours vs transformers", 120, versus_transformers),
-               ("profile", 70, profile_step), ("checks", 50, one_gpu_checks)]
+# Each part's limit, sized from the H200 day of 2026-11-29 (in brackets what each took): the default run
+# 90, its goal (59 s wall for 900 steps), the 1B rows 230 (17-46 s a row, five rows in 171 s), the
+# checkpoint 110 (over 70 s: a 1B build, two steps, a 15 GB write of 38 s), ours against transformers 60
+# (42), the profile 50 (37), the one-GPU checks 60 (the packed documents 40): 600 s in all, the --budget
+# default.
+QUICK_PARTS = [("default run", 90, default_run), ("1B rows", 230, llama_rows),
+               ("checkpoint", 110, checkpoint_stall), ("ours vs transformers", 60, versus_transformers),
+               ("profile", 50, profile_step), ("checks", 60, one_gpu_checks)]
 
 
 
