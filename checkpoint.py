@@ -403,18 +403,23 @@ class AsyncSaver:
         self.thread, self.error = None, None
         self.last_committed: Path | None = None
         self.written: list[tuple[int, float]] = []  # (step, seconds from start() until it was durable)
+        self.alloc_s = 0.0  # seconds spent allocating host buffers (pinning 15 GB for 1B took seconds)
 
     def keep(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         """shard_contents' copy: into this key's host buffer (a GPU copies into pinned memory as it goes)."""
         buf = self.host.get(key)
         if buf is None or buf.shape != flat.shape or buf.dtype != flat.dtype:
+            t0 = time.perf_counter()
             buf = self.host[key] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=self.device.type == "cuda")
+            self.alloc_s += time.perf_counter() - t0
         return buf.copy_(flat, non_blocking=True)
 
-    def start(self, out_dir: Path, step: int, mesh, snapshot, meta: dict, keep: int, last_good: Path | None):
-        """snapshot(keep) -> this rank's shard_contents, made with self.keep (collective over dp_cp)."""
+    def start(self, out_dir: Path, step: int, mesh, snapshot, meta: dict, keep: int,
+              last_good: Path | None) -> float:
+        """snapshot(keep) -> this rank's shard_contents, made with self.keep (collective over dp_cp).
+        Returns the seconds it spent allocating host buffers: the first save's, as later ones reuse them."""
         assert self.thread is None, "wait() for the save in flight first"
-        t0 = time.perf_counter()
+        t0, alloc_before = time.perf_counter(), self.alloc_s
         contents = snapshot(self.keep)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copies have landed in host memory
@@ -431,6 +436,7 @@ class AsyncSaver:
                     self.on_failure(data.one_line(e))
         self.thread = threading.Thread(target=write, name=f"checkpoint-{step_name(step)}", daemon=True)
         self.thread.start()
+        return self.alloc_s - alloc_before
 
     def wait(self):
         """Until the save in flight is durable; its failure, if it failed, raised here."""
@@ -547,7 +553,7 @@ class Checkpointer:
         out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
         self.committed = out / step_name(start_step) if start_step else None
         self.saver = None if run.args.ckpt_sync else AsyncSaver(run.device, on_failure=stop.fail)
-        self.stalls: dict[int, float] = {}  # step -> seconds the training step waited for its save
+        self.stalls: dict[int, tuple] = {}  # step -> (seconds the step waited for its save, of them allocating)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -594,11 +600,11 @@ class Checkpointer:
             save(out, step, run.mesh, write, meta, keep, self.last_good)
             self.committed = out / step_name(step)
             took = time.perf_counter() - t0
-            run.saves.append({"step": step, "stall_s": took, "write_s": took})  # (the step waited for it all)
+            run.saves.append({"step": step, "stall_s": took, "write_s": took, "host_alloc_s": 0.0})  # (all of it)
         else:
             snapshot = lambda copy: shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
-            self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
-            self.stalls[step] = time.perf_counter() - t0
+            alloc = self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
+            self.stalls[step] = (time.perf_counter() - t0, alloc)
         run.timer.mark("7 checkpoint")
         self.saved_at = step
 
@@ -608,7 +614,8 @@ class Checkpointer:
             return
         self.saver.wait()
         for step, write_s in self.saver.written:
-            self.run.saves.append({"step": step, "stall_s": self.stalls.pop(step), "write_s": write_s})
+            stall, alloc = self.stalls.pop(step)
+            self.run.saves.append({"step": step, "stall_s": stall, "write_s": write_s, "host_alloc_s": alloc})
         self.saver.written.clear()
 
 

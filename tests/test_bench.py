@@ -186,6 +186,7 @@ def test_measure_sweep_and_compare_hf_run(tmp_path):
     rows = [json.loads(line) for line in p.stdout.splitlines()]  # a line per row, as each finishes
     ckpt = rows.pop()  # the checkpoint's row, once, last
     assert ckpt["setting"] == {"checkpoint": "async"} and 0 < ckpt["ckpt_stall_s"] <= ckpt["ckpt_write_s"]
+    assert 0 <= ckpt["ckpt_host_alloc_s"] <= ckpt["ckpt_stall_s"]
     assert ckpt["ckpt_gb"] > 0 and "tokens_per_s" not in ckpt
     assert len(rows) == 3 and rows[1]["act_ckpt"] and all(r["model"] == "tiny" for r in rows)
     assert [(r["attn_backend"], r["attn_kernel"]) for r in rows] == [("auto", "flash"), ("flash", "flash"),
