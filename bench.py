@@ -165,7 +165,8 @@ def measure_ckpt(a) -> dict:
         first = run.saves[0]
         files = json.loads((Path(out_dir) / "step_000001" / "meta.json").read_text())["files"]
     return {"setting": ckpt_setting(a), "ckpt_stall_s": first["stall_s"],
-            "ckpt_host_alloc_s": first["host_alloc_s"], "ckpt_write_s": first["write_s"], "ckpt_gb": sum(f["bytes"] for f in files.values()) / 1e9,
+            "ckpt_host_alloc_s": first["host_alloc_s"], "ckpt_write_s": first["write_s"],
+            "ckpt_gb": sum(f["bytes"] for f in files.values()) / 1e9,
             "params": costs.count_params(run.margs), "precision": run.precision}
 
 
@@ -261,9 +262,9 @@ class Table:
             print(f"  {setting_text(row['setting'])}: {row['error']}", flush=True)
         elif "ckpt_write_s" in row:
             print(f"  checkpoint ({row['setting']['checkpoint']}), {row['ckpt_gb']:.2f} GB of weights and "
-                  f"optimizer state on this rank's files: the step waited {row['ckpt_stall_s']:.2f} s ("
-                  f"{row['ckpt_host_alloc_s']:.2f} s of it allocating host buffers, which later saves reuse), "
-                  f"on disk after {row['ckpt_write_s']:.2f} s", flush=True)
+                  f"optimizer state on this rank's files: the step waited {row['ckpt_stall_s']:.2f} s "
+                  f"({row['ckpt_host_alloc_s']:.2f} s of it allocating host buffers, which later saves "
+                  f"reuse), on disk after {row['ckpt_write_s']:.2f} s", flush=True)
         else:
             if not self.measured:
                 self.heading(row)

@@ -414,12 +414,10 @@ class AsyncSaver:
             self.alloc_s += time.perf_counter() - t0
         return buf.copy_(flat, non_blocking=True)
 
-    def start(self, out_dir: Path, step: int, mesh, snapshot, meta: dict, keep: int,
-              last_good: Path | None) -> float:
-        """snapshot(keep) -> this rank's shard_contents, made with self.keep (collective over dp_cp).
-        Returns the seconds it spent allocating host buffers: the first save's, as later ones reuse them."""
+    def start(self, out_dir: Path, step: int, mesh, snapshot, meta: dict, keep: int, last_good: Path | None):
+        """snapshot(keep) -> this rank's shard_contents, made with self.keep (collective over dp_cp)."""
         assert self.thread is None, "wait() for the save in flight first"
-        t0, alloc_before = time.perf_counter(), self.alloc_s
+        t0 = time.perf_counter()
         contents = snapshot(self.keep)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copies have landed in host memory
@@ -436,7 +434,6 @@ class AsyncSaver:
                     self.on_failure(data.one_line(e))
         self.thread = threading.Thread(target=write, name=f"checkpoint-{step_name(step)}", daemon=True)
         self.thread.start()
-        return self.alloc_s - alloc_before
 
     def wait(self):
         """Until the save in flight is durable; its failure, if it failed, raised here."""
@@ -553,7 +550,7 @@ class Checkpointer:
         out = Path(run.args.out_dir)  # the checkpoint a failed save leaves as the good one
         self.committed = out / step_name(start_step) if start_step else None
         self.saver = None if run.args.ckpt_sync else AsyncSaver(run.device, on_failure=stop.fail)
-        self.stalls: dict[int, tuple] = {}  # step -> (seconds the step waited for its save, of them allocating)
+        self.stalls: dict[int, tuple] = {}  # step -> (seconds the step waited, of them allocating)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -600,11 +597,13 @@ class Checkpointer:
             save(out, step, run.mesh, write, meta, keep, self.last_good)
             self.committed = out / step_name(step)
             took = time.perf_counter() - t0
-            run.saves.append({"step": step, "stall_s": took, "write_s": took, "host_alloc_s": 0.0})  # (all of it)
+            # the step waited for all of it
+            run.saves.append({"step": step, "stall_s": took, "write_s": took, "host_alloc_s": 0.0})
         else:
             snapshot = lambda copy: shard_contents(run.model, run.opt, run.mesh, run.sync, extra, copy)
-            alloc = self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
-            self.stalls[step] = (time.perf_counter() - t0, alloc)
+            allocated = self.saver.alloc_s  # (the first save allocates host buffers; later ones reuse them)
+            self.saver.start(out, step, run.mesh, snapshot, meta, keep, self.last_good)
+            self.stalls[step] = (time.perf_counter() - t0, self.saver.alloc_s - allocated)
         run.timer.mark("7 checkpoint")
         self.saved_at = step
 

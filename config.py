@@ -62,10 +62,10 @@ def get_parser() -> argparse.ArgumentParser:
 
 # The default run (`python train.py`) is sized for a laptop's CPU: mini, 8 x 128 tokens a step, 2,400
 # steps. On a CUDA GPU, with none of the flags that size a run given, it is nanoGPT's GPU recipe for the
-# same text in shape (6 layers of 384, 64 sequences of 256 characters a step, dropout 0.2) sized to the data:
-# its cosine schedule ends after 900 steps (about fourteen passes over the 1M training tokens), with dropout
-# and a weight decay of 0.5 against memorizing them (Llama 3's 0.1 is for tokens seen once: at 0.1 the same
-# run ended at 1.4785, at 0.5 at 1.4700). The README gives its curve, measured on an H200.
+# same text in shape (6 layers of 384, 64 sequences of 256 characters a step, dropout 0.2) sized to the
+# data: its cosine schedule ends after 900 steps (about fourteen passes over the 1M training tokens), with
+# dropout and a weight decay of 0.5 against memorizing them (Llama 3's 0.1 is for tokens seen once: at 0.1
+# the same run ended at 1.4785, at 0.5 at 1.4700). The README gives its curve, measured on an H200.
 SIZE_FLAGS = {"model", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "data", "tokenizer", "seq_len",
               "micro_batch", "grad_accum", "ramp", "lr", "warmup", "max_steps", "dropout", "weight_decay"}
 GPU_DEFAULT = dict(model="small", seq_len=256, micro_batch=64, lr=1e-3, warmup=60, max_steps=900, dropout=0.2,

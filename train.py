@@ -76,7 +76,7 @@ class Run:
     anneal_from: int | None = None  # the step --anneal-tokens' annealing starts at (None: none)
     ramp: list | None = None  # --ramp's stages (ramp.switch)
     benchmarks: list = ()  # --eval-tasks: [(name, items)], scored at each validation
-    saves: list = field(default_factory=list)  # each checkpoint's {step, stall_s, write_s, host_alloc_s} (bench)
+    saves: list = field(default_factory=list)  # per checkpoint {step, stall_s, write_s, host_alloc_s} (bench)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -445,7 +445,8 @@ def llama_rows(day: Report, work: Path, seconds: float) -> bool:
 def checkpoint_stall(day: Report, work: Path, seconds: float) -> bool:
     """bench.py --measure-ckpt only on 1B, 4,096 x 4, eager: how long a step waits for a checkpoint of the
     weights and optimizer state (about 15 GB: on the H200 of 2026-11-29 the first save's step waited 10.9 s
-    and the write took 38 s), of that how long pinning host buffers, and how long the background write takes."""
+    and the write took 38 s), of that how long pinning host buffers, and how long the background write
+    takes."""
     ok, why, out, took = timed_run([sys.executable, str(REPO / "bench.py"), *LLAMA_1B, "--micro-batch", "4",
                                     "--measure-ckpt", "only", "--json"], seconds)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -454,8 +455,8 @@ def checkpoint_stall(day: Report, work: Path, seconds: float) -> bool:
         return False
     r = rows[-1]
     day.add("checkpoint", "1B, 4096 x 4", "measured", took, r,
-            f"{r['ckpt_gb']:.1f} GB: the step waited {r['ckpt_stall_s']:.2f} s ({r['ckpt_host_alloc_s']:.2f} s "
-            "of it pinning host buffers, once a run), on disk after "
+            f"{r['ckpt_gb']:.1f} GB: the step waited {r['ckpt_stall_s']:.2f} s "
+            f"({r['ckpt_host_alloc_s']:.2f} s of it pinning host buffers, once a run), on disk after "
             f"{r['ckpt_write_s']:.1f} s")
     return True
 

@@ -477,7 +477,8 @@ def test_the_step_waits_for_a_copy_not_for_the_disk(tmp_path, monkeypatch, sync)
     else:  # (step 6's save waits for step 3's, still being written: one save at a time)
         assert run.saves[0]["stall_s"] < 0.5  # (1 s of margin below the write)
         # the first save allocates the host buffers; the second copies into the same ones
-        assert 0 <= run.saves[0]["host_alloc_s"] <= run.saves[0]["stall_s"] and run.saves[1]["host_alloc_s"] == 0
+        first, second = run.saves
+        assert 0 <= first["host_alloc_s"] <= first["stall_s"] and second["host_alloc_s"] == 0
     assert checkpoint.find_latest(tmp_path) == (tmp_path / "step_000006", [])
     saved = masters(tmp_path)
     assert all(torch.equal(saved[n], p.detach()) for n, p in run.model.named_parameters())

@@ -556,8 +556,8 @@ def test_with_no_size_flag_a_gpu_run_is_sized_for_the_gpu():
     assert (args.model, args.seq_len, args.micro_batch, args.max_steps, args.dropout, args.weight_decay,
             args.out_dir) == ("small", 256, 64, 900, 0.2, 0.5, "o")
     assert set(config.GPU_DEFAULT) <= config.SIZE_FLAGS  # (a value the user gave is never overwritten)
-    for argv in (["--micro-b", "4"], ["--model=tiny"], ["--max-steps", "10", "--warmup", "1"], ["--dropout", "0"],
-                 ["--weight-decay", "0.1"]):
+    for argv in (["--micro-b", "4"], ["--model=tiny"], ["--max-steps", "10", "--warmup", "1"],
+                 ["--dropout", "0"], ["--weight-decay", "0.1"]):
         args, given = parse(argv)
         before = vars(args).copy()
         assert config.sized_for_the_device(args, given, "cuda") is None and vars(args) == before
