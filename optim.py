@@ -17,6 +17,7 @@ How the pieces connect:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Iterable
 
@@ -106,6 +107,41 @@ def packed_overlaps(ranges: list[tuple[int, int]], spans: list[tuple[int, int]])
                 out.append((c + a - lo, c + b - lo))
         c += hi - lo
     return out
+
+
+def decay_rows(size: int, segments: list[tuple[int, int]]) -> torch.Tensor:
+    """The one-pass step's view of where weight decay applies: the owned state as rows of g elements,
+    g the largest length that divides the state's size and every decay segment's ends (2,048 for a
+    1B Llama, whose norms are as long), and one bool per row: shape (size / g, 1). Broadcast over a
+    row, it costs a byte per row, not per parameter."""
+    g = math.gcd(size, *(x for span in segments for x in span)) or 1
+    rows = torch.zeros(size // g, 1, dtype=torch.bool)
+    for lo, hi in segments:
+        rows[lo // g:hi // g] = True
+    return rows
+
+
+def adamw_pass(master, grad, m, v, model, decays, step_size, keep, bc2_sqrt, grad_scale, b1: float,
+               b2: float, eps: float):
+    """AdamW on the owned state, as rows (decay_rows), as the compiled step runs it: torch.compile
+    makes it one kernel that reads the master, gradient, m and v once and writes master, m, v and
+    (model not None) the model's copy in its dtype: 30 bytes a parameter in bf16
+    (costs.optimizer_bytes), where the eager step's decay, fused update and refresh move 42. What
+    changes each step comes as 0-d tensors (step_size = lr / (1 - b1^t), keep = 1 - lr * weight
+    decay, bc2_sqrt = sqrt(1 - b2^t)): a new value is new data, not a new compilation."""
+    g = grad / grad_scale
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    master.mul_(torch.where(decays, keep, 1.0)).sub_(step_size * m / (v.sqrt() / bc2_sqrt + eps))
+    if model is not None:
+        model.copy_(master)  # rounded once to the model's dtype
+
+
+@functools.cache
+def compiled_adamw_pass():
+    # a value read by two writes (master and model) with more than realize_reads_threshold (4) inputs
+    # would be stored to a temporary as large as the state, and read back: this keeps it in registers
+    return torch.compile(adamw_pass, options={"realize_reads_threshold": 16})
 
 
 def clip_scale(max_norm: float, norm: torch.Tensor) -> torch.Tensor | None:
@@ -227,7 +263,8 @@ class AdamW(FlatParams):
                  initial: Callable[[str, torch.Size], torch.Tensor] | None = None):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         super().__init__(named_params, pad_to, full_grad, unit_of, initial)
-        self.step_count, self.master = 0, None  # no state until shard() says what this rank owns
+        self.step_count, self.master, self.one_pass = 0, None, None  # no state until shard() says what
+        # this rank owns; one_pass: compile()'s
         if allocate_state:
             self.shard([(0, self.numel)])
 
@@ -251,7 +288,15 @@ class AdamW(FlatParams):
         self.exp_avg = torch.zeros(size, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.decay_segments = packed_overlaps(ranges, self.decay_ranges)  # where weight decay applies
+        self.decay_rows = None  # the one-pass step's (compile()), made at its first step
         self._step = torch.zeros((), dtype=torch.float32, device=self.device)  # the fused kernel reads it
+
+    def compile(self):
+        """--compile: step() becomes one compiled pass (adamw_pass) where the eager step takes three
+        (decay, fused update, refresh); under ZeRO-1, whose model copy is full-length, the refresh
+        stays apart. The master weights and moments are the same within float error (the kernels
+        round differently)."""
+        self.one_pass = [torch.ones((), device=self.device) for _ in range(4)]  # step_size, keep, bc2_sqrt, 1
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines the ranks')."""
@@ -269,6 +314,8 @@ class AdamW(FlatParams):
         Four launches in all, the refresh included, however many parameters or ranges."""
         lr = self.lr if lr is None else lr
         self.step_count += 1
+        if self.one_pass:
+            return self._one_pass_step(lr, grad_scale)
         self._step.fill_(self.step_count)  # the bias corrections' step, on the device
         if self.weight_decay and self.decay_segments:  # decoupled: not through m or v
             torch._foreach_mul_([self.master[lo:hi] for lo, hi in self.decay_segments],
@@ -280,6 +327,24 @@ class AdamW(FlatParams):
             self.model_flat.copy_(self.master)  # both compact: round to bf16/fp16 once
         elif self.master is not self.model_flat:
             unpack(self.ranges, self.master, self.model_flat)  # round to bf16/fp16 once, for the next forward
+
+    def _one_pass_step(self, lr: float, grad_scale: torch.Tensor | None):
+        """compile()'s step. The per-step numbers are computed on the host, each written on the
+        device by one fill; the buffers go in as rows of decay_rows' length."""
+        (b1, b2), (step_size, keep, bc2_sqrt, one) = self.betas, self.one_pass
+        step_size.fill_(lr / (1 - b1 ** self.step_count))
+        keep.fill_(1 - lr * self.weight_decay)
+        bc2_sqrt.fill_(math.sqrt(1 - b2 ** self.step_count))
+        if self.decay_rows is None:  # the first step since shard()
+            self.decay_rows = decay_rows(self.master.numel(), self.decay_segments).to(self.device)
+        rows = lambda t: t.view(self.decay_rows.shape[0], -1)
+        refresh = self.packed_model and self.master is not self.model_flat  # the model copy in the pass
+        compiled_adamw_pass()(rows(self.master), rows(self.grad_shard), rows(self.exp_avg),
+                              rows(self.exp_avg_sq), rows(self.model_flat) if refresh else None,
+                              self.decay_rows, step_size, keep, bc2_sqrt,
+                              one if grad_scale is None else grad_scale, b1, b2, self.eps)
+        if not self.packed_model:
+            unpack(self.ranges, self.master, self.model_flat)  # ZeRO-1: round to bf16/fp16 once
 
     # Checkpoints keep state per parameter name: independent of the flat layout, of how tensor and
     # pipeline parallelism cut the model, and of ZeRO (parallel.py gathers full buffers first).

@@ -701,6 +701,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     start_step = restore(run, resume, meta, recipe) if resume else 0
     if args.compile:
         compile_blocks(model)
+        opt.compile()
     sync.prefetch_into(model)  # ZeRO-1: the next forward waits for each bucket's all-gather only when due
     if mesh.rank == 0 and resume is None and args.overwrite:  # the first write of this run: the old one goes
         gone = checkpoint.clear_run(out_dir)

@@ -607,20 +607,22 @@ def test_a_ramp_matches_single_process(tmp_path, n, flags):
 
 # train.py --compile with dynamo's own counters: graph breaks (every one splits a block into pieces run
 # apart, with Python between them) and graphs compiled (each block has the same code: one graph, compiled
-# once, and the loss's arithmetic on a chunk of logits one more; config.error_on_recompile makes a second
-# compilation an error). aot_eager: dynamo's tracing and
+# once, the loss's arithmetic on a chunk of logits one more, and the optimizer's one-pass update one;
+# config.error_on_recompile makes a second compilation an error). aot_eager: dynamo's tracing and
 # autograd's joint graph, the ops run as they are, without inductor's code generation, which changes neither
 # count. The counts go to $COMPILE_COUNTS from rank 0.
 COUNT_COMPILES = """
 import functools, json, os, sys
 import torch._dynamo
 from torch._dynamo.utils import counters
-import config, loss, parallel, train
+import config, loss, optim, parallel, train
 
 torch._dynamo.config.error_on_recompile = True
 train.compile_blocks = functools.partial(train.compile_blocks, backend="aot_eager")
 loss.compiled_chunk_loss_and_grad = functools.cache(
     lambda: torch.compile(loss.chunk_loss_and_grad, backend="aot_eager", dynamic=False))
+optim.compiled_adamw_pass = functools.cache(
+    lambda: torch.compile(optim.adamw_pass, backend="aot_eager"))
 config.run(train.main, sys.argv[1:])
 if os.environ["RANK"] == "0":
     with open(os.environ["COMPILE_COUNTS"], "w") as f:
@@ -633,8 +635,8 @@ COMPILE_LAYOUTS = [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--pp",
 
 @pytest.mark.parametrize("flags", COMPILE_LAYOUTS, ids=[" ".join(f) for f in COMPILE_LAYOUTS])
 def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
-    """Under --compile each block is one graph with no break, compiled once, in every layout, and so is the
-    loss's arithmetic on a chunk of logits: the TP, SP and CP collectives inside them are custom ops the
+    """Under --compile each block is one graph with no break, compiled once, in every layout, and so are the
+    loss's arithmetic on a chunk of logits and the optimizer's update: the TP, SP and CP collectives inside them are custom ops the
     compiler does not look into. Their bytes are still counted
     (each step's tally is what comm_estimate counts, as eager runs' are in test_memory), and the training
     equals the single process's."""
@@ -645,7 +647,7 @@ def test_compiled_blocks_are_one_graph_each(tmp_path, reference, flags):
     tp, cp, pp, zero = (int(_flag(flags, f"--{k}", d)) for k, d in (("tp", 1), ("cp", 1), ("pp", 1),
                                                                     ("zero", 0)))
     got = json.loads(counts.read_text())  # (rank 0: no head under pp; ZeRO-3 takes the whole logits)
-    assert got == {"breaks": {}, "graphs": 1 if pp > 1 or zero == 3 else 2}, got
+    assert got == {"breaks": {}, "graphs": 2 if pp > 1 or zero == 3 else 3}, got
     assert_same_training(tmp_path / "compiled", reference)
     dp = 2 // (tp * cp * pp)
     margs = config.model_args_from(config.get_parser().parse_args(TINY), 301)
