@@ -173,7 +173,7 @@ def activation_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int = 1
     out["layer_selective"] = out["layer_input"] + tokens * ((matmuls + sequence) * b + ffn["selective"]
                                                             + args.n_heads // tp * 4)
     if 0 < loss_chunk < tokens:
-        out.update(chunked_loss_bytes(args, tokens, precision, tp, loss_chunk))
+        out.update(chunked_loss_bytes(args, tokens, precision, tp, loss_chunk, kept.compiled))
     return out
 
 
@@ -218,15 +218,16 @@ def ffn_bytes(args: M.ModelArgs, b: int, tp: int, compiled: bool) -> dict:
     return dict(mean, backward=max(moe["backward"], dense["backward"] if share < 1 else 0.0))
 
 
-def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, loss_chunk: int) -> dict:
+def chunked_loss_bytes(args: M.ModelArgs, tokens: int, precision: str, tp: int, loss_chunk: int,
+                       compiled: bool = False) -> dict:
     """activation_bytes' loss terms with loss_chunk (head_loss_sum, at fewer tokens than the
     micro-batch): no logits held; the loss keeps fp32 gradients of the head's input and weight, and
-    while it runs holds one chunk's logits, their fp32 copy (which becomes their gradient in place)
-    and its cast to the compute precision (bf16, fp16), then that gradient beside the two matmuls'
-    results, which backward casts the kept ones to."""
+    while it runs holds one chunk's logits, their fp32 copy (which becomes their softmax in place;
+    compiled: never made) and its cast to the compute precision (bf16, fp16), then that gradient
+    beside the two matmuls' results, which backward casts the kept ones to."""
     d, b, V = args.dim, BYTES[precision], P.padded_vocab(args.vocab_size, tp) // tp
     rows_c = loss_chunk * V
-    one_pass = rows_c * (4 + 2 * b if b < 4 else 4)
+    one_pass = rows_c * (2 * b if compiled else 4 + 2 * b) if b < 4 else rows_c * 4
     made = (V + loss_chunk) * d * b  # one chunk's gradients of W and h, before they join the fp32 sums
     return dict(logits=0.0, loss_saved=(tokens + V) * d * 4, loss_forward=max(one_pass, rows_c * b + made),
                 loss_backward=(tokens + V) * d * b if b < 4 else 0.0)

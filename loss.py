@@ -61,28 +61,35 @@ def loss_sum(logits, targets, vocab_size: int, mesh: P.Mesh):
 # gradient is local: softmax - onehot(target), restricted to this rank's columns.
 
 
-def cross_entropy_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
+def cross_entropy_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int,
+                           grad_dtype=torch.float32):
     """Per-token cross-entropy of logits (N, V/tp; vocab-sharded under TP, this rank's columns from
-    `start`, the first n_valid real) and its gradient with respect to them, fp32, together: the fp32
-    logits become the gradient in place (pass a copy where the logits are needed after: a bf16 input
-    is copied by its cast), so the (N, V) values are passed over a few times and nothing but the
-    result is kept (under --compile, inductor fuses it into a couple of kernels). mesh_key, not the
-    mesh: compiled code takes numbers, and the collectives are custom ops (parallel.py section 3)."""
+    `start`, the first n_valid real) and its gradient with respect to them in grad_dtype, together:
+    the fp32 logits become the softmax in place (pass a copy where the logits are needed after: a
+    bf16 input is copied by its cast), cast once; the target's column is then written from its own
+    fp32 value, N numbers put in place. So the (N, V) values are passed over a few times, and under
+    --compile inductor makes two kernels over them, a reduction and the cast, without an fp32 (N, V)
+    buffer. mesh_key, not the mesh: compiled code takes numbers, and the collectives are custom ops
+    (parallel.py section 3)."""
     x = logits.float()
     if n_valid < x.shape[-1]:  # the vocabulary padding on the last rank never wins
         x[:, n_valid:] = float("-inf")
     lse = vocab_logsumexp(x, mesh_key, tp)  # (N,)
     local = targets - start
     mine = (local >= 0) & (local < x.shape[-1])
-    local = local.masked_fill(~mine, 0)  # a gather and a scatter of 0 there: no host sync to count rows
-    target_logit = x.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0.0)
+    local = local.masked_fill(~mine, 0)  # a gather and a scatter there: no host sync to count rows
+    at = x.gather(1, local[:, None]).squeeze(1)  # (N,) the target's logit, where this rank holds it
+    target_logit = at.masked_fill(~mine, 0.0)
     if tp > 1:
         P.all_reduce_op(target_logit, mesh_key, "tp")
     valid = (targets != data.IGNORE_INDEX).to(x.dtype)
     losses = (lse - target_logit) * valid
-    grad = x.sub_(lse[:, None]).exp_()  # softmax, in x's place
-    grad.scatter_add_(1, local[:, None], -(mine.to(x.dtype) * valid)[:, None])
-    return losses, grad.mul_(valid[:, None])
+    grad = x.sub_(lse[:, None]).exp_().mul_(valid[:, None]).to(grad_dtype)  # softmax, in x's place
+    # softmax - 1 at the target, computed in fp32 before its one rounding (p - 1 after rounding p to
+    # bf16 would lose most digits of a confident prediction's gradient)
+    at_grad = ((at - lse).exp() - mine.to(x.dtype)) * valid
+    rows = torch.arange(len(local), device=local.device)
+    return losses, grad.index_put_((rows, local), at_grad.to(grad_dtype))
 
 
 def vocab_logsumexp(x, mesh_key: int, tp: int) -> torch.Tensor:
@@ -129,8 +136,8 @@ def vocab_columns(Vl: int, vocab_size: int, mesh: P.Mesh) -> tuple[int, int]:
 def chunk_loss_and_grad(logits, targets, start: int, n_valid: int, mesh_key: int, tp: int):
     """One chunk's summed cross-entropy and its logits' gradient in their dtype (in place: the logits
     of a chunk are made for this call alone)."""
-    losses, grad = cross_entropy_and_grad(logits, targets, start, n_valid, mesh_key, tp)
-    return losses.sum(), grad.to(logits.dtype)
+    losses, grad = cross_entropy_and_grad(logits, targets, start, n_valid, mesh_key, tp, logits.dtype)
+    return losses.sum(), grad
 
 
 @functools.cache

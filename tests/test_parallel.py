@@ -6,6 +6,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import re
 import shutil
 import helpers
 import socket
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
 
 import checkpoint as C
 import config
@@ -249,6 +251,27 @@ def test_the_loss_in_chunks_equals_the_loss_of_whole_logits(dtype, compiled):
         torch.testing.assert_close(a, b, **tol)
     with torch.no_grad():
         torch.testing.assert_close(loss.head_loss_sum(h, head, t, V, P.Mesh(), 8) / 30, whole, **tol)
+
+
+def test_the_compiled_chunk_loss_keeps_no_fp32_copy_of_the_logits():
+    """Under --compile a chunk's arithmetic (loss.chunk_loss_and_grad) on bf16 logits allocates one buffer
+    of their size, the bf16 gradient: no fp32 copy (at 1B, 1,024 x 128,256 x 4 bytes a chunk, written and
+    read back). The target's gradient is softmax - 1 rounded once: for a confident prediction (1 - p about
+    1e-4) bf16(p - 1), not bf16(p) - 1, which is 0."""
+    torch.manual_seed(0)
+    N, V = 64, 512
+    logits, t = torch.randn(N, V).to(torch.bfloat16), torch.randint(0, V, (N,))
+    logits[0, t[0]] = 16.0
+    torch._dynamo.reset()  # compile afresh, so that the code is generated here
+    (lsum, grad), code = run_and_get_code(torch.compile(loss.chunk_loss_and_grad, dynamic=False),
+                                          logits.clone(), t, 0, V, 0, 1)
+    sized = re.findall(rf"empty_strided_cpu\(\({N}, {V}\), \({V}, 1\), torch\.(\w+)\)", "\n".join(code))
+    assert sized == ["bfloat16"], sized
+    exact = torch.softmax(logits.float(), -1)
+    exact[torch.arange(N), t] -= 1
+    torch.testing.assert_close(grad.float(), exact, atol=1e-6, rtol=1e-2)
+    assert 0 < -exact[0, t[0]] < 2 ** -9 and grad[0, t[0]] < 0  # (bf16(p) is 1: bf16(p) - 1 would be 0)
+    torch.testing.assert_close(lsum, F.cross_entropy(logits.float(), t, reduction="sum"))
 
 
 def test_context_chunks_balance_causal_work():
