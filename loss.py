@@ -68,16 +68,15 @@ def cross_entropy_and_grad(logits, targets, start: int, n_valid: int, mesh_key: 
     the fp32 logits become the softmax in place (pass a copy where the logits are needed after: a
     bf16 input is copied by its cast), cast once; the target's column is then written from its own
     fp32 value, N numbers put in place. So the (N, V) values are passed over a few times, and under
-    --compile inductor makes two kernels over them, a reduction and the cast, without an fp32 (N, V)
-    buffer. mesh_key, not the mesh: compiled code takes numbers, and the collectives are custom ops
-    (parallel.py section 3)."""
+    --compile inductor fuses the passes without ever writing an fp32 (N, V) buffer. mesh_key, not the
+    mesh: compiled code takes numbers, and the collectives are custom ops (parallel.py section 3)."""
     x = logits.float()
     if n_valid < x.shape[-1]:  # the vocabulary padding on the last rank never wins
         x[:, n_valid:] = float("-inf")
     lse = vocab_logsumexp(x, mesh_key, tp)  # (N,)
     local = targets - start
     mine = (local >= 0) & (local < x.shape[-1])
-    local = local.masked_fill(~mine, 0)  # a gather and a scatter there: no host sync to count rows
+    local = local.masked_fill(~mine, 0)  # a gather and a put there: no host sync to count rows
     at = x.gather(1, local[:, None]).squeeze(1)  # (N,) the target's logit, where this rank holds it
     target_logit = at.masked_fill(~mine, 0.0)
     if tp > 1:

@@ -121,14 +121,15 @@ def decay_rows(size: int, segments: list[tuple[int, int]]) -> torch.Tensor:
     return rows
 
 
-def adamw_pass(master, grad, m, v, model, decays, step_size, keep, bc2_sqrt, grad_scale, b1: float,
-               b2: float, eps: float):
+def adamw_pass(master, grad, m, v, model, decays, per_step, grad_scale,
+               betas_eps: tuple[float, float, float]):
     """AdamW on the owned state, as rows (decay_rows), as the compiled step runs it: torch.compile
     makes it one kernel that reads the master, gradient, m and v once and writes master, m, v and
     (model not None) the model's copy in its dtype: 30 bytes a parameter in bf16
     (costs.optimizer_bytes), where the eager step's decay, fused update and refresh move 42. What
-    changes each step comes as 0-d tensors (step_size = lr / (1 - b1^t), keep = 1 - lr * weight
-    decay, bc2_sqrt = sqrt(1 - b2^t)): a new value is new data, not a new compilation."""
+    changes each step comes on the device, per_step (3,): step_size = lr / (1 - b1^t), keep = 1 - lr
+    * weight decay, bc2_sqrt = sqrt(1 - b2^t); a new value is new data, not a new compilation."""
+    (b1, b2, eps), (step_size, keep, bc2_sqrt) = betas_eps, per_step.unbind()
     g = grad / grad_scale
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -296,7 +297,7 @@ class AdamW(FlatParams):
         (decay, fused update, refresh); under ZeRO-1, whose model copy is full-length, the refresh
         stays apart. The master weights and moments are the same within float error (the kernels
         round differently)."""
-        self.one_pass = [torch.ones((), device=self.device) for _ in range(4)]  # step_size, keep, bc2_sqrt, 1
+        self.one_pass = torch.ones(3, device=self.device), torch.ones((), device=self.device)  # per_step, 1
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the owned gradients (fp32 scalar tensor; parallel.py combines the ranks')."""
@@ -331,18 +332,17 @@ class AdamW(FlatParams):
     def _one_pass_step(self, lr: float, grad_scale: torch.Tensor | None):
         """compile()'s step. The per-step numbers are computed on the host, each written on the
         device by one fill; the buffers go in as rows of decay_rows' length."""
-        (b1, b2), (step_size, keep, bc2_sqrt, one) = self.betas, self.one_pass
-        step_size.fill_(lr / (1 - b1 ** self.step_count))
-        keep.fill_(1 - lr * self.weight_decay)
-        bc2_sqrt.fill_(math.sqrt(1 - b2 ** self.step_count))
+        (b1, b2), (per_step, one), t = self.betas, self.one_pass, self.step_count
+        for i, value in enumerate((lr / (1 - b1 ** t), 1 - lr * self.weight_decay, math.sqrt(1 - b2 ** t))):
+            per_step[i].fill_(value)  # (adamw_pass's order)
         if self.decay_rows is None:  # the first step since shard()
             self.decay_rows = decay_rows(self.master.numel(), self.decay_segments).to(self.device)
         rows = lambda t: t.view(self.decay_rows.shape[0], -1)
         refresh = self.packed_model and self.master is not self.model_flat  # the model copy in the pass
         compiled_adamw_pass()(rows(self.master), rows(self.grad_shard), rows(self.exp_avg),
                               rows(self.exp_avg_sq), rows(self.model_flat) if refresh else None,
-                              self.decay_rows, step_size, keep, bc2_sqrt,
-                              one if grad_scale is None else grad_scale, b1, b2, self.eps)
+                              self.decay_rows, per_step, one if grad_scale is None else grad_scale,
+                              (b1, b2, self.eps))
         if not self.packed_model:
             unpack(self.ranges, self.master, self.model_flat)  # ZeRO-1: round to bf16/fp16 once
 
