@@ -46,6 +46,25 @@ def test_each_matmul_is_the_product_of_its_scaled_float8_operands(operands):
     assert rel(w.grad, gd.t() @ xd) < 4e-3
 
 
+def test_the_cpu_matmul_is_torchs_own_and_leaves_onednn_as_it_was(operands, capfd):
+    """model.scaled_mm on a CPU runs _scaled_mm with oneDNN off for the call (its float8 kernel on an AMX
+    CPU is a reference loop, ~100x slower): no oneDNN matmul runs (its verbose log says which ran), the
+    product is _scaled_mm's with oneDNN on, to the bf16 output's rounding, and oneDNN's switch is back where
+    it was, also when the matmul raises."""
+    x, w, _ = operands
+    x8, sx = M.to_fp8(x.detach().reshape(-1, 64), M.E4M3)
+    w8, sw = M.to_fp8(w.detach(), M.E4M3)
+    assert torch.backends.mkldnn.enabled
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        ours = M.scaled_mm(x8, w8.t(), sx, sw, torch.bfloat16)
+    assert "primitive,exec,cpu,matmul" not in capfd.readouterr().out
+    assert torch.backends.mkldnn.enabled
+    assert rel(ours, torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)) < 4e-3
+    with pytest.raises(RuntimeError):
+        M.scaled_mm(x8, w8, sx, sw, torch.bfloat16)  # (64 x 128 by 96 x 64: shapes that do not meet)
+    assert torch.backends.mkldnn.enabled
+
+
 def test_a_float8_linear_is_bf16s_within_its_formats_error(operands):
     """Against bf16's F.linear on the same numbers: the output within 5% (e4m3's 3 mantissa bits), the
     gradients within 8% (the output's gradient in e5m2: 2 bits), as norms of the difference."""
