@@ -626,7 +626,10 @@ class MoE(nn.Module):
         probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, n_experts), in fp32
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, top_k)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        pairs = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # (n_experts,) pairs per expert
+        # (n_experts,) pairs per expert, counted into a fixed shape (bincount's depends on the data: a
+        # graph break under --compile)
+        ids = chosen.flatten()
+        pairs = ids.new_zeros(self.n_experts).scatter_add_(0, ids, torch.ones_like(ids))
         y = self.dispatch(self.experts, x, chosen, weights, pairs).view(shape)
         aux = self.n_experts * (pairs / x.shape[0] * probs.mean(0)).sum()
         if self.training:
