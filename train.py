@@ -654,9 +654,8 @@ def read_initial(state, name: str) -> torch.Tensor:
 def compile_blocks(model, backend="inductor"):
     """--compile: torch.compile each block (as torchtitan does), not the whole model: the model's
     forward runs a different part of it on each pipeline stage and model chunk; and every block has the
-    same code, so it is compiled once. A mixture's routing (each step's group sizes, read on the host;
-    under ep, all-to-alls of uneven splits) and its load log run eagerly: traced, each step's sizes, and
-    whether the log has started, would make new graphs."""
+    same code, so it is compiled once. A mixture's routing and load log stay eager: traced, each step's
+    group sizes (read on the host; under ep, uneven all-to-alls) and the log's start would be new graphs."""
     for moe in M.moe_layers(model):
         moe.dispatch, moe.record = torch.compiler.disable(moe.dispatch), torch.compiler.disable(moe.record)
     model.compiled_blocks = {key: torch.compile(layer, backend=backend)
