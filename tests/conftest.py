@@ -7,10 +7,15 @@ mirror; with no internet either, the session stops with one line saying what to 
 DATA_CACHE then becomes a fresh temporary folder, and TIKTOKEN_CACHE_DIR (if unset) a writable temporary
 copy of <mirror>/tiktoken_cache (without one, tiktoken fetches its own files). The variables are set in
 os.environ, so subprocesses (torchrun, train.py) see them too.
+
+The session also starts tests/multiproc.py's warm server, which has imported torch and the project once, so
+that each multi-process job forks from it instead of importing them again (MULTIPROC_SERVER names it).
 """
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -73,3 +78,25 @@ def mirror(data_env) -> Path:
         pytest.fail(f"no data mirror at {data_env}: set DATA_MIRROR to a folder laid out like the registry's "
                     "mirror paths")
     return data_env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def multiproc_server(data_env):
+    """The warm server for tests/multiproc.py's jobs, with the variables the jobs inherit; OMP_NUM_THREADS
+    is left out, as a job sets its own after the fork. Jobs that start before it listens run on their own."""
+    folder = Path(tempfile.mkdtemp(prefix="multiproc-"))
+    path = folder / "socket"
+    if len(str(path)) > 100:  # a Unix socket's path is at most 107 bytes
+        yield None
+        return
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    with open(folder / "server.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "multiproc.py"), "--serve", str(path)],
+                                  env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MULTIPROC_SERVER", str(path))
+    yield server
+    patch.undo()
+    server.terminate()
+    server.wait(timeout=30)
+    shutil.rmtree(folder, ignore_errors=True)

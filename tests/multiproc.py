@@ -6,16 +6,30 @@ torchrun starts N fresh interpreters, and each imports torch and the project: ab
 much of a tiny 8-process test's time on two cores. This imports them once, then forks N ranks; each runs
 SCRIPT as its __main__ with the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), so the code under test joins the job as under torchrun without its agent, or
-under srun: rank 0 hosts the rendezvous store. As torchrun does, the first rank that fails ends the others (SIGTERM, then SIGKILL after GRACE_S) and the job exits 1.
-A rank dies with the launcher (Linux's parent-death signal). The tests of torchrun's own part (its agent,
-restarts, signals, failures) start torchrun itself.
+under srun: rank 0 hosts the rendezvous store. As torchrun does, the first rank that fails ends the others
+(SIGTERM, then SIGKILL after GRACE_S) and the job exits 1. A rank dies with the launcher (Linux's
+parent-death signal). The tests of torchrun's own part (its agent, restarts, signals, failures) start
+torchrun itself.
+
+Even one import a job is most of a small job's time (about 2.5 s of a 5 s test), so the test session keeps
+one warm server (`--serve SOCKET`, started by conftest.py, named by MULTIPROC_SERVER) that has imported them
+once. A job then asks it: the server forks a launcher that takes over the job's stdin, stdout and stderr
+(passed over the socket), its variables, folder and command line, and runs the job exactly as above; the
+job's exit code comes back. A job whose variables would have changed how torch was imported (TORCH_LOGS,
+MKL_..., PYTHON...; OMP_NUM_THREADS is set after the fact), or whose script sits beside other copies of the
+project's files, runs here instead, as does every job when no server answers. Killing the job's process
+ends its ranks either way.
 """
 
+import contextlib
 import ctypes
+import json
 import os
 import runpy
+import select
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -23,6 +37,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL
+SERVER = "MULTIPROC_SERVER"  # the warm server's socket, if the session runs one
+READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "KMP_", "GOMP_", "MKL", "ATEN_", "CUDA", "CUBLAS", "NCCL",
+                  "PYTHON", "LD_", "MALLOC", "GLIBC")
 
 
 def command(n: int, script, *args) -> list[str]:
@@ -36,12 +53,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_with_parent(sig=signal.SIGKILL):
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
 def run_rank(rank: int, n: int, port: int, script: str, args: list[str]):
     """In a forked child: become rank `rank` and run the script; never returns."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end with the launcher
-    except (OSError, AttributeError):
-        pass
+    end_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.argv = [script, *args]
@@ -60,8 +79,9 @@ def run_rank(rank: int, n: int, port: int, script: str, args: list[str]):
     os._exit(code)
 
 
-def wait_all(pids: list[int]) -> int:
-    """Every rank's end; at the first failure the others are stopped as torchrun stops them."""
+def wait_all(pids: list[int], abandoned=lambda: False) -> int:
+    """Every rank's end; at the first failure the others are stopped as torchrun stops them, and all of
+    them at once if whoever started the job is gone (`abandoned()`)."""
     left, failed, deadline = set(pids), False, None
     while left:
         for pid in list(left):
@@ -72,26 +92,124 @@ def wait_all(pids: list[int]) -> int:
                     failed, deadline = True, time.monotonic() + GRACE_S
                     for other in left:
                         os.kill(other, signal.SIGTERM)
-        if deadline is not None and time.monotonic() > deadline:
+        if (deadline is not None and time.monotonic() > deadline) or (left and abandoned()):
             for other in left:
                 os.kill(other, signal.SIGKILL)
-            deadline = None
+            failed, deadline = True, None
         time.sleep(0.02)
     return int(failed)
 
 
-def main() -> int:
-    n, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    sys.path[:0] = [str(Path(script).resolve().parent), str(REPO)]
-    import train  # noqa: F401  (torch and the project's modules, which every rank would import for itself;
-    #                            not the script: it runs in each rank as its __main__)
+def launch(n: int, script: str, args: list[str], abandoned=lambda: False) -> int:
+    """Fork the n ranks of one job from this process, which has imported the project, and wait for them."""
     port, pids = free_port(), []
     for rank in range(n):
         pid = os.fork()
         if pid == 0:
             run_rank(rank, n, port, script, args)
         pids.append(pid)
-    return wait_all(pids)
+    return wait_all(pids, abandoned)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The warm server and its clients
+
+def send(conn: socket.socket, message: dict, fds=()):
+    body = json.dumps(message).encode()
+    socket.send_fds(conn, [struct.pack("!Q", len(body))], list(fds))
+    conn.sendall(body)
+
+
+def receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    size, body = struct.unpack("!Q", head)[0], b""
+    while len(body) < size:
+        body += conn.recv(size - len(body)) or sys.exit("multiproc: the client left mid-request")
+    return json.loads(body), fds
+
+
+def ask_server(argv: list[str]) -> int | None:
+    """Run this job in the warm server's fork: its exit code, or None when it must run here."""
+    try:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(os.environ[SERVER])
+    except (KeyError, OSError):
+        return None
+    with conn:
+        send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, fds=(0, 1, 2))
+        answer = conn.recv(64).decode()  # blocks until the job ends
+    return None if answer in ("", "here") else int(answer)
+
+
+def served_alike(request: dict) -> bool:
+    """Whether this server's import stands for the job's own: the same variables that torch (and Python)
+    read at import, and no other copy of the project's files beside the script."""
+    env, ours = request["env"], os.environ
+    changed = {k for k in set(env) | set(ours) if env.get(k) != ours.get(k)} - {"OMP_NUM_THREADS"}
+    folder = Path(request["cwd"], request["argv"][1]).resolve().parent
+    beside = folder != REPO and any((folder / p.name).is_file() for p in REPO.glob("*.py"))
+    return not beside and not any(k.startswith(READ_AT_IMPORT) for k in changed)
+
+
+def serve_one(conn: socket.socket) -> int:
+    """In the server's fork: become the job's launcher (its files, variables, folder) and report its code."""
+    request, fds = receive(conn)
+    if not served_alike(request):
+        conn.sendall(b"here")
+        return 0
+    for fd, target in zip(fds, (0, 1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    if "OMP_NUM_THREADS" in os.environ:  # libgomp read the variable when the server imported torch
+        import torch
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    n, script, *args = request["argv"]
+    sys.path[:0] = [str(Path(script).resolve().parent), str(REPO)]
+    try:
+        code = launch(int(n), script, args, abandoned=lambda: bool(select.select([conn], [], [], 0)[0]))
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        conn.sendall(str(code).encode())
+    return code
+
+
+def serve(path: str):
+    """Import once, then fork a launcher for each job that asks; ends with the process that started it."""
+    end_with_parent(signal.SIGTERM)
+    sys.path.insert(0, str(REPO))
+    import train  # noqa: F401  (torch and the project's modules, imported once for every job)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            os._exit(serve_one(conn))
+        conn.close()
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+
+
+def main() -> int:
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+    code = ask_server(sys.argv[1:])
+    if code is not None:
+        return code
+    n, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    sys.path[:0] = [str(Path(script).resolve().parent), str(REPO)]
+    import train  # noqa: F401  (torch and the project's modules, which every rank would import for itself;
+    #                            not the script: it runs in each rank as its __main__)
+    return launch(n, script, args)
 
 
 if __name__ == "__main__":
