@@ -91,8 +91,8 @@ def multiproc_server(data_env):
         return
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     with open(folder / "server.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "multiproc.py"), "--serve", str(path)],
-                                  env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        serve = [sys.executable, str(REPO / "tests" / "multiproc.py"), "--serve", str(path)]
+        server = subprocess.Popen(serve, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     patch = pytest.MonkeyPatch()
     patch.setenv("MULTIPROC_SERVER", str(path))
     yield server

@@ -1,6 +1,7 @@
 """Start a multi-process job for the tests: torchrun's variables, without torchrun's start-up cost.
 
     python tests/multiproc.py N SCRIPT [ARGS...]      (tests build the line with command(n, script, *args))
+    python tests/multiproc.py 0 SCRIPT [ARGS...]      (one process, as `python SCRIPT ARGS` runs it)
 
 torchrun starts N fresh interpreters, and each imports torch and the project: about 1.3 s of CPU per rank,
 much of a tiny 8-process test's time on two cores. This imports them once, then forks N ranks; each runs
@@ -14,17 +15,19 @@ torchrun itself.
 Even one import a job is most of a small job's time (about 2.5 s of a 5 s test), so the test session keeps
 one warm server (`--serve SOCKET`, started by conftest.py, named by MULTIPROC_SERVER) that has imported them
 once. A job then asks it: the server forks a launcher that takes over the job's stdin, stdout and stderr
-(passed over the socket), its variables, folder and command line, and runs the job exactly as above; the
-job's exit code comes back. A job whose variables would have changed how torch was imported (TORCH_LOGS,
-MKL_..., PYTHON...; OMP_NUM_THREADS is set after the fact), or whose script sits beside other copies of the
-project's files, runs here instead, as does every job when no server answers. Killing the job's process
-ends its ranks either way.
+(passed over the socket), its variables, folder, command line, resource limits and umask, and runs the job
+exactly as above; the job's exit code comes back. A job runs here instead when its variables would have
+changed what the import did (TORCH_LOGS, MKL_..., PYTHON..., TMPDIR; OMP_NUM_THREADS is set after the fork),
+when its script sits beside another copy of the project's files, or when no server answers. Killing the
+job's process ends its ranks either way. N = 0 is a plain `python SCRIPT ARGS` (no rank variables, the
+script's own exit code), which the server starts in a fork too; without it, this process becomes that one.
 """
 
 import contextlib
 import ctypes
 import json
 import os
+import resource
 import runpy
 import select
 import signal
@@ -38,12 +41,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL
 SERVER = "MULTIPROC_SERVER"  # the warm server's socket, if the session runs one
+# variables read once, at import or at the first use, and kept: torch's, the C libraries', Python's own,
+# and the temporary folder (tempfile keeps the first answer)
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "KMP_", "GOMP_", "MKL", "ATEN_", "CUDA", "CUBLAS", "NCCL",
-                  "PYTHON", "LD_", "MALLOC", "GLIBC")
+                  "PYTHON", "LD_", "MALLOC", "GLIBC", "TMP", "TEMP", "LANG", "LC_")
 
 
 def command(n: int, script, *args) -> list[str]:
-    """The command line that runs `script` (a path) as a job of n processes."""
+    """The command line that runs `script` (a path) as a job of n processes (0: one, without the job)."""
     return [sys.executable, str(Path(__file__).resolve()), str(n), str(script), *map(str, args)]
 
 
@@ -60,9 +65,14 @@ def end_with_parent(sig=signal.SIGKILL):
 
 def run_rank(rank: int, n: int, port: int, script: str, args: list[str]):
     """In a forked child: become rank `rank` and run the script; never returns."""
-    end_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run_script(script, args)
+
+
+def run_script(script: str, args: list[str]):
+    """In a forked child: run the script as its __main__, exiting with its code; never returns."""
+    end_with_parent()
     sys.argv = [script, *args]
     code = 0
     try:
@@ -100,8 +110,23 @@ def wait_all(pids: list[int], abandoned=lambda: False) -> int:
     return int(failed)
 
 
+def wait_one(pid: int, abandoned) -> int:
+    """A plain process's exit code (negative: the signal that ended it)."""
+    while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+        if abandoned():
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    return os.waitstatus_to_exitcode(ended[1])
+
+
 def launch(n: int, script: str, args: list[str], abandoned=lambda: False) -> int:
-    """Fork the n ranks of one job from this process, which has imported the project, and wait for them."""
+    """Fork the n ranks of one job (0: the plain process) from this process, which has imported the
+    project, and wait for them."""
+    if n == 0:
+        pid = os.fork()
+        if pid == 0:
+            run_script(script, args)
+        return wait_one(pid, abandoned)
     port, pids = free_port(), []
     for rank in range(n):
         pid = os.fork()
@@ -136,9 +161,34 @@ def ask_server(argv: list[str]) -> int | None:
     except (KeyError, OSError):
         return None
     with conn:
-        send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, fds=(0, 1, 2))
+        send(conn, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "limits": limits()},
+             fds=(0, 1, 2))
         answer = conn.recv(64).decode()  # blocks until the job ends
-    return None if answer in ("", "here") else int(answer)
+    if answer == "":  # the job may have run in part: not run again here
+        print("multiproc: the warm server ended without the job's exit code", file=sys.stderr)
+        return 1
+    return None if answer == "here" else int(answer)
+
+
+def limits() -> dict:
+    """This process's resource limits (a test may lower one, such as the largest file it may write) and
+    umask, which the job's launcher takes on."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    names = [name for name in dir(resource) if name.startswith("RLIMIT_")]
+    return {"umask": mask, **{name: resource.getrlimit(getattr(resource, name)) for name in names}}
+
+
+def take_limits(wanted: dict) -> bool:
+    """Take on a client's limits (limits()); False where one cannot be (a hard limit above this one's)."""
+    os.umask(wanted.pop("umask"))
+    try:
+        for name, (soft, hard) in wanted.items():
+            if resource.getrlimit(getattr(resource, name)) != (soft, hard):
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def served_alike(request: dict) -> bool:
@@ -154,7 +204,7 @@ def served_alike(request: dict) -> bool:
 def serve_one(conn: socket.socket) -> int:
     """In the server's fork: become the job's launcher (its files, variables, folder) and report its code."""
     request, fds = receive(conn)
-    if not served_alike(request):
+    if not served_alike(request) or not take_limits(request["limits"]):
         conn.sendall(b"here")
         return 0
     for fd, target in zip(fds, (0, 1, 2)):
@@ -204,8 +254,13 @@ def main() -> int:
         serve(sys.argv[2])
     code = ask_server(sys.argv[1:])
     if code is not None:
+        if code < 0:  # ended by a signal: end by it too
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
         return code
     n, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    if n == 0:
+        os.execv(sys.executable, [sys.executable, script, *args])
     sys.path[:0] = [str(Path(script).resolve().parent), str(REPO)]
     import train  # noqa: F401  (torch and the project's modules, which every rank would import for itself;
     #                            not the script: it runs in each rank as its __main__)

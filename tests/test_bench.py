@@ -68,7 +68,7 @@ def test_what_a_run_costs_by_hand():
 
 
 def test_budget_flops_says_what_size_a_budget_buys():
-    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--budget-flops", "3.8e25",
+    out = subprocess.run([*multiproc.command(0, REPO / "bench.py"), "--plan", "--budget-flops", "3.8e25",
                           "--json"], capture_output=True, text=True, check=True).stdout
     s = json.loads(out)["sizing"]
     assert s["parameters"] == pytest.approx((3.8e25 / 120) ** 0.5) and s["tokens"] == 20 * s["parameters"]
@@ -149,7 +149,7 @@ def test_cpu_census_counts_each_run_alone():
 
 
 def test_plan_json_cli_carries_the_required_keys():
-    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--model", "llama3-8b", "--gpus",
+    out = subprocess.run([*multiproc.command(0, REPO / "bench.py"), "--plan", "--model", "llama3-8b", "--gpus",
                           "64", "--tp", "8", "--gpu", "h100-nvl", "--json"], capture_output=True, text=True,
                          check=True).stdout
     r = json.loads(out)
@@ -164,7 +164,7 @@ def test_plan_follows_llama3_405b_ramp_stage_by_stage():
     """The 405B ramp on the paper's 8,192-GPU layout: each stage's accumulation is its sequences over dp 64,
     its steps its tokens over its tokens per step, the last stage runs to --tokens; a stage whose sequences
     do not divide over the replicas is refused in one line."""
-    base = [sys.executable, str(REPO / "bench.py"), "--plan", "--model", "llama3.1-405b", "--gpus", "8192",
+    base = [*multiproc.command(0, REPO / "bench.py"), "--plan", "--model", "llama3.1-405b", "--gpus", "8192",
             "--tp", "8", "--pp", "16", "--micro-batch", "1", "--zero", "1", "--act-ckpt", "--tokens", "15.6e12"]
     rows = json.loads(subprocess.run(base + ["--ramp", "0:4096x1024,252M:8192x1024,2.87T:8192x2048", "--json"],
                                      capture_output=True, text=True, check=True).stdout)
@@ -179,7 +179,7 @@ def test_plan_follows_llama3_405b_ramp_stage_by_stage():
 
 def test_measure_sweep_and_compare_hf_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
+    cmd = [*multiproc.command(0, REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
            "--steps", "2", "--warmup-steps", "1", "--json"]
     p = subprocess.run(cmd + ["--sweep", "mb=4;mb=4,act_ckpt=1,attn=flash;attn=math", "--measure-ckpt"],
                        capture_output=True, text=True, check=True, env=env)
@@ -228,7 +228,7 @@ def test_a_refused_row_is_a_row_and_the_sweep_goes_on(tmp_path):
     its run's checkpoint behind (they once filled the temporary folder)."""
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
-    cmd = [sys.executable, str(REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
+    cmd = [*multiproc.command(0, REPO / "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "4",
            "--steps", "1", "--warmup-steps", "1", "--sweep", "mb=4;mb=4,attn=cudnn;mb=2"]
     p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env)
     rows = [json.loads(line) for line in p.stdout.splitlines()]
@@ -514,7 +514,7 @@ def test_a_bad_flag_value_is_one_error_line_before_any_work(monkeypatch, capsys,
 def test_a_bad_flag_value_on_the_command_line():
     """The same end to end: the line on stderr, nothing on stdout, exit code 1."""
     for argv in (["--plan", "--tokens", "nan"], ["--bubble", "--micro-batches", "1,x"]):
-        r = subprocess.run([sys.executable, str(REPO / "bench.py"), *argv], capture_output=True, text=True,
+        r = subprocess.run([*multiproc.command(0, REPO / "bench.py"), *argv], capture_output=True, text=True,
                            env={**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                 "MASTER_PORT": "29500"})
         assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (1, "", 1), r.stderr
@@ -567,7 +567,7 @@ def test_a_traced_step_on_every_rank_under_tp_and_pp(tmp_path):
 def test_bench_trace_of_one_process(tmp_path):
     """bench.py --trace DIR on one process: the micro-batches' phases in order on the one track, the files
     in DIR; a file where the folder should be is one line."""
-    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--trace", str(tmp_path / "t"), "--model",
+    out = subprocess.run([*multiproc.command(0, REPO / "bench.py"), "--trace", str(tmp_path / "t"), "--model",
                           "tiny", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2",
                           "--warmup-steps", "1"], capture_output=True, text=True, check=True).stdout
     assert "rank 0: 1 data" in out and (tmp_path / "t" / "step.png").exists()
@@ -576,7 +576,7 @@ def test_bench_trace_of_one_process(tmp_path):
         "1 data", "2 forward", "3 loss", "4 backward", "2 forward", "3 loss", "4 backward", "5 grad sync",
         "6 optimizer", "7 checkpoint"]
     (tmp_path / "file").write_text("")
-    r = subprocess.run([sys.executable, str(REPO / "bench.py"), "--trace", str(tmp_path / "file")],
+    r = subprocess.run([*multiproc.command(0, REPO / "bench.py"), "--trace", str(tmp_path / "file")],
                        capture_output=True, text=True)
     assert (r.returncode, len(r.stderr.splitlines())) == (1, 1) and "is a file" in r.stderr
 
@@ -586,7 +586,7 @@ def test_launch_writes_the_planned_run_for_slurm_and_kubernetes():
     node, and train.py at the planned layout; a PyTorchJob of one pod per node with the same train.py."""
     planned = ["--plan", "--model", "llama3.1-8b", "--gpus", "32", "--tp", "8", "--pp", "2", "--micro-batch", "1",
             "--seq-len", "8192", "--grad-accum", "4", "--zero", "1", "--act-ckpt", "--data", "/data/shards"]
-    run = lambda *more: subprocess.run([sys.executable, str(REPO / "bench.py"), *planned, *more],
+    run = lambda *more: subprocess.run([*multiproc.command(0, REPO / "bench.py"), *planned, *more],
                                        capture_output=True, text=True, check=True).stdout
     script = run("--launch", "slurm")
     assert "#SBATCH --nodes=4\n" in script and "#SBATCH --gpus-per-node=8\n" in script
@@ -607,7 +607,7 @@ def test_launch_writes_the_planned_run_for_slurm_and_kubernetes():
     assert config.get_parser().parse_args(pod["command"][2:]).tp == 8
     for more, said in ((["--gpus-per-node", "6"], "not a number of whole nodes"),
                        (["--gpus-per-node", "4"], "tp 8 groups would not lie within nodes")):
-        r = subprocess.run([sys.executable, str(REPO / "bench.py"), *planned, "--launch", "slurm", *more],
+        r = subprocess.run([*multiproc.command(0, REPO / "bench.py"), *planned, "--launch", "slurm", *more],
                            capture_output=True, text=True)
         assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and said in r.stderr, r.stderr
 
@@ -690,7 +690,7 @@ def test_compare_hf_under_several_processes_is_refused():
 
 def test_a_small_budget_is_sized_in_the_unit_that_fits():
     """--budget-flops 1e15 printed "0.0B parameters on 0.00T tokens"."""
-    out = subprocess.run([sys.executable, str(REPO / "bench.py"), "--plan", "--budget-flops", "1e15"],
+    out = subprocess.run([*multiproc.command(0, REPO / "bench.py"), "--plan", "--budget-flops", "1e15"],
                          capture_output=True, text=True, check=True).stdout.splitlines()[0]
     assert out.endswith("2.89M parameters on 57.7M tokens")
     assert [plan.count(n) for n in (12, 950e3, 3.2e6, 405e9, 15.6e12)] == ["12", "950K", "3.2M", "405B", "15.6T"]

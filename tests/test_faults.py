@@ -65,7 +65,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, script, record):
     assert "stopped by signal SIGTERM" in stdout
     last = records(out)[-1]["step"]
     assert (out / "latest").read_text().strip() == f"step_{last:06d}"
-    code = subprocess.run([sys.executable, str(REPO / script), *flags, "--max-steps", str(last + 2),
+    code = subprocess.run([*multiproc.command(0, REPO / script), *flags, "--max-steps", str(last + 2),
                            "--out-dir", str(out), "--resume"], cwd=REPO, capture_output=True, text=True)
     assert code.returncode == 0, code.stderr[-2000:]
     assert [r["step"] for r in records(out) if "loss" in r][-2:] == [last + 1, last + 2]
@@ -169,7 +169,7 @@ def test_truncated_shard_is_detected_and_resume_falls_back(tmp_path):
     train.main(TINY + ["--max-steps", "4", "--ckpt-every", "2", "--out-dir", str(tmp_path)])
     shard = tmp_path / "step_000004" / "shard_pp00_tp00.pt"
     shard.write_bytes(shard.read_bytes()[:1000])
-    p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "6", "--out-dir",
+    p = subprocess.run([*multiproc.command(0, REPO / "train.py"), *TINY, "--max-steps", "6", "--out-dir",
                         str(tmp_path), "--resume"], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "checkpoint step_000004 is damaged (shard_pp00_tp00.pt has 1,000 bytes" in p.stdout
@@ -193,7 +193,7 @@ def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
     meta = json.loads((d / "meta.json").read_text())  # an attacker can rewrite the manifest too
     meta["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": data.sha256_file(shard)}
     (d / "meta.json").write_text(json.dumps(meta))
-    p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "4", "--out-dir",
+    p = subprocess.run([*multiproc.command(0, REPO / "train.py"), *TINY, "--max-steps", "4", "--out-dir",
                         str(tmp_path), "--resume"], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 1 and "cannot read checkpoint" in p.stderr
     assert not marker.exists()  # weights_only=True refused the pickle before anything ran
@@ -202,7 +202,7 @@ def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
 def test_deterministic_flag_gives_identical_runs(tmp_path):
     """Fresh processes, as a user runs them: the flag's kernel pinning only acts before the first matmul."""
     for name in ("a", "b"):
-        p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "5",
+        p = subprocess.run([*multiproc.command(0, REPO / "train.py"), *TINY, "--max-steps", "5",
                             "--deterministic",
                             "--out-dir", str(tmp_path / name)], capture_output=True, text=True, cwd=REPO)
         assert p.returncode == 0 and "--deterministic: " in p.stdout, p.stderr[-2000:]
@@ -280,7 +280,7 @@ def test_a_second_signal_interrupts_at_once():
 def test_malformed_jsonl_names_its_line_in_every_training_script(tmp_path, script, good):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good) + "\n" + json.dumps(good)[:20] + "\n")
-    p = subprocess.run([sys.executable, str(REPO / script), "--model", "tiny", "--data", str(bad),
+    p = subprocess.run([*multiproc.command(0, REPO / script), "--model", "tiny", "--data", str(bad),
                         "--max-steps", "2", "--warmup", "1", "--out-dir", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=REPO)
     errors = [l for l in p.stderr.splitlines() if l.startswith("error")]
@@ -544,6 +544,6 @@ def test_sigterm_during_a_background_write_waits_for_it_then_saves(tmp_path):
     last = max(r["step"] for r in records(out) if "loss" in r)
     assert last > 3 and checkpoint.find_latest(out) == (out / f"step_{last:06d}", [])
     assert checkpoint.damage(out / "step_000003") is None  # the write in flight was finished, not dropped
-    code = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", str(last + 2),
+    code = subprocess.run([*multiproc.command(0, REPO / "train.py"), *TINY, "--max-steps", str(last + 2),
                            "--out-dir", str(out), "--resume"], capture_output=True, text=True, cwd=REPO)
     assert code.returncode == 0 and f"at step {last}" in code.stdout, code.stderr[-2000:]

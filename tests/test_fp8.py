@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import config
 import model as M
+import multiproc
 from conftest import REPO
 from test_parallel import job, losses
 
@@ -128,7 +129,7 @@ def test_a_gpu_without_float8_matmuls_is_refused_in_one_line(monkeypatch):
 def test_bench_measures_fp8_beside_bf16_in_one_run():
     """--sweep "precision=bf16;precision=fp8": two rows of one run, the fp8 one marked, both counted against
     the bf16 peak (the heading of a --precision fp8 run says so)."""
-    base = [sys.executable, "bench.py", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2",
+    base = [*multiproc.command(0, "bench.py"), "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2",
             "--warmup-steps", "1"]
     out = subprocess.run(base + ["--sweep", "precision=bf16;precision=fp8", "--json"], capture_output=True,
                          text=True, check=True, cwd=REPO)

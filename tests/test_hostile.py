@@ -63,7 +63,7 @@ def refused(capsys, main, argv) -> str:
 
 
 def cli(script, *args, **kwargs):
-    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], capture_output=True,
+    return subprocess.run(multiproc.command(0, REPO / script, *args), capture_output=True,
                           text=True, cwd=REPO, timeout=kwargs.pop("timeout", 300), **kwargs)
 
 

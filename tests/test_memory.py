@@ -114,7 +114,7 @@ def test_estimates_match_what_a_cpu_run_allocates_and_sends(tmp_path, layout):
     script = tmp_path / "census.py"
     script.write_text(CENSUS)
     argv = [str(script), *RUN, *flags, "--out-dir", str(tmp_path / "o")]
-    cmd = [sys.executable, *argv] if processes == 1 else multiproc.command(processes, *argv)
+    cmd = multiproc.command(0 if processes == 1 else processes, *argv)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]

@@ -12,6 +12,7 @@ import costs
 import data
 import helpers
 import model as M
+import multiproc
 import weights as W
 from conftest import REPO
 
@@ -273,7 +274,7 @@ def test_the_plan_of_mixtral_8x7b_divides_its_experts_over_ep(tmp_path):
     refuses it."""
     import subprocess
     import sys
-    base = [sys.executable, "bench.py", "--plan", "--model", "mixtral-8x7b", "--gpus", "64", "--pp", "4",
+    base = [*multiproc.command(0, "bench.py"), "--plan", "--model", "mixtral-8x7b", "--gpus", "64", "--pp", "4",
             "--zero", "1", "--act-ckpt", "--seq-len", "4096", "--micro-batch", "1", "--grad-accum", "16",
             "--tokens", "1e12", "--json"]
     plan = lambda *flags: json.loads(subprocess.run(base + list(flags), capture_output=True, text=True,
@@ -297,7 +298,6 @@ def test_a_measured_row_under_ep_sends_what_its_estimate_says(tmp_path):
     assumes balanced routing: what a rank sends depends on where the router sends its tokens)."""
     import os
     import subprocess
-    import multiproc
     cmd = multiproc.command(2, REPO / "bench.py", "--model", "moe-tiny", "--ep", "2", "--seq-len", "32",
                             "--micro-batch", "2", "--steps", "2", "--warmup-steps", "1", "--json")
     row = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO,

@@ -1071,7 +1071,7 @@ def test_consolidate_to_hugging_face(tmp_path, reference):
     special ids a base model's export records."""
     job(4, tmp_path, "--tp", "2", "--pp", "2")
     ckpt = tmp_path / (tmp_path / "latest").read_text().strip()
-    subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "consolidate", str(tmp_path),
+    subprocess.run([*multiproc.command(0, REPO / "checkpoint.py"), "consolidate", str(tmp_path),
                     "--hf", str(tmp_path / "hf")], check=True, cwd=REPO)
     hf = helpers.load_hf(tmp_path / "hf")
     ref, merged = masters(reference), hf.state_dict()
@@ -1102,7 +1102,7 @@ def test_consolidate_averages_the_last_checkpoints_of_one_run(tmp_path, capsys):
         assert torch.allclose(averaged[name], want, atol=1e-7), name
     assert not torch.equal(averaged["norm.weight"], states[-1]["norm.weight"]["master"])
     # the command where it was documented first, `python parallel.py consolidate`, runs checkpoint.py's
-    p = subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "consolidate", str(out), "--hf",
+    p = subprocess.run([*multiproc.command(0, REPO / "checkpoint.py"), "consolidate", str(out), "--hf",
                         str(tmp_path / "hf2"), "--average-last", "3"], capture_output=True, text=True)
     assert p.returncode == 0 and helpers.load_hf(tmp_path / "hf2").state_dict().keys() == averaged.keys(), p.stderr
     for argv, message in ((["--average-last", "4"], "holds 3 intact checkpoint(s), fewer than the 4"),

@@ -21,6 +21,7 @@ import data
 import launch
 import loss
 import model as M
+import multiproc
 import parallel
 import ramp
 import train
@@ -34,7 +35,7 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--grad-accu
 
 def run_cli(*args, check=False):
     """train.py in a subprocess: returns (exit code, stdout, stderr)."""
-    p = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+    p = subprocess.run([*multiproc.command(0, REPO / "train.py"), *args], capture_output=True, text=True,
                        cwd=REPO, timeout=300, env=os.environ.copy())
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
@@ -520,7 +521,7 @@ def test_a_run_resumed_across_a_ramp_stage_is_bit_identical(tmp_path, chunk):
      "by stage: leave out --seq-len 64"),
 ])
 def test_bad_ramps_are_one_line(tmp_path, flags, env, message):
-    p = subprocess.run([sys.executable, str(REPO / "train.py"), *RAMP_BASE, "--max-steps", "5", *flags,
+    p = subprocess.run([*multiproc.command(0, REPO / "train.py"), *RAMP_BASE, "--max-steps", "5", *flags,
                         "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO, timeout=60,
                        env={**os.environ, "RANK": "0", "LOCAL_RANK": "0", **env})
     assert p.returncode == 1 and message in p.stderr, p.stderr[-2000:]
