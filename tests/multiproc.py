@@ -63,16 +63,21 @@ def end_with_parent(sig=signal.SIGKILL):
         ctypes.CDLL(None).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
-def run_rank(rank: int, n: int, port: int, script: str, args: list[str]):
+def run_rank(rank: int, n: int, port: int, script: str, args: list[str], threads: int | None):
     """In a forked child: become rank `rank` and run the script; never returns."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run_script(script, args)
+    run_script(script, args, threads)
 
 
-def run_script(script: str, args: list[str]):
-    """In a forked child: run the script as its __main__, exiting with its code; never returns."""
+def run_script(script: str, args: list[str], threads: int | None):
+    """In a forked child: run the script as its __main__, exiting with its code; never returns. threads:
+    torch's thread count, set here, while this is the process's one thread (torch 2.11's thread pool, made
+    before a fork, is remade in the child by the first thread that asks, and a second may see none)."""
     end_with_parent()
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
     sys.argv = [script, *args]
     code = 0
     try:
@@ -119,19 +124,19 @@ def wait_one(pid: int, abandoned) -> int:
     return os.waitstatus_to_exitcode(ended[1])
 
 
-def launch(n: int, script: str, args: list[str], abandoned=lambda: False) -> int:
+def launch(n: int, script: str, args: list[str], abandoned=lambda: False, threads: int | None = None) -> int:
     """Fork the n ranks of one job (0: the plain process) from this process, which has imported the
     project, and wait for them."""
     if n == 0:
         pid = os.fork()
         if pid == 0:
-            run_script(script, args)
+            run_script(script, args, threads)
         return wait_one(pid, abandoned)
     port, pids = free_port(), []
     for rank in range(n):
         pid = os.fork()
         if pid == 0:
-            run_rank(rank, n, port, script, args)
+            run_rank(rank, n, port, script, args, threads)
         pids.append(pid)
     return wait_all(pids, abandoned)
 
@@ -213,13 +218,12 @@ def serve_one(conn: socket.socket) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    if "OMP_NUM_THREADS" in os.environ:  # libgomp read the variable when the server imported torch
-        import torch
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = os.environ.get("OMP_NUM_THREADS")  # read by libgomp when the server imported torch: set again
     n, script, *args = request["argv"]
     sys.path[:0] = [str(Path(script).resolve().parent), str(REPO)]
     try:
-        code = launch(int(n), script, args, abandoned=lambda: bool(select.select([conn], [], [], 0)[0]))
+        code = launch(int(n), script, args, lambda: bool(select.select([conn], [], [], 0)[0]),
+                      int(threads) if threads else None)
     except BaseException:
         traceback.print_exc()
         code = 1
