@@ -129,6 +129,11 @@ def adamw_pass(master, grad, m, v, model, decays, per_step, grad_scale,
     (costs.optimizer_bytes), where the eager step's decay, fused update and refresh move 42. What
     changes each step comes on the device, per_step (3,): step_size = lr / (1 - b1^t), keep = 1 - lr
     * weight decay, bc2_sqrt = sqrt(1 - b2^t); a new value is new data, not a new compilation."""
+    # one flat loop over every element, each row's decay read by index: a 2-D update beside the flat copy
+    # to the model was two loops in torch 2.11, with a state-sized temporary between them
+    decays = decays.expand(master.shape).reshape(-1)
+    master, grad, m, v = (t.view(-1) for t in (master, grad, m, v))
+    model = None if model is None else model.view(-1)
     (b1, b2, eps), (step_size, keep, bc2_sqrt) = betas_eps, per_step.unbind()
     g = grad / grad_scale
     m.lerp_(g, 1 - b1)
