@@ -207,7 +207,8 @@ def served_alike(request: dict) -> bool:
 
 
 def serve_one(conn: socket.socket) -> int:
-    """In the server's fork: become the job's launcher (its files, variables, folder) and report its code."""
+    """In the server's fork: become the job's launcher (its files, variables, folder, limits) and report its
+    exit code."""
     request, fds = receive(conn)
     if not served_alike(request) or not take_limits(request["limits"]):
         conn.sendall(b"here")
