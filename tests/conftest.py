@@ -9,7 +9,8 @@ copy of <mirror>/tiktoken_cache (without one, tiktoken fetches its own files). T
 os.environ, so subprocesses (torchrun, train.py) see them too.
 
 The session also starts tests/multiproc.py's warm server, which has imported torch and the project once, so
-that each multi-process job forks from it instead of importing them again (MULTIPROC_SERVER names it).
+that each of its jobs (multi-process, or one plain process) forks from it instead of importing them again
+(MULTIPROC_SERVER names it).
 """
 import os
 import shutil

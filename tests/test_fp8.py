@@ -5,7 +5,6 @@ loss, under other layouts, and refused where the device has no float8 matmul."""
 import dataclasses
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
