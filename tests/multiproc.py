@@ -13,7 +13,7 @@ parent-death signal). The tests of torchrun's own part (its agent, restarts, sig
 torchrun itself.
 
 Even one import a job is most of a small job's time (about 2.5 s of a 5 s test), so the test session keeps
-one warm server (`--serve SOCKET`, started by conftest.py, named by MULTIPROC_SERVER) that has imported them
+one warm server (`--serve NAME`, started by conftest.py, named by MULTIPROC_SERVER) that has imported them
 once. A job then asks it: the server forks a launcher that takes over the job's stdin, stdout and stderr
 (passed over the socket), its variables, folder, command line, resource limits and umask, and runs the job
 exactly as above; the job's exit code comes back. A job runs here instead when its variables would have
@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL
-SERVER = "MULTIPROC_SERVER"  # the warm server's socket, if the session runs one
+SERVER = "MULTIPROC_SERVER"  # the warm server's socket name, if the session runs one
 # variables read once, at import or at the first use, and kept: torch's, the C libraries', Python's own,
 # and the temporary folder (tempfile keeps the first answer)
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "KMP_", "GOMP_", "MKL", "ATEN_", "CUDA", "CUBLAS", "NCCL",
@@ -162,7 +162,7 @@ def ask_server(argv: list[str]) -> int | None:
     """Run this job in the warm server's fork: its exit code, or None when it must run here."""
     try:
         conn = socket.socket(socket.AF_UNIX)
-        conn.connect(os.environ[SERVER])
+        conn.connect(address(os.environ[SERVER]))
     except (KeyError, OSError):
         return None
     with conn:
@@ -235,13 +235,18 @@ def serve_one(conn: socket.socket) -> int:
     return code
 
 
-def serve(path: str):
+def address(name: str) -> str:
+    """A socket in Linux's abstract namespace: no file to clean up, no path-length limit."""
+    return "\0" + name
+
+
+def serve(name: str):
     """Import once, then fork a launcher for each job that asks; ends with the process that started it."""
     end_with_parent(signal.SIGTERM)
     sys.path.insert(0, str(REPO))
     import train  # noqa: F401  (torch and the project's modules, imported once for every job)
     listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
+    listener.bind(address(name))
     listener.listen(16)
     while True:
         conn, _ = listener.accept()

@@ -1,7 +1,9 @@
 """The tests' own launcher (multiproc.py): a job served by the session's warm server runs as it would run
 alone, with its own variables, folder, arguments, limits and exit code, and ends with its caller."""
+import contextlib
 import os
 import resource
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,10 +24,10 @@ sys.exit(int(sys.argv[1]) if os.environ.get("RANK", "1") == "1" else 0)
 
 @pytest.fixture
 def warm(multiproc_server):
-    if multiproc_server is None:
-        pytest.skip("no warm server: its socket's path would be too long here")
-    for _ in range(600):  # it listens once it has imported torch and the project
-        if Path(os.environ[multiproc.SERVER]).exists():
+    """The server's pid, once it listens (it has imported torch and the project)."""
+    for _ in range(600):
+        with socket.socket(socket.AF_UNIX) as s, contextlib.suppress(OSError):
+            s.connect(multiproc.address(os.environ[multiproc.SERVER]))
             return multiproc_server.pid
         time.sleep(0.1)
     pytest.fail("the warm server never listened")

@@ -73,8 +73,6 @@ def test_chat_template_is_encode_chat(tmp_path):
     assert base.chat_template is None and base.eos_token_id == data.eos_id(enc)
 
 
-@pytest.mark.skipif(tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 20),
-                    reason="before 5.20, transformers has no sanitize_control_tokens (the template gets it unread)")
 def test_special_token_text_in_a_message(tmp_path):
     """A message that spells special tokens is text in training (encode_chat). The exported template cannot
     keep it so: transformers renders it to one string and tokenizes that, so by default the text becomes an
