@@ -202,7 +202,7 @@ def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
 def test_deterministic_flag_gives_identical_runs(tmp_path):
     """Fresh processes, as a user runs them: the flag's kernel pinning only acts before the first matmul."""
     for name in ("a", "b"):
-        p = subprocess.run([*multiproc.command(0, REPO / "train.py"), *TINY, "--max-steps", "5",
+        p = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "--max-steps", "5",
                             "--deterministic",
                             "--out-dir", str(tmp_path / name)], capture_output=True, text=True, cwd=REPO)
         assert p.returncode == 0 and "--deterministic: " in p.stdout, p.stderr[-2000:]
