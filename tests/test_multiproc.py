@@ -16,8 +16,9 @@ REPORT = """
 import os, resource, sys
 import torch
 parent = int(open(f"/proc/{os.getppid()}/stat").read().split(") ")[1].split()[1])  # the launcher's parent
-print(os.environ.get("RANK"), os.environ.get("ASKED"), os.getcwd(), sys.argv[1:], torch.get_num_threads(),
-      resource.getrlimit(resource.RLIMIT_FSIZE)[0], parent, flush=True)
+report = [os.environ.get("RANK"), os.environ.get("ASKED"), os.getcwd(), sys.argv[1:], torch.get_num_threads(),
+          resource.getrlimit(resource.RLIMIT_FSIZE)[0], parent]
+os.write(1, (" ".join(map(str, report)) + "\\n").encode())  # one write: the ranks' lines never interleave
 sys.exit(int(sys.argv[1]) if os.environ.get("RANK", "1") == "1" else 0)
 """
 
@@ -63,7 +64,8 @@ def test_a_job_whose_variables_torch_reads_at_import_runs_here(tmp_path, warm):
 
 def test_a_killed_served_job_ends_its_ranks(tmp_path, warm):
     script = tmp_path / "sleep.py"
-    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    # one write each (atomic on a pipe): two ranks' prints may interleave their text and newline
+    script.write_text("import os, time\nos.write(1, f'{os.getpid()}\\n'.encode())\ntime.sleep(600)\n")
     p = subprocess.Popen(multiproc.command(2, script), stdout=subprocess.PIPE, text=True)
     pids = [int(p.stdout.readline()) for _ in range(2)]
     p.kill()
