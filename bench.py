@@ -25,8 +25,8 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       one step after the warm-up, traced on every rank: DIR/trace.json (a Chrome trace of phases,
       micro-batches and collectives) and DIR/step.png, the bubble measured beside the formula's.
 
-Every mode prints a table, and with --json one JSON object (settings and versions included). torch's
-DDP and Hugging Face's model are used here, and only here, as baselines.
+Every mode prints a table, and with --json one JSON object (settings and versions included). The
+comparisons with torch's DDP and Hugging Face's model, the only baselines, are compare.py's.
 """
 
 from __future__ import annotations
@@ -43,25 +43,23 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import checkpoint
+import checks
+import compare
 import config
 import costs
 import data
 import launch
 import model as M
-import optim as O
 import parallel as P
 import plan
 import train
-import zero as Z
 
 # ----------------------------------------------------------------------------------------------------
 # Measuring train.py's loop
@@ -435,193 +433,7 @@ def parse_setting(item: str, text: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Against Hugging Face transformers: the same model and batch, alternating in the same run
-
-
-def compare_hf(a) -> dict:
-    """Ours and transformers' LlamaForCausalLM, alternating so both see the same machine load; each
-    side is built, timed and freed before the other starts, so neither is measured in, or refused
-    for, the other's memory. Both sync only at step ends (ours: timing "steps"), on one device, with
-    the same AdamW settings; what each keeps in fp32 differs, as the result says."""
-    import transformers
-    ours, theirs = [], []
-    for _ in range(2):
-        ours.append(measure(a, "steps")["tokens_per_s"])
-        free_memory()
-        theirs.append(hf_tokens_per_s(a))
-        free_memory()
-    precision = config.pick_device_and_precision(a)[1]
-    low = "fp32" if precision == "fp32" else "bf16"  # (their side has no fp16 loss scaling: bf16)
-    return {"ours_tokens_per_s": ours, "hf_tokens_per_s": theirs,
-            "ratio_ours_over_hf": statistics.median(ours) / statistics.median(theirs),
-            "transformers": transformers.__version__,
-            "ours_keeps": f"{precision} weights; fp32 gradients, master weights and AdamW moments",
-            "hf_keeps": f"{low} weights, gradients and AdamW moments (torch.optim.AdamW in the weights' dtype)"}
-
-
-def free_memory():
-    """Give back what the last measured side left: its garbage and the allocator's cached blocks."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def built_on(device, dtype, build):
-    """build() with its parameters made on `device` in `dtype` from the start, as ours are: no fp32 copy on
-    the CPU first (a 1B model's took longer to build and move than its timed steps)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return build()
-    finally:
-        torch.set_default_dtype(default)
-
-
-def hf_tokens_per_s(a) -> float:
-    """LlamaForCausalLM + torch.optim.AdamW (same lr, betas, decay, clipping) on the measured
-    model's shape and a random batch: tokens/s, the median of --steps after --warmup-steps."""
-    import transformers
-    margs = model_args(a)
-    cfg = transformers.LlamaConfig(hidden_size=margs.dim, intermediate_size=margs.hidden_dim,
-                                   num_hidden_layers=margs.n_layers, num_attention_heads=margs.n_heads,
-                                   num_key_value_heads=margs.n_kv_heads, vocab_size=margs.vocab_size,
-                                   rms_norm_eps=margs.norm_eps, rope_theta=margs.rope_theta,
-                                   max_position_embeddings=margs.max_seq_len,
-                                   tie_word_embeddings=margs.tie_embeddings)
-    device, precision = config.pick_device_and_precision(a)
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    torch.manual_seed(0)
-    hf = built_on(device, dtype, lambda: transformers.LlamaForCausalLM(cfg)).train()
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    x = torch.randint(0, margs.vocab_size, (a.micro_batch, a.seq_len), device=device)
-
-    def step():
-        for _ in range(a.grad_accum):
-            (hf(input_ids=x, labels=x).loss / a.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(a.warmup_steps):
-        step()
-    times = []
-    for _ in range(a.steps):
-        costs.sync_device(device)
-        t0 = time.perf_counter()
-        step()
-        costs.sync_device(device)
-        times.append(time.perf_counter() - t0)
-    return a.micro_batch * a.seq_len * a.grad_accum / statistics.median(times)
-
-
-def timed_steps(step, n: int, device, warmup: int = 2) -> list[float]:
-    """Seconds of each of n steps, every rank starting together and the device's work included."""
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(n):
-        costs.sync_device(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        costs.sync_device(device)
-        dist.barrier()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def dp_vs_ddp(args, mesh, margs, device):
-    """Same seed, model, batch, AdamW settings, fp32; ours and DDP alternate in --blocks blocks."""
-    torch.manual_seed(0)
-    x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
-    y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
-    n_targets = y.numel() * mesh.dp
-
-    torch.manual_seed(0)
-    ours = M.Transformer(margs).to(device)
-    opt = O.AdamW(ours.named_parameters(), lr=1e-4, pad_to=mesh.dp)
-    sync = Z.GradSync(opt, mesh, args.bucket_mb)
-
-    def our_step():
-        logits = ours(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum") / n_targets
-        sync.start()  # one micro-batch per step: reduce while backward runs
-        loss.backward()
-        sync.finish()
-        opt.step(grad_scale=O.clip_scale(1.0, Z.grad_norm(sync, ours)))
-        opt.zero_grad()
-
-    torch.manual_seed(0)
-    ref = torch.nn.parallel.DistributedDataParallel(M.Transformer(margs).to(device),
-                                                    bucket_cap_mb=args.bucket_mb,
-                                                    device_ids=[device.index] if device.type == "cuda"
-                                                    else None)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
-
-    def ddp_step():
-        logits = ref(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # DDP: mean over ranks
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-
-    times = {"parallel.py": [], "DDP": []}
-    for _ in range(args.blocks):
-        times["parallel.py"] += timed_steps(our_step, args.steps, device)
-        times["DDP"] += timed_steps(ddp_step, args.steps, device)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"median_step_s": med, "ratio_ddp_over_ours": med["DDP"] / med["parallel.py"],
-            "grad_mb": 4 * costs.count_params(margs) / 2 ** 20, "steps_each": args.steps * args.blocks}
-
-
-def bubble_schedules(args) -> list[tuple[str, int]]:
-    """--schedule (1F1B or AFAB), and beside it the interleaved one with --virtual-stages V > 1."""
-    base = "afab" if args.schedule == "afab" else "1f1b"
-    return [(base, 1)] + ([("interleaved", args.virtual_stages)] if args.virtual_stages > 1 else [])
-
-
-def bubble(args, mesh, margs, device):
-    """At pp = world, each of bubble_schedules for each m (interleaved only where pp divides m):
-    step time, measured bubble and its formula, fp32. validate() checked the layouts."""
-    rows = []
-    for schedule, virtual in bubble_schedules(args):
-        staged = mesh.scheduled(schedule, virtual)
-        torch.manual_seed(0)
-        model = P.apply_pipeline(M.Transformer(margs), staged).to(device)
-        opt = O.AdamW(model.named_parameters(), lr=1e-4)
-        for m in micro_batch_counts(args.micro_batches):
-            if schedule != "interleaved" or m % mesh.pp == 0:
-                rows.append({"schedule": schedule, "virtual": virtual, "m": m,
-                             **measure_bubble(args, staged, model, opt, m, device),
-                             "bubble_formula": (mesh.pp - 1) / (virtual * m + mesh.pp - 1)})
-    return rows
-
-
-def measure_bubble(args, mesh, model, opt, m: int, device) -> dict:
-    """Median step time of m micro-batches and each stage's bubble, 1 - compute time / step time."""
-    margs = model.args
-    batches = [(torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device),
-                torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device))
-               for _ in range(m)]
-    loss_fn = lambda logits, y: F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
-    stats = {}
-
-    def step():
-        P.pipeline_step(model, batches, mesh, args.seq_len, loss_fn, stats=stats)
-        opt.zero_grad()
-
-    step()
-    stats.clear()
-    t = timed_steps(step, args.steps, device, warmup=0)
-    busy = torch.tensor([stats["busy_s"] / args.steps], device=device)
-    total = torch.tensor([statistics.median(t)])
-    every = [torch.zeros(1, device=device) for _ in range(mesh.world)]
-    dist.all_gather(every, busy)
-    measured = [1 - b.item() / total.item() for b in every]
-    return {"step_s": total.item(), "bubble_measured_per_stage": measured,
-            "bubble_measured": sum(measured) / len(measured)}
+# The command line: the modes, their flags and their checks
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -762,7 +574,7 @@ def micro_batch_counts(text: str) -> list[int]:
 
 
 def check_measured_run(a, row: dict, world: int):
-    """Refuse a measured run (the flags, with a --sweep setting over them) as config.check_config
+    """Refuse a measured run (the flags, with a --sweep setting over them) as checks.check_config
     would, before the first run, so that no setting is measured in vain before a later one fails."""
     tp, cp, pp = (row.get(k, getattr(a, k)) for k in ("tp", "cp", "pp"))
     seq_len = row.get("seq_len", a.seq_len)
@@ -777,7 +589,7 @@ def check_measured_run(a, row: dict, world: int):
                f"got {seq_len}")
     layout = P.Layout(tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp), sp=bool(row.get("sp", a.sp)))
     try:  # train_args passes no --schedule: train.py's default, 1F1B
-        config.check_layout(layout, world, margs, row.get("accum", a.grad_accum), seq_len)
+        checks.check_layout(layout, world, margs, row.get("accum", a.grad_accum), seq_len)
     except P.LayoutError as e:
         refuse(f"invalid parallel layout ({what}): {e}")
 
@@ -789,9 +601,9 @@ def check_comparison(a, world: int):
     if world < 2:
         refuse(f"{mode} needs 2 or more processes, this run has {world}: launch it with torchrun "
                f"--standalone --nproc_per_node=2 bench.py {mode} ...")
-    for schedule, virtual in bubble_schedules(a) if a.bubble else []:
+    for schedule, virtual in compare.bubble_schedules(a) if a.bubble else []:
         try:
-            config.check_layout(P.Layout(pp=world, schedule=schedule, virtual=virtual), world, M.PRESETS[a.model],
+            checks.check_layout(P.Layout(pp=world, schedule=schedule, virtual=virtual), world, M.PRESETS[a.model],
                                 world, a.seq_len)
         except P.LayoutError as e:
             refuse(f"invalid parallel layout: {e}")
@@ -885,9 +697,9 @@ def run_comparison(a, versions: dict):
               "params": costs.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len,
               "torch_device": str(device)}
     if a.dp_vs_ddp:
-        result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs, device)
+        result["dp_vs_ddp"] = compare.dp_vs_ddp(a, mesh, margs, device)
     else:
-        result["bubble"] = bubble(a, mesh, margs, device)
+        result["bubble"] = compare.bubble(a, mesh, margs, device, micro_batch_counts(a.micro_batches))
 
     if mesh.rank == 0:
         print_comparison(result, a, world)
@@ -895,7 +707,7 @@ def run_comparison(a, versions: dict):
 
 
 def run_compare_hf(a, versions: dict):
-    r = compare_hf(a)
+    r = compare.compare_hf(a, model_args(a), lambda: measure(a, "steps")["tokens_per_s"])
     if a.json:
         print(json.dumps({**versions, "model": a.model, "micro_batch": a.micro_batch, "seq_len": a.seq_len,
                           "compare_hf": r}))

@@ -175,7 +175,7 @@ class Distill(train.FromInit):
             raise config.ConfigError(f"--teacher {self.args.teacher} has a head of {teacher.vocab_size:,} rows, the "
                                      f"student {margs.vocab_size:,}: distillation compares their logits id by id "
                                      "(give the student the teacher's --vocab-size)")
-        # the teacher's weights in the memory check, in copies of the student's (config.check_memory)
+        # the teacher's weights in the memory check, in copies of the student's (checks.check_memory)
         self.frozen_copies = costs.count_params(teacher) / costs.count_params(margs)
         return margs
 

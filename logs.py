@@ -175,7 +175,7 @@ class Meter:
 class Trackers:
     """--wandb PROJECT and --tensorboard DIR: rank 0 sends on each metrics.jsonl record as written,
     nested values flattened (comm_bytes_per_step/dp). Each package is imported only if its flag
-    asks; config.check_trackers refuses a flag whose package is missing before the run starts."""
+    asks; checks.check_trackers refuses a flag whose package is missing before the run starts."""
 
     def __init__(self, args):
         self.wandb = self.tensorboard = None

@@ -527,7 +527,7 @@ class Attention(nn.Module):
 # FlashAttention-2 (Dao 2023), grouped; cudnn: cuDNN's fused attention (CUDA; faster than flash on
 # H100; K and V repeated); efficient: memory-efficient (Rabe & Staats 2021; CUDA); math: the unfused
 # reference. Masked attention (packed documents, CP) is FlexAttention's on a GPU (document_mask),
-# SDPA's choice elsewhere: the flag does not reach it (config.check_attention refuses it).
+# SDPA's choice elsewhere: the flag does not reach it (checks.check_attention refuses it).
 ATTN_BACKENDS = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 

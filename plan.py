@@ -18,6 +18,7 @@ import json
 import math
 import shlex
 
+import checks
 import config
 import costs
 import model as M
@@ -53,7 +54,7 @@ def plan(model: str, tokens: float, layout: P.Layout, shape: costs.Shape, gpu: s
     memory = lambda z, ck: costs.memory_estimate(margs, dataclasses.replace(layout, zero=z),
                                                  shape._replace(act_ckpt=ck), lora=lora)
     stages = [z for z in (0, 1, 2, 3) if not (lora and z == 3) and not (margs.n_experts and z == 3)
-              and not (layout.ep > 1 and z == 2)]  # (what training refuses: config.check_experts, LoRA)
+              and not (layout.ep > 1 and z == 2)]  # (what training refuses: checks.check_experts, LoRA)
     variants = {f"zero{z}_ckpt{costs.ckpt_label(c)}": memory(z, c) for z in stages
                 for c in (False, "selective", "full")}
     chosen = variants[f"zero{layout.zero}_ckpt{costs.ckpt_label(shape.act_ckpt)}"]
@@ -173,18 +174,18 @@ def plan_lora(a) -> tuple | None:
         refuse("--lora-rank: " + (
             "--launch writes train.py's command, which trains every weight" if a.launch else
             "--zero 3 shards what the optimizer trains, under LoRA the adapters alone: plan --zero 1 or 2"))
-    config.check_lora_shape(*lora, M.PRESETS[a.model])
+    checks.check_lora_shape(*lora, M.PRESETS[a.model])
     return lora[0], lora[2]
 
 
 def planned_layout(a, grad_accum: int, seq_len: int) -> P.Layout:
     """The flags' layout on --gpus GPUs (dp: what tp x cp x pp leave; sequence parallelism wherever
-    tp cuts), checked as train.py checks its own (config.check_layout)."""
+    tp cuts), checked as train.py checks its own (checks.check_layout)."""
     cut = a.tp * a.cp * a.pp
     layout = P.Layout(tp=a.tp, cp=a.cp, pp=a.pp, dp=a.gpus // cut if cut > 0 else 0, sp=a.sp or a.tp > 1,
                       zero=int(a.zero), schedule=a.schedule, virtual=a.virtual_stages, ep=a.ep)
-    config.check_layout(layout, a.gpus, M.PRESETS[a.model], grad_accum, seq_len)
-    config.check_experts(a, M.PRESETS[a.model], layout)
+    checks.check_layout(layout, a.gpus, M.PRESETS[a.model], grad_accum, seq_len)
+    checks.check_experts(a, M.PRESETS[a.model], layout)
     return layout
 
 

@@ -8,7 +8,7 @@ fixes each stage's steps, so the schedule is known from the start.
 
   Stage, parse       the stages of "0:4096x1024,252M:8192x1024,...", each with the step it begins at
   stage_at           the stage a step belongs to; tokens_before, what the steps before it read
-  enter              a stage's settings on args (config.check_ramp checks every stage before the run)
+  enter              a stage's settings on args (checks.check_ramp checks every stage before the run)
   switch             at a stage's first step (the loop asks at every step): its settings, fresh loaders
 """
 

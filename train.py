@@ -14,9 +14,9 @@ fp32 on a CPU, and prints a sample at the end. Every optimizer step is the same 
 Read in this order: train_step, then train() (checks the configuration, sets the run up, loops); the
 recipe (Pretraining, whose task is loss.py's LMTask; FromInit, where post-training starts); the
 pieces around the steps that each decide their own "when" (validation here; checkpoint.py's
-Checkpointer, launch.py's StopFlag); setting up; the command line. The flags and their checks are in
-config.py, --ramp's stages in ramp.py, the log and its banner in logs.py, the measuring instruments in
-costs.py; sft.py, dpo.py, reward.py and rl.py bring their own recipes.
+Checkpointer, launch.py's StopFlag); setting up; the command line. The flags are config.py's, their
+checks checks.py's, --ramp's stages ramp.py's, the log logs.py's, the measuring instruments costs.py's;
+sft.py, dpo.py, reward.py and rl.py bring their own recipes.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 
 import chat
 import checkpoint
+import checks
 import config
 import costs
 import data
@@ -72,7 +73,7 @@ class Run:
     loader: data.Loader
     make_val: Callable  # a fresh validation loader, from its start
     timer: costs.PhaseTimer
-    attention: str = "auto"  # the kernel that computes the attention (config.check_attention)
+    attention: str = "auto"  # the kernel that computes the attention (checks.check_attention)
     anneal_from: int | None = None  # the step --anneal-tokens' annealing starts at (None: none)
     ramp: list | None = None  # --ramp's stages (ramp.switch)
     benchmarks: list = ()  # --eval-tasks: [(name, items)], scored at each validation
@@ -292,9 +293,9 @@ def train(args, recipe: Pretraining | None = None, time_phases: str | None = Non
     """The training loop of every recipe. time_phases: bench.py's PhaseTimer mode. check_config
     refuses bad input before the processes talk or --out-dir (locked for the run) is touched."""
     recipe = recipe or Pretraining(args)
-    spec = config.check_config(args, recipe)
+    spec = checks.check_config(args, recipe)
     evaluate.check_benchmarks(args, recipe.kind)
-    config.check_ranks_agree(args, spec.device)
+    checks.check_ranks_agree(args, spec.device)
     mesh = P.init_mesh(spec.layout, spec.device, args.dist_timeout, args.io_timeout)
     lock, meter, stop = checkpoint.lock_out_dir(Path(args.out_dir), mesh, launch.say), None, None
     try:
@@ -440,8 +441,8 @@ class Pretraining:
         """Modules trained beside the model's own, added to it before the optimizer takes its parameters
         (rl.py's PPO: a value head). Pretraining adds none."""
 
-    def task(self, spec: config.Spec, mesh, dtype, model):
-        """The head and its loss, spec.loss_chunk tokens at a time (config.loss_chunk_of: when)."""
+    def task(self, spec: checks.Spec, mesh, dtype, model):
+        """The head and its loss, spec.loss_chunk tokens at a time (checks.loss_chunk_of: when)."""
         return loss.LMTask(spec.margs, mesh, model.output, spec.loss_chunk, self.args.compile)
 
 
@@ -662,7 +663,7 @@ def compile_blocks(model, backend="inductor"):
                              for key, layer in model.layers.items()}
 
 
-def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
+def set_up(args, recipe: Pretraining, spec: checks.Spec, mesh, time_phases: str | None) -> tuple[Run, int, str]:
     """The run's pieces, in the order they may fail: the checkpoint to resume (the ranks verify it),
     the initial weights, the data, the model, its optimizer and gradient sync, the task; then the
     resumed state. The earlier run's files (--overwrite) go only once all that worked."""
@@ -678,7 +679,7 @@ def set_up(args, recipe: Pretraining, spec: config.Spec, mesh, time_phases: str 
     check_enough_data(loader, args, mesh)
     read = {"the data's contents (their fingerprint)": data_contents(loader),
             "the tokenizer's vocabulary": spec.tok.n_vocab}
-    config.refuse_differences(P.all_gather_objects(read, mesh))  # (paths may differ per node; this may not)
+    checks.refuse_differences(P.all_gather_objects(read, mesh))  # (paths may differ per node; this may not)
     dtype, zero = M.DTYPES[spec.precision], Z.needs(args.zero, mesh.dp_cp, mesh.ep)
     try:  # the model's storage is handed to the optimizer; the dp gradient reduction hooks into both
         model = build_model(spec.margs, initial, args, mesh, spec.device, dtype, zero.lazy, config.lora_of(args),
@@ -823,8 +824,7 @@ def post_train(args, recipe_of) -> Run:
 def main(argv=None):
     parser = config.get_parser()
     args, given = parser.parse_args(argv), config.given_flags(parser, argv)
-    device = config.pick_device_and_precision(args)[0]
-    sized = config.sized_for_the_device(args, given, device.type)
+    sized = config.sized_for_the_device(args, given, config.pick_device_and_precision(args)[0].type)
     config.check_ramp_flags(args, given)
     config.fit_defaults(args, given)
     config.configure_process(args)

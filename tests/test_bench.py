@@ -13,6 +13,7 @@ import torch
 import yaml
 
 import bench
+import compare
 import config
 import costs
 import multiproc
@@ -253,12 +254,16 @@ def test_compare_hf_frees_each_side_before_the_other_runs(monkeypatch):
     import model as M
     a = bench.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps",
                                        "1", "--warmup-steps", "0", "--compare-hf"])
-    seen, measure, hf = [], bench.measure, bench.hf_tokens_per_s
+    seen, hf = [], compare.hf_tokens_per_s
     alive = lambda kind: sum(type(o) is kind for o in gc.get_objects())
-    monkeypatch.setattr(bench, "measure", lambda *args, **kw: seen.append(
-        ("ours", alive(transformers.LlamaForCausalLM))) or measure(*args, **kw))
-    monkeypatch.setattr(bench, "hf_tokens_per_s", lambda a: seen.append(("theirs", alive(M.Transformer))) or hf(a))
-    assert bench.compare_hf(a)["ratio_ours_over_hf"] > 0
+
+    def ours():
+        seen.append(("ours", alive(transformers.LlamaForCausalLM)))
+        return bench.measure(a, "steps")["tokens_per_s"]
+
+    monkeypatch.setattr(compare, "hf_tokens_per_s", lambda a, margs: seen.append(("theirs", alive(M.Transformer)))
+                        or hf(a, margs))
+    assert compare.compare_hf(a, bench.model_args(a), ours)["ratio_ours_over_hf"] > 0
     assert seen == [("ours", 0), ("theirs", 0), ("ours", 0), ("theirs", 0)]
 
 
@@ -496,8 +501,9 @@ def test_a_bad_flag_value_is_one_error_line_before_any_work(monkeypatch, capsys,
 
     def work(*args, **kwargs):
         raise DidWork
-    for name in ("measure", "compare_hf", "dp_vs_ddp", "bubble"):
-        monkeypatch.setattr(bench, name, work)
+    monkeypatch.setattr(bench, "measure", work)
+    for name in ("compare_hf", "dp_vs_ddp", "bubble"):
+        monkeypatch.setattr(compare, name, work)
     monkeypatch.setattr(plan, "plan", work)
     monkeypatch.setattr(parallel, "init_mesh", work)
     as_rank(monkeypatch, 0, world)
@@ -667,15 +673,15 @@ def test_compare_hf_builds_their_model_on_the_device_in_the_measured_dtype(monke
     import transformers
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
-    hf = bench.built_on(torch.device("meta"), torch.bfloat16, lambda: transformers.LlamaForCausalLM(cfg))
+    hf = compare.built_on(torch.device("meta"), torch.bfloat16, lambda: transformers.LlamaForCausalLM(cfg))
     assert {(p.device.type, p.dtype) for p in hf.parameters()} == {("meta", torch.bfloat16)}
     assert torch.get_default_dtype() == torch.float32
-    seen, built_on = [], bench.built_on
-    monkeypatch.setattr(bench, "built_on", lambda device, dtype, build: seen.append((device.type, dtype)) or
+    seen, built_on = [], compare.built_on
+    monkeypatch.setattr(compare, "built_on", lambda device, dtype, build: seen.append((device.type, dtype)) or
                         built_on(device, dtype, build))
     a = bench.get_parser().parse_args(["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps",
                                        "1", "--warmup-steps", "0", "--precision", "bf16", "--compare-hf"])
-    assert bench.hf_tokens_per_s(a) > 0 and seen == [("cpu", torch.bfloat16)]
+    assert compare.hf_tokens_per_s(a, bench.model_args(a)) > 0 and seen == [("cpu", torch.bfloat16)]
 
 
 def test_compare_hf_under_several_processes_is_refused():

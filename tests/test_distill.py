@@ -76,7 +76,7 @@ def test_a_student_that_is_its_teacher_has_nothing_to_learn(tmp_path, teacher):
 
 
 def test_the_memory_check_counts_the_teacher(teacher):
-    """The teacher's weights are in the estimate, as so many copies of the student's (config.check_memory)."""
+    """The teacher's weights are in the estimate, as so many copies of the student's (checks.check_memory)."""
     args = config.parse(distill.get_parser(), ["--teacher", str(teacher), *BASE])
     recipe = distill.Distill(args)
     student = recipe.model_args(recipe.tokenizer())

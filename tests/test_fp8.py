@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checks
 import config
 import model as M
 import multiproc
@@ -155,13 +156,13 @@ def test_an_fp8_checkpoint_resumes_in_bf16_and_back(tmp_path):
 def test_cuda_shapes_that_are_not_multiples_of_16_are_refused_in_one_line():
     """_scaled_mm on CUDA takes sides that are multiples of 16 (a CPU takes any): said before any model."""
     import parallel as P
-    config.check_fp8_shapes(M.PRESETS["llama3.2-1b"], P.Layout(tp=2), 4 * 4096)
+    checks.check_fp8_shapes(M.PRESETS["llama3.2-1b"], P.Layout(tp=2), 4 * 4096)
     with pytest.raises(config.ConfigError, match=r"needs multiples of 16, and tokens in a micro-batch on a rank "
                                                  r"\(--micro-batch x --seq-len / cp\) 100 are not"):
-        config.check_fp8_shapes(M.PRESETS["llama3.2-1b"], P.Layout(), 100)
+        checks.check_fp8_shapes(M.PRESETS["llama3.2-1b"], P.Layout(), 100)
     odd = dataclasses.replace(M.PRESETS["llama3.2-1b"], dim=2056, n_heads=4, n_kv_heads=4)
     with pytest.raises(config.ConfigError, match="needs multiples of 16, and dim 2056, "):
-        config.check_fp8_shapes(odd, P.Layout(), 4096)
+        checks.check_fp8_shapes(odd, P.Layout(), 4096)
 
 
 def test_an_expert_parallel_mixture_trains_in_fp8(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import bench
+import checks
 import config
 import costs
 import data
@@ -295,9 +296,9 @@ def test_the_memory_check_counts_the_build(monkeypatch):
     assert build > steady and build >= 2 * 2 * costs.count_params(margs)
     monkeypatch.setattr(costs, "available_memory", lambda device: (steady + build) / 2)
     with pytest.raises(config.ResourceError, match=f"{build / 1e9:.1f} GB while it is built"):
-        config.check_memory(margs, args, layout, torch.device("cpu"), "bf16")
+        checks.check_memory(margs, args, layout, torch.device("cpu"), "bf16")
     monkeypatch.setattr(costs, "available_memory", lambda device: build + 1)
-    config.check_memory(margs, args, layout, torch.device("cpu"), "bf16")
+    checks.check_memory(margs, args, layout, torch.device("cpu"), "bf16")
     big, zero3 = M.PRESETS["llama3-70b"], P.Layout(dp=512, zero=3)
     assert costs.build_bytes(big, zero3) < min(5e9, costs.memory_estimate(big, zero3, costs.Shape(1, 128))["total"])
 
@@ -316,10 +317,10 @@ def test_available_memory_counts_what_this_process_has_cached(monkeypatch):
     margs = config.model_args_from(args, 128_256)
     need = costs.memory_estimate(margs, P.Layout(), costs.Shape(2, 4096, loss_chunk=1024))["total"]
     assert 20 * gb < need < 69 * gb  # refused by the free memory alone; it fits in what the process can get
-    config.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)
+    checks.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(1 * gb))
     with pytest.raises(config.ResourceError, match=r"cuda has 20.0 GB available, [\d.]+ GB short; .* "
                                                    r"--no-memory-check"):
-        config.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)
+        checks.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)
     args.memory_check = False  # --no-memory-check
-    config.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)
+    checks.check_memory(margs, args, P.Layout(), torch.device("cuda", 0), "bf16", chunk=1024)

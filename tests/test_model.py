@@ -549,7 +549,8 @@ def test_save_hf_interrupted_leaves_no_half_export(tmp_path, monkeypatch, earlie
 def test_the_kernel_that_computes_attention_is_asked_of_sdpa(monkeypatch):
     """costs.attention_kernel names the kernel attention() runs (flex for a BlockMask), as SDPA itself picks it
     under --attn-backend; a kernel that cannot take the inputs is a ValueError carrying SDPA's reasons, which
-    config.attention_kernel turns into one line naming the flag, the precision and the device."""
+    checks.attention_kernel turns into one line naming the flag, the precision and the device."""
+    import checks
     import config
     q, kv = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8)
     assert costs.attention_kernel(q, kv, kv, None, True, "math") == "math"
@@ -568,4 +569,4 @@ def test_the_kernel_that_computes_attention_is_asked_of_sdpa(monkeypatch):
     args = config.get_parser().parse_args(["--model", "tiny", "--attn-backend", "flash"])
     with pytest.raises(config.ConfigError, match=r"--attn-backend flash cannot compute this run's attention "
                                                   r"\(fp32, head_dim 16\) on cpu: Flash attention only"):
-        config.attention_kernel(args, M.PRESETS["tiny"], torch.device("cpu"), "fp32", None)
+        checks.attention_kernel(args, M.PRESETS["tiny"], torch.device("cpu"), "fp32", None)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 import checkpoint as C
+import checks
 import config
 import costs
 import data
@@ -283,7 +284,7 @@ def test_context_chunks_balance_causal_work():
     assert len(set(work)) == 1, work
     # under sequence parallelism a rank's T/cp tokens are cut again over tp
     with pytest.raises(P.LayoutError, match=r"--seq-len / cp = 36/2 tokens divisible by tp 4"):
-        config.check_layout(P.Layout(tp=4, cp=2, sp=True), 8, M.ModelArgs(n_heads=8, n_kv_heads=4), 1, 36)
+        checks.check_layout(P.Layout(tp=4, cp=2, sp=True), 8, M.ModelArgs(n_heads=8, n_kv_heads=4), 1, 36)
 
 
 # ---------------------------------------------------------------------------------------------------

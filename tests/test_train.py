@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import checkpoint
+import checks
 import config
 import costs
 import data
@@ -332,8 +333,8 @@ def test_wandb_and_tensorboard_get_the_records_of_metrics_jsonl(tmp_path, monkey
 
 @pytest.mark.parametrize("flag,package", [("--wandb", "wandb"), ("--tensorboard", "tensorboard")])
 def test_a_tracker_without_its_package_is_one_line(tmp_path, monkeypatch, capsys, flag, package):
-    real = config.importlib.util.find_spec
-    monkeypatch.setattr(config.importlib.util, "find_spec",
+    real = checks.importlib.util.find_spec
+    monkeypatch.setattr(checks.importlib.util, "find_spec",
                         lambda name: None if name == package else real(name))
     with pytest.raises(SystemExit) as exit_info:
         config.run(train.main, TINY + ["--out-dir", str(tmp_path / "o"), flag, "x"])
@@ -397,11 +398,11 @@ def test_the_memory_check_counts_dpo_pairs_and_its_reference(monkeypatch):
         margs)
     dpo = dict(rows_per_example=2, frozen_copies=1)
     monkeypatch.setattr(costs, "available_memory", lambda device: (rows + pairs) / 2)
-    config.check_memory(margs, args, one, torch.device("cpu"), "fp32")  # pretraining fits
+    checks.check_memory(margs, args, one, torch.device("cpu"), "fp32")  # pretraining fits
     with pytest.raises(config.ResourceError, match=r"model small \(9.7M parameters\) needs about"):
-        config.check_memory(margs, args, parallel.Layout(), torch.device("cpu"), "fp32", **dpo)
+        checks.check_memory(margs, args, parallel.Layout(), torch.device("cpu"), "fp32", **dpo)
     monkeypatch.setattr(costs, "available_memory", lambda device: pairs + 1)
-    config.check_memory(margs, args, parallel.Layout(), torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
+    checks.check_memory(margs, args, parallel.Layout(), torch.device("cpu"), "fp32", **dpo)  # exactly what it counts
 
 
 # ----------------------------------------------------------------------------------------------------
