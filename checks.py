@@ -2,7 +2,7 @@
 
 config.py reads the flags and refuses values no run can use. check_config takes them with the recipe
 and this machine, and refuses everything else a run cannot do, on every rank, in one line, before any
-process talks or the output folder is touched. Contents, in the order check_config asks:
+process talks or the output folder is touched. Contents, in reading order:
 
   check_config        the flags' values, the recipe's unused flags, the device, the trackers, the
                       tokenizer and the model it sizes, then what follows; its verdicts as a Spec
@@ -45,7 +45,7 @@ class Spec(NamedTuple):
     attention: str  # the kernel that computes the attention: flex, flash, cudnn, efficient or math
     ramp: list | None = None
     loss_chunk: int = 0  # tokens the loss takes at a time (0: the whole micro-batch's logits; loss_chunk_of)
-    layout: P.Layout = P.Layout()  # the parallel layout (layout_of), which the mesh is made of
+    layout: P.Layout = P.Layout()  # the parallel layout (config.layout_of), which the mesh is made of
 
 
 def check_config(args, recipe) -> Spec:

@@ -3,8 +3,8 @@
   Counting    count_params and flops_per_token (PaLM's and Megatron's conventions)
   Estimates   memory_estimate (one rank's peak bytes, by kind), build_bytes (its peak while the
               model is built), comm_estimate (bytes sent per step, per dimension), for any model
-              and layout: config.py's memory check refuses a run that cannot fit before allocating;
-              bench.py sets them beside a run's measurements and plans runs on machines we lack.
+              and layout: checks.py's memory check refuses a run that cannot fit before allocating;
+              bench.py sets them beside a run's measurements, plan.py plans runs on machines we lack.
   Instruments peak FLOP/s for MFU (a datasheet table for GPUs, else measured), peak and available
               memory, PhaseTimer (the seven phases' seconds), attention_kernel (SDPA's pick)
 

@@ -160,7 +160,7 @@ class Mesh:
             setattr(self, size, getattr(self.layout, size))
 
     def scheduled(self, schedule: str, virtual: int = 1) -> Mesh:
-        """The same ranks and process groups, their pipeline run in another schedule (bench.py's bubble)."""
+        """The same ranks and process groups, their pipeline run in another schedule (compare.py's bubble)."""
         layout = replace(self.layout, schedule=schedule, virtual=virtual)
         return replace(self, layout=layout, key=next(_mesh_keys))  # (its own key: see MESHES)
 
@@ -901,7 +901,7 @@ def pipeline_step(model, batches, mesh: Mesh, seq_len: int, loss_fn, before_last
     loss as it enters backward (already divided by the global target count, scaled for fp16);
     head=False passes it the final norm's output instead of the logits. Returns the summed loss on
     the last stage, 0 elsewhere. stats, if given, accumulates "busy_s", the seconds this stage
-    computed rather than waited (bench.py measures the bubble with it).
+    computed rather than waited (compare.py measures the bubble with it).
 
     AFAB runs all m forwards, then all m backwards: up to m micro-batches alive at once. 1F1B runs
     p-1-stage warm-up forwards, alternates one forward with one backward, then drains: at most p
