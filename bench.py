@@ -26,7 +26,8 @@ Numbers come from runs, never from timed unit tests; the README reports them wit
       micro-batches and collectives) and DIR/step.png, the bubble measured beside the formula's.
 
 Every mode prints a table, and with --json one JSON object (settings and versions included). The
-comparisons with torch's DDP and Hugging Face's model, the only baselines, are compare.py's.
+comparison with torch's DDP (--dp-vs-ddp) is here, the one place torch's parallelism runs; the one
+with Hugging Face's model and the bubble's are compare.py's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import checkpoint
 import checks
@@ -57,9 +59,11 @@ import costs
 import data
 import launch
 import model as M
+import optim as O
 import parallel as P
 import plan
 import train
+import zero as Z
 
 # ----------------------------------------------------------------------------------------------------
 # Measuring train.py's loop
@@ -433,6 +437,56 @@ def parse_setting(item: str, text: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Against torch's DistributedDataParallel: the one place this project runs torch's own parallelism,
+# as a baseline
+
+
+def dp_vs_ddp(args, mesh, margs, device):
+    """Same seed, model, batch, AdamW settings, fp32; ours and DDP alternate in --blocks blocks."""
+    torch.manual_seed(0)
+    x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
+    y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
+    n_targets = y.numel() * mesh.dp
+
+    torch.manual_seed(0)
+    ours = M.Transformer(margs).to(device)
+    opt = O.AdamW(ours.named_parameters(), lr=1e-4, pad_to=mesh.dp)
+    sync = Z.GradSync(opt, mesh, args.bucket_mb)
+
+    def our_step():
+        logits = ours(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum") / n_targets
+        sync.start()  # one micro-batch per step: reduce while backward runs
+        loss.backward()
+        sync.finish()
+        opt.step(grad_scale=O.clip_scale(1.0, Z.grad_norm(sync, ours)))
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    ref = torch.nn.parallel.DistributedDataParallel(M.Transformer(margs).to(device),
+                                                    bucket_cap_mb=args.bucket_mb,
+                                                    device_ids=[device.index] if device.type == "cuda"
+                                                    else None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+    def ddp_step():
+        logits = ref(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # DDP: mean over ranks
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+    times = {"parallel.py": [], "DDP": []}
+    for _ in range(args.blocks):
+        times["parallel.py"] += compare.timed_steps(our_step, args.steps, device)
+        times["DDP"] += compare.timed_steps(ddp_step, args.steps, device)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"median_step_s": med, "ratio_ddp_over_ours": med["DDP"] / med["parallel.py"],
+            "grad_mb": 4 * costs.count_params(margs) / 2 ** 20, "steps_each": args.steps * args.blocks}
+
+
+# ----------------------------------------------------------------------------------------------------
 # The command line: the modes, their flags and their checks
 
 
@@ -697,7 +751,7 @@ def run_comparison(a, versions: dict):
               "params": costs.count_params(margs), "micro_batch": a.micro_batch, "seq_len": a.seq_len,
               "torch_device": str(device)}
     if a.dp_vs_ddp:
-        result["dp_vs_ddp"] = compare.dp_vs_ddp(a, mesh, margs, device)
+        result["dp_vs_ddp"] = dp_vs_ddp(a, mesh, margs, device)
     else:
         result["bubble"] = compare.bubble(a, mesh, margs, device, micro_batch_counts(a.micro_batches))
 

@@ -1,12 +1,11 @@
-"""Ours beside a reference, in the same run: bench.py's --compare-hf, --dp-vs-ddp and --bubble.
+"""Ours beside a reference, in the same run: bench.py's --compare-hf and --bubble.
 
   compare_hf      our loop and transformers' LlamaForCausalLM with torch.optim.AdamW on the same model
                   shape and batch, alternating so both see the same machine load: tokens/s and the ratio
-  dp_vs_ddp       our data parallelism (zero.py's GradSync, optim.py's AdamW) against torch's
-                  DistributedDataParallel and torch.optim.AdamW: step times and the ratio
   bubble          the pipeline's idle share measured on every stage, beside (p - 1) / (v m + p - 1)
 
-torch's DDP and Hugging Face's model are used here, and only here, as baselines.
+Hugging Face's model is used here, and only here, as a baseline. The other baseline, torch's own data
+parallelism, runs in bench.py alone: every other file's parallelism is written by hand on raw collectives.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import costs
 import model as M
 import optim as O
 import parallel as P
-import zero as Z
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -109,7 +107,7 @@ def hf_tokens_per_s(a, margs) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Against torch's DistributedDataParallel, and the pipeline's bubble against its formula
+# The pipeline's bubble against its formula
 
 
 def timed_steps(step, n: int, device, warmup: int = 2) -> list[float]:
@@ -126,51 +124,6 @@ def timed_steps(step, n: int, device, warmup: int = 2) -> list[float]:
         dist.barrier()
         out.append(time.perf_counter() - t0)
     return out
-
-
-def dp_vs_ddp(args, mesh, margs, device):
-    """Same seed, model, batch, AdamW settings, fp32; ours and DDP alternate in --blocks blocks."""
-    torch.manual_seed(0)
-    x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
-    y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq_len), device=device)
-    n_targets = y.numel() * mesh.dp
-
-    torch.manual_seed(0)
-    ours = M.Transformer(margs).to(device)
-    opt = O.AdamW(ours.named_parameters(), lr=1e-4, pad_to=mesh.dp)
-    sync = Z.GradSync(opt, mesh, args.bucket_mb)
-
-    def our_step():
-        logits = ours(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum") / n_targets
-        sync.start()  # one micro-batch per step: reduce while backward runs
-        loss.backward()
-        sync.finish()
-        opt.step(grad_scale=O.clip_scale(1.0, Z.grad_norm(sync, ours)))
-        opt.zero_grad()
-
-    torch.manual_seed(0)
-    ref = torch.nn.parallel.DistributedDataParallel(M.Transformer(margs).to(device),
-                                                    bucket_cap_mb=args.bucket_mb,
-                                                    device_ids=[device.index] if device.type == "cuda"
-                                                    else None)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
-
-    def ddp_step():
-        logits = ref(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))  # DDP: mean over ranks
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-
-    times = {"parallel.py": [], "DDP": []}
-    for _ in range(args.blocks):
-        times["parallel.py"] += timed_steps(our_step, args.steps, device)
-        times["DDP"] += timed_steps(ddp_step, args.steps, device)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"median_step_s": med, "ratio_ddp_over_ours": med["DDP"] / med["parallel.py"],
-            "grad_mb": 4 * costs.count_params(margs) / 2 ** 20, "steps_each": args.steps * args.blocks}
 
 
 def bubble_schedules(args) -> list[tuple[str, int]]:
